@@ -1,0 +1,76 @@
+"""The ``mmpo`` command.
+
+``mmpo fit|validate|test -c CONFIG`` goes through Lightning's ``LightningCLI``: a
+config names the LightningModule and LightningDataModule by ``class_path``, so
+one entry point serves every algorithm (VLM, masked-diffusion LM, robot policy).
+The other sub-commands are plain programs, imported lazily so that, e.g.,
+``mmpo demos`` does not import transformers.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+from typing import Callable, Sequence
+
+LIGHTNING_SUBCOMMANDS = ("fit", "validate", "test", "predict")
+
+# sub-command -> ("module:function", one-line help). Each function takes argv.
+PROGRAM_SUBCOMMANDS: dict[str, tuple[str, str]] = {
+    "quickstart": ("mmpo.quickstart:main", "build a tiny VLM, SFT warm-up, GRPO, evaluate and plot (CPU)"),
+    "eval": ("mmpo.eval.cli:main", "evaluate a checkpoint on registered benchmarks"),
+    "demos": ("robotics.cli:demos_main", "generate scripted demonstrations in robomimic's HDF5 layout"),
+    "rollout": ("robotics.cli:rollout_main", "roll out a robot policy checkpoint, optionally recording a video"),
+}
+
+
+def _load(target: str) -> Callable[[Sequence[str]], int | None]:
+    module_name, function_name = target.split(":")
+    return getattr(importlib.import_module(module_name), function_name)
+
+
+def lightning_main(argv: Sequence[str]) -> None:
+    """Run LightningCLI with model/data classes chosen by the config's ``class_path``."""
+    from lightning.pytorch import LightningDataModule, LightningModule
+    from lightning.pytorch.cli import LightningCLI
+
+    LightningCLI(
+        LightningModule,
+        LightningDataModule,
+        subclass_mode_model=True,
+        subclass_mode_data=True,
+        args=list(argv),
+        save_config_kwargs={"overwrite": True},
+    )
+
+
+def _usage() -> str:
+    lines = ["usage: mmpo <command> [options]", "", "commands:"]
+    for name in LIGHTNING_SUBCOMMANDS:
+        lines.append(f"  {name:<11} Lightning {name} from a YAML config (-c configs/...)")
+    for name, (_, help_text) in PROGRAM_SUBCOMMANDS.items():
+        lines.append(f"  {name:<11} {help_text}")
+    lines.append("")
+    lines.append("Run `mmpo <command> --help` for a command's options.")
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        print(_usage())
+        return 0
+    command, rest = argv[0], argv[1:]
+    if command in LIGHTNING_SUBCOMMANDS:
+        lightning_main([command, *rest])
+        return 0
+    if command in PROGRAM_SUBCOMMANDS:
+        result = _load(PROGRAM_SUBCOMMANDS[command][0])(rest)
+        return int(result or 0)
+    print(f"mmpo: unknown command {command!r}\n", file=sys.stderr)
+    print(_usage(), file=sys.stderr)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
