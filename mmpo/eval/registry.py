@@ -1,0 +1,203 @@
+"""Benchmark registry: a name -> a loader of rows (the contract's Row dicts).
+
+Three kinds of names resolve here:
+
+* registered names (``register_benchmark``), e.g. the dLLM agent's text suites;
+* ``synth/<task>`` (the held-out test split of one synthetic task) and
+  ``synth/all`` (every task), generated on the fly from
+  ``mmpo.data.synthetic`` so tasks added later with ``register_task`` appear too;
+* ``file:<path>`` for a local dataset read by ``mmpo.data.loaders.load_rows``.
+
+An unknown name fails with a message listing the valid ones (verl-style
+registries: no silent fallbacks).
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+from typing import Any, Callable
+
+Row = dict[str, Any]
+
+MODALITIES = ("vlm", "dllm")
+SYNTH_PREFIX = "synth/"
+FILE_PREFIX = "file:"
+DEFAULT_SYNTH_SIZE = 50
+DEFAULT_SYNTH_SEED = 1234
+
+# Modules that register benchmarks when imported (owned by other agents).
+# Imported lazily by `available_benchmarks` / `resolve_benchmark`.
+PLUGIN_MODULES = ("dllm.eval",)
+
+
+@dataclass(frozen=True)
+class Benchmark:
+    """One benchmark: a name, a zero-argument loader of rows and the model family it targets.
+
+    ``scorer`` is an optional ``fn(completions, rows) -> Tensor (N,)`` reward in
+    [0, 1]; ``None`` means the shared ``accuracy`` reward (math-verify).
+    """
+
+    name: str
+    loader: Callable[[], list[Row]]
+    modality: str = "vlm"
+    scorer: Callable[..., Any] | None = None
+    description: str = ""
+
+
+BENCHMARKS: dict[str, Benchmark] = {}
+
+
+class UnknownBenchmarkError(KeyError):
+    """A benchmark name that is neither registered, ``synth/<task>`` nor ``file:<path>``."""
+
+    def __str__(self) -> str:  # KeyError would print the message with quotes around it
+        return str(self.args[0])
+
+
+def register_benchmark(
+    name: str,
+    loader: Callable[[], list[Row]],
+    modality: str = "vlm",
+    *,
+    scorer: Callable[..., Any] | None = None,
+    description: str = "",
+    overwrite: bool = False,
+) -> Benchmark:
+    """Register ``loader`` under ``name``.
+
+    Args:
+        name: benchmark name (must not start with ``synth/`` or ``file:``, which are reserved).
+        loader: called with no arguments, returns ``list[Row]``.
+        modality: ``"vlm"`` (image+text rows for VLM checkpoints) or ``"dllm"`` (text rows
+            for masked-diffusion LM checkpoints).
+        scorer: optional ``fn(completions, rows) -> Tensor (N,)``; default: the accuracy reward.
+        overwrite: allow replacing an existing registration (otherwise a duplicate name fails).
+
+    Returns:
+        The registered :class:`Benchmark`.
+    """
+    if modality not in MODALITIES:
+        raise ValueError(f"benchmark {name!r}: modality must be one of {MODALITIES}, got {modality!r}")
+    if name.startswith(SYNTH_PREFIX) or name.startswith(FILE_PREFIX):
+        raise ValueError(f"benchmark {name!r}: names starting with {SYNTH_PREFIX!r} or {FILE_PREFIX!r} are reserved")
+    if not callable(loader):
+        raise TypeError(f"benchmark {name!r}: loader must be callable, got {type(loader).__name__}")
+    if name in BENCHMARKS and not overwrite and BENCHMARKS[name].loader is not loader:
+        raise ValueError(f"benchmark {name!r} is already registered (pass overwrite=True to replace it)")
+    benchmark = Benchmark(name=name, loader=loader, modality=modality, scorer=scorer, description=description)
+    BENCHMARKS[name] = benchmark
+    return benchmark
+
+
+def _load_plugins() -> None:
+    """Import modules that register their own benchmarks; a missing module is simply absent."""
+    for module_name in PLUGIN_MODULES:
+        try:
+            importlib.import_module(module_name)
+        except ModuleNotFoundError as error:
+            # Only tolerate the plugin itself (or its package) being absent, never a broken import inside it.
+            if error.name is None or not module_name.startswith(error.name):
+                raise
+
+
+def synthetic_tasks() -> list[str]:
+    """Names of the synthetic tasks (``mmpo.data.synthetic.TASKS``), including later-registered ones."""
+    from mmpo.data import synthetic
+
+    return sorted(synthetic.TASKS)
+
+
+def available_benchmarks() -> list[str]:
+    """Every valid name: registered ones, ``synth/all``, ``synth/<task>`` and the ``file:<path>`` form."""
+    _load_plugins()
+    names = sorted(BENCHMARKS)
+    names += [f"{SYNTH_PREFIX}all"] + [f"{SYNTH_PREFIX}{task}" for task in synthetic_tasks()]
+    names.append(f"{FILE_PREFIX}<path>")
+    return names
+
+
+def synthetic_rows(tasks: list[str], *, size: int, seed: int) -> list[Row]:
+    """``size`` held-out (``split="test"``) items of each task in ``tasks``, deterministic by seed.
+
+    Tasks are interleaved (item 0 of every task, then item 1, ...) so that a
+    ``--limit`` keeps a mix of tasks rather than the first task only.
+    """
+    from mmpo.data import synthetic
+
+    per_task = [synthetic.make_items(task, size, seed=seed, split="test") for task in tasks]
+    return [items[index] for index in range(size) for items in per_task if index < len(items)]
+
+
+def resolve_benchmark(
+    name: str,
+    *,
+    synth_size: int = DEFAULT_SYNTH_SIZE,
+    synth_seed: int = DEFAULT_SYNTH_SEED,
+    skip_bad_rows: bool = False,
+) -> Benchmark:
+    """The :class:`Benchmark` for ``name``.
+
+    Args:
+        name: a registered name, ``synth/<task>``, ``synth/all`` or ``file:<path>``.
+        synth_size: items per synthetic task (test split).
+        synth_seed: seed of the synthetic test split.
+        skip_bad_rows: for ``file:`` benchmarks, skip and count malformed rows instead of failing.
+
+    Raises:
+        UnknownBenchmarkError: naming ``name`` and listing the valid names.
+        FileNotFoundError: for ``file:<path>`` when the path does not exist.
+    """
+    _load_plugins()
+    if name in BENCHMARKS:
+        return BENCHMARKS[name]
+    if name.startswith(SYNTH_PREFIX):
+        task = name[len(SYNTH_PREFIX):]
+        tasks = synthetic_tasks()
+        if task == "all":
+            selected = tasks
+        elif task in tasks:
+            selected = [task]
+        else:
+            raise UnknownBenchmarkError(
+                f"unknown synthetic task {task!r} in benchmark {name!r}; valid: "
+                + ", ".join(f"{SYNTH_PREFIX}{t}" for t in ["all", *tasks])
+            )
+        if synth_size < 1:
+            raise ValueError(f"synth_size must be >= 1, got {synth_size}")
+        return Benchmark(
+            name=name,
+            loader=lambda: synthetic_rows(selected, size=synth_size, seed=synth_seed),
+            modality="vlm",
+            description=f"synthetic test split, {synth_size} items per task, seed {synth_seed}",
+        )
+    if name.startswith(FILE_PREFIX):
+        from pathlib import Path
+
+        path = Path(name[len(FILE_PREFIX):]).expanduser()
+        if not path.exists():
+            raise FileNotFoundError(f"benchmark {name!r}: no such file or directory: {path}")
+
+        def load_file_rows() -> list[Row]:
+            from mmpo.data.loaders import load_rows
+
+            rows, _stats = load_rows(str(path), skip_bad_rows=skip_bad_rows)
+            if not rows:
+                raise ValueError(f"benchmark {name!r}: {path} holds no usable rows")
+            return list(rows)
+
+        return Benchmark(name=name, loader=load_file_rows, modality="vlm", description=f"local file {path}")
+    raise UnknownBenchmarkError(f"unknown benchmark {name!r}; valid: {', '.join(available_benchmarks())}")
+
+
+def load_benchmark_rows(benchmark: Benchmark, *, limit: int | None = None) -> list[Row]:
+    """Call the benchmark's loader and keep the first ``limit`` rows (all when ``None``)."""
+    rows = list(benchmark.loader())
+    if limit is not None:
+        if limit < 1:
+            raise ValueError(f"limit must be >= 1, got {limit}")
+        rows = rows[:limit]
+    if not rows:
+        raise ValueError(f"benchmark {benchmark.name!r} loaded no rows")
+    return rows

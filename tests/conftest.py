@@ -1,0 +1,16 @@
+"""Test-wide settings: single-threaded torch (CI has 2 cores, pytest-xdist runs 2 workers),
+no hub access (everything is built locally), headless rendering."""
+
+import os
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+os.environ.setdefault("MKL_NUM_THREADS", "1")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("MPLBACKEND", "Agg")
+
+import torch  # noqa: E402
+
+torch.set_num_threads(1)
