@@ -103,10 +103,10 @@ def _load_plugins() -> None:
 
 
 def synthetic_tasks() -> list[str]:
-    """Names of the synthetic tasks (``mmpo.data.synthetic.TASKS``), including later-registered ones."""
+    """Names of the synthetic tasks (``mmpo.data.synthetic.TASKS``, registration order), including later ones."""
     from mmpo.data import synthetic
 
-    return sorted(synthetic.TASKS)
+    return list(synthetic.TASKS)
 
 
 def available_benchmarks() -> list[str]:

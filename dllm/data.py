@@ -1,0 +1,58 @@
+"""LightningDataModule for the synthetic arithmetic task (rows are plain dicts)."""
+
+from __future__ import annotations
+
+import lightning.pytorch as pl
+from torch.utils.data import DataLoader
+
+from dllm.task import ArithmeticTaskConfig, make_train_and_test
+
+
+def _rows(batch: list[dict[str, str]]) -> list[dict[str, str]]:
+    return batch
+
+
+class ArithmeticDataModule(pl.LightningDataModule):
+    """Train / held-out splits of :mod:`dllm.task` problems; batches are lists of row dicts.
+
+    Args:
+        task: problem settings (number of operations, operand range).
+        train_size: number of training problems.
+        test_size: number of held-out problems (disjoint from train by problem string).
+        val_size: how many held-out problems validation decodes (<= test_size).
+        batch_size: rows per training batch (SFT: sequences; RL: prompts, each rolled out G times).
+        val_batch_size: rows per validation batch.
+        seed: split seed.
+    """
+
+    def __init__(
+        self,
+        task: ArithmeticTaskConfig | None = None,
+        train_size: int = 20000,
+        test_size: int = 256,
+        val_size: int = 128,
+        batch_size: int = 32,
+        val_batch_size: int = 64,
+        seed: int = 0,
+    ) -> None:
+        super().__init__()
+        self.task = task or ArithmeticTaskConfig()
+        if val_size > test_size:
+            raise ValueError(f"val_size ({val_size}) must be <= test_size ({test_size})")
+        self.train_size, self.test_size, self.val_size = train_size, test_size, val_size
+        self.batch_size, self.val_batch_size, self.seed = batch_size, val_batch_size, seed
+        self.train_rows: list[dict[str, str]] = []
+        self.test_rows: list[dict[str, str]] = []
+
+    def setup(self, stage: str | None = None) -> None:
+        if not self.train_rows:
+            self.train_rows, self.test_rows = make_train_and_test(self.task, self.train_size, self.test_size, self.seed)
+
+    def train_dataloader(self) -> DataLoader:
+        return DataLoader(self.train_rows, batch_size=self.batch_size, shuffle=True, collate_fn=_rows, drop_last=True)
+
+    def val_dataloader(self) -> DataLoader:
+        return DataLoader(self.test_rows[: self.val_size], batch_size=self.val_batch_size, collate_fn=_rows)
+
+    def test_dataloader(self) -> DataLoader:
+        return DataLoader(self.test_rows, batch_size=self.val_batch_size, collate_fn=_rows)

@@ -1,0 +1,278 @@
+"""diffu-GRPO and IGPO for masked-diffusion LMs as one Lightning module.
+
+One training step (IGPO, arXiv 2509.10396, Algorithm 1 / ``facebookresearch/igpo:trainer_igpo.py``;
+with ``igpo: false`` it is the diffu-GRPO baseline of d1, arXiv 2504.12216, as in IGPO's
+``trainer_baseline.py``):
+
+1. roll out G completions per prompt with the LLaDA block sampler (temperature tau);
+2. score them with the correctness reward;
+3. IGPO only: every group whose rollouts are all wrong is regenerated with hints from its
+   reference trace (``dllm.hints``; hint positions fixed during denoising), and up to
+   ``max_replacements`` correct hinted rollouts replace original ones;
+4. advantages r - mean over the (mixed) group (core ``drgrpo``);
+5. old and reference log-probs (+ old entropies) by the one-pass estimator
+   (completion fully masked; prompt masked with ``p_mask_prompt``, one seed per inner step);
+6. IGPO only: keep only the top ``entropy_keep`` fraction of hint tokens by old entropy;
+7. ``inner_updates`` (mu) optimizer steps on the clipped loss + beta * k3 KL.
+
+Metrics (CleanRL names): ``rewards/correct/mean`` (sampled rollouts), ``rewards/mean``
+(after replacement), ``igpo/frac_all_wrong_sampled`` (groups all wrong before hints),
+``igpo/frac_all_wrong`` (after replacement: groups that give no learning signal),
+``igpo/num_replaced``, ``igpo/hinted_accuracy``, ``losses/policy``, ``losses/kl``,
+``policy/*`` from the core, ``val/accuracy`` (greedy, held out).
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import replace
+from pathlib import Path
+
+import lightning.pytorch as pl
+import torch
+from torch import Tensor
+
+from dllm.hints import HintConfig, build_group_hints
+from dllm.igpo import all_wrong_groups, choose_replacements, hint_entropy_filter, igpo_loss
+from dllm.logprobs import completion_log_probs
+from dllm.modeling import generation_dict, load_mask_predictor, mask_token_id, save_mask_predictor
+from dllm.rewards import correctness_rewards
+from dllm.rollout import greedy_accuracy, rollout
+from dllm.sampler import SamplerConfig
+from mmpo.core import compute_advantages_with_metrics
+
+
+class DiffuGRPO(pl.LightningModule):
+    """diffu-GRPO with optional IGPO inpainting (``igpo: true``) for masked-diffusion LMs.
+
+    Args:
+        model_path: SFT-warmed checkpoint to start from (``save_pretrained`` folder).
+        warmup_config: if ``model_path`` is missing, run this SFT config first to create it
+            (see ``dllm.warmup``); None makes a missing ``model_path`` an error.
+        save_dir: where the trained policy is written with ``save_pretrained``.
+        trust_remote_code: allow the checkpoint's own code (real LLaDA).
+        sampler: rollout settings (IGPO: L 256, block 32, steps 128, temperature 1.2).
+        group_size: rollouts per prompt G (IGPO: 8).
+        inner_updates: optimizer steps per batch of rollouts, mu (IGPO: 4; d1: 12).
+        lr: AdamW learning rate (IGPO: 5e-7 on 8B with LoRA).
+        weight_decay: AdamW weight decay (IGPO / d1: 0.1).
+        betas: AdamW betas (IGPO / d1: 0.9, 0.99).
+        warmup_steps: linear learning-rate warm-up (IGPO: 50).
+        max_grad_norm: gradient clipping (IGPO / d1: 0.2).
+        beta: k3 KL coefficient against the starting model (IGPO: 0.01; d1: 0.04).
+        clip_low: PPO lower clip (IGPO: 0.2).
+        clip_high: PPO upper clip (IGPO: 0.2).
+        ratio_level: 'sequence' (GSPO ratio, IGPO's official run) or 'token'.
+        p_mask_prompt: prompt masking probability of the estimator (IGPO: 0; d1: 0.15).
+        correct_reward: reward of a correct answer (IGPO: 3.0; only the scale of A changes).
+        igpo: regenerate all-wrong groups with hints (False = diffu-GRPO baseline).
+        hints: hint construction (chunks, eta range, stretch, free tail).
+        max_replacements: at most this many hinted rollouts enter a group (IGPO: 4 of 8).
+        entropy_keep: fraction of hint tokens kept in the loss, by entropy (IGPO: 0.2).
+        logprob_chunk_size: rows per chunk of the log-softmax.
+        seed: rollout RNG seed (step s uses seed * 1_000_003 + s, so resumes reproduce).
+    """
+
+    def __init__(
+        self,
+        model_path: str = "runs/dllm/sft_tiny/model",
+        warmup_config: str | None = "configs/dllm/sft_tiny.yaml",
+        save_dir: str = "runs/dllm/rl/model",
+        trust_remote_code: bool = False,
+        sampler: SamplerConfig | None = None,
+        group_size: int = 8,
+        inner_updates: int = 4,
+        lr: float = 5e-7,
+        weight_decay: float = 0.1,
+        betas: tuple[float, float] = (0.9, 0.99),
+        warmup_steps: int = 50,
+        max_grad_norm: float = 0.2,
+        beta: float = 0.01,
+        clip_low: float = 0.2,
+        clip_high: float = 0.2,
+        ratio_level: str = "sequence",
+        p_mask_prompt: float = 0.0,
+        correct_reward: float = 1.0,
+        igpo: bool = True,
+        hints: HintConfig | None = None,
+        max_replacements: int = 4,
+        entropy_keep: float = 0.2,
+        logprob_chunk_size: int = 1024,
+        seed: int = 0,
+    ) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+        self.automatic_optimization = False
+        if group_size < 2:
+            raise ValueError(f"group_size must be >= 2 for group-relative advantages, got {group_size}")
+        if inner_updates < 1:
+            raise ValueError(f"inner_updates must be >= 1, got {inner_updates}")
+        if ratio_level not in ("token", "sequence"):
+            raise ValueError(f"ratio_level must be 'token' or 'sequence', got {ratio_level!r}")
+        if not Path(model_path, "config.json").is_file():
+            if warmup_config is None:
+                raise FileNotFoundError(f"no model at {model_path!r} and no warmup_config to create it")
+            from dllm.warmup import ensure_warm_model
+
+            ensure_warm_model(model_path, warmup_config)
+        self.model, self.tokenizer = load_mask_predictor(model_path, trust_remote_code=trust_remote_code)
+        self.mask_id = mask_token_id(self.tokenizer, self.model)
+        # The KL anchor is the starting model; kept out of the module tree so checkpoints hold one copy.
+        self.__dict__["ref_model"] = copy.deepcopy(self.model).eval().requires_grad_(False) if beta > 0 else None
+        self.sampler = sampler or SamplerConfig()
+        self.hints = hints or HintConfig()
+        self.save_dir = save_dir
+        self.settings = dict(
+            group_size=group_size, inner_updates=inner_updates, beta=beta, clip_low=clip_low, clip_high=clip_high,
+            ratio_level=ratio_level, p_mask_prompt=p_mask_prompt, correct_reward=correct_reward, igpo=igpo,
+            max_replacements=max_replacements, entropy_keep=entropy_keep, chunk=logprob_chunk_size, seed=seed,
+        )
+
+    # ------------------------------------------------------------------ rollouts
+
+    def _generator(self, offset: int = 0) -> torch.Generator:
+        return torch.Generator(device=self.device).manual_seed(self.settings["seed"] * 1_000_003 + self.global_step + offset)
+
+    def _score(self, texts: list[str], answers: list[str]) -> Tensor:
+        return torch.tensor(correctness_rewards(texts, answers, correct=1.0), device=self.device) > 0
+
+    def collect(self, rows: list[dict[str, str]]) -> dict[str, Tensor | float]:
+        """Steps 1-3: rollouts, correctness, IGPO hinted regeneration and replacement."""
+        s = self.settings
+        group = s["group_size"]
+        problems = [r["problem"] for r in rows for _ in range(group)]
+        answers = [r["answer"] for r in rows for _ in range(group)]
+        group_ids = torch.arange(len(rows), device=self.device).repeat_interleave(group)
+        generator = self._generator()
+        self.model.eval()
+        out = rollout(self.model, self.tokenizer, problems, self.sampler, generator=generator)
+        correct = self._score(out.texts, answers)
+        sampled_correct = correct.clone()
+        completions, hint_mask = out.completions.clone(), torch.zeros_like(out.fixed_mask)
+        wrong_groups = all_wrong_groups(correct.cpu(), group_ids.cpu()).tolist()
+        num_replaced, hinted_correct_total, hinted_total = 0, 0, 0
+        if s["igpo"] and wrong_groups:
+            hint_tokens, hint_masks, hinted_problems, hinted_answers = [], [], [], []
+            for g in wrong_groups:
+                trace_ids = self.tokenizer(rows[g]["trace"], add_special_tokens=False)["input_ids"]
+                tokens, mask, _ = build_group_hints(trace_ids, group, self.sampler.gen_length, self.hints, generator=torch.Generator().manual_seed(int(generator.initial_seed()) + g))
+                hint_tokens.append(tokens)
+                hint_masks.append(mask)
+                hinted_problems += [rows[g]["problem"]] * group
+                hinted_answers += [rows[g]["answer"]] * group
+            hinted = rollout(
+                self.model, self.tokenizer, hinted_problems, self.sampler,
+                fixed_tokens=torch.cat(hint_tokens), fixed_mask=torch.cat(hint_masks), generator=generator,
+            )
+            if hinted.prompt_ids.shape[1] != out.prompt_ids.shape[1]:
+                raise RuntimeError("hinted prompts were padded differently from the originals")
+            hinted_correct = self._score(hinted.texts, hinted_answers)
+            hinted_correct_total += int(hinted_correct.sum())
+            hinted_total += hinted_correct.numel()
+            pick = torch.Generator().manual_seed(int(generator.initial_seed()) + 7919)
+            for k, g in enumerate(wrong_groups):
+                block = slice(k * group, (k + 1) * group)
+                for original, hinted_index in choose_replacements(hinted_correct[block].cpu(), s["max_replacements"], pick):
+                    dst, src = g * group + original, k * group + hinted_index
+                    completions[dst] = hinted.completions[src]
+                    hint_mask[dst] = hinted.fixed_mask[src]
+                    correct[dst] = True
+                    num_replaced += 1
+        final_wrong = all_wrong_groups(correct.cpu(), group_ids.cpu())
+        return {
+            "prompt_ids": out.prompt_ids,
+            "prompt_mask": out.prompt_attention_mask,
+            "completions": completions,
+            "hint_mask": hint_mask,
+            "rewards": correct.float() * s["correct_reward"],
+            "group_ids": group_ids,
+            "metrics": {
+                "rewards/correct/mean": float(sampled_correct.float().mean()),
+                "igpo/frac_all_wrong_sampled": len(wrong_groups) / len(rows),
+                "igpo/frac_all_wrong": final_wrong.numel() / len(rows),
+                "igpo/num_replaced": float(num_replaced),
+                "igpo/hinted_accuracy": hinted_correct_total / hinted_total if hinted_total else 0.0,
+                "igpo/hint_token_frac": float(hint_mask.float().mean()),
+            },
+        }
+
+    # ------------------------------------------------------------------ training
+
+    def _log_probs(self, model: torch.nn.Module, batch: dict, seed: int, with_entropy: bool = False):
+        return completion_log_probs(
+            model, batch["prompt_ids"], batch["prompt_mask"], batch["completions"], mask_token_id=self.mask_id,
+            p_mask_prompt=self.settings["p_mask_prompt"], seed=seed, with_entropy=with_entropy,
+            chunk_size=self.settings["chunk"],
+        )
+
+    def training_step(self, rows: list[dict[str, str]], batch_idx: int) -> Tensor:
+        s = self.settings
+        batch = self.collect(rows)
+        advantages, adv_metrics = compute_advantages_with_metrics("drgrpo", batch["rewards"], batch["group_ids"])
+        # One prompt-mask seed per inner step (d1); with p_mask_prompt = 0 every step sees the same input.
+        seeds = [self.global_step * 1000 + i if s["p_mask_prompt"] > 0 else 0 for i in range(s["inner_updates"])]
+        unique_seeds = sorted(set(seeds))
+        with torch.no_grad():
+            self.model.eval()
+            old = {seed: self._log_probs(self.model, batch, seed, with_entropy=True) for seed in unique_seeds}
+            ref = {seed: self._log_probs(self.ref_model, batch, seed)[0] for seed in unique_seeds} if s["beta"] > 0 else {}
+        optimizer = self.optimizers()
+        self.model.train()
+        metrics_sum: dict[str, float] = {}
+        for i, seed in enumerate(seeds):
+            old_log_probs, old_entropy = old[seed]
+            loss_mask = torch.ones_like(batch["hint_mask"])
+            if batch["hint_mask"].any():
+                loss_mask = hint_entropy_filter(batch["hint_mask"], old_entropy, s["entropy_keep"])
+            log_probs, _ = self._log_probs(self.model, batch, seed)
+            loss, metrics = igpo_loss(
+                log_probs, old_log_probs, ref.get(seed), advantages, loss_mask, ratio_level=s["ratio_level"],
+                clip_low=s["clip_low"], clip_high=s["clip_high"], beta=s["beta"],
+            )
+            optimizer.zero_grad()
+            self.manual_backward(loss)
+            self.clip_gradients(optimizer, gradient_clip_val=self.hparams.max_grad_norm, gradient_clip_algorithm="norm")
+            optimizer.step()
+            for key, value in metrics.items():
+                metrics_sum[key] = metrics_sum.get(key, 0.0) + float(value) / len(seeds)
+        scheduler = self.lr_schedulers()
+        if scheduler is not None:
+            scheduler.step()
+        batch_size = len(rows)
+        self.log_dict({**batch["metrics"], **adv_metrics, **metrics_sum}, batch_size=batch_size)
+        self.log("train/frac_all_wrong", batch["metrics"]["igpo/frac_all_wrong"], prog_bar=True, batch_size=batch_size)
+        return loss.detach()
+
+    def on_fit_start(self) -> None:
+        if self.ref_model is not None:
+            self.ref_model.to(self.device)
+
+    # ------------------------------------------------------------------ evaluation and export
+
+    def validation_step(self, rows: list[dict[str, str]], batch_idx: int) -> None:
+        accuracy = greedy_accuracy(self.model, self.tokenizer, rows, self.sampler, batch_size=len(rows))
+        self.log("val/accuracy", accuracy, prog_bar=True, batch_size=len(rows))
+
+    def on_validation_epoch_end(self) -> None:
+        if not self.trainer.sanity_checking:
+            self.export()
+
+    def on_train_end(self) -> None:
+        self.export()
+
+    def export(self, path: str | Path | None = None) -> None:
+        """Write the policy with ``save_pretrained`` (only from global rank 0)."""
+        if self.trainer is not None and self.trainer.global_rank != 0:
+            return
+        save_mask_predictor(
+            self.model, self.tokenizer, path or self.save_dir,
+            generation=generation_dict(sampler=replace(self.sampler, temperature=0.0)),
+        )
+
+    def configure_optimizers(self):
+        h = self.hparams
+        optimizer = torch.optim.AdamW(self.model.parameters(), lr=h.lr, weight_decay=h.weight_decay, betas=tuple(h.betas))
+        warmup = max(1, h.warmup_steps)
+        # Linear warm-up then constant (d1's constant_with_warmup); stepped once per batch of rollouts.
+        schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / warmup))
+        return {"optimizer": optimizer, "lr_scheduler": schedule}

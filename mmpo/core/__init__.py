@@ -1,0 +1,78 @@
+"""mmpo.core: the shared advantage / clipping core (pure torch, no model or framework imports).
+
+Pieces (each a pure function behind a name registry where there are variants):
+
+- advantages: :func:`compute_advantages` (``grpo``, ``drgrpo``, ``rloo``, ``mapo``,
+  ``mapo_apd``, ``mapo_random_lambda``), :func:`gae`.
+- policy losses: :func:`policy_loss` (``ppo``, ``gspo``, ``gmpo``, ``gppo``, ``dcpo``,
+  ``aspo``, ``cispo``) returning ``(loss, metrics)``.
+- :func:`aggregate` (``token-mean``, ``seq-mean-token-mean``, ``seq-mean-token-sum``,
+  ``seq-mean-token-sum-norm``), :func:`kl_penalty` (``k1``, ``k2``, ``k3``).
+- memory-efficient :func:`token_log_probs`, :func:`entropy_from_logits`,
+  :func:`token_log_probs_from_hidden`.
+- filters (:func:`dynamic_sampling_filter`, :func:`gfpo_filter`) and shaping
+  (:func:`overlong_soft_punishment`, :func:`dither_rewards`).
+"""
+
+from mmpo.core.advantages import (
+    ADVANTAGE_ESTIMATORS,
+    AdvantageEstimator,
+    compute_advantages,
+    compute_advantages_with_metrics,
+    gae,
+    register_advantage_estimator,
+)
+from mmpo.core.aggregate import AGGREGATION_MODES, AggregationMode, aggregate
+from mmpo.core.filters import FilterResult, GFPOMetric, dynamic_sampling_filter, gfpo_filter
+from mmpo.core.groups import GroupIndex, build_group_index
+from mmpo.core.kl import KL_KINDS, KLKind, kl_penalty
+from mmpo.core.logprobs import entropy_from_logits, token_log_probs, token_log_probs_from_hidden
+from mmpo.core.masked import masked_mean, masked_sum, masked_var, masked_whiten
+from mmpo.core.policy_loss import (
+    POLICY_LOSSES,
+    Aggregation,
+    PolicyLoss,
+    dcpo_ratio_bounds,
+    policy_loss,
+    register_policy_loss,
+)
+from mmpo.core.registry import Registry
+from mmpo.core.shaping import DitherDistribution, dither_rewards, overlong_soft_punishment
+
+__all__ = [
+    "ADVANTAGE_ESTIMATORS",
+    "AGGREGATION_MODES",
+    "Aggregation",
+    "AggregationMode",
+    "AdvantageEstimator",
+    "DitherDistribution",
+    "FilterResult",
+    "GFPOMetric",
+    "GroupIndex",
+    "KLKind",
+    "KL_KINDS",
+    "POLICY_LOSSES",
+    "PolicyLoss",
+    "Registry",
+    "aggregate",
+    "build_group_index",
+    "compute_advantages",
+    "compute_advantages_with_metrics",
+    "dcpo_ratio_bounds",
+    "dither_rewards",
+    "dynamic_sampling_filter",
+    "entropy_from_logits",
+    "gae",
+    "gfpo_filter",
+    "kl_penalty",
+    "masked_mean",
+    "masked_sum",
+    "masked_var",
+    "masked_whiten",
+    "overlong_soft_punishment",
+    "policy_loss",
+    "register_advantage_estimator",
+    "register_policy_loss",
+    "token_log_probs",
+    "token_log_probs_from_hidden",
+]

@@ -1,0 +1,35 @@
+"""Synthetic visual reasoning tasks rendered with PIL, deterministic by seed.
+
+Built-in tasks (``TASKS``): count_shapes, relative_position, compare_size,
+bar_chart, triangle_angle (all need the image) and arithmetic (text only).
+Other modules add tasks with ``@register_task(name)``.
+"""
+
+from mmpo.data.synthetic.registry import (
+    DEFAULT_IMAGE_SIZE,
+    DIFFICULTIES,
+    SPLIT_BUCKETS,
+    TASKS,
+    corpus,
+    get_task,
+    make_items,
+    register_task,
+)
+
+# Importing the task modules registers the built-in tasks.
+from mmpo.data.synthetic import shapes_tasks, chart_tasks, geometry_tasks, text_tasks  # noqa: E402,F401
+
+VISUAL_TASKS: tuple[str, ...] = ("count_shapes", "relative_position", "compare_size", "bar_chart", "triangle_angle")
+"""The built-in tasks that need the image (the default task mix)."""
+
+__all__ = [
+    "DEFAULT_IMAGE_SIZE",
+    "DIFFICULTIES",
+    "SPLIT_BUCKETS",
+    "TASKS",
+    "VISUAL_TASKS",
+    "corpus",
+    "get_task",
+    "make_items",
+    "register_task",
+]

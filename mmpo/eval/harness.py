@@ -1,0 +1,433 @@
+"""The eval harness: generate k answers per item, score them, report accuracy, avg@k and pass@k.
+
+* :func:`evaluate` — a loaded VLM (``model``, ``processor``) on rows, through the
+  trainer's ``HFGenerateEngine`` (the same generation path as RL rollouts).
+* :func:`evaluate_answerer` — any object with ``.answer(rows, num_samples, greedy)``
+  (the dLLM agent's ``dllm.eval.load_answerer``).
+* :func:`evaluate_checkpoint` — a saved checkpoint on named benchmarks; dispatches
+  dLLM checkpoints to ``dllm.eval`` and everything else to ``load_vlm``; optionally
+  writes ``results.json``, ``results.md``, ``accuracy.png`` and per-item predictions.
+
+Correctness: a completion is correct when its score is > 0.5; the default score
+is the shared ``accuracy`` reward (math-verify on the ``<answer>`` / ``\\boxed{}``
+content), so the numbers match the RL reward. pass@k: arXiv 2107.03374.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Any, Callable, Mapping, Sequence
+
+import torch
+from tqdm.auto import tqdm
+
+from mmpo.eval.metrics import summarize_correctness
+from mmpo.eval.registry import Row, load_benchmark_rows, resolve_benchmark
+
+CORRECT_THRESHOLD = 0.5
+DEFAULT_MAX_NEW_TOKENS = 128
+
+
+class NotAModelError(ValueError):
+    """A path that is neither a saved HF model directory nor a dLLM checkpoint."""
+
+
+# ----------------------------------------------------------------------------- scoring
+
+
+def score_completions(
+    completions: Sequence[Sequence[str]],
+    rows: Sequence[Row],
+    *,
+    scorer: Callable[[list[str], list[Row]], torch.Tensor] | None = None,
+) -> tuple[list[list[bool]], list[list[float]], dict[str, float]]:
+    """Score ``completions[i][j]`` (sample j of item i) against ``rows[i]``.
+
+    Args:
+        completions: (num_items, num_samples) strings.
+        rows: num_items rows.
+        scorer: ``fn(completions, rows) -> Tensor (N,)``; ``None`` uses the shared
+            ``accuracy`` reward (with the rewards module's timeout) and also sums the
+            ``format`` reward (think/answer format) into ``format_sum``.
+
+    Returns:
+        (correct (num_items, num_samples) bools, scores (same shape) floats, counters:
+        ``format_sum`` (default scorer) and ``reward_errors`` (completions whose scoring
+        failed or timed out and counted as wrong)).
+    """
+    if len(completions) != len(rows):
+        raise ValueError(f"{len(completions)} completion lists for {len(rows)} rows")
+    num_samples = {len(samples) for samples in completions}
+    if len(num_samples) != 1:
+        raise ValueError(f"every item needs the same number of samples, got {sorted(num_samples)}")
+    k = num_samples.pop()
+    flat_completions = [text for samples in completions for text in samples]
+    flat_rows = [row for row in rows for _ in range(k)]
+    counters: dict[str, float] = {}
+    if scorer is None:
+        scores, format_scores, errors = _default_scores(flat_completions, flat_rows)
+        counters["format_sum"] = float(format_scores.sum())
+        counters["reward_errors"] = float(errors)
+    else:
+        scores = torch.as_tensor(scorer(flat_completions, flat_rows), dtype=torch.float32)
+    scores = scores.reshape(len(rows), k)
+    correct = (scores > CORRECT_THRESHOLD).tolist()
+    return correct, scores.tolist(), counters
+
+
+def _default_scores(completions: list[str], rows: list[Row]) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """Accuracy and format rewards with the rewards module's timeout.
+
+    A failed or timed-out call gives zeros there; then each completion is rescored
+    on its own so that one pathological answer does not zero a whole batch.
+    Returns (accuracy (N,), format (N,), number of completions that still failed).
+    """
+    from mmpo.rewards import compute_rewards
+
+    weights = {"accuracy": 1.0, "format": 0.0}
+    _total, per_fn, metrics = compute_rewards(weights, completions, rows)
+    batch_failed = any(metrics.get(f"rewards/{name}/errors") for name in weights)
+    if not batch_failed or len(completions) == 1:
+        failed = len(completions) if metrics.get("rewards/accuracy/errors") else 0
+        return per_fn["accuracy"], per_fn["format"], failed
+    accuracy, formats, failed = torch.zeros(len(completions)), torch.zeros(len(completions)), 0
+    for index, (completion, row) in enumerate(zip(completions, rows)):
+        _total, single, single_metrics = compute_rewards(weights, [completion], [row])
+        accuracy[index], formats[index] = single["accuracy"][0], single["format"][0]
+        failed += int(bool(single_metrics.get("rewards/accuracy/errors")))
+    return accuracy, formats, failed
+
+
+def summarize(
+    rows: Sequence[Row],
+    completions: Sequence[Sequence[str]],
+    correct: Sequence[Sequence[bool]],
+    extra: Mapping[str, float] | None = None,
+) -> dict[str, Any]:
+    """Metrics overall and per task, plus per-item predictions (``predictions`` key).
+
+    ``extra`` holds counters summed over batches (``format_sum`` becomes ``format_rate``).
+    """
+    results: dict[str, Any] = summarize_correctness(correct)
+    counters = dict(extra or {})
+    if "format_sum" in counters:
+        results["format_rate"] = counters.pop("format_sum") / (results["num_items"] * results["num_samples"])
+    results.update(counters)
+    by_task_indices: dict[str, list[int]] = {}
+    for index, row in enumerate(rows):
+        by_task_indices.setdefault(str(row.get("task", "unknown")), []).append(index)
+    results["by_task"] = {
+        task: summarize_correctness([correct[i] for i in indices]) for task, indices in by_task_indices.items()
+    }
+    results["predictions"] = [
+        {"id": row["id"], "task": row.get("task"), "answer": row.get("answer"),
+         "completions": list(samples), "correct": list(flags)}
+        for row, samples, flags in zip(rows, completions, correct)
+    ]
+    return results
+
+
+def _score_batch(
+    batch_completions: list[list[str]],
+    batch: list[Row],
+    scorer: Callable[[list[str], list[Row]], torch.Tensor] | None,
+    completions: list[list[str]],
+    correct: list[list[bool]],
+    counters: dict[str, float],
+) -> None:
+    """Score one batch and append to the running ``completions`` / ``correct`` / ``counters``."""
+    batch_correct, _scores, batch_counters = score_completions(batch_completions, batch, scorer=scorer)
+    completions += batch_completions
+    correct += batch_correct
+    for key, value in batch_counters.items():
+        counters[key] = counters.get(key, 0.0) + value
+
+
+def _running_accuracy(correct: list[list[bool]]) -> float:
+    total = sum(len(flags) for flags in correct)
+    return sum(sum(flags) for flags in correct) / total if total else 0.0
+
+
+def _batches(rows: Sequence[Row], batch_size: int):
+    if batch_size < 1:
+        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+    for start in range(0, len(rows), batch_size):
+        yield list(rows[start:start + batch_size])
+
+
+def _check_decoding(num_samples: int, greedy: bool, temperature: float) -> None:
+    if num_samples < 1:
+        raise ValueError(f"num_samples must be >= 1, got {num_samples}")
+    if greedy and num_samples > 1:
+        raise ValueError(f"greedy decoding gives {num_samples} identical samples; use num_samples=1 or sample "
+                         "with a temperature")
+    if not greedy and temperature <= 0:
+        raise ValueError(f"sampling needs temperature > 0, got {temperature}")
+
+
+# ----------------------------------------------------------------------------- evaluation
+
+
+@torch.no_grad()
+def evaluate(
+    model: torch.nn.Module,
+    processor: Any,
+    rows: Sequence[Row],
+    *,
+    num_samples: int = 1,
+    greedy: bool = True,
+    max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS,
+    temperature: float = 1.0,
+    top_p: float = 1.0,
+    batch_size: int = 8,
+    scorer: Callable[[list[str], list[Row]], torch.Tensor] | None = None,
+    seed: int | None = 0,
+    progress: bool = True,
+    description: str = "eval",
+) -> dict[str, Any]:
+    """Evaluate a loaded VLM on ``rows``.
+
+    Args:
+        model, processor: from ``mmpo.vlm.factory.load_vlm``.
+        rows: contract rows (``id``, ``images``, ``problem``, ``answer``, ``task``, ...).
+        num_samples: k answers per item (1 with ``greedy``).
+        greedy: deterministic argmax decoding; otherwise sampling at ``temperature``/``top_p``.
+        batch_size: prompts per ``generate`` call.
+        scorer: see :func:`score_completions`.
+        seed: torch seed set before sampling (``None`` leaves the RNG alone).
+
+    Returns:
+        ``accuracy`` (greedy accuracy, or mean over samples), ``avg@k``, ``pass@k`` for
+        k in 1, 2, 4, .., num_samples, ``num_items``, ``num_samples``, ``format_rate``
+        (default scorer), ``by_task`` (same metrics per task), ``predictions`` (per item).
+    """
+    from mmpo.vlm.rollout import HFGenerateEngine
+
+    _check_decoding(num_samples, greedy, temperature)
+    rows = list(rows)
+    if not rows:
+        raise ValueError("evaluate needs at least one row")
+    if seed is not None:
+        torch.manual_seed(seed)
+    was_training = model.training
+    model.eval()
+    engine = HFGenerateEngine(model, processor)
+    completions: list[list[str]] = []
+    correct: list[list[bool]] = []
+    counters: dict[str, float] = {}
+    try:
+        with tqdm(total=len(rows), desc=description, unit="item", disable=not progress) as bar:
+            for batch in _batches(rows, batch_size):
+                rollout = engine.generate(
+                    batch,
+                    num_samples=num_samples,
+                    max_new_tokens=max_new_tokens,
+                    temperature=temperature if not greedy else 1.0,
+                    top_p=top_p,
+                    do_sample=not greedy,
+                )
+                texts = list(rollout.texts)
+                if len(texts) != len(batch) * num_samples:
+                    raise RuntimeError(f"engine returned {len(texts)} texts for {len(batch)} rows x {num_samples}")
+                # The engine groups samples of one prompt contiguously.
+                batch_completions = [texts[i * num_samples:(i + 1) * num_samples] for i in range(len(batch))]
+                # Scored per batch: the reward timeout applies to one call, and progress shows accuracy.
+                _score_batch(batch_completions, batch, scorer, completions, correct, counters)
+                bar.update(len(batch))
+                bar.set_postfix(accuracy=f"{_running_accuracy(correct):.3f}")
+    finally:
+        model.train(was_training)
+    return summarize(rows, completions, correct, counters)
+
+
+def evaluate_answerer(
+    answerer: Any,
+    rows: Sequence[Row],
+    *,
+    num_samples: int = 1,
+    greedy: bool = True,
+    batch_size: int = 8,
+    scorer: Callable[[list[str], list[Row]], torch.Tensor] | None = None,
+    seed: int | None = 0,
+    progress: bool = True,
+    description: str = "eval",
+) -> dict[str, Any]:
+    """Evaluate an object with ``.answer(rows, num_samples, greedy) -> list[list[str]]`` (dLLM checkpoints).
+
+    Returns the same dict as :func:`evaluate`.
+    """
+    _check_decoding(num_samples, greedy, temperature=1.0)
+    rows = list(rows)
+    if not rows:
+        raise ValueError("evaluate_answerer needs at least one row")
+    if seed is not None:
+        torch.manual_seed(seed)
+    completions: list[list[str]] = []
+    correct: list[list[bool]] = []
+    counters: dict[str, float] = {}
+    with tqdm(total=len(rows), desc=description, unit="item", disable=not progress) as bar:
+        for batch in _batches(rows, batch_size):
+            answers = answerer.answer(batch, num_samples, greedy)
+            if len(answers) != len(batch) or any(len(samples) != num_samples for samples in answers):
+                raise RuntimeError(f"{type(answerer).__name__}.answer returned the wrong shape for "
+                                   f"{len(batch)} rows x {num_samples} samples (first row {batch[0]['id']!r})")
+            _score_batch([list(samples) for samples in answers], batch, scorer, completions, correct, counters)
+            bar.update(len(batch))
+            bar.set_postfix(accuracy=f"{_running_accuracy(correct):.3f}")
+    return summarize(rows, completions, correct, counters)
+
+
+# ----------------------------------------------------------------------------- checkpoints
+
+
+def _dllm_eval_module():
+    """``dllm.eval`` when installed, else ``None`` (a VLM-only install)."""
+    try:
+        import dllm.eval as dllm_eval
+    except ModuleNotFoundError as error:
+        if error.name is not None and "dllm.eval".startswith(error.name):
+            return None
+        raise
+    return dllm_eval
+
+
+def detect_model_type(model_path: str | Path) -> str:
+    """``"dllm"`` for a masked-diffusion checkpoint, ``"vlm"`` for a saved HF model directory.
+
+    Raises:
+        FileNotFoundError: the path does not exist.
+        NotAModelError: it exists but is not a model (names what was expected).
+    """
+    path = Path(model_path)
+    if not path.exists():
+        raise FileNotFoundError(f"model path does not exist: {path}")
+    dllm_eval = _dllm_eval_module()
+    if dllm_eval is not None and dllm_eval.is_dllm_checkpoint(str(path)):
+        return "dllm"
+    if path.is_dir() and (path / "config.json").is_file():
+        return "vlm"
+    raise NotAModelError(
+        f"not a model: {path} (expected a directory written by save_pretrained, with config.json, "
+        "e.g. from build_tiny_vlm or an SFT/GRPO run, or a dLLM checkpoint)"
+    )
+
+
+def load_model_for_eval(model_path: str | Path, *, model_type: str | None = None, **gen_kwargs: Any):
+    """Load ``model_path`` for evaluation: ``("vlm", (model, processor))`` or ``("dllm", answerer)``."""
+    model_type = model_type or detect_model_type(model_path)
+    if model_type == "dllm":
+        return model_type, _dllm_eval_module().load_answerer(str(model_path), **gen_kwargs)
+    from mmpo.vlm.factory import load_vlm
+
+    try:
+        return model_type, load_vlm(str(model_path))
+    except (OSError, ValueError, KeyError) as error:
+        raise NotAModelError(f"could not load {model_path} as a vision-language model: {error}") from error
+
+
+def evaluate_checkpoint(
+    model_path: str | Path,
+    benchmarks: Sequence[str],
+    *,
+    num_samples: int = 1,
+    greedy: bool = True,
+    temperature: float = 1.0,
+    top_p: float = 1.0,
+    max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS,
+    batch_size: int = 8,
+    limit: int | None = None,
+    synth_size: int | None = None,
+    synth_seed: int | None = None,
+    seed: int = 0,
+    out_dir: str | Path | None = None,
+    progress: bool = True,
+    model: Any = None,
+) -> dict[str, Any]:
+    """Evaluate a saved checkpoint on named benchmarks (see :mod:`mmpo.eval.registry`).
+
+    Args:
+        model_path: saved HF directory (VLM) or dLLM checkpoint.
+        benchmarks: names such as ``synth/all``, ``synth/count_shapes``, ``file:data.jsonl``.
+        limit: keep the first ``limit`` items of each benchmark.
+        synth_size, synth_seed: size and seed of the synthetic test splits (registry defaults if None).
+        out_dir: when given, write ``results.json``, ``results.md``, ``accuracy.png`` and
+            ``predictions/<benchmark>.jsonl`` there.
+        model: an already loaded ``("vlm", (model, processor))`` / ``("dllm", answerer)`` pair
+            from :func:`load_model_for_eval` (skips loading).
+
+    Returns:
+        The results dict described in :mod:`mmpo.eval.reports` (without per-item predictions).
+    """
+    if not benchmarks:
+        raise ValueError("no benchmarks given")
+    _check_decoding(num_samples, greedy, temperature)
+    resolve_kwargs: dict[str, Any] = {}
+    if synth_size is not None:
+        resolve_kwargs["synth_size"] = synth_size
+    if synth_seed is not None:
+        resolve_kwargs["synth_seed"] = synth_seed
+    # Resolve every name before loading anything, so a typo fails fast.
+    resolved = [resolve_benchmark(name, **resolve_kwargs) for name in benchmarks]
+    model_type, loaded = model if model is not None else load_model_for_eval(
+        model_path, max_new_tokens=max_new_tokens, temperature=temperature)
+    results: dict[str, Any] = {
+        "model": str(model_path),
+        "model_type": model_type,
+        "decoding": {"greedy": greedy, "temperature": None if greedy else temperature, "top_p": top_p,
+                     "num_samples": num_samples, "max_new_tokens": max_new_tokens, "batch_size": batch_size,
+                     "limit": limit, "seed": seed},
+        "benchmarks": {},
+    }
+    predictions: dict[str, list[dict[str, Any]]] = {}
+    for benchmark in resolved:
+        rows = load_benchmark_rows(benchmark, limit=limit)
+        started = time.perf_counter()
+        common = dict(num_samples=num_samples, greedy=greedy, batch_size=batch_size, scorer=benchmark.scorer,
+                      seed=seed, progress=progress, description=benchmark.name)
+        if model_type == "dllm":
+            with_images = next((row for row in rows if row.get("images")), None)
+            if with_images is not None:
+                raise ValueError(f"{model_path} is a text-only dLLM checkpoint but benchmark {benchmark.name!r} "
+                                 f"has images (item {with_images['id']!r}); use a text benchmark")
+            metrics = evaluate_answerer(loaded, rows, **common)
+        else:
+            model_obj, processor = loaded
+            metrics = evaluate(model_obj, processor, rows, max_new_tokens=max_new_tokens,
+                               temperature=temperature, top_p=top_p, **common)
+        metrics["seconds"] = round(time.perf_counter() - started, 2)
+        predictions[benchmark.name] = metrics.pop("predictions")
+        results["benchmarks"][benchmark.name] = metrics
+    if out_dir is not None:
+        write_reports(results, out_dir, predictions=predictions)
+    return results
+
+
+def write_reports(
+    results: Mapping[str, Any],
+    out_dir: str | Path,
+    *,
+    predictions: Mapping[str, list[dict[str, Any]]] | None = None,
+) -> dict[str, Path]:
+    """Write ``results.json``, ``results.md``, ``accuracy.png`` (and predictions) under ``out_dir``."""
+    from mmpo.eval.plots import plot_accuracy_bars
+    from mmpo.eval.reports import results_markdown, write_json
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    paths = {"json": write_json(results, out / "results.json")}
+    paths["markdown"] = out / "results.md"
+    paths["markdown"].write_text(results_markdown(results))
+    accuracy = {name: metrics["accuracy"] for name, metrics in results["benchmarks"].items()}
+    paths["plot"] = plot_accuracy_bars({Path(str(results["model"])).name or "model": accuracy},
+                                       out / "accuracy.png")
+    for name, items in (predictions or {}).items():
+        safe = "".join(char if char.isalnum() or char in "-_." else "_" for char in name)
+        path = out / "predictions" / f"{safe}.jsonl"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with open(path, "w") as handle:
+            for item in items:
+                handle.write(json.dumps(item) + "\n")
+        paths[f"predictions/{name}"] = path
+    return paths

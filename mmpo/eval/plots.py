@@ -1,0 +1,106 @@
+"""Plots: accuracy bars per benchmark (one bar per series) and training curves from Lightning's CSV logger."""
+
+from __future__ import annotations
+
+import csv
+import math
+from pathlib import Path
+from typing import Mapping, Sequence
+
+import matplotlib
+
+matplotlib.use("Agg")  # files only; never needs a display
+
+import matplotlib.pyplot as plt  # noqa: E402
+
+
+def plot_accuracy_bars(
+    series: Mapping[str, Mapping[str, float]],
+    path: str | Path,
+    *,
+    title: str = "Accuracy per benchmark",
+    ylabel: str = "accuracy",
+) -> Path:
+    """Grouped bar chart: x = benchmark (or task), one bar per series, values in [0, 1].
+
+    Args:
+        series: {series name (e.g. "after GRPO"): {benchmark: accuracy}}.
+        path: output image (``.png``).
+    """
+    if not series:
+        raise ValueError("plot_accuracy_bars needs at least one series")
+    categories: list[str] = []
+    for values in series.values():
+        categories += [name for name in values if name not in categories]
+    width = 0.8 / len(series)
+    figure, axes = plt.subplots(figsize=(max(5.0, 1.2 * len(categories) * max(1, len(series)) ** 0.5 + 2), 4))
+    for index, (label, values) in enumerate(series.items()):
+        positions = [i + (index - (len(series) - 1) / 2) * width for i in range(len(categories))]
+        heights = [_finite_or_zero(values.get(name)) for name in categories]
+        bars = axes.bar(positions, heights, width=width, label=label)
+        axes.bar_label(bars, labels=[f"{h:.2f}" for h in heights], fontsize=7, padding=1)
+    axes.set_xticks(range(len(categories)))
+    axes.set_xticklabels(categories, rotation=20, ha="right", fontsize=8)
+    axes.set_ylim(0, 1.08)
+    axes.set_ylabel(ylabel)
+    axes.set_title(title)
+    if len(series) > 1:
+        axes.legend(fontsize=8)
+    figure.tight_layout()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    figure.savefig(path, dpi=120)
+    plt.close(figure)
+    return path
+
+
+def _finite_or_zero(value: float | None) -> float:
+    return float(value) if value is not None and math.isfinite(float(value)) else 0.0
+
+
+def read_csv_metrics(metrics_csv: str | Path) -> dict[str, list[tuple[int, float]]]:
+    """Lightning ``CSVLogger`` ``metrics.csv`` -> {metric: [(step, value), ...]} (empty cells skipped)."""
+    curves: dict[str, list[tuple[int, float]]] = {}
+    with open(metrics_csv, newline="") as handle:
+        for record in csv.DictReader(handle):
+            step_text = record.get("step", "")
+            if not step_text:
+                continue
+            step = int(float(step_text))
+            for key, text in record.items():
+                if key in ("step", "epoch") or text in ("", None):
+                    continue
+                curves.setdefault(key, []).append((step, float(text)))
+    return curves
+
+
+def plot_curves(
+    metrics_csv: str | Path,
+    keys: Sequence[str],
+    path: str | Path,
+    *,
+    title: str = "Training curve",
+) -> Path:
+    """One subplot per metric in ``keys`` (those present in the CSV), value against step.
+
+    Raises:
+        ValueError: when none of ``keys`` is in the CSV (naming the ones that are).
+    """
+    curves = read_csv_metrics(metrics_csv)
+    present = [key for key in keys if curves.get(key)]
+    if not present:
+        raise ValueError(f"none of {list(keys)} logged in {metrics_csv}; logged: {sorted(curves)}")
+    figure, axes_list = plt.subplots(1, len(present), figsize=(4.2 * len(present), 3.4), squeeze=False)
+    for axes, key in zip(axes_list[0], present):
+        steps, values = zip(*curves[key])
+        axes.plot(steps, values, marker="o" if len(steps) < 30 else None, markersize=3)
+        axes.set_xlabel("step")
+        axes.set_title(key, fontsize=9)
+        axes.grid(alpha=0.3)
+    figure.suptitle(title)
+    figure.tight_layout()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    figure.savefig(path, dpi=120)
+    plt.close(figure)
+    return path

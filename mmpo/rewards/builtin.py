@@ -1,0 +1,81 @@
+"""Built-in rewards: accuracy, format, length.
+
+The default VLM reward is 0.9 x accuracy + 0.1 x format (PAPO / EasyR1,
+arXiv 2507.06448; see ALGORITHMS.md section 2).
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import torch
+
+from mmpo.data.solution import render_solution
+from mmpo.rewards.answers import answers_match, extract_answer
+from mmpo.rewards.registry import register_reward
+
+_THINK_ANSWER_RE = re.compile(r"^\s*<think>(?P<think>.*?)</think>\s*<answer>(?P<answer>.*?)</answer>\s*$", re.DOTALL)
+
+
+def _check_lengths(completions: list[str], rows: list[dict[str, Any]]) -> None:
+    if len(completions) != len(rows):
+        raise ValueError(f"got {len(completions)} completions but {len(rows)} rows; pass one row per completion")
+
+
+@register_reward("accuracy")
+def accuracy_reward(completions: list[str], rows: list[dict[str, Any]]) -> torch.Tensor:
+    """1.0 when the completion's final answer equals ``row['answer']``, else 0.0.
+
+    The answer is read from ``<answer>...</answer>`` (or ``\\boxed{}``, or R1-VL's
+    ``### The final answer is:`` line); no answer gives 0. Numbers and LaTeX are
+    compared with math-verify, word answers by normalised string.
+
+    Returns:
+        (N,) float32.
+    """
+    _check_lengths(completions, rows)
+    scores = [float(answers_match(extract_answer(text), str(row["answer"]))) for text, row in zip(completions, rows)]
+    return torch.tensor(scores, dtype=torch.float32)
+
+
+def is_think_answer_format(completion: str) -> bool:
+    """True if the completion is exactly ``<think>...</think><answer>...</answer>``
+    (whitespace around the blocks allowed; one block each; non-empty answer)."""
+    match = _THINK_ANSWER_RE.match(completion)
+    if match is None or not match.group("answer").strip():
+        return False
+    inner = match.group("think") + match.group("answer")
+    return not any(tag in inner for tag in ("<think>", "</think>", "<answer>", "</answer>"))
+
+
+@register_reward("format")
+def format_reward(completions: list[str], rows: list[dict[str, Any]]) -> torch.Tensor:
+    """1.0 if the completion is a well-formed ``<think>...</think><answer>...</answer>``, else 0.0.
+
+    Returns:
+        (N,) float32.
+    """
+    _check_lengths(completions, rows)
+    return torch.tensor([float(is_think_answer_format(text)) for text in completions], dtype=torch.float32)
+
+
+@register_reward("length")
+def length_reward(completions: list[str], rows: list[dict[str, Any]]) -> torch.Tensor:
+    """Brevity reward ``min(1, L_ref / L)`` with L the completion's word count and L_ref
+    the word count of the row's reference solution (``render_solution(row)``).
+
+    A completion no longer than the reference scores 1, twice as long 0.5; an empty
+    completion scores 0. Combine with a small weight next to accuracy to discourage
+    rambling without rewarding empty answers.
+
+    Returns:
+        (N,) float32.
+    """
+    _check_lengths(completions, rows)
+    scores = []
+    for text, row in zip(completions, rows):
+        length = len(text.split())
+        reference = max(1, len(render_solution(row).split()))
+        scores.append(0.0 if length == 0 else min(1.0, reference / length))
+    return torch.tensor(scores, dtype=torch.float32)

@@ -1,0 +1,334 @@
+"""Vision-language models: load a real checkpoint, or build a tiny Qwen2.5-VL locally.
+
+Both paths end in ``from_pretrained``: ``build_tiny_vlm`` writes a real
+Qwen2.5-VL directory (config, safetensors weights, tokenizer, processor) and
+``load_vlm`` reads it exactly as it would read ``Qwen/Qwen2.5-VL-3B-Instruct``.
+Qwen2.5-VL: arXiv 2502.13923. Qwen2-VL: arXiv 2409.12191.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+from typing import Any, Sequence
+
+import torch
+
+# Qwen's special tokens, in the order the tiny tokenizer assigns them ids 0..6.
+QWEN_SPECIAL_TOKENS = (
+    "<|endoftext|>",
+    "<|im_start|>",
+    "<|im_end|>",
+    "<|vision_start|>",
+    "<|vision_end|>",
+    "<|image_pad|>",
+    "<|video_pad|>",
+)
+
+# Qwen2-VL's own chat template (from the Qwen2-VL-*-Instruct tokenizer_config.json), so
+# that prompts rendered for the tiny model look exactly like the real model's prompts.
+QWEN_VL_CHAT_TEMPLATE = (
+    "{% set image_count = namespace(value=0) %}{% set video_count = namespace(value=0) %}"
+    "{% for message in messages %}{% if loop.first and message['role'] != 'system' %}"
+    "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n{% endif %}"
+    "<|im_start|>{{ message['role'] }}\n"
+    "{% if message['content'] is string %}{{ message['content'] }}<|im_end|>\n"
+    "{% else %}{% for content in message['content'] %}"
+    "{% if content['type'] == 'image' or 'image' in content or 'image_url' in content %}"
+    "{% set image_count.value = image_count.value + 1 %}"
+    "{% if add_vision_id %}Picture {{ image_count.value }}: {% endif %}"
+    "<|vision_start|><|image_pad|><|vision_end|>"
+    "{% elif content['type'] == 'video' or 'video' in content %}"
+    "{% set video_count.value = video_count.value + 1 %}"
+    "{% if add_vision_id %}Video {{ video_count.value }}: {% endif %}"
+    "<|vision_start|><|video_pad|><|vision_end|>"
+    "{% elif 'text' in content %}{{ content['text'] }}{% endif %}{% endfor %}<|im_end|>\n"
+    "{% endif %}{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+# Pixel budget for the synthetic images (a 112 x 112 image -> 4 x 4 merged tokens).
+TINY_MIN_PIXELS = 28 * 28 * 4
+TINY_MAX_PIXELS = 28 * 28 * 16
+
+# model_type -> transformers class name; anything else goes through AutoModelForImageTextToText.
+_MODEL_CLASSES = {
+    "qwen2_vl": "Qwen2VLForConditionalGeneration",
+    "qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration",
+    "qwen3_vl": "Qwen3VLForConditionalGeneration",
+    "qwen3_vl_moe": "Qwen3VLMoeForConditionalGeneration",
+}
+
+
+def _model_class(model_type: str):
+    import transformers
+
+    name = _MODEL_CLASSES.get(model_type)
+    if name is not None and hasattr(transformers, name):
+        return getattr(transformers, name)
+    return transformers.AutoModelForImageTextToText
+
+
+def load_vlm(
+    path: str | Path,
+    *,
+    dtype: torch.dtype | str = torch.float32,
+    min_pixels: int | None = None,
+    max_pixels: int | None = None,
+    trust_remote_code: bool = False,
+    attn_implementation: str | None = None,
+) -> tuple[torch.nn.Module, Any]:
+    """Load a saved VLM and its processor with ``from_pretrained``.
+
+    Args:
+        path: a local HF directory (a real Qwen2/2.5/3-VL checkpoint or one written by
+            :func:`build_tiny_vlm`).
+        dtype: weights dtype (``torch.float32`` on CPU, ``torch.bfloat16`` on GPU).
+        min_pixels, max_pixels: override the image processor's pixel budget (each image is
+            resized so that H*W lies in [min_pixels, max_pixels], sides multiples of 28).
+        trust_remote_code: only when the user asks for it.
+        attn_implementation: e.g. ``"sdpa"`` or ``"flash_attention_2"``; None = transformers' default.
+
+    Returns:
+        ``(model, processor)``; the model is in eval mode, ``processor.tokenizer.padding_side == "left"``.
+    """
+    from transformers import AutoConfig, AutoProcessor
+
+    path = Path(path)
+    if not (path / "config.json").is_file():
+        raise FileNotFoundError(f"load_vlm: no config.json in {path} (expected a saved HF model directory)")
+    if isinstance(dtype, str):
+        dtype = getattr(torch, dtype)
+    config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
+    model_cls = _model_class(config.model_type)
+    kwargs: dict[str, Any] = {"dtype": dtype, "trust_remote_code": trust_remote_code}
+    if attn_implementation is not None:
+        kwargs["attn_implementation"] = attn_implementation
+    model = model_cls.from_pretrained(path, **kwargs)
+    model.eval()
+
+    processor_kwargs: dict[str, Any] = {"trust_remote_code": trust_remote_code}
+    processor = AutoProcessor.from_pretrained(path, **processor_kwargs)
+    set_pixel_budget(processor, min_pixels=min_pixels, max_pixels=max_pixels)
+    # Generation needs left padding so every prompt ends right where sampling starts.
+    processor.tokenizer.padding_side = "left"
+    return model, processor
+
+
+def set_pixel_budget(processor: Any, *, min_pixels: int | None, max_pixels: int | None) -> None:
+    """Set the image processor's [min_pixels, max_pixels] (stored as size shortest/longest edge)."""
+    image_processor = processor.image_processor
+    size = dict(image_processor.size)
+    if min_pixels is not None:
+        size["shortest_edge"] = int(min_pixels)
+    if max_pixels is not None:
+        size["longest_edge"] = int(max_pixels)
+    if size.get("shortest_edge") and size.get("longest_edge") and size["shortest_edge"] > size["longest_edge"]:
+        raise ValueError(f"min_pixels ({size['shortest_edge']}) > max_pixels ({size['longest_edge']})")
+    image_processor.size = type(image_processor.size)(**size) if not isinstance(image_processor.size, dict) else size
+    for attr, key in (("min_pixels", "shortest_edge"), ("max_pixels", "longest_edge")):
+        if hasattr(image_processor, attr) and key in size:
+            setattr(image_processor, attr, size[key])
+
+
+def pixel_budget(processor: Any) -> tuple[int, int]:
+    """``(min_pixels, max_pixels)`` currently used by the processor's image processor."""
+    size = processor.image_processor.size
+    get = size.get if isinstance(size, dict) else (lambda k: getattr(size, k, None))
+    return int(get("shortest_edge")), int(get("longest_edge"))
+
+
+def default_corpus() -> list[str]:
+    """Text the tiny tokenizer is trained on: synthetic prompts and solutions (``mmpo.data``).
+
+    Imported lazily: ``mmpo.data`` is only needed when no corpus is passed.
+    """
+    from mmpo.data import SYSTEM_PROMPT
+    from mmpo.data.synthetic import corpus
+
+    return [SYSTEM_PROMPT, *corpus()]
+
+
+def _train_tokenizer(corpus: Sequence[str], vocab_size: int):
+    """Byte-level BPE trained locally (no hub): Qwen's special tokens get ids 0..6."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=list(QWEN_SPECIAL_TOKENS),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    # the chat template's own words, so prompts tokenize compactly whatever the corpus
+    template_text = ["system\nYou are a helpful assistant.", "user\n", "assistant\n"]
+    tokenizer.train_from_iterator([*template_text, *corpus], trainer=trainer)
+    wrapped = PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer,
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        additional_special_tokens=list(QWEN_SPECIAL_TOKENS[1:]),
+        padding_side="left",
+        chat_template=QWEN_VL_CHAT_TEMPLATE,
+    )
+    return wrapped
+
+
+def build_tiny_vlm(
+    output_dir: str | Path,
+    *,
+    seed: int = 0,
+    corpus: Sequence[str] | None = None,
+    vocab_size: int = 1024,
+    hidden_size: int = 128,
+    num_layers: int = 2,
+    num_heads: int = 4,
+    num_kv_heads: int = 2,
+    intermediate_size: int = 384,
+    vision_hidden_size: int = 64,
+    vision_depth: int = 1,
+    vision_heads: int = 4,
+    vision_intermediate_size: int = 128,
+    min_pixels: int = TINY_MIN_PIXELS,
+    max_pixels: int = TINY_MAX_PIXELS,
+    max_position_embeddings: int = 2048,
+) -> Path:
+    """Build, save and return the directory of a tiny randomly initialised Qwen2.5-VL.
+
+    The model is a real ``Qwen2_5_VLForConditionalGeneration`` (a ``Qwen2_5_VLConfig`` with
+    ``num_layers`` text layers and a ``vision_depth``-block vision tower, patch 14, spatial
+    merge 2), the tokenizer a byte-level BPE trained on ``corpus`` with Qwen's special tokens
+    and chat template, the processor a real ``Qwen2_5_VLProcessor``. Everything is written
+    with ``save_pretrained`` so :func:`load_vlm` reads it through ``from_pretrained``.
+
+    Args:
+        output_dir: directory to write (created).
+        seed: seeds the weight initialisation.
+        corpus: texts for the tokenizer; default: ``mmpo.data.corpus``.
+        **size: the model sizes above; head_dim = hidden_size / num_heads must be even.
+    """
+    from transformers import (
+        Qwen2_5_VLConfig,
+        Qwen2_5_VLForConditionalGeneration,
+        Qwen2_5_VLProcessor,
+        Qwen2VLImageProcessor,
+    )
+
+    if hidden_size % num_heads or (hidden_size // num_heads) % 2:
+        raise ValueError(f"hidden_size {hidden_size} / num_heads {num_heads} must be an even integer head_dim")
+    if num_heads % num_kv_heads:
+        raise ValueError(f"num_heads {num_heads} must be a multiple of num_kv_heads {num_kv_heads}")
+    if vision_hidden_size % vision_heads or (vision_hidden_size // vision_heads) % 4:
+        # the vision rotary embedding splits head_dim/2 into (h, w) halves
+        raise ValueError(f"vision head_dim {vision_hidden_size}/{vision_heads} must be a multiple of 4")
+    output_dir = Path(output_dir)
+    output_dir.mkdir(parents=True, exist_ok=True)
+    corpus = list(corpus) if corpus is not None else default_corpus()
+    if not corpus:
+        raise ValueError("build_tiny_vlm: empty tokenizer corpus")
+
+    tokenizer = _train_tokenizer(corpus, vocab_size)
+    ids = {tok: tokenizer.convert_tokens_to_ids(tok) for tok in QWEN_SPECIAL_TOKENS}
+    image_processor = Qwen2VLImageProcessor(min_pixels=min_pixels, max_pixels=max_pixels)
+    processor = Qwen2_5_VLProcessor(
+        image_processor=image_processor,
+        tokenizer=tokenizer,
+        video_processor=_tiny_video_processor(min_pixels, max_pixels),
+        chat_template=QWEN_VL_CHAT_TEMPLATE,
+    )
+
+    head_dim = hidden_size // num_heads
+    # mRoPE splits head_dim/2 rotary frequencies into (temporal, height, width) sections,
+    # in Qwen's 16:24:24 proportions (the real 3B/7B models use [16, 24, 24] of 64).
+    half = head_dim // 2
+    temporal = max(1, round(half * 16 / 64))
+    spatial = (half - temporal) // 2
+    mrope_section = [temporal, spatial, half - temporal - spatial]
+    config = Qwen2_5_VLConfig(
+        text_config=dict(
+            vocab_size=len(tokenizer),
+            hidden_size=hidden_size,
+            intermediate_size=intermediate_size,
+            num_hidden_layers=num_layers,
+            num_attention_heads=num_heads,
+            num_key_value_heads=num_kv_heads,
+            max_position_embeddings=max_position_embeddings,
+            max_window_layers=num_layers,
+            rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": mrope_section},
+            bos_token_id=ids["<|endoftext|>"],
+            eos_token_id=ids["<|im_end|>"],
+            pad_token_id=ids["<|endoftext|>"],
+            tie_word_embeddings=False,
+        ),
+        vision_config=dict(
+            depth=vision_depth,
+            hidden_size=vision_hidden_size,
+            intermediate_size=vision_intermediate_size,
+            num_heads=vision_heads,
+            out_hidden_size=hidden_size,
+            patch_size=14,
+            spatial_merge_size=2,
+            temporal_patch_size=2,
+            window_size=112,
+            fullatt_block_indexes=list(range(vision_depth)),
+        ),
+        image_token_id=ids["<|image_pad|>"],
+        video_token_id=ids["<|video_pad|>"],
+        vision_start_token_id=ids["<|vision_start|>"],
+        vision_end_token_id=ids["<|vision_end|>"],
+        bos_token_id=ids["<|endoftext|>"],
+        eos_token_id=ids["<|im_end|>"],
+        pad_token_id=ids["<|endoftext|>"],
+        tie_word_embeddings=False,
+    )
+    torch.manual_seed(seed)
+    model = Qwen2_5_VLForConditionalGeneration(config)
+    model.generation_config.eos_token_id = ids["<|im_end|>"]
+    model.generation_config.pad_token_id = ids["<|endoftext|>"]
+    model.generation_config.bos_token_id = ids["<|endoftext|>"]
+    model.save_pretrained(output_dir)
+    processor.save_pretrained(output_dir)
+    (output_dir / "mmpo_tiny.json").write_text(
+        json.dumps(
+            {
+                "seed": seed,
+                "vocab_size": len(tokenizer),
+                "hidden_size": hidden_size,
+                "num_layers": num_layers,
+                "vision_depth": vision_depth,
+                "min_pixels": min_pixels,
+                "max_pixels": max_pixels,
+            },
+            indent=2,
+        )
+    )
+    return output_dir
+
+
+def _tiny_video_processor(min_pixels: int, max_pixels: int):
+    """Qwen2-VL's video processor (the processor class requires one; videos are not used here)."""
+    from transformers import Qwen2VLVideoProcessor
+
+    return Qwen2VLVideoProcessor(size={"shortest_edge": min_pixels, "longest_edge": max_pixels})
+
+
+def make_reference_model(model: torch.nn.Module, beta: float) -> torch.nn.Module | None:
+    """Frozen copy of ``model`` for the KL term; ``None`` when ``beta == 0`` (no KL, no memory)."""
+    if beta == 0:
+        return None
+    reference = copy.deepcopy(model)
+    reference.eval()
+    reference.requires_grad_(False)
+    return reference
+
+
+def save_vlm(model: torch.nn.Module, processor: Any, output_dir: str | Path) -> Path:
+    """Write model (safetensors) and processor so :func:`load_vlm` can read them back."""
+    output_dir = Path(output_dir)
+    output_dir.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(output_dir, safe_serialization=True)
+    processor.save_pretrained(output_dir)
+    return output_dir

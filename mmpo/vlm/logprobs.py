@@ -1,0 +1,110 @@
+"""Per-token log-probs of completions under a VLM, without the (B, T, V) logits tensor.
+
+The decoder runs once on ``[prompt | completion]``; the final hidden states at the
+positions that predict completion tokens go through ``mmpo.core``'s chunked
+``token_log_probs_from_hidden`` (gather + logsumexp per chunk, recomputed in backward),
+so memory does not grow with the vocabulary (trl#2709: logits dominate GRPO memory).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+import torch
+from torch import Tensor
+
+from mmpo.core.logprobs import token_log_probs_from_hidden
+
+DEFAULT_LOGPROB_CHUNK = 1024
+
+
+def _decoder(model: Any) -> Any:
+    """The multimodal backbone that returns hidden states (``model.model`` for HF VLMs)."""
+    backbone = getattr(model, "model", None)
+    if backbone is None:
+        raise TypeError(f"{type(model).__name__} has no .model backbone returning hidden states")
+    return backbone
+
+
+def sequence_inputs(
+    prompt_inputs: Mapping[str, Any], completion_ids: Tensor, completion_mask: Tensor
+) -> dict[str, Any]:
+    """Forward inputs for ``[prompt | completion]``: (N, P + T) ids, attention and token types."""
+    device = completion_ids.device
+    prompt_ids = prompt_inputs["input_ids"].to(device)
+    if prompt_ids.shape[0] != completion_ids.shape[0]:
+        raise ValueError(f"{prompt_ids.shape[0]} prompts but {completion_ids.shape[0]} completions")
+    inputs: dict[str, Any] = {
+        "input_ids": torch.cat([prompt_ids, completion_ids], dim=1),
+        "attention_mask": torch.cat(
+            [prompt_inputs["attention_mask"].to(device), completion_mask.to(device, prompt_inputs["attention_mask"].dtype)],
+            dim=1,
+        ),
+    }
+    if "mm_token_type_ids" in prompt_inputs:
+        types = prompt_inputs["mm_token_type_ids"].to(device)
+        inputs["mm_token_type_ids"] = torch.cat([types, torch.zeros_like(completion_ids, dtype=types.dtype)], dim=1)
+    for key in ("pixel_values", "image_grid_thw"):
+        if key in prompt_inputs and prompt_inputs[key] is not None:
+            inputs[key] = prompt_inputs[key].to(device)
+    return inputs
+
+
+def completion_hidden_states(
+    model: Any, prompt_inputs: Mapping[str, Any], completion_ids: Tensor, completion_mask: Tensor
+) -> Tensor:
+    """(N, T, H) final hidden states at the positions that predict each completion token."""
+    inputs = sequence_inputs(prompt_inputs, completion_ids, completion_mask)
+    if "pixel_values" in inputs:
+        inputs["pixel_values"] = inputs["pixel_values"].to(next(model.parameters()).dtype)
+    outputs = _decoder(model)(**inputs, use_cache=False)
+    hidden = outputs.last_hidden_state
+    prompt_width = prompt_inputs["input_ids"].shape[1]
+    width = completion_ids.shape[1]
+    # position p predicts token p + 1: completion token j is predicted at prompt_width - 1 + j
+    return hidden[:, prompt_width - 1 : prompt_width - 1 + width]
+
+
+def completion_log_probs(
+    model: Any,
+    prompt_inputs: Mapping[str, Any],
+    completion_ids: Tensor,
+    completion_mask: Tensor,
+    *,
+    chunk_size: int = DEFAULT_LOGPROB_CHUNK,
+    with_entropy: bool = False,
+    temperature: float = 1.0,
+) -> tuple[Tensor, Tensor | None]:
+    """Log pi(completion token | prompt, previous tokens) for every completion position.
+
+    Args:
+        model: HF VLM (``...ForConditionalGeneration``) with ``.model`` and an output embedding.
+        prompt_inputs: left-padded prompt batch (``input_ids`` (N, P), ``attention_mask``,
+            ``mm_token_type_ids``, ``pixel_values``, ``image_grid_thw``).
+        completion_ids: (N, T) sampled tokens (pad where masked).
+        completion_mask: (N, T) 1 on real completion tokens; also the attention mask of the
+            completion part (masked tokens are neither scored nor attended to).
+        chunk_size: rows of (N*T) per chunk of the vocabulary projection.
+        with_entropy: also return the (N, T) entropy of the full next-token distribution.
+        temperature: logits are divided by the rollout's sampling temperature, so the
+            log-probs are those of the distribution the tokens were sampled from (as verl).
+
+    Returns:
+        ``(log_probs (N, T) float32, entropy (N, T) float32 or None)``; masked positions
+        hold whatever the model computes there (mask them in the loss).
+    """
+    hidden = completion_hidden_states(model, prompt_inputs, completion_ids, completion_mask)
+    head = model.get_output_embeddings()
+    result = token_log_probs_from_hidden(
+        hidden,
+        head.weight,
+        completion_ids.to(hidden.device),
+        chunk_size=chunk_size,
+        bias=getattr(head, "bias", None),
+        temperature=temperature,
+        return_entropy=with_entropy,
+    )
+    if with_entropy:
+        log_probs, entropy = result
+        return log_probs, entropy
+    return result, None

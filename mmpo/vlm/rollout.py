@@ -1,0 +1,219 @@
+"""Rollouts: G sampled completions per prompt with HF ``generate``.
+
+The engine interface is one method, ``generate(rows, ...) -> Rollout``; the default
+engine batches every prompt of a step into one ``model.generate`` call with
+``num_return_sequences=G`` (Qwen-VL's generate expands pixel values per sample).
+A vLLM engine would plug in behind the same method.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Mapping, Sequence
+
+import torch
+from transformers import BatchFeature
+
+from mmpo.vlm.processing import encode_prompts, model_inputs, repeat_rows, select_rows, vision_token_ids
+
+
+@dataclass
+class Rollout:
+    """Sampled completions, grouped contiguously by prompt.
+
+    Shapes (N = number of prompts x samples per prompt, T = completion width):
+        group_ids (N,) long: index of the prompt each completion answers.
+        prompt_inputs: processor outputs repeated per sample (input_ids (N, P), ...).
+        completion_ids (N, T) long: sampled tokens, pad after EOS.
+        completion_mask (N, T) long: 1 on real completion tokens (EOS included), 0 after
+            EOS and from the first vision token the policy emitted.
+    """
+
+    rows: list[Mapping[str, Any]]
+    group_ids: torch.Tensor
+    prompt_inputs: BatchFeature
+    completion_ids: torch.Tensor
+    completion_mask: torch.Tensor
+    texts: list[str]
+    extras: dict[str, Any] = field(default_factory=dict)
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def select(self, index: torch.Tensor | Sequence[int]) -> "Rollout":
+        """Sub-rollout with completions ``index`` (for minibatches and group filters)."""
+        index = torch.as_tensor(index, dtype=torch.long)
+        picked = index.tolist()
+        extras = {
+            key: value[index] if isinstance(value, torch.Tensor) and value.shape[:1] == (len(self),) else value
+            for key, value in self.extras.items()
+        }
+        return Rollout(
+            rows=[self.rows[i] for i in picked],
+            group_ids=self.group_ids[index],
+            prompt_inputs=select_rows(self.prompt_inputs, index),
+            completion_ids=self.completion_ids[index],
+            completion_mask=self.completion_mask[index],
+            texts=[self.texts[i] for i in picked],
+            extras=extras,
+        )
+
+    def to(self, device: torch.device | str) -> "Rollout":
+        """Tensors moved to ``device`` (rows and texts unchanged)."""
+        return Rollout(
+            rows=self.rows,
+            group_ids=self.group_ids.to(device),
+            prompt_inputs=BatchFeature({k: v.to(device) if isinstance(v, torch.Tensor) else v
+                                        for k, v in self.prompt_inputs.items()}),
+            completion_ids=self.completion_ids.to(device),
+            completion_mask=self.completion_mask.to(device),
+            texts=self.texts,
+            extras={k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in self.extras.items()},
+        )
+
+
+def completion_mask_from_ids(
+    completion_ids: torch.Tensor, *, eos_token_id: int | Sequence[int], forbidden_ids: Sequence[int] = ()
+) -> torch.Tensor:
+    """(N, T) mask: 1 up to and including the first EOS; 0 after it and from the first forbidden token on.
+
+    A forbidden (vision) token ends the completion like a broken EOS: it and everything after
+    it are masked, so every scored token keeps exactly the context it was sampled in.
+    Example: ids [a, b, EOS, pad] -> [1, 1, 1, 0]; [a, IMG, b] -> [1, 0, 0]; no EOS keeps all.
+    """
+    eos_ids = torch.as_tensor([eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id))
+    is_eos = torch.isin(completion_ids, eos_ids.to(completion_ids.device)).long()
+    # tokens strictly after the first EOS: the running count of EOS before this position is > 0
+    eos_before = torch.cumsum(is_eos, dim=1) - is_eos
+    mask = eos_before == 0
+    if forbidden_ids:
+        forbidden = torch.isin(completion_ids, torch.as_tensor(list(forbidden_ids), device=completion_ids.device))
+        mask &= torch.cumsum(forbidden.long(), dim=1) == 0
+    return mask.long()
+
+
+class HFGenerateEngine:
+    """Batched sampling with ``model.generate`` (the default rollout engine).
+
+    Args:
+        model: a Qwen-VL ``...ForConditionalGeneration`` (or any HF VLM with generate).
+        processor: its processor.
+        system_prompt: ``"default"`` = ``mmpo.data.SYSTEM_PROMPT``.
+        max_prompt_length: refuse longer prompts (never truncated).
+    """
+
+    def __init__(self, model: Any, processor: Any, *, system_prompt: str | None = "default",
+                 max_prompt_length: int | None = None) -> None:
+        self.model = model
+        self.processor = processor
+        self.system_prompt = system_prompt
+        self.max_prompt_length = max_prompt_length
+        tokenizer = processor.tokenizer
+        self.eos_token_id = int(tokenizer.convert_tokens_to_ids("<|im_end|>"))
+        self.pad_token_id = int(tokenizer.pad_token_id)
+        self.forbidden_ids = vision_token_ids(processor)
+
+    @torch.no_grad()
+    def generate(
+        self,
+        rows: Sequence[Mapping[str, Any]],
+        *,
+        num_samples: int,
+        max_new_tokens: int,
+        temperature: float = 1.0,
+        top_p: float = 1.0,
+        do_sample: bool = True,
+    ) -> Rollout:
+        """Sample ``num_samples`` completions for every row; groups are contiguous.
+
+        A vision token the policy emits (``<|image_pad|>`` etc.) ends its completion: it and the
+        rest are replaced by pad and masked out (fed back in a forward pass it would break the
+        image-token/feature count, R1-V#91). Sampling uses torch's global RNG (seed it, or wrap in ``fork_rng``).
+        """
+        if num_samples < 1:
+            raise ValueError(f"num_samples must be >= 1, got {num_samples}")
+        if do_sample and temperature <= 0:
+            raise ValueError(f"temperature must be > 0 when sampling, got {temperature}")
+        rows = list(rows)
+        device = next(self.model.parameters()).device
+        prompts = encode_prompts(
+            self.processor, rows, system_prompt=self.system_prompt, max_prompt_length=self.max_prompt_length
+        )
+        inputs = {k: v.to(device) for k, v in model_inputs(prompts).items()}
+        sampling = dict(do_sample=True, temperature=temperature, top_p=top_p, top_k=0) if do_sample else dict(
+            do_sample=False, temperature=None, top_p=None, top_k=None)
+        was_training = self.model.training
+        self.model.eval()
+        try:
+            output = self.model.generate(
+                **inputs,
+                max_new_tokens=max_new_tokens,
+                # greedy samples are identical: decode once, repeat below
+                num_return_sequences=num_samples if do_sample else 1,
+                eos_token_id=self.eos_token_id,
+                pad_token_id=self.pad_token_id,
+                use_cache=True,
+                **sampling,
+            )
+        finally:
+            self.model.train(was_training)
+        if not do_sample:
+            output = output.repeat_interleave(num_samples, dim=0)
+        prompt_width = inputs["input_ids"].shape[1]
+        completion_ids = output[:, prompt_width:].cpu()
+        if completion_ids.shape[1] == 0:
+            completion_ids = torch.full((completion_ids.shape[0], 1), self.pad_token_id, dtype=torch.long)
+        completion_mask = completion_mask_from_ids(
+            completion_ids, eos_token_id=self.eos_token_id, forbidden_ids=self.forbidden_ids
+        )
+        # vision tokens and post-EOS tokens become pad, so the ids are safe to feed back.
+        completion_ids = completion_ids.masked_fill(completion_mask == 0, self.pad_token_id)
+        texts = self.processor.batch_decode(completion_ids, skip_special_tokens=True)
+        group_ids = torch.arange(len(rows)).repeat_interleave(num_samples)
+        return Rollout(
+            rows=[rows[i] for i in group_ids.tolist()],
+            group_ids=group_ids,
+            prompt_inputs=repeat_rows(prompts, num_samples),
+            completion_ids=completion_ids,
+            completion_mask=completion_mask,
+            texts=texts,
+        )
+
+
+def concat_rollouts(rollouts: Sequence[Rollout]) -> Rollout:
+    """Concatenate rollouts (group ids are renumbered so groups stay distinct)."""
+    from torch.nn.functional import pad
+
+    if not rollouts:
+        raise ValueError("concat_rollouts: nothing to concatenate")
+    width = max(r.completion_ids.shape[1] for r in rollouts)
+    pad_id = int(rollouts[0].completion_ids.new_tensor(0))  # ids are masked beyond the mask anyway
+    prompt_width = max(r.prompt_inputs["input_ids"].shape[1] for r in rollouts)
+    rows, texts, groups, ids, masks, prompt_parts = [], [], [], [], [], []
+    offset = 0
+    for r in rollouts:
+        rows += r.rows
+        texts += r.texts
+        groups.append(r.group_ids + offset)
+        offset += int(r.group_ids.max()) + 1
+        extra = width - r.completion_ids.shape[1]
+        ids.append(pad(r.completion_ids, (0, extra), value=pad_id))
+        masks.append(pad(r.completion_mask, (0, extra), value=0))
+        prompt_parts.append(_left_pad_prompts(r.prompt_inputs, prompt_width))
+    prompt_inputs: dict[str, Any] = {}
+    for key in prompt_parts[0]:
+        values = [p[key] for p in prompt_parts if key in p]
+        prompt_inputs[key] = torch.cat(values, 0)
+    return Rollout(rows, torch.cat(groups), BatchFeature(prompt_inputs), torch.cat(ids), torch.cat(masks), texts)
+
+
+def _left_pad_prompts(inputs: Mapping[str, Any], width: int) -> dict[str, Any]:
+    from torch.nn.functional import pad
+
+    out = dict(inputs)
+    extra = width - inputs["input_ids"].shape[1]
+    if extra:
+        for key in ("input_ids", "attention_mask", "mm_token_type_ids"):
+            if key in out:
+                out[key] = pad(out[key], (extra, 0), value=0)
+    return out

@@ -1,0 +1,230 @@
+"""Behaviour-cloning pre-training of a diffusion policy (DDPM epsilon MSE + EMA 0.995).
+
+``mmpo fit -c configs/robotics/bc_lift.yaml`` trains :class:`BCModule` on the action chunks of
+:class:`ChunkDataModule` (a demo HDF5 in robomimic's layout; generate one with
+``mmpo demos --task lift --out data/lift_demos.hdf5``). Setup as DPPO's pre-training
+(arXiv 2409.00588, ``agent/pretrain/train_diffusion_agent.py``): AdamW, cosine LR with warm-up,
+EMA of the weights with decay 0.995; the EMA copy is the policy that fine-tuning and evaluation use.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
+from torch.utils.data import DataLoader, Dataset, random_split
+
+from robotics.policy import DiffusionPolicy
+from robotics.policy.io import save_policy_safetensors
+
+EMA_PREFIX = "ema_policy.module."
+
+
+def make_ema(model: torch.nn.Module, decay: float) -> AveragedModel:
+    """EMA copy via torch's ``AveragedModel``: after each update, ema <- decay * ema + (1 - decay) * param.
+
+    The first ``update_parameters`` call copies the weights (done here, so the EMA starts at the
+    initial weights, as DPPO's ``EMA`` helper does).
+    """
+    if not 0.0 <= decay < 1.0:
+        raise ValueError(f"ema decay must be in [0, 1), got {decay}")
+    ema = AveragedModel(model, multi_avg_fn=get_ema_multi_avg_fn(decay))
+    ema.update_parameters(model)
+    ema.requires_grad_(False)
+    return ema
+
+
+class ChunkDataModule(pl.LightningDataModule):
+    """(observation, action chunk) batches from a demo HDF5 through ``robotics.data.ChunkDataset``.
+
+    Args:
+        dataset_path: demo file in robomimic's HDF5 layout (ours or robomimic's low_dim.hdf5).
+        horizon: Ta, action-chunk length.
+        batch_size: minibatch size (DPPO robomimic pre-training: 256).
+        val_fraction: share of chunks held out for the validation loss (0 = no validation).
+        normalizer_path: min-max stats json; default ``<dataset_path>.stats.json``.
+        num_workers: DataLoader workers (0 on shared CPUs).
+        seed: split seed.
+    """
+
+    def __init__(
+        self,
+        dataset_path: str,
+        horizon: int = 4,
+        batch_size: int = 256,
+        val_fraction: float = 0.0,
+        normalizer_path: str | None = None,
+        num_workers: int = 0,
+        seed: int = 0,
+    ) -> None:
+        super().__init__()
+        if not 0.0 <= val_fraction < 1.0:
+            raise ValueError(f"val_fraction must be in [0, 1), got {val_fraction}")
+        self.dataset_path = dataset_path
+        self.horizon = horizon
+        self.batch_size = batch_size
+        self.val_fraction = val_fraction
+        self.num_workers = num_workers
+        self.seed = seed
+        self.normalizer_path = normalizer_path or f"{dataset_path}.stats.json"
+        self.train_set: Dataset | None = None
+        self.val_set: Dataset | None = None
+
+    def setup(self, stage: str | None = None) -> None:
+        if self.train_set is not None:
+            return
+        from robotics.data import ChunkDataset
+        from robotics.envs import Normalizer
+
+        if not Path(self.dataset_path).exists():
+            raise FileNotFoundError(
+                f"demo dataset {self.dataset_path!r} not found; generate it first, e.g. "
+                f"`mmpo demos --task lift --num-demos 100 --out {self.dataset_path}`"
+            )
+        if not Path(self.normalizer_path).exists():
+            raise FileNotFoundError(
+                f"normaliser stats {self.normalizer_path!r} not found (written by `mmpo demos` beside the dataset)"
+            )
+        normalizer = Normalizer.load(self.normalizer_path)
+        dataset = ChunkDataset(self.dataset_path, horizon=self.horizon, normalizer=normalizer)
+        if len(dataset) == 0:
+            raise ValueError(f"demo dataset {self.dataset_path!r} holds no chunks")
+        num_val = int(round(len(dataset) * self.val_fraction))
+        if num_val > 0:
+            generator = torch.Generator().manual_seed(self.seed)
+            self.train_set, self.val_set = random_split(dataset, [len(dataset) - num_val, num_val], generator=generator)
+        else:
+            self.train_set = dataset
+
+    def train_dataloader(self) -> DataLoader:
+        return DataLoader(self.train_set, batch_size=self.batch_size, shuffle=True, drop_last=False,
+                          num_workers=self.num_workers)
+
+    def val_dataloader(self) -> DataLoader | list:
+        if self.val_set is None:
+            return []
+        return DataLoader(self.val_set, batch_size=self.batch_size, shuffle=False, num_workers=self.num_workers)
+
+
+def _unpack_batch(batch: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    if isinstance(batch, dict):
+        obs, actions = batch["obs"], batch["actions"]
+    else:
+        obs, actions = batch[0], batch[1]
+    return obs.float().reshape(obs.shape[0], -1), actions.float()
+
+
+class BCModule(pl.LightningModule):
+    """DDPM behaviour cloning of a :class:`~robotics.policy.DiffusionPolicy` (arXiv 2006.11239, 2409.00588).
+
+    Args:
+        obs_dim, action_dim, horizon: policy input/output sizes (lift: 19, 7, 4).
+        backbone, denoising_steps, hidden_dims, time_dim, activation, unet_channels: see DiffusionPolicy
+            (hidden_dims default [512, 512, 512], unet_channels default [64, 128], as DPPO lift/can).
+        lr, lr_min, warmup_steps, weight_decay: AdamW + linear warm-up then cosine decay to lr_min.
+        ema_decay: EMA decay of the weights (DPPO: 0.995).
+        task, act_steps, max_episode_steps: environment settings stored in the checkpoint for
+            DPPO fine-tuning and ``mmpo rollout``.
+        normalizer_path: stats json stored in the checkpoint (default: the datamodule's).
+        export_safetensors: also write the EMA policy as ``<log_dir>/policy.safetensors`` at the end.
+    """
+
+    def __init__(
+        self,
+        obs_dim: int,
+        action_dim: int,
+        horizon: int = 4,
+        *,
+        backbone: str = "mlp",
+        denoising_steps: int = 20,
+        hidden_dims: list[int] | None = None,
+        time_dim: int = 16,
+        activation: str = "mish",
+        unet_channels: list[int] | None = None,
+        lr: float = 1e-4,
+        lr_min: float = 1e-5,
+        warmup_steps: int = 100,
+        weight_decay: float = 1e-6,
+        ema_decay: float = 0.995,
+        task: str = "lift",
+        act_steps: int = 4,
+        max_episode_steps: int | None = None,
+        normalizer_path: str | None = None,
+        export_safetensors: bool = True,
+    ) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+        if not 1 <= act_steps <= horizon:
+            raise ValueError(f"act_steps must be in [1, horizon={horizon}], got {act_steps}")
+        self.policy = DiffusionPolicy(
+            obs_dim, action_dim, horizon, backbone=backbone, denoising_steps=denoising_steps,
+            hidden_dims=list(hidden_dims or (512, 512, 512)), time_dim=time_dim, activation=activation,
+            unet_channels=list(unet_channels or (64, 128)),
+        )
+        self.ema_policy = make_ema(self.policy, ema_decay)
+
+    # ------------------------------------------------------------------ training
+    def setup(self, stage: str) -> None:
+        datamodule = getattr(self.trainer, "datamodule", None) if self._trainer is not None else None
+        if datamodule is not None and self.hparams.normalizer_path is None:
+            self.hparams.normalizer_path = getattr(datamodule, "normalizer_path", None)
+        if datamodule is not None and getattr(datamodule, "horizon", self.hparams.horizon) != self.hparams.horizon:
+            raise ValueError(
+                f"data.horizon={datamodule.horizon} != model.horizon={self.hparams.horizon}; set both to the same Ta"
+            )
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        obs, actions = _unpack_batch(batch)
+        loss = self.policy.bc_loss(obs, actions)
+        self.log("losses/bc", loss, prog_bar=True, on_step=True, on_epoch=True, batch_size=obs.shape[0])
+        return loss
+
+    def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
+        self.ema_policy.update_parameters(self.policy)
+
+    def validation_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        obs, actions = _unpack_batch(batch)
+        loss = self.ema_policy.module.bc_loss(obs, actions)
+        self.log("losses/bc_val_ema", loss, prog_bar=True, batch_size=obs.shape[0])
+        return loss
+
+    def configure_optimizers(self) -> dict[str, Any]:
+        optimizer = torch.optim.AdamW(self.policy.parameters(), lr=self.hparams.lr, weight_decay=self.hparams.weight_decay)
+        total = max(int(self.trainer.estimated_stepping_batches), 1)
+        warmup = min(self.hparams.warmup_steps, total)
+        floor = self.hparams.lr_min / self.hparams.lr
+
+        def schedule(step: int) -> float:
+            if step < warmup:
+                return (step + 1) / warmup
+            progress = (step - warmup) / max(total - warmup, 1)
+            return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * min(progress, 1.0)))
+
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+    # ------------------------------------------------------------------ checkpoints
+    def robotics_metadata(self) -> dict[str, Any]:
+        hp = self.hparams
+        return {
+            "kind": "bc",
+            "policy_config": self.policy.policy_config,
+            "policy_prefix": EMA_PREFIX,
+            "ft_steps": 0,
+            "task": hp.task,
+            "act_steps": hp.act_steps,
+            "max_episode_steps": hp.max_episode_steps,
+            "normalizer_path": hp.normalizer_path,
+        }
+
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        checkpoint["robotics"] = self.robotics_metadata()
+
+    def on_train_end(self) -> None:
+        if self.hparams.export_safetensors and self.trainer.log_dir and self.trainer.is_global_zero:
+            path = Path(self.trainer.log_dir) / "policy.safetensors"
+            save_policy_safetensors(self.ema_policy.module, self.robotics_metadata(), path)

@@ -1,0 +1,193 @@
+"""Scripted experts for robosuite Lift and Can (OSC_POSE delta actions).
+
+Both are small phase machines on the object pose read from the observation: move
+above the object, descend, close the gripper, lift (Lift) or carry to the target bin
+and release (Can). Actions are 7-D in [-1, 1]: position delta (x, y, z) in units of the
+controller's 0.05 m per step, rotation delta (kept 0: the Panda starts pointing down and
+both objects can be grasped from above at any yaw), gripper (-1 open, +1 closed).
+Gaussian noise of std ``noise`` on every dimension (then clipped) is the knob that makes
+demonstrations imperfect, for a deliberately mediocre BC policy to fine-tune with DPPO.
+No library ships experts for these tasks (robomimic's data were human teleoperation).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+import numpy as np
+
+#: OSC_POSE output_max for position: an input of 1.0 asks for a 0.05 m step.
+POSITION_SCALE = 0.05
+GRIPPER_OPEN = -1.0
+GRIPPER_CLOSED = 1.0
+
+
+def move_towards(eef_pos: np.ndarray, target: np.ndarray, gain: float = 1.0) -> np.ndarray:
+    """Position part of the action: (3,) clipped to [-1, 1], proportional to the error."""
+    return np.clip(gain * (target - eef_pos) / POSITION_SCALE, -1.0, 1.0)
+
+
+@dataclass
+class ExpertConfig:
+    """Geometry and timing of the scripted grasp (metres / env steps)."""
+
+    hover_height: float = 0.08  # above the object before descending
+    grasp_depth: float = -0.005  # eef target relative to the object centre when grasping
+    reach_tolerance: float = 0.012
+    close_steps: int = 8  # steps holding still while the fingers close
+    lift_height: float = 0.18  # Lift: how far to raise the cube
+    carry_height: float = 0.12  # Can: clearance above the bin walls while carrying
+    release_steps: int = 8
+    max_phase_steps: int = 60  # give up on a phase (move on) after this many steps
+
+
+class ScriptedExpert(ABC):
+    """Base phase machine; subclasses define the object key and the phases after grasping.
+
+    Call :meth:`reset` at the start of each episode and :meth:`act` on each robosuite
+    observation dict (the adapter's ``last_raw_obs``).
+    """
+
+    object_pos_key = ""
+
+    def __init__(self, noise: float = 0.0, rng: np.random.Generator | None = None, config: ExpertConfig | None = None):
+        if noise < 0:
+            raise ValueError(f"noise std must be >= 0, got {noise}")
+        self.noise = float(noise)
+        self.rng = rng if rng is not None else np.random.default_rng()
+        self.config = config or ExpertConfig()
+        self.reset()
+
+    def reset(self) -> None:
+        self.phase = "approach"
+        self.phase_steps = 0
+        self.anchor: np.ndarray | None = None
+
+    def _next(self, phase: str) -> None:
+        self.phase = phase
+        self.phase_steps = 0
+
+    @abstractmethod
+    def clean_action(self, obs: dict[str, np.ndarray]) -> np.ndarray:
+        """(7,) noiseless action for this observation (advances the phase machine)."""
+
+    def act(self, obs: dict[str, np.ndarray]) -> np.ndarray:
+        """(7,) float64 action in [-1, 1] for one robosuite obs dict, with noise added."""
+        action = self.clean_action(obs)
+        self.phase_steps += 1
+        if self.noise > 0:
+            action = action + self.rng.normal(0.0, self.noise, size=action.shape)
+        return np.clip(action, -1.0, 1.0)
+
+    def _grasp_phases(self, eef: np.ndarray, obj: np.ndarray) -> np.ndarray | None:
+        """approach -> descend -> close; returns an action, or None once grasped."""
+        c = self.config
+        action = np.zeros(7)
+        if self.phase == "approach":
+            target = obj + np.array([0.0, 0.0, c.hover_height])
+            action[:3] = move_towards(eef, target)
+            action[6] = GRIPPER_OPEN
+            close_xy = np.linalg.norm((target - eef)[:2]) < c.reach_tolerance
+            if (close_xy and abs(target[2] - eef[2]) < 2 * c.reach_tolerance) or self.phase_steps > c.max_phase_steps:
+                self._next("descend")
+            return action
+        if self.phase == "descend":
+            target = obj + np.array([0.0, 0.0, c.grasp_depth])
+            action[:3] = move_towards(eef, target)
+            action[6] = GRIPPER_OPEN
+            if np.linalg.norm(target - eef) < c.reach_tolerance or self.phase_steps > c.max_phase_steps:
+                self._next("close")
+            return action
+        if self.phase == "close":
+            target = obj + np.array([0.0, 0.0, c.grasp_depth])
+            action[:3] = move_towards(eef, target)
+            action[6] = GRIPPER_CLOSED
+            if self.phase_steps >= c.close_steps:
+                self.anchor = eef.copy()
+                self._next("grasped")
+            return action
+        return None
+
+
+class LiftExpert(ScriptedExpert):
+    """Lift: grasp the cube and raise it ``lift_height`` above the grasp point."""
+
+    object_pos_key = "cube_pos"
+
+    def clean_action(self, obs: dict[str, np.ndarray]) -> np.ndarray:
+        eef = np.asarray(obs["robot0_eef_pos"], dtype=np.float64)
+        cube = np.asarray(obs[self.object_pos_key], dtype=np.float64)
+        action = self._grasp_phases(eef, cube)
+        if action is not None:
+            return action
+        action = np.zeros(7)
+        target = self.anchor + np.array([0.0, 0.0, self.config.lift_height])
+        action[:3] = move_towards(eef, target)
+        action[6] = GRIPPER_CLOSED
+        return action
+
+
+class CanExpert(ScriptedExpert):
+    """Can: grasp the can, lift, carry above its target bin, lower, release, retreat.
+
+    ``target`` is the can's bin-placement centre (robosuite ``target_bin_placements``),
+    a fixed property of the scene passed in at episode start.
+    """
+
+    object_pos_key = "Can_pos"
+
+    def __init__(self, target: np.ndarray | None = None, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.target = None if target is None else np.asarray(target, dtype=np.float64)
+
+    def set_target(self, target: np.ndarray) -> None:
+        self.target = np.asarray(target, dtype=np.float64)
+
+    def clean_action(self, obs: dict[str, np.ndarray]) -> np.ndarray:
+        if self.target is None:
+            raise ValueError("CanExpert needs the bin target: call set_target() after reset")
+        c = self.config
+        eef = np.asarray(obs["robot0_eef_pos"], dtype=np.float64)
+        can = np.asarray(obs[self.object_pos_key], dtype=np.float64)
+        action = self._grasp_phases(eef, can)
+        if action is not None:
+            return action
+        action = np.zeros(7)
+        action[6] = GRIPPER_CLOSED
+        carry_z = max(self.anchor[2], self.target[2]) + c.carry_height
+        if self.phase == "grasped":  # lift straight up first so the can clears bin 1's walls
+            target = np.array([eef[0], eef[1], carry_z])
+            action[:3] = move_towards(eef, target)
+            if abs(carry_z - eef[2]) < 2 * c.reach_tolerance or self.phase_steps > c.max_phase_steps:
+                self._next("carry")
+            return action
+        if self.phase == "carry":
+            target = np.array([self.target[0], self.target[1], carry_z])
+            action[:3] = move_towards(eef, target)
+            if np.linalg.norm((target - eef)[:2]) < 2 * c.reach_tolerance or self.phase_steps > 2 * c.max_phase_steps:
+                self._next("lower")
+            return action
+        if self.phase == "lower":
+            target = np.array([self.target[0], self.target[1], self.target[2] + 0.08])
+            action[:3] = move_towards(eef, target)
+            if abs(target[2] - eef[2]) < 2 * c.reach_tolerance or self.phase_steps > c.max_phase_steps:
+                self._next("release")
+            return action
+        if self.phase == "release":
+            action[6] = GRIPPER_OPEN
+            if self.phase_steps >= c.release_steps:
+                self._next("retreat")
+            return action
+        # retreat: move up so the gripper is > 4.2 cm from the can (robosuite's success check)
+        action[:3] = move_towards(eef, np.array([eef[0], eef[1], carry_z]))
+        action[6] = GRIPPER_OPEN
+        return action
+
+
+def make_expert(task: str, *, noise: float = 0.0, rng: np.random.Generator | None = None) -> ScriptedExpert:
+    """Scripted expert for "lift" or "can"."""
+    experts = {"lift": LiftExpert, "can": CanExpert}
+    if task not in experts:
+        raise ValueError(f"no scripted expert for task {task!r}; available: {sorted(experts)}")
+    return experts[task](noise=noise, rng=rng)

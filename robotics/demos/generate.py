@@ -1,0 +1,171 @@
+"""Roll out a scripted expert and save robomimic-format demos plus normaliser stats."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from tqdm.auto import tqdm
+
+from robotics.demos.experts import CanExpert, ScriptedExpert, make_expert
+from robotics.demos.hdf5_writer import RobomimicHDF5Writer
+from robotics.envs.make import make_env
+from robotics.envs.normalizer import Normalizer, stats_path_for
+from robotics.envs.robosuite_env import RobosuiteGymEnv, flatten_obs, robomimic_obs_dict
+from robotics.envs.tasks import get_task
+
+#: steps kept after the first success so the demo shows the goal being held (robomimic
+#: PH demos also end shortly after success).
+DEFAULT_STEPS_AFTER_SUCCESS = 3
+
+
+def robomimic_env_args(env: RobosuiteGymEnv) -> dict[str, Any]:
+    """robomimic env metadata (``EnvUtils.create_env_from_metadata`` input): type 1 = robosuite."""
+    import robosuite
+
+    kwargs = dict(env.env_kwargs)
+    kwargs["robots"] = list(kwargs["robots"])
+    return {"env_name": env.spec_task.sim_name, "env_version": robosuite.__version__, "type": 1, "env_kwargs": kwargs}
+
+
+def _stack(dicts: list[dict[str, np.ndarray]]) -> dict[str, np.ndarray]:
+    return {key: np.stack([d[key] for d in dicts]) for key in dicts[0]}
+
+
+def _episode(env, expert: ScriptedExpert, max_steps: int, steps_after_success: int) -> dict[str, Any]:
+    base: RobosuiteGymEnv = env.unwrapped
+    env.reset()
+    expert.reset()
+    if isinstance(expert, CanExpert):
+        sim_env = base.sim_env
+        expert.set_target(sim_env.target_bin_placements[sim_env.object_to_id["can"]])
+    obs, next_obs, actions, rewards, states = [], [], [], [], []
+    success = fault = False
+    after = 0
+    for _ in range(max_steps):
+        raw = base.last_raw_obs
+        states.append(base.get_sim_state())
+        obs.append(robomimic_obs_dict(raw))
+        action = expert.act(raw)
+        _, reward, terminated, truncated, info = env.step(action)
+        if info.get("fault", False):
+            fault = True
+            break
+        actions.append(action)
+        rewards.append(reward)
+        next_obs.append(robomimic_obs_dict(base.last_raw_obs))
+        success = success or bool(info["success"])
+        after += int(success)
+        if (success and after > steps_after_success) or terminated or truncated:
+            break
+    length = len(actions)
+    dones = np.zeros(length, dtype=np.int64)
+    if length:
+        dones[-1] = 1
+    return {
+        "obs": obs[:length],
+        "next_obs": next_obs,
+        "actions": np.asarray(actions, dtype=np.float64).reshape(length, -1),
+        "rewards": np.asarray(rewards, dtype=np.float64),
+        "dones": dones,
+        "states": np.asarray(states[:length]),
+        "success": success and not fault,
+        "fault": fault,
+        "model_file": base.sim_env.sim.model.get_xml(),
+    }
+
+
+def generate_demos(
+    task: str,
+    num_demos: int,
+    out_path: str | Path,
+    *,
+    noise: float = 0.0,
+    seed: int = 0,
+    max_steps: int | None = None,
+    keep_failures: bool = False,
+    max_attempts: int | None = None,
+    steps_after_success: int = DEFAULT_STEPS_AFTER_SUCCESS,
+    store_model_file: bool = True,
+    progress: bool = True,
+) -> dict[str, Any]:
+    """Scripted-expert demos for "lift" / "can" in robomimic's HDF5 layout.
+
+    Args:
+        task: "lift" or "can".
+        num_demos: demos to write (successful ones unless ``keep_failures``).
+        out_path: the .hdf5 file; normaliser stats go to ``<out_path>.stats.json``.
+        noise: std of the Gaussian added to every expert action dimension (then clipped).
+        seed: seeds the env layouts and the noise.
+        max_steps: cap per episode (default: the task's time limit, 300).
+        keep_failures: also write failed attempts (e.g. to study noisy data).
+        max_attempts: give up after this many episodes (default 3 * num_demos + 10).
+        steps_after_success: steps recorded after the first success.
+        store_model_file: store the MJCF XML per demo (robomimic's ``model_file`` attr).
+        progress: show a tqdm bar.
+
+    Returns:
+        dict with ``path``, ``stats_path``, ``num_demos`` (written), ``attempts``,
+        ``successes``, ``success_rate`` (successes / attempts), ``mean_length`` (written
+        demos), ``total_samples``, ``faults``, ``noise``.
+    """
+    spec = get_task(task)
+    if spec.family != "robosuite":
+        raise ValueError(f"scripted demos exist for robosuite tasks only, not {task!r}")
+    if num_demos < 1:
+        raise ValueError(f"num_demos must be >= 1, got {num_demos}")
+    limit = int(max_steps or spec.max_episode_steps)
+    attempts_allowed = int(max_attempts or 3 * num_demos + 10)
+    out_path = Path(out_path)
+    env = make_env(task, seed=seed, max_episode_steps=limit)
+    expert = make_expert(task, noise=noise, rng=np.random.default_rng(seed + 1))
+    attempts = successes = faults = 0
+    flat_obs, all_actions, lengths = [], [], []
+    bar = tqdm(total=num_demos, desc=f"{task} demos", disable=not progress, unit="demo")
+    try:
+        with RobomimicHDF5Writer(out_path, robomimic_env_args(env.unwrapped)) as writer:
+            while len(lengths) < num_demos and attempts < attempts_allowed:
+                episode = _episode(env, expert, limit, steps_after_success)
+                attempts += 1
+                successes += int(episode["success"])
+                faults += int(episode["fault"])
+                keep = (episode["success"] or keep_failures) and len(episode["actions"]) > 0
+                if keep:
+                    obs = _stack(episode["obs"])
+                    writer.add_demo(
+                        obs,
+                        _stack(episode["next_obs"]),
+                        episode["actions"],
+                        episode["rewards"],
+                        episode["dones"],
+                        episode["states"],
+                        model_file=episode["model_file"] if store_model_file else None,
+                    )
+                    flat = np.stack([flatten_obs(o, spec.obs_keys) for o in episode["obs"]])
+                    flat_obs.append(flat)
+                    all_actions.append(episode["actions"])
+                    lengths.append(len(episode["actions"]))
+                    bar.update(1)
+                bar.set_postfix(success_rate=f"{successes / attempts:.2f}", attempts=attempts)
+    finally:
+        bar.close()
+        env.close()
+    if not lengths:
+        raise RuntimeError(f"no demo written for {task!r} after {attempts} attempts (noise={noise})")
+    normalizer = Normalizer.from_data(
+        np.concatenate(flat_obs), np.concatenate(all_actions), obs_keys=list(spec.obs_keys), task=spec.name
+    )
+    stats_path = normalizer.save(stats_path_for(out_path))
+    return {
+        "path": str(out_path),
+        "stats_path": str(stats_path),
+        "num_demos": len(lengths),
+        "attempts": attempts,
+        "successes": successes,
+        "success_rate": successes / attempts,
+        "mean_length": float(np.mean(lengths)),
+        "total_samples": int(np.sum(lengths)),
+        "faults": faults,
+        "noise": float(noise),
+    }

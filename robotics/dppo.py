@@ -1,0 +1,459 @@
+"""DPPO: PPO fine-tuning of a diffusion policy through its denoising MDP (arXiv 2409.00588).
+
+Each env step's K-step denoising chain is a sequence of Gaussian policy steps with exact
+log-likelihoods. A frozen copy of the pre-trained (BC) network runs the first K - K' chain
+steps, a trainable copy (initialised from it) the last K'. One ``training_step`` of
+:class:`DPPOModule` is one DPPO iteration:
+
+1. roll out ``n_steps`` chunk steps on ``num_envs`` vectorised envs, sampling with the std
+   floor (0.1) and noise clip (3) on every denoising step, storing the last K'+1 chain states
+   and the per-step log-probs (std floor 0.1, clamp [-5, 2], mean over executed steps and dims);
+2. running reward scaling, then GAE over chunk steps through :func:`mmpo.core.gae`
+   (terminations stop bootstrapping, truncations bootstrap from V(final obs));
+3. ``update_epochs`` passes of minibatches of (env step, denoising step) pairs: advantages
+   normalised per minibatch and multiplied by gamma_denoise^(K'-1-i), the PPO clip loss of
+   :func:`mmpo.core.policy_loss` with the exponential per-denoising-step clip range, critic MSE
+   with coefficient 0.5; the actor is not stepped during the critic warm-up iterations;
+4. every ``eval_every`` iterations a deterministic evaluation with the fine-tuned network.
+
+Metrics: ``charts/return``, ``charts/success_rate`` (finished training episodes),
+``eval/return``, ``eval/success_rate``, ``losses/policy``, ``losses/value``, ``policy/clipfrac``,
+``policy/approx_kl``, ``perf/env_steps_per_s``, ``perf/faults``.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import lightning.pytorch as pl
+import numpy as np
+import torch
+from torch.utils.data import DataLoader, Dataset
+
+from mmpo.core import gae, policy_loss
+from robotics.evaluate import EpisodeTracker, check_same_step_autoreset, evaluate_policy, final_observations, step_info
+from robotics.policy import CriticMLP, DiffusionPolicy
+from robotics.policy.dppo_math import (
+    RunningRewardScaler,
+    clip_schedule,
+    denoising_discount,
+    normalize_advantages,
+    reduce_step_log_prob,
+)
+from robotics.policy.io import load_policy
+
+EnvFactory = Callable[..., Any]
+
+
+@dataclass
+class Rollout:
+    """One iteration's data, time-major. T chunk steps, N envs, K' fine-tuned denoising steps.
+
+    obs (T, N, obs_dim); chains (T, N, K'+1, Ta, Da); old_log_probs (T, N, K');
+    rewards / scaled_rewards (T, N); terminated, truncated, episode_start (T, N) bool;
+    reached_obs (T, N, obs_dim): the obs each step reached (final obs at episode ends).
+    """
+
+    obs: torch.Tensor
+    chains: torch.Tensor
+    old_log_probs: torch.Tensor
+    rewards: torch.Tensor
+    terminated: torch.Tensor
+    truncated: torch.Tensor
+    episode_start: torch.Tensor
+    reached_obs: torch.Tensor
+    scaled_rewards: torch.Tensor | None = None
+    advantages: torch.Tensor | None = None
+    returns: torch.Tensor | None = None
+
+
+class _IterationIndices(Dataset):
+    """``num_iterations`` dummy items: Lightning calls ``training_step`` once per DPPO iteration."""
+
+    def __init__(self, num_iterations: int) -> None:
+        self.num_iterations = num_iterations
+
+    def __len__(self) -> int:
+        return self.num_iterations
+
+    def __getitem__(self, index: int) -> int:
+        return index
+
+
+class DPPOModule(pl.LightningModule):
+    """DPPO fine-tuning (arXiv 2409.00588) of a BC diffusion policy on a vectorised chunk env.
+
+    Args:
+        bc_checkpoint: BC checkpoint (``.ckpt`` from ``mmpo fit -c configs/robotics/bc_*.yaml`` or
+            ``policy.safetensors``); its EMA policy becomes the frozen base and the fine-tuned copy.
+        num_iterations: DPPO iterations (rollout + update) of the fit.
+        task, act_steps, max_episode_steps, normalizer_path: env settings (default: the checkpoint's).
+        num_envs, n_steps: envs and chunk steps per env per iteration (lift: 50, 300).
+        ft_steps: K', fine-tuned (last) denoising steps (default 10 of K = 20).
+        gamma, gae_lambda: env-level GAE over chunk steps (robomimic 0.999, 0.95).
+        gamma_denoise: advantage discount over denoising steps (0.99).
+        clip_base, clip_final, clip_rate: per-denoising-step clip range (0.001 -> 0.01, rate 3).
+        min_sampling_std, noise_clip, min_logprob_std: DPPO's floors/clip (0.1, 3, 0.1).
+        logprob_min, logprob_max: elementwise log-prob clamp (-5, 2).
+        actor_lr, critic_lr, weight_decay: AdamW (1e-4, 1e-3, 0).
+        batch_size: (env step, denoising step) pairs per minibatch (lift 7500).
+        update_epochs: passes over the rollout per iteration (10).
+        vf_coef: value-loss coefficient (0.5).
+        target_kl: stop an iteration's epochs when approx_kl exceeds it (None: never).
+        max_grad_norm: gradient clipping (None: off, as DPPO).
+        n_critic_warmup_itr: first iterations that train only the critic (robomimic 2).
+        reward_scale_running: running reward scaling (True); reward_scale_const multiplies rewards first.
+        reset_at_iteration: reset envs at each iteration's start (robomimic True, Gym False).
+        eval_every, eval_episodes: deterministic evaluation cadence (0 = never) and episode count.
+        critic_hidden_dims: critic ResidualMLP widths ([256, 256, 256]).
+        seed: env seed (env i: seed + i) and torch seed of sampling.
+        env_factory: callable ``(num_envs=..., seed=..., act_steps=...) -> VectorEnv`` (SAME_STEP
+            autoreset) replacing ``robotics.envs.make_vector_env`` (used by tests).
+        asynchronous: subprocess envs (True) or in-process (False).
+    """
+
+    def __init__(
+        self,
+        bc_checkpoint: str,
+        num_iterations: int = 81,
+        *,
+        task: str | None = None,
+        act_steps: int | None = None,
+        max_episode_steps: int | None = None,
+        normalizer_path: str | None = None,
+        num_envs: int = 50,
+        n_steps: int = 300,
+        ft_steps: int = 10,
+        gamma: float = 0.999,
+        gae_lambda: float = 0.95,
+        gamma_denoise: float = 0.99,
+        clip_base: float = 0.001,
+        clip_final: float = 0.01,
+        clip_rate: float = 3.0,
+        min_sampling_std: float = 0.1,
+        noise_clip: float = 3.0,
+        min_logprob_std: float = 0.1,
+        logprob_min: float = -5.0,
+        logprob_max: float = 2.0,
+        actor_lr: float = 1e-4,
+        critic_lr: float = 1e-3,
+        weight_decay: float = 0.0,
+        batch_size: int = 7500,
+        update_epochs: int = 10,
+        vf_coef: float = 0.5,
+        target_kl: float | None = 1.0,
+        max_grad_norm: float | None = None,
+        n_critic_warmup_itr: int = 2,
+        reward_scale_running: bool = True,
+        reward_scale_const: float = 1.0,
+        reset_at_iteration: bool = True,
+        eval_every: int = 10,
+        eval_episodes: int = 50,
+        critic_hidden_dims: list[int] | None = None,
+        seed: int = 0,
+        env_factory: EnvFactory | None = None,
+        asynchronous: bool = True,
+    ) -> None:
+        super().__init__()
+        self.save_hyperparameters(ignore=["env_factory"])
+        self.automatic_optimization = False
+        for name, value in (("num_iterations", num_iterations), ("num_envs", num_envs), ("n_steps", n_steps),
+                            ("batch_size", batch_size), ("update_epochs", update_epochs)):
+            if int(value) < 1:
+                raise ValueError(f"{name} must be >= 1, got {value}")
+        policy, metadata = load_policy(bc_checkpoint)
+        self.source_metadata = metadata
+        self.task = task or metadata.get("task")
+        self.act_steps = int(act_steps or metadata.get("act_steps") or policy.horizon)
+        if not 1 <= self.act_steps <= policy.horizon:
+            raise ValueError(f"act_steps must be in [1, horizon={policy.horizon}], got {self.act_steps}")
+        self.max_episode_steps = max_episode_steps or metadata.get("max_episode_steps")
+        self.normalizer_path = normalizer_path or metadata.get("normalizer_path")
+        policy.enable_finetuning(ft_steps)
+        self.policy: DiffusionPolicy = policy
+        self.critic = CriticMLP(policy.obs_dim, critic_hidden_dims or [256, 256, 256])
+        self.register_buffer("clip_ranges", clip_schedule(ft_steps, clip_base, clip_final, clip_rate), persistent=False)
+        self.env_factory = env_factory
+        self.envs: Any = None
+        self.reward_scaler = RunningRewardScaler(num_envs, gamma=0.99) if reward_scale_running else None
+        self._obs: np.ndarray | None = None
+        self._episode_start: np.ndarray | None = None
+        self.train_tracker = EpisodeTracker(num_envs)
+        self.iteration = 0
+        self._generator = torch.Generator().manual_seed(seed)
+
+    # ------------------------------------------------------------------ environments
+    def make_envs(self) -> Any:
+        hp = self.hparams
+        if self.env_factory is not None:
+            envs = self.env_factory(num_envs=hp.num_envs, seed=hp.seed, act_steps=self.act_steps)
+        else:
+            from robotics.envs import make_vector_env
+
+            if self.task is None:
+                raise ValueError("DPPO needs a task: set model.init_args.task or use a BC checkpoint that records one")
+            envs = make_vector_env(
+                self.task, hp.num_envs, seed=hp.seed, act_steps=self.act_steps,
+                normalizer_path=self.normalizer_path, max_episode_steps=self.max_episode_steps,
+                asynchronous=hp.asynchronous,
+            )
+        check_same_step_autoreset(envs)
+        if envs.num_envs != hp.num_envs:
+            raise ValueError(f"env factory built {envs.num_envs} envs, expected num_envs={hp.num_envs}")
+        return envs
+
+    def on_fit_start(self) -> None:
+        if self.envs is None:
+            self.envs = self.make_envs()
+
+    def teardown(self, stage: str) -> None:
+        if self.envs is not None:
+            self.envs.close()
+            self.envs = None
+
+    def train_dataloader(self) -> DataLoader:
+        return DataLoader(_IterationIndices(self.hparams.num_iterations), batch_size=None, shuffle=False)
+
+    def configure_optimizers(self) -> list[torch.optim.Optimizer]:
+        hp = self.hparams
+        actor = torch.optim.AdamW(self.policy.ft_network.parameters(), lr=hp.actor_lr, weight_decay=hp.weight_decay)
+        critic = torch.optim.AdamW(self.critic.parameters(), lr=hp.critic_lr, weight_decay=hp.weight_decay)
+        return [actor, critic]
+
+    # ------------------------------------------------------------------ rollout
+    def _reset_envs(self) -> None:
+        seed = self.hparams.seed + 1000 * self.iteration if self.hparams.reset_at_iteration else self.hparams.seed
+        obs, _ = self.envs.reset(seed=seed)
+        self._obs = np.asarray(obs, dtype=np.float32)
+        self._episode_start = np.ones(self.hparams.num_envs, dtype=bool)
+        self.train_tracker.reset()
+
+    @torch.no_grad()
+    def collect_rollout(self) -> Rollout:
+        """Sample ``n_steps`` chunk steps on every env with the stochastic (training) chain."""
+        hp = self.hparams
+        if self._obs is None or hp.reset_at_iteration:
+            self._reset_envs()
+        self.policy.eval()
+        obs_l, chain_l, logp_l, rew_l, term_l, trunc_l, start_l, reached_l = ([] for _ in range(8))
+        for _ in range(hp.n_steps):
+            obs_t = torch.as_tensor(self._obs, dtype=torch.float32, device=self.device)
+            sample = self.policy.sample(
+                obs_t, min_sampling_std=hp.min_sampling_std, noise_clip=hp.noise_clip,
+                return_log_probs=True, min_logprob_std=hp.min_logprob_std, generator=self._sampling_generator(),
+            )
+            logp = torch.stack(
+                [reduce_step_log_prob(sample.log_probs[:, i], self.act_steps, hp.logprob_min, hp.logprob_max)
+                 for i in range(self.policy.ft_steps)], dim=1,
+            )
+            next_obs, rewards, terminated, truncated, infos = self.envs.step(sample.actions.cpu().numpy())
+            done = np.logical_or(terminated, truncated)
+            obs_l.append(obs_t.cpu())
+            chain_l.append(sample.chain.cpu())
+            logp_l.append(logp.cpu())
+            rew_l.append(np.asarray(rewards, dtype=np.float64) * hp.reward_scale_const)
+            term_l.append(np.asarray(terminated, dtype=bool))
+            trunc_l.append(np.asarray(truncated, dtype=bool))
+            start_l.append(self._episode_start.copy())
+            reached_l.append(final_observations(next_obs, infos, done))
+            self.train_tracker.update(np.asarray(rewards), terminated, truncated, infos)
+            self._obs = np.asarray(next_obs, dtype=np.float32)
+            self._episode_start = done.copy()
+        return Rollout(
+            obs=torch.stack(obs_l), chains=torch.stack(chain_l), old_log_probs=torch.stack(logp_l),
+            rewards=torch.as_tensor(np.stack(rew_l), dtype=torch.float32),
+            terminated=torch.as_tensor(np.stack(term_l)), truncated=torch.as_tensor(np.stack(trunc_l)),
+            episode_start=torch.as_tensor(np.stack(start_l)),
+            reached_obs=torch.as_tensor(np.stack(reached_l), dtype=torch.float32),
+        )
+
+    def _sampling_generator(self) -> torch.Generator | None:
+        return self._generator if self.device.type == "cpu" else None
+
+    @torch.no_grad()
+    def compute_advantages(self, rollout: Rollout) -> Rollout:
+        """Running reward scaling, critic values and GAE over chunk steps (mmpo.core.gae)."""
+        hp = self.hparams
+        rewards = rollout.rewards
+        if self.reward_scaler is not None:
+            scaled = self.reward_scaler(rewards.numpy(), rollout.episode_start.numpy())
+            rewards = torch.as_tensor(scaled, dtype=torch.float32)
+        steps, envs = rewards.shape
+        values = self.critic(rollout.obs.reshape(steps * envs, -1).to(self.device)).view(steps, envs).cpu()
+        next_values = self.critic(rollout.reached_obs.reshape(steps * envs, -1).to(self.device)).view(steps, envs).cpu()
+        advantages, returns = gae(
+            rewards, values, next_values, rollout.terminated, rollout.truncated, gamma=hp.gamma, lam=hp.gae_lambda
+        )
+        rollout.scaled_rewards, rollout.advantages, rollout.returns = rewards, advantages, returns
+        return rollout
+
+    # ------------------------------------------------------------------ PPO update
+    def minibatch_loss(
+        self,
+        obs: torch.Tensor,
+        chains: torch.Tensor,
+        ft_index: torch.Tensor,
+        old_log_probs: torch.Tensor,
+        advantages: torch.Tensor,
+        returns: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+        """Loss of one minibatch of (env step, denoising step) pairs.
+
+        Args: obs (B, obs_dim), chains (B, K'+1, Ta, Da), ft_index (B,) in [0, K'), old_log_probs (B,),
+            advantages (B,) env-level GAE, returns (B,).
+        Returns: (policy loss, value loss, ratio (B,), metrics).
+        """
+        hp = self.hparams
+        elementwise = self.policy.chain_step_log_prob(
+            obs, chains, ft_index, min_logprob_std=hp.min_logprob_std
+        )
+        new_log_probs = reduce_step_log_prob(elementwise, self.act_steps, hp.logprob_min, hp.logprob_max)
+        adv = normalize_advantages(advantages) * denoising_discount(ft_index, self.policy.ft_steps, hp.gamma_denoise).to(advantages.device)
+        batch = obs.shape[0]
+        pg_loss = torch.zeros((), device=obs.device)
+        sums: dict[str, torch.Tensor] = {}
+        # The clip range differs per denoising step; the core's PPO loss takes one range, so each
+        # step's pairs go through it separately and are re-weighted into the minibatch mean.
+        for step in torch.unique(ft_index).tolist():
+            rows = ft_index == step
+            weight = rows.sum() / batch
+            clip = float(self.clip_ranges[step])
+            loss_i, metrics_i = policy_loss(
+                "ppo", new_log_probs[rows].unsqueeze(1), old_log_probs[rows].unsqueeze(1), adv[rows],
+                torch.ones(int(rows.sum()), 1, device=obs.device), agg="token-mean", clip_low=clip, clip_high=clip,
+            )
+            pg_loss = pg_loss + weight * loss_i
+            for key in ("policy/clipfrac", "policy/approx_kl"):
+                sums[key] = sums.get(key, torch.zeros((), device=obs.device)) + weight * metrics_i[key]
+        values = self.critic(obs)
+        value_loss = 0.5 * ((values - returns) ** 2).mean()
+        ratio = torch.exp((new_log_probs - old_log_probs).detach())
+        return pg_loss, value_loss, ratio, sums
+
+    def ppo_update(self, rollout: Rollout, train_actor: bool) -> dict[str, float]:
+        """``update_epochs`` passes over shuffled (env step, denoising step) pairs."""
+        hp = self.hparams
+        actor_opt, critic_opt = self.optimizers()
+        steps, envs = rollout.rewards.shape
+        ft = self.policy.ft_steps
+        obs = rollout.obs.reshape(steps * envs, -1).to(self.device)
+        chains = rollout.chains.reshape(steps * envs, *rollout.chains.shape[2:]).to(self.device)
+        old = rollout.old_log_probs.reshape(steps * envs, ft).to(self.device)
+        advantages = rollout.advantages.reshape(-1).to(self.device)
+        returns = rollout.returns.reshape(-1).to(self.device)
+        total_pairs = steps * envs * ft
+        batch_size = min(hp.batch_size, total_pairs)
+        num_batches = total_pairs // batch_size  # the last partial minibatch is skipped, as in DPPO
+        self.policy.train()
+        history: dict[str, list[float]] = {"losses/policy": [], "losses/value": [], "policy/clipfrac": [],
+                                           "policy/approx_kl": [], "policy/ratio_first_minibatch_maxdev": []}
+        stop = False
+        for epoch in range(hp.update_epochs):
+            permutation = torch.randperm(total_pairs, generator=self._generator).to(self.device)
+            for batch_index in range(num_batches):
+                pairs = permutation[batch_index * batch_size:(batch_index + 1) * batch_size]
+                sample_index, ft_index = pairs // ft, pairs % ft
+                pg_loss, value_loss, ratio, metrics = self.minibatch_loss(
+                    obs[sample_index], chains[sample_index], ft_index, old[sample_index, ft_index],
+                    advantages[sample_index], returns[sample_index],
+                )
+                if epoch == 0 and batch_index == 0:
+                    history["policy/ratio_first_minibatch_maxdev"].append(float((ratio - 1).abs().max()))
+                loss = hp.vf_coef * value_loss + (pg_loss if train_actor else 0.0)
+                actor_opt.zero_grad(set_to_none=True)
+                critic_opt.zero_grad(set_to_none=True)
+                self.manual_backward(loss)
+                if hp.max_grad_norm is not None:
+                    torch.nn.utils.clip_grad_norm_(self.policy.ft_network.parameters(), hp.max_grad_norm)
+                    torch.nn.utils.clip_grad_norm_(self.critic.parameters(), hp.max_grad_norm)
+                if train_actor:
+                    actor_opt.step()
+                critic_opt.step()
+                history["losses/policy"].append(float(pg_loss.detach()))
+                history["losses/value"].append(float(value_loss.detach()))
+                history["policy/clipfrac"].append(float(metrics["policy/clipfrac"]))
+                history["policy/approx_kl"].append(float(metrics["policy/approx_kl"]))
+                if hp.target_kl is not None and train_actor and float(metrics["policy/approx_kl"]) > hp.target_kl:
+                    stop = True
+                    break
+            if stop:
+                break
+        self.policy.eval()
+        return {key: float(np.mean(values)) for key, values in history.items() if values}
+
+    # ------------------------------------------------------------------ Lightning loop
+    def evaluate(self, num_episodes: int | None = None) -> dict[str, float]:
+        """Deterministic evaluation with the fine-tuned network on the last K' steps (the training chain)."""
+        result = evaluate_policy(
+            self.policy, self.envs, num_episodes or self.hparams.eval_episodes, deterministic=True,
+            seed=self.hparams.seed + 10_000 + self.iteration,
+        )
+        self._obs = None  # evaluation consumed the envs' episodes: the next rollout resets them
+        return result
+
+    def training_step(self, batch: Any, batch_idx: int) -> None:
+        hp = self.hparams
+        if self.envs is None:
+            self.envs = self.make_envs()
+        start = time.perf_counter()
+        steps_before = self.train_tracker.env_steps
+        rollout = self.collect_rollout()
+        rollout_seconds = time.perf_counter() - start
+        env_steps = self.train_tracker.env_steps - steps_before
+        self.compute_advantages(rollout)
+        metrics = self.ppo_update(rollout, train_actor=self.iteration >= hp.n_critic_warmup_itr)
+        summary = self.train_tracker.summary()
+        self.train_tracker.returns.clear()
+        self.train_tracker.successes.clear()
+        self.train_tracker.lengths.clear()
+        metrics.update({
+            "charts/return": summary["return"],
+            "charts/success_rate": summary["success_rate"],
+            "charts/episodes": summary["episodes"],
+            "perf/env_steps_per_s": env_steps / max(rollout_seconds, 1e-9),
+            "perf/env_steps_total": float(self.train_tracker.env_steps),
+            "perf/faults": float(self.train_tracker.faults),
+            "charts/iteration": float(self.iteration),
+        })
+        if hp.eval_every and (self.iteration % hp.eval_every == 0 or self.iteration == hp.num_iterations - 1):
+            evaluation = self.evaluate()
+            metrics.update({f"eval/{key}": value for key, value in evaluation.items()})
+        self.iteration += 1
+        # NaN (no finished episode this iteration, no success signal) is left out of the logs.
+        clean = {key: value for key, value in metrics.items() if np.isfinite(value)}
+        self.log_dict(clean, on_step=True, on_epoch=False, prog_bar=False, batch_size=1)
+        self.last_metrics = metrics
+
+    # ------------------------------------------------------------------ checkpoints
+    def robotics_metadata(self) -> dict[str, Any]:
+        return {
+            "kind": "dppo",
+            "policy_config": self.policy.policy_config,
+            "policy_prefix": "policy.",
+            "ft_steps": self.policy.ft_steps,
+            "task": self.task,
+            "act_steps": self.act_steps,
+            "max_episode_steps": self.max_episode_steps,
+            "normalizer_path": self.normalizer_path,
+        }
+
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        checkpoint["robotics"] = self.robotics_metadata()
+        checkpoint["dppo_state"] = {"iteration": self.iteration}
+        if self.reward_scaler is not None:
+            scaler = self.reward_scaler
+            checkpoint["dppo_state"].update(
+                reward_scale_mean=scaler.mean, reward_scale_var=scaler.var, reward_scale_count=scaler.count,
+                reward_scale_returns=torch.as_tensor(scaler.returns),
+            )
+
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        state = checkpoint.get("dppo_state", {})
+        self.iteration = int(state.get("iteration", 0))
+        if self.reward_scaler is not None and "reward_scale_var" in state:
+            self.reward_scaler.mean = float(state["reward_scale_mean"])
+            self.reward_scaler.var = float(state["reward_scale_var"])
+            self.reward_scaler.count = float(state["reward_scale_count"])
+            self.reward_scaler.returns = np.asarray(state["reward_scale_returns"], dtype=np.float64)

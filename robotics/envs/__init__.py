@@ -1,0 +1,30 @@
+"""Robot environments for diffusion-policy RL (DPPO, arXiv 2409.00588).
+
+robosuite Lift / Can set up as robomimic does, gymnasium Hopper, action-chunk execution,
+min-max normalisation, simulator-fault handling and subprocess vector envs.
+"""
+
+from robotics.envs.chunking import ActionChunkWrapper
+from robotics.envs.faults import SimulatorFaultError, SimulatorFaultWrapper, fault_count, find_fault_wrapper
+from robotics.envs.make import make_env
+from robotics.envs.normalizer import Normalizer, stats_path_for
+from robotics.envs.tasks import OBS_KEYS, TASKS, TaskSpec, get_task
+
+__all__ = [
+    "OBS_KEYS",
+    "TASKS",
+    "ActionChunkWrapper",
+    "Normalizer",
+    "SimulatorFaultError",
+    "SimulatorFaultWrapper",
+    "TaskSpec",
+    "fault_count",
+    "find_fault_wrapper",
+    "get_task",
+    "make_env",
+    "stats_path_for",
+]
+
+from robotics.envs.vector import make_vector_env, measure_steps_per_s, merged_info  # noqa: E402
+
+__all__ += ["make_vector_env", "measure_steps_per_s", "merged_info"]

@@ -1,0 +1,107 @@
+"""Task registry: which simulator, which observation keys, which defaults.
+
+The robosuite tasks are set up the way robomimic (and DPPO, arXiv 2409.00588, which
+trains on robomimic data) set them up: Panda arm, OSC_POSE delta control at 20 Hz,
+sparse reward, ``ignore_done=True`` (episodes end only by the time limit), and a
+low-dim state that concatenates robomimic's keys in the order DPPO's
+``process_robomimic_dataset.py`` uses: robot0_eef_pos (3), robot0_eef_quat (4),
+robot0_gripper_qpos (2), object (task-specific).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass(frozen=True)
+class TaskSpec:
+    """Static description of one task.
+
+    Attributes:
+        name: our task name ("lift", "can", "hopper").
+        family: "robosuite" or "gymnasium".
+        sim_name: robosuite environment name ("Lift") or gymnasium id ("Hopper-v5").
+        obs_keys: low-dim observation keys, concatenated in this order.
+        max_episode_steps: default time limit in env steps (robomimic/DPPO: 300 for lift/can).
+        obs_dim: length of the flattened observation.
+        action_dim: length of one action.
+    """
+
+    name: str
+    family: str
+    sim_name: str
+    obs_keys: tuple[str, ...]
+    max_episode_steps: int
+    obs_dim: int
+    action_dim: int
+    extra_env_kwargs: dict[str, Any] = field(default_factory=dict)
+
+
+ROBOMIMIC_LOW_DIM_KEYS = ("robot0_eef_pos", "robot0_eef_quat", "robot0_gripper_qpos", "object")
+
+TASKS: dict[str, TaskSpec] = {
+    # Lift object = cube_pos (3), cube_quat (4), gripper_to_cube_pos (3): 19-D state.
+    "lift": TaskSpec("lift", "robosuite", "Lift", ROBOMIMIC_LOW_DIM_KEYS, 300, 19, 7),
+    # Can object = Can_pos, Can_quat, Can_to_robot0_eef_pos, Can_to_robot0_eef_quat: 23-D.
+    "can": TaskSpec("can", "robosuite", "PickPlaceCan", ROBOMIMIC_LOW_DIM_KEYS, 300, 23, 7),
+    # gymnasium's own flat 11-D observation; DPPO's Gym runs use max 1000 steps.
+    "hopper": TaskSpec("hopper", "gymnasium", "Hopper-v5", ("observation",), 1000, 11, 3),
+}
+
+OBS_KEYS: dict[str, tuple[str, ...]] = {name: spec.obs_keys for name, spec in TASKS.items()}
+
+
+def get_task(task: str) -> TaskSpec:
+    """Look up a task by name; raises ``ValueError`` naming the valid ones."""
+    key = task.lower()
+    if key not in TASKS:
+        raise ValueError(f"unknown task {task!r}; valid tasks: {sorted(TASKS)}")
+    return TASKS[key]
+
+
+def osc_pose_controller_config() -> dict[str, Any]:
+    """robosuite 1.5 composite controller config with the Panda arm on OSC_POSE delta control.
+
+    Loaded from robosuite's own BASIC composite config (arm part is OSC_POSE, kp 150,
+    output_max 0.05 m / 0.5 rad per step, input in [-1, 1], delta input) — the same
+    numbers as robomimic's v1.4.1 env_meta — and checked rather than trusted.
+    """
+    from robosuite.controllers import load_composite_controller_config
+
+    config = load_composite_controller_config(controller="BASIC")
+    # BASIC also lists left arm / torso / head / base / legs parts; a single Panda uses
+    # only the right arm, so keep just that (cleaner robomimic env_args).
+    config["body_parts"] = {"right": config["body_parts"]["right"]}
+    arm = config["body_parts"]["right"]
+    arm["type"] = "OSC_POSE"
+    arm["input_type"] = "delta"
+    if arm.get("kp") != 150 or list(arm.get("output_max", []))[:3] != [0.05, 0.05, 0.05]:
+        raise RuntimeError(f"robosuite's BASIC OSC_POSE config changed: {arm}")
+    return config
+
+
+def robosuite_env_kwargs(
+    spec: TaskSpec, *, max_episode_steps: int, render: bool, camera: str | None, image_size: int
+) -> dict[str, Any]:
+    """The kwargs passed to ``robosuite.make`` (also recorded as robomimic ``env_kwargs``)."""
+    kwargs: dict[str, Any] = {
+        "robots": ["Panda"],
+        "controller_configs": osc_pose_controller_config(),
+        "has_renderer": False,
+        "has_offscreen_renderer": bool(render or camera is not None),
+        "use_camera_obs": camera is not None,
+        "use_object_obs": True,
+        "reward_shaping": False,
+        "control_freq": 20,
+        "horizon": int(max_episode_steps),
+        # robomimic: episodes never end inside robosuite; our TimeLimit truncates.
+        "ignore_done": True,
+        "camera_depths": False,
+        "camera_heights": int(image_size),
+        "camera_widths": int(image_size),
+    }
+    if camera is not None:
+        kwargs["camera_names"] = camera
+    kwargs.update(spec.extra_env_kwargs)
+    return kwargs

@@ -1,0 +1,62 @@
+"""Regenerate core_golden.json: inputs, advantages, losses and gradients on a fixed tiny batch.
+
+The test ``tests/core/test_golden.py`` recomputes everything from the stored inputs and
+compares, so a refactor cannot silently change the math. Regenerate only for an intended
+change of a formula, and say so in the commit message:
+
+    python tests/core/golden/make_golden.py
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from mmpo.core import AGGREGATION_MODES, AdvantageEstimator, PolicyLoss, compute_advantages, policy_loss
+
+HERE = Path(__file__).parent
+
+
+def make_inputs() -> dict:
+    gen = torch.Generator().manual_seed(1234)
+    batch, time = 6, 5
+    old = torch.log_softmax(torch.randn(batch, time, 9, generator=gen, dtype=torch.float64), -1)[..., 0]
+    log_probs = old + 0.35 * torch.randn(batch, time, generator=gen, dtype=torch.float64)
+    mask = torch.zeros(batch, time, dtype=torch.float64)
+    for i, length in enumerate([5, 2, 4, 1, 3, 5]):
+        mask[i, :length] = 1
+    return {
+        "rewards": [1.0, 0.0, 0.5, 1.0, 1.0, 0.0],
+        "group_ids": [4, 4, 4, 9, 9, 9],
+        "log_probs": log_probs.tolist(),
+        "old_log_probs": old.tolist(),
+        "mask": mask.tolist(),
+    }
+
+
+def compute(inputs: dict) -> dict:
+    rewards = torch.tensor(inputs["rewards"], dtype=torch.float64)
+    groups = torch.tensor(inputs["group_ids"])
+    old = torch.tensor(inputs["old_log_probs"], dtype=torch.float64)
+    mask = torch.tensor(inputs["mask"], dtype=torch.float64)
+    out: dict = {"advantages": {}, "losses": {}}
+    for est in AdvantageEstimator:
+        settings = {"generator": torch.Generator().manual_seed(0)} if est.value == "mapo_random_lambda" else {}
+        out["advantages"][est.value] = compute_advantages(est.value, rewards, groups, **settings).tolist()
+    adv = torch.tensor(out["advantages"]["grpo"], dtype=torch.float64)
+    for loss_name in PolicyLoss:
+        for agg in AGGREGATION_MODES:
+            lp = torch.tensor(inputs["log_probs"], dtype=torch.float64, requires_grad=True)
+            loss, _ = policy_loss(loss_name.value, lp, old, adv, mask, agg=agg)
+            (grad,) = torch.autograd.grad(loss, lp)
+            out["losses"][f"{loss_name.value}/{agg}"] = {"loss": loss.item(), "grad": grad.tolist()}
+    return out
+
+
+if __name__ == "__main__":
+    inputs = make_inputs()
+    payload = {"inputs": inputs, "outputs": compute(inputs)}
+    (HERE / "core_golden.json").write_text(json.dumps(payload, indent=1) + "\n")
+    print(f"wrote {HERE / 'core_golden.json'}")

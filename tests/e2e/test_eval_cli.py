@@ -1,0 +1,86 @@
+"""`mmpo eval` end to end on a tiny saved model (build_tiny_vlm), plus its error paths."""
+
+import json
+
+import pytest
+import torch
+
+from mmpo.cli import main as mmpo_main
+from mmpo.data.synthetic import TASKS
+from mmpo.eval.cli import main as eval_main
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory):
+    from mmpo.vlm.factory import build_tiny_vlm
+
+    torch.set_num_threads(1)
+    return build_tiny_vlm(tmp_path_factory.mktemp("tiny_vlm") / "model", seed=0)
+
+
+def test_eval_greedy_writes_reports(tiny_model, tmp_path, capsys):
+    out = tmp_path / "eval"
+    code = mmpo_main(["eval", "--model", str(tiny_model), "--benchmarks", f"synth/{TASKS[0]},synth/all",
+                      "--synth-size", "3", "--limit", "3", "--max-new-tokens", "8", "--batch-size", "2",
+                      "--out", str(out), "--no-progress"])
+    assert code == 0
+    results = json.loads((out / "results.json").read_text())
+    assert set(results) == {"model", "model_type", "decoding", "benchmarks"}
+    assert results["model_type"] == "vlm" and results["decoding"]["greedy"] is True
+    assert list(results["benchmarks"]) == [f"synth/{TASKS[0]}", "synth/all"]
+    for metrics in results["benchmarks"].values():
+        assert {"num_items", "num_samples", "accuracy", "avg@1", "pass@1", "format_rate", "by_task",
+                "seconds"} <= set(metrics)
+        assert metrics["num_items"] == 3 and metrics["num_samples"] == 1
+        assert 0.0 <= metrics["accuracy"] <= 1.0
+    # --limit keeps a mix of tasks in synth/all
+    assert len(results["benchmarks"]["synth/all"]["by_task"]) == min(3, len(TASKS))
+    assert (out / "accuracy.png").stat().st_size > 1000
+    assert "| synth/all | 3 | 1 |" in (out / "results.md").read_text()
+    predictions = (out / "predictions" / "synth_all.jsonl").read_text().splitlines()
+    assert len(predictions) == 3 and len(json.loads(predictions[0])["completions"]) == 1
+    printed = capsys.readouterr().out
+    assert "| benchmark | items | samples | accuracy | avg@1 | pass@1 |" in printed
+
+
+def test_eval_sampled_reports_pass_at_k(tiny_model, tmp_path):
+    out = tmp_path / "eval_k"
+    code = eval_main(["--model", str(tiny_model), "--benchmarks", f"synth/{TASKS[0]}", "--synth-size", "2",
+                      "--num-samples", "4", "--temperature", "1.0", "--max-new-tokens", "6", "--out", str(out),
+                      "--no-progress"])
+    assert code == 0
+    metrics = json.loads((out / "results.json").read_text())["benchmarks"][f"synth/{TASKS[0]}"]
+    assert metrics["num_samples"] == 4
+    assert {"avg@4", "pass@1", "pass@2", "pass@4"} <= set(metrics)
+    # pass@k never decreases with k, and pass@1 is the mean accuracy
+    assert metrics["pass@1"] <= metrics["pass@2"] <= metrics["pass@4"]
+    assert metrics["pass@1"] == pytest.approx(metrics["accuracy"])
+
+
+def test_eval_unknown_benchmark_lists_valid_names(tiny_model, tmp_path, capsys):
+    code = eval_main(["--model", str(tiny_model), "--benchmarks", "synth/nope", "--out", str(tmp_path)])
+    assert code == 2
+    err = capsys.readouterr().err
+    assert "synth/nope" in err and "synth/all" in err and f"synth/{TASKS[0]}" in err
+    assert not (tmp_path / "results.json").exists()
+
+
+def test_eval_rejects_a_path_that_is_not_a_model(tmp_path, capsys):
+    (tmp_path / "empty").mkdir()
+    assert eval_main(["--model", str(tmp_path / "empty"), "--benchmarks", "synth/all", "--out",
+                      str(tmp_path / "o")]) == 2
+    assert "not a model" in capsys.readouterr().err
+    assert eval_main(["--model", str(tmp_path / "absent"), "--benchmarks", "synth/all", "--out",
+                      str(tmp_path / "o")]) == 2
+    assert "does not exist" in capsys.readouterr().err
+
+
+def test_eval_greedy_with_k_is_refused(tiny_model, tmp_path):
+    with pytest.raises(SystemExit):
+        eval_main(["--model", str(tiny_model), "--benchmarks", "synth/all", "--num-samples", "2", "--greedy",
+                   "--out", str(tmp_path)])
+
+
+def test_eval_list(capsys):
+    assert eval_main(["--list"]) == 0
+    assert "synth/all" in capsys.readouterr().out.splitlines()

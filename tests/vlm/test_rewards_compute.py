@@ -1,0 +1,116 @@
+"""compute_rewards: weighted sum, metrics, and survival of raising / hanging / malformed rewards."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+
+import pytest
+import torch
+
+from mmpo.rewards import DEFAULT_REWARD_WEIGHTS, REWARDS, compute_rewards, register_reward
+
+ROWS = [{"answer": "3", "steps": [], "images": []}, {"answer": "left", "steps": [], "images": []}]
+COMPLETIONS = [
+    "<think>x</think><answer>3</answer>",  # accuracy 1, format 1
+    "the answer is \\boxed{right}",  # accuracy 0, format 0
+]
+
+
+@pytest.fixture
+def temporary_reward():
+    added = []
+
+    def add(name, fn):
+        register_reward(name)(fn)
+        added.append(name)
+
+    yield add
+    for name in added:
+        REWARDS.pop(name)
+
+
+def test_default_weights_and_hand_computed_total():
+    assert DEFAULT_REWARD_WEIGHTS == {"accuracy": 0.9, "format": 0.1}
+    total, per_fn, metrics = compute_rewards(None, COMPLETIONS, ROWS)
+    assert per_fn["accuracy"].tolist() == [1.0, 0.0]
+    assert per_fn["format"].tolist() == [1.0, 0.0]
+    # 0.9 * 1 + 0.1 * 1 = 1.0 ; 0.9 * 0 + 0.1 * 0 = 0.0
+    assert torch.allclose(total, torch.tensor([1.0, 0.0]))
+    assert metrics["rewards/accuracy/mean"] == 0.5 and metrics["rewards/format/errors"] == 0.0
+    assert metrics["rewards/total/mean"] == pytest.approx(0.5)
+
+
+def test_custom_weights():
+    completions = ["<think>x</think><answer>4</answer>", "<answer>left</answer>"]
+    total, _, _ = compute_rewards({"accuracy": 2.0, "format": 0.5}, completions, ROWS)
+    # row 0: 2 * 0 + 0.5 * 1 = 0.5 ; row 1: 2 * 1 + 0.5 * 0 = 2.0
+    assert total.tolist() == [0.5, 2.0]
+
+
+def test_raising_reward_gives_zeros_a_warning_and_an_error_count(temporary_reward, caplog):
+    def broken(completions, rows):
+        raise RuntimeError("boom")
+
+    temporary_reward("unit_broken", broken)
+    with caplog.at_level(logging.WARNING):
+        total, per_fn, metrics = compute_rewards({"accuracy": 1.0, "unit_broken": 1.0}, COMPLETIONS, ROWS)
+    assert per_fn["unit_broken"].tolist() == [0.0, 0.0]
+    assert total.tolist() == [1.0, 0.0]  # accuracy still counts
+    assert metrics["rewards/unit_broken/errors"] == 1.0 and metrics["rewards/accuracy/errors"] == 0.0
+    assert any("unit_broken" in r.getMessage() and "boom" in r.getMessage() for r in caplog.records)
+
+
+def test_hanging_reward_times_out(temporary_reward, caplog):
+    release = threading.Event()
+
+    def hangs(completions, rows):
+        release.wait(30)
+        return torch.ones(len(completions))
+
+    temporary_reward("unit_hangs", hangs)
+    try:
+        start = time.monotonic()
+        with caplog.at_level(logging.WARNING):
+            total, per_fn, metrics = compute_rewards({"format": 1.0, "unit_hangs": 1.0}, COMPLETIONS, ROWS,
+                                                     timeout_s=0.5)
+        elapsed = time.monotonic() - start
+    finally:
+        release.set()
+    assert elapsed < 5.0
+    assert per_fn["unit_hangs"].tolist() == [0.0, 0.0]
+    assert total.tolist() == [1.0, 0.0]
+    assert metrics["rewards/unit_hangs/errors"] == 1.0
+    assert any("did not finish within 0.5 s" in r.getMessage() for r in caplog.records)
+
+
+@pytest.mark.parametrize(
+    "bad_output",
+    [torch.ones(3), torch.tensor([1.0, float("nan")])],
+    ids=["wrong_length", "nan"],
+)
+def test_malformed_reward_output_counts_as_error(temporary_reward, bad_output):
+    temporary_reward("unit_malformed", lambda completions, rows: bad_output)
+    _, per_fn, metrics = compute_rewards({"unit_malformed": 1.0}, COMPLETIONS, ROWS)
+    assert per_fn["unit_malformed"].tolist() == [0.0, 0.0]
+    assert metrics["rewards/unit_malformed/errors"] == 1.0
+
+
+def test_list_output_is_accepted(temporary_reward):
+    temporary_reward("unit_list", lambda completions, rows: [0.25] * len(completions))
+    total, _, _ = compute_rewards({"unit_list": 2.0}, COMPLETIONS, ROWS)
+    assert total.tolist() == [0.5, 0.5]  # 2 * 0.25
+
+
+def test_no_timeout_runs_inline_on_main_thread():
+    total, _, _ = compute_rewards({"accuracy": 1.0}, ["<answer>\\sqrt{12}</answer>"],
+                                  [{"answer": "2\\sqrt{3}", "steps": []}], timeout_s=None)
+    assert total.tolist() == [1.0]
+
+
+def test_bad_arguments_fail_loudly():
+    with pytest.raises(KeyError, match="unknown reward"):
+        compute_rewards({"nope": 1.0}, COMPLETIONS, ROWS)
+    with pytest.raises(ValueError, match="2 completions but 1 rows"):
+        compute_rewards(None, COMPLETIONS, ROWS[:1])
