@@ -28,7 +28,7 @@ class ArithmeticDataModule(pl.LightningDataModule):
     def __init__(
         self,
         task: ArithmeticTaskConfig | None = None,
-        train_size: int = 20000,
+        train_size: int = 2500,
         test_size: int = 256,
         val_size: int = 128,
         batch_size: int = 32,
@@ -56,3 +56,58 @@ class ArithmeticDataModule(pl.LightningDataModule):
 
     def test_dataloader(self) -> DataLoader:
         return DataLoader(self.test_rows, batch_size=self.val_batch_size, collate_fn=_rows)
+
+
+class TraceFileDataModule(pl.LightningDataModule):
+    """Rows from local JSONL files (one object per line with ``problem``, ``trace``, ``answer``).
+
+    For real-scale runs, e.g. MetaMathQA GSM/MATH rows converted to this layout (IGPO's
+    trace = the worked solution, answer = the text after "The answer is:"). A row missing a
+    field raises ValueError naming the file and line.
+
+    Args:
+        train_path: JSONL file of training rows.
+        test_path: JSONL file of held-out rows.
+        batch_size: prompts per training batch.
+        val_batch_size: rows per validation batch.
+        val_size: how many held-out rows validation decodes (None: all).
+    """
+
+    def __init__(
+        self, train_path: str, test_path: str, batch_size: int = 8, val_batch_size: int = 32, val_size: int | None = None
+    ) -> None:
+        super().__init__()
+        self.train_path, self.test_path = train_path, test_path
+        self.batch_size, self.val_batch_size, self.val_size = batch_size, val_batch_size, val_size
+        self.train_rows: list[dict[str, str]] = []
+        self.test_rows: list[dict[str, str]] = []
+
+    @staticmethod
+    def read(path: str) -> list[dict[str, str]]:
+        import json
+
+        rows = []
+        with open(path) as handle:
+            for number, line in enumerate(handle, start=1):
+                if not line.strip():
+                    continue
+                row = json.loads(line)
+                missing = [key for key in ("problem", "trace", "answer") if key not in row]
+                if missing:
+                    raise ValueError(f"{path}:{number}: row is missing {missing}")
+                row.setdefault("id", f"{path}:{number}")
+                rows.append({key: str(value) for key, value in row.items()})
+        if not rows:
+            raise ValueError(f"{path} holds no rows")
+        return rows
+
+    def setup(self, stage: str | None = None) -> None:
+        if not self.train_rows:
+            self.train_rows, self.test_rows = self.read(self.train_path), self.read(self.test_path)
+
+    def train_dataloader(self) -> DataLoader:
+        return DataLoader(self.train_rows, batch_size=self.batch_size, shuffle=True, collate_fn=_rows, drop_last=True)
+
+    def val_dataloader(self) -> DataLoader:
+        rows = self.test_rows if self.val_size is None else self.test_rows[: self.val_size]
+        return DataLoader(rows, batch_size=self.val_batch_size, collate_fn=_rows)

@@ -106,7 +106,7 @@ def register_dllm_benchmarks() -> None:
         load_arith_rows,
         modality="dllm",
         scorer=arith_scorer,
-        description=f"held-out left-to-right arithmetic ({ARITH_TEST_SIZE} problems, 3 operations)",
+        description=f"held-out left-to-right arithmetic ({ARITH_TEST_SIZE} problems, 2 operations, values 0..30)",
         overwrite=True,
     )
 

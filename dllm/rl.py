@@ -51,6 +51,7 @@ class DiffuGRPO(pl.LightningModule):
             (see ``dllm.warmup``); None makes a missing ``model_path`` an error.
         save_dir: where the trained policy is written with ``save_pretrained``.
         trust_remote_code: allow the checkpoint's own code (real LLaDA).
+        dtype: weight dtype name, e.g. 'bfloat16' for an 8B model (None: as saved).
         sampler: rollout settings (IGPO: L 256, block 32, steps 128, temperature 1.2).
         group_size: rollouts per prompt G (IGPO: 8).
         inner_updates: optimizer steps per batch of rollouts, mu (IGPO: 4; d1: 12).
@@ -79,6 +80,7 @@ class DiffuGRPO(pl.LightningModule):
         warmup_config: str | None = "configs/dllm/sft_tiny.yaml",
         save_dir: str = "runs/dllm/rl/model",
         trust_remote_code: bool = False,
+        dtype: str | None = None,
         sampler: SamplerConfig | None = None,
         group_size: int = 8,
         inner_updates: int = 4,
@@ -115,7 +117,9 @@ class DiffuGRPO(pl.LightningModule):
             from dllm.warmup import ensure_warm_model
 
             ensure_warm_model(model_path, warmup_config)
-        self.model, self.tokenizer = load_mask_predictor(model_path, trust_remote_code=trust_remote_code)
+        self.model, self.tokenizer = load_mask_predictor(
+            model_path, trust_remote_code=trust_remote_code, dtype=getattr(torch, dtype) if dtype else None
+        )
         self.mask_id = mask_token_id(self.tokenizer, self.model)
         # The KL anchor is the starting model; kept out of the module tree so checkpoints hold one copy.
         self.__dict__["ref_model"] = copy.deepcopy(self.model).eval().requires_grad_(False) if beta > 0 else None
@@ -244,6 +248,7 @@ class DiffuGRPO(pl.LightningModule):
         return loss.detach()
 
     def on_fit_start(self) -> None:
+        self.model.train()  # from_pretrained returns eval mode; rollouts switch to eval themselves
         if self.ref_model is not None:
             self.ref_model.to(self.device)
 

@@ -28,11 +28,11 @@ ANSWER_PREFIX = "A:"
 class ArithmeticTaskConfig:
     """Settings of the synthetic arithmetic task."""
 
-    num_ops: int = 3
+    num_ops: int = 2
     """number of operations per problem (the derivation has this many steps)"""
     max_operand: int = 9
     """operands and the start value are drawn from 1..max_operand"""
-    max_value: int = 99
+    max_value: int = 30
     """every intermediate value stays in [0, max_value]"""
 
     def __post_init__(self) -> None:

@@ -82,6 +82,15 @@ class _IterationIndices(Dataset):
         return index
 
 
+class OnPolicyDataModule(pl.LightningDataModule):
+    """The data side of an on-policy run: rollouts are collected by the module itself, so this only
+    hands Lightning one item per DPPO iteration (``mmpo fit`` configs need a ``data`` entry)."""
+
+    def train_dataloader(self) -> DataLoader:
+        module = self.trainer.lightning_module
+        return DataLoader(_IterationIndices(module.hparams.num_iterations), batch_size=None, shuffle=False)
+
+
 class DPPOModule(pl.LightningModule):
     """DPPO fine-tuning (arXiv 2409.00588) of a BC diffusion policy on a vectorised chunk env.
 

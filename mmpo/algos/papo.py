@@ -23,15 +23,21 @@ Sources: paper Eq. 2 and App. B/G.1; official code ``MikeWangWZHL/PAPO``
 
 from __future__ import annotations
 
+import dataclasses
 import zlib
+from typing import Any, Mapping, Sequence
 
 import numpy as np
 import torch
 from PIL import Image
 from torch import Tensor
 
+from mmpo.algos.config import require
+from mmpo.algos.grpo import GRPOModule
 from mmpo.core.aggregate import aggregate
 from mmpo.core.kl import kl_penalty
+from mmpo.vlm.processing import encode_prompts, repeat_rows
+from mmpo.vlm.rollout import Rollout
 
 # --------------------------------------------------------------------------------------------
 # Step 1: the masked image
@@ -226,3 +232,135 @@ def papo_extra_loss(
         "papo/entropy_masked": entropies["entropy_masked"].detach(),
     }
     return term, metrics
+
+
+# --------------------------------------------------------------------------------------------
+# The Lightning module: GRPO (PAPO-G) or DAPO settings (PAPO-D) plus the steps above
+# --------------------------------------------------------------------------------------------
+
+MASKED_LOG_PROBS = "papo_masked_log_probs"
+MASK_STEP = "papo_mask_step"
+
+
+class PAPOModule(GRPOModule):
+    """PAPO (arXiv 2507.06448) on top of :class:`~mmpo.algos.grpo.GRPOModule`.
+
+    PAPO-G uses the GRPO settings (beta 0.01, clip 0.2/0.3); PAPO-D the DAPO ones (beta 0,
+    clip_high 0.28, dynamic_sampling). See ``configs/vlm/papo_*.yaml``.
+
+    Args:
+        model_path: saved HF model directory.
+        gamma: coefficient of the perception KL, subtracted from the loss (paper: 0.02 PAPO-G,
+            0.01 PAPO-D / no reference KL; 0.04 collapses).
+        eta_orig: eta1, coefficient of the original-image entropy (NLL) term (0.05 for 7B PAPO-G,
+            0.03 PAPO-D, 0 = off as for 3B PAPO-G).
+        eta_masked: eta2, coefficient of the masked-image entropy (NLL) term.
+        mask_prob: probability that a 14 x 14 cell is blackened (paper 0.6).
+        mask_cell_size: cell side in pixels (paper 14, the ViT patch size).
+        masked_with_grad: recompute the masked-image log-probs with gradient in every
+            micro-batch (official ``RECOMPUTE_AUG_LOG_PROBS``); default: once per step, no grad.
+        gamma_end: anneal gamma linearly to this value (eta1/eta2 follow the same discount);
+            None = constant gamma.
+        gamma_annealing_ratio: fraction of ``trainer.max_steps`` over which gamma is annealed.
+        **kwargs: every :class:`GRPOModule` setting.
+    """
+
+    def __init__(
+        self,
+        model_path: str,
+        *,
+        gamma: float = 0.02,
+        eta_orig: float = 0.0,
+        eta_masked: float = 0.0,
+        mask_prob: float = 0.6,
+        mask_cell_size: int = 14,
+        masked_with_grad: bool = False,
+        gamma_end: float | None = None,
+        gamma_annealing_ratio: float = 1.0,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(model_path, **kwargs)
+        require(gamma >= 0, f"gamma must be >= 0, got {gamma}")
+        require(eta_orig >= 0 and eta_masked >= 0, f"eta_orig/eta_masked must be >= 0, got {eta_orig}/{eta_masked}")
+        require(0.0 <= mask_prob <= 1.0, f"mask_prob must be in [0, 1], got {mask_prob}")
+        require(mask_cell_size >= 1, f"mask_cell_size must be >= 1, got {mask_cell_size}")
+        require(0.0 < gamma_annealing_ratio <= 1.0, f"gamma_annealing_ratio must be in (0, 1], got {gamma_annealing_ratio}")
+
+    # -- step 1: masked images, one mask per prompt (shared by its G rollouts) -----------------
+
+    def masked_rows(self, rows: Sequence[Mapping[str, Any]], step: int) -> list[dict[str, Any]]:
+        """Copies of ``rows`` whose images are randomly patch-blackened (seeded by seed, step, row id)."""
+        h = self.hparams
+        out = []
+        for row in rows:
+            seed = mask_seed(h.seed, step, str(row["id"]))
+            images = [
+                random_patch_blackening(image, cell_size=h.mask_cell_size, mask_prob=h.mask_prob, seed=seed + k)
+                for k, image in enumerate(row.get("images") or [])
+            ]
+            out.append({**row, "images": images})
+        return out
+
+    def masked_prompt_inputs(self, rows: Sequence[Mapping[str, Any]], step: int):
+        """Processor inputs of the masked rows (same tokens and ``image_grid_thw`` as the originals)."""
+        return encode_prompts(
+            self.processor, self.masked_rows(rows, step), system_prompt=self.engine.system_prompt,
+            max_prompt_length=self.hparams.max_prompt_length,
+        )
+
+    # -- step 2: masked-image log-probs, once per step without gradient -------------------------
+
+    def build_rollout(self, rows: Sequence[Mapping[str, Any]]) -> Rollout:
+        rollout = super().build_rollout(rows)
+        step = self.trainer.global_step if self._trainer is not None else 0
+        rollout.extras[MASK_STEP] = step
+        if self.hparams.masked_with_grad:
+            return rollout
+        masked_prompts = repeat_rows(self.masked_prompt_inputs(rows, step), self.hparams.num_generations)
+        original_grid = rollout.prompt_inputs.get("image_grid_thw")
+        if original_grid is not None and not torch.equal(original_grid, masked_prompts["image_grid_thw"]):
+            raise RuntimeError("PAPO: the masked images produced a different image grid than the originals")
+        masked = dataclasses.replace(rollout, prompt_inputs=masked_prompts).to(self.device)
+        _, micro = self._check_batch_size(len(rows))
+        rollout.extras[MASKED_LOG_PROBS] = self._log_probs_no_grad(self.model, masked, micro).cpu()
+        return rollout
+
+    def _masked_log_probs(self, minibatch: Rollout) -> Tensor:
+        if not self.hparams.masked_with_grad:
+            return minibatch.extras[MASKED_LOG_PROBS].to(self.device)
+        # recompute with gradient: re-create the same masks from (seed, step, row id)
+        prompts = self.masked_prompt_inputs(minibatch.rows, minibatch.extras[MASK_STEP])
+        masked = dataclasses.replace(minibatch, prompt_inputs=prompts).to(self.device)
+        return self.sequence_log_probs(self.model, masked)[0]
+
+    # -- steps 3-5: -gamma KL_prcp + eta1 H(orig) + eta2 H(masked), annealed ------------------
+
+    def coefficients(self) -> tuple[float, float, float]:
+        """(gamma, eta1, eta2) at the current step (annealed when ``gamma_end`` is set)."""
+        h = self.hparams
+        if h.gamma_end is None or self._trainer is None or self.trainer.max_steps <= 0 or h.gamma == 0:
+            return h.gamma, h.eta_orig, h.eta_masked
+        gamma = annealed_coefficient(self.trainer.global_step, self.trainer.max_steps, start=h.gamma,
+                                     end=h.gamma_end, annealing_ratio=h.gamma_annealing_ratio)
+        discount = gamma / h.gamma
+        return gamma, h.eta_orig * discount, h.eta_masked * discount
+
+    def extra_loss_terms(self, minibatch: Rollout, outputs: Mapping[str, Any]) -> tuple[Tensor, dict[str, Any]]:
+        log_probs, mask = outputs["log_probs"], outputs["mask"]
+        masked_log_probs = self._masked_log_probs(minibatch)
+        gamma, eta_orig, eta_masked = self.coefficients()
+        # the step's aggregation mode and global normalisers, exactly as the policy loss uses them
+        agg_settings = dict(outputs["aggregate"].keywords)
+        mode = agg_settings.pop("mode")
+        term, _ = papo_extra_loss(log_probs, masked_log_probs, mask, gamma=gamma, eta_orig=eta_orig,
+                                  eta_masked=eta_masked, aggregation=mode, **agg_settings)
+        # metrics: this micro-batch's token means (the trainer token-weights them across micro-batches)
+        with torch.no_grad():
+            kl_local, _ = perception_kl(log_probs.detach(), masked_log_probs.detach(), mask)
+            metrics = {
+                "papo/kl_prcp": float(kl_local),
+                "papo/entropy_orig": float(sequence_nll_entropy(log_probs.detach(), mask)),
+                "papo/entropy_masked": float(sequence_nll_entropy(masked_log_probs.detach(), mask)),
+                "papo/gamma": gamma,
+            }
+        return term, metrics

@@ -71,7 +71,7 @@ def compute_advantages_with_metrics(
     """
     fn = ADVANTAGE_ESTIMATORS.get(name)
     key = name.value if isinstance(name, Enum) else name
-    check_settings(fn, settings, family="advantage estimator", name=key)
+    check_settings(fn, settings, family="advantage estimator", name=key, num_tensor_args=2)
     rewards = _float_rewards(rewards)
     index = build_group_index(group_ids.to(rewards.device), num_samples=rewards.numel())
     advantages, metrics = fn(rewards, index, **settings)

@@ -99,34 +99,55 @@ def entropy_from_logits(logits: Tensor, chunk_size: int = DEFAULT_CHUNK_SIZE) ->
 
 
 def _linear_logits(hidden: Tensor, weight: Tensor, bias: Tensor | None, temperature: float) -> Tensor:
+    """(rows, V) float32 logits of one chunk; every step after the matmul is in place."""
     logits = hidden @ weight.t()
     if bias is not None:
-        logits = logits + bias
-    return logits.float() / temperature
+        logits.add_(bias)
+    if logits.dtype != torch.float32:
+        logits = logits.float()
+    if temperature != 1.0:
+        logits.div_(temperature)
+    return logits
+
+
+def _row_dot(a: Tensor, b: Tensor) -> Tensor:
+    """sum_j a_ij b_ij per row via a batched matmul, without an (rows, V) product temporary."""
+    return torch.bmm(a.unsqueeze(1), b.unsqueeze(-1)).reshape(-1)
 
 
 class _HiddenLogProbs(torch.autograd.Function):
-    """Chunked linear + log-softmax gather (+ entropy) that recomputes chunk logits in backward."""
+    """Chunked linear + log-softmax gather (+ entropy) that recomputes chunk logits in backward.
+
+    Peak extra memory per chunk is two (chunk, V) float32 buffers in forward and in backward.
+    """
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, tokens, chunk_size, temperature):  # type: ignore[override]
+    def forward(ctx, hidden, weight, bias, tokens, chunk_size, temperature, with_entropy):  # type: ignore[override]
         rows = hidden.shape[0]
         log_probs = torch.empty(rows, dtype=torch.float32, device=hidden.device)
-        entropy = torch.empty(rows, dtype=torch.float32, device=hidden.device)
+        entropy = torch.zeros(rows, dtype=torch.float32, device=hidden.device)
         lse_all = torch.empty(rows, dtype=torch.float32, device=hidden.device)
         for start in range(0, rows, chunk_size):
             stop = min(start + chunk_size, rows)
-            logits = _linear_logits(hidden[start:stop], weight, bias, temperature)
-            lse = torch.logsumexp(logits, dim=-1)
-            lse_all[start:stop] = lse
-            log_probs[start:stop] = logits.gather(-1, tokens[start:stop].unsqueeze(-1)).squeeze(-1) - lse
-            probs = torch.exp(logits - lse.unsqueeze(-1))
-            entropy[start:stop] = lse - (probs * logits).sum(-1)
-            del logits, probs
+            shifted = _linear_logits(hidden[start:stop], weight, bias, temperature)
+            row_max = shifted.max(dim=-1, keepdim=True).values
+            shifted.sub_(row_max)  # z - max: exp cannot overflow
+            chosen = shifted.gather(-1, tokens[start:stop].unsqueeze(-1)).squeeze(-1)
+            probs = shifted.exp()
+            sum_exp = probs.sum(-1)
+            log_sum_exp = sum_exp.log()
+            log_probs[start:stop] = chosen - log_sum_exp
+            lse_all[start:stop] = log_sum_exp + row_max.squeeze(-1)
+            if with_entropy:
+                # H = lse(z) - sum p z, invariant to the shift by the row max
+                probs.div_(sum_exp.unsqueeze(-1))
+                entropy[start:stop] = log_sum_exp - _row_dot(probs, shifted)
+            del shifted, probs
         ctx.save_for_backward(hidden, weight, bias if bias is not None else torch.empty(0), tokens, lse_all, entropy)
         ctx.has_bias = bias is not None
         ctx.chunk_size = chunk_size
         ctx.temperature = temperature
+        ctx.with_entropy = with_entropy
         ctx.mark_non_differentiable(lse_all)
         return log_probs, entropy, lse_all
 
@@ -135,38 +156,45 @@ class _HiddenLogProbs(torch.autograd.Function):
         hidden, weight, bias, tokens, lse_all, entropy = ctx.saved_tensors
         bias_t = bias if ctx.has_bias else None
         need_h, need_w, need_b = ctx.needs_input_grad[0], ctx.needs_input_grad[1], ctx.needs_input_grad[2]
-        grad_hidden = torch.zeros_like(hidden) if need_h else None
+        grad_hidden = torch.empty_like(hidden) if need_h else None
         grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_w else None
         grad_bias = torch.zeros(weight.shape[0], dtype=torch.float32, device=weight.device) if need_b else None
         if grad_log_probs is None:
             grad_log_probs = torch.zeros_like(lse_all)
-        if grad_entropy is None:
-            grad_entropy = torch.zeros_like(lse_all)
+        use_entropy = ctx.with_entropy and grad_entropy is not None
         rows = hidden.shape[0]
         w32 = weight.float()
         for start in range(0, rows, ctx.chunk_size):
             stop = min(start + ctx.chunk_size, rows)
-            logits = _linear_logits(hidden[start:stop], weight, bias_t, ctx.temperature)
-            log_softmax = logits - lse_all[start:stop].unsqueeze(-1)
-            probs = torch.exp(log_softmax)
             g_lp = grad_log_probs[start:stop].unsqueeze(-1)
-            g_ent = grad_entropy[start:stop].unsqueeze(-1)
+            log_softmax = _linear_logits(hidden[start:stop], weight, bias_t, ctx.temperature)
+            log_softmax.sub_(lse_all[start:stop].unsqueeze(-1))
+            probs = log_softmax.exp()
             # d log p_y / dz = onehot(y) - p ;  dH / dz = -p (log p + H)
-            grad_logits = -g_lp * probs - g_ent * probs * (log_softmax + entropy[start:stop].unsqueeze(-1))
+            # grad_z = onehot(y) g_lp - p (g_lp + g_H (log p + H)), built in place
+            if use_entropy:
+                g_ent = grad_entropy[start:stop].unsqueeze(-1)
+                grad_logits = log_softmax.add_(entropy[start:stop].unsqueeze(-1)).mul_(g_ent).add_(g_lp)
+                grad_logits.mul_(probs).neg_()
+                del probs
+            else:
+                del log_softmax
+                grad_logits = probs.mul_(-g_lp)
             grad_logits.scatter_add_(-1, tokens[start:stop].unsqueeze(-1), g_lp)
-            grad_logits = grad_logits / ctx.temperature
-            del logits, log_softmax, probs
+            if ctx.temperature != 1.0:
+                grad_logits.div_(ctx.temperature)
             if need_h:
                 grad_hidden[start:stop] = (grad_logits @ w32).to(hidden.dtype)
             if need_w:
-                grad_weight += grad_logits.t() @ hidden[start:stop].float()
+                grad_weight.addmm_(grad_logits.t(), hidden[start:stop].float())
             if need_b:
-                grad_bias += grad_logits.sum(0)
+                grad_bias.add_(grad_logits.sum(0))
+            del grad_logits
         if need_w:
             grad_weight = grad_weight.to(weight.dtype)
         if need_b:
             grad_bias = grad_bias.to(bias.dtype)
-        return grad_hidden, grad_weight, grad_bias, None, None, None
+        return grad_hidden, grad_weight, grad_bias, None, None, None, None
 
 
 def token_log_probs_from_hidden(
@@ -212,7 +240,7 @@ def token_log_probs_from_hidden(
     flat_hidden = hidden.reshape(-1, hidden.shape[-1])
     flat_tokens = tokens.reshape(-1)
     log_probs, entropy, _ = _HiddenLogProbs.apply(
-        flat_hidden, lm_head_weight, bias, flat_tokens, chunk_size, float(temperature)
+        flat_hidden, lm_head_weight, bias, flat_tokens, chunk_size, float(temperature), bool(return_entropy)
     )
     log_probs = log_probs.reshape(tokens.shape)
     if return_entropy:

@@ -103,7 +103,9 @@ def policy_loss(
     """
     fn = POLICY_LOSSES.get(name)
     key = name.value if isinstance(name, Enum) else name
-    check_settings(fn, settings, family="policy loss", name=key, reserved=("aggregation", "log_ratio_clamp"))
+    check_settings(
+        fn, settings, family="policy loss", name=key, num_tensor_args=4, reserved=("aggregation", "log_ratio_clamp")
+    )
     if log_probs.ndim != 2:
         raise ValueError(f"log_probs must be (batch, time), got shape {tuple(log_probs.shape)}")
     for arg_name, tensor in (("old_log_probs", old_log_probs), ("mask", mask)):
@@ -458,7 +460,7 @@ def aspo_loss(
     # A <= 0: PPO weight r^, value -A r^; r^ frozen at the bound when clipped.
     r_neg = torch.where(ratio < low, torch.full_like(ratio, low), ratio)
     loss_neg = -advantages * r_neg
-    dual_neg = ~positive & (r_neg.detach() > dual_clip)
+    dual_neg = (advantages < 0) & (r_neg.detach() > dual_clip)
     loss = torch.where(positive, loss_pos, loss_neg)
     dual = dual_pos | dual_neg
     loss = torch.where(dual, -advantages * dual_clip * score, loss)

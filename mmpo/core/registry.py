@@ -54,6 +54,12 @@ class Registry(Generic[F]):
 
         return decorator
 
+    def unregister(self, name: str | Enum) -> F:
+        """Remove and return the function under ``name`` (e.g. a test's or a reloaded plugin's)."""
+        fn = self.get(name)
+        del self._entries[self._key(name)]
+        return fn
+
     def get(self, name: str | Enum) -> F:
         """Return the function registered under ``name``; unknown names raise ValueError."""
         key = self._key(name)

@@ -140,6 +140,7 @@ class PromptDataModule(pl.LightningDataModule):
         image_root: str | None = None,
     ) -> None:
         super().__init__()
+        self.save_hyperparameters()  # stored in checkpoints next to the data position
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
         self.tasks = list(VISUAL_TASKS) if tasks is None else list(tasks)
@@ -213,11 +214,10 @@ class PromptDataModule(pl.LightningDataModule):
                 f"{len(sampler)} training rows per rank is fewer than batch_size={self.batch_size}; "
                 "with drop_last=True there would be no batch. Lower batch_size or add rows."
             )
-        if self._pending_position is not None:
-            epoch, batches = self._pending_position
-            sampler.resume(epoch, batches * self.batch_size)
-            self._pending_position = None
         self._train_sampler = sampler
+        if self._pending_position is not None:
+            self._resume_sampler(*self._pending_position)
+            self._pending_position = None
         loader = ResumableDataLoader(RowDataset(self.train_rows), batch_size=self.batch_size, sampler=sampler,
                                      collate_fn=collate_rows, num_workers=self.num_workers,
                                      drop_last=self.drop_last)
@@ -278,6 +278,17 @@ class PromptDataModule(pl.LightningDataModule):
             )
         position = (int(state_dict["epoch"]), int(state_dict["batches_consumed"]))
         if self._train_sampler is not None:
-            self._train_sampler.resume(position[0], position[1] * self.batch_size)
+            self._resume_sampler(*position)
         else:
             self._pending_position = position
+
+    def _resume_sampler(self, epoch: int, batches: int) -> None:
+        sampler = self._train_sampler
+        assert sampler is not None
+        per_epoch = len(sampler) // self.batch_size if self.drop_last else math.ceil(len(sampler) / self.batch_size)
+        if batches >= per_epoch:
+            # A finished epoch resumes at the start of the next one. Deciding it here, not in
+            # a later set_epoch, matters: with worker processes Lightning creates the resumed
+            # iterator (which draws indices at once) before it calls set_epoch.
+            epoch, batches = epoch + 1, 0
+        sampler.resume(epoch, batches * self.batch_size)

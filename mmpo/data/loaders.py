@@ -143,7 +143,8 @@ def record_to_row(record: dict[str, Any], index: int, *, image_root: Path, sourc
     problem = _PLACEHOLDER_RE.sub("", str(record[problem_key])).strip()
     if not problem:
         raise BadRowError(f"{ref}: problem is empty after removing image placeholders")
-    answer = _unwrap_boxed(str(record.get("answer") or ""))
+    raw_answer = record.get("answer")
+    answer = _unwrap_boxed(str(raw_answer)) if raw_answer is not None else ""  # keep a numeric 0
     if not answer:
         raise BadRowError(f"{ref}: empty answer")
     image_key = _first_key(record, _IMAGE_COLUMNS)

@@ -62,11 +62,13 @@ def extract_answer(completion: str) -> str | None:
 
 
 def normalize_text(answer: str) -> str:
-    """Lower-case, unwrap ``\\text{}``, drop ``$``, surrounding spaces and a trailing period."""
+    """Lower-case, unwrap ``\\text{}`` and brackets around a word, drop ``$``, spaces and a trailing period."""
     text = _TEXT_WRAP_RE.sub(r"\1", answer)
     text = text.replace("$", "").strip().lower()
-    text = re.sub(r"\s+", " ", text)
-    return text.rstrip(".").strip()
+    text = re.sub(r"\s+", " ", text).rstrip(".").strip()
+    # A choice letter or word in brackets: "(A)" -> "a".
+    bracketed = re.fullmatch(r"[(\[]\s*([a-z][a-z \-']*?)\s*[)\]]", text)
+    return bracketed.group(1) if bracketed else text
 
 
 def is_word_answer(answer: str) -> bool:

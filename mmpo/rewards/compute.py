@@ -5,7 +5,8 @@ Each function runs in its own daemon thread; the caller waits at most
 tensor contributes zeros for that call, logs a warning and increments
 ``rewards/<name>/errors``: a bad reward never kills a long run. A hung thread
 cannot be killed in Python; it is left to finish in the background (daemon, so
-it never blocks interpreter exit).
+it never blocks interpreter exit), and while it runs, further calls of the same
+reward fail at once (zeros, counted) instead of starting more stuck threads.
 """
 
 from __future__ import annotations
@@ -28,10 +29,20 @@ class RewardCallError(RuntimeError):
     """A reward function raised, timed out, or returned a malformed tensor."""
 
 
+_HUNG_WORKERS: dict[str, threading.Thread] = {}
+"""Per reward name, the worker thread of a call that timed out and may still be running."""
+
+
 def _call_with_deadline(name: str, fn, completions: list[str], rows: list[dict[str, Any]],
                         timeout_s: float | None) -> torch.Tensor:
     if timeout_s is None:
         return fn(completions, rows)
+    stuck = _HUNG_WORKERS.get(name)
+    if stuck is not None:
+        if stuck.is_alive():
+            # Do not pile up a new stuck thread on every step while the old one still runs.
+            raise RewardCallError(f"reward {name!r} is still running from an earlier call that timed out")
+        del _HUNG_WORKERS[name]
     result: dict[str, Any] = {}
 
     def target() -> None:
@@ -44,6 +55,7 @@ def _call_with_deadline(name: str, fn, completions: list[str], rows: list[dict[s
     worker.start()
     worker.join(timeout_s)
     if worker.is_alive():
+        _HUNG_WORKERS[name] = worker
         raise RewardCallError(f"reward {name!r} did not finish within {timeout_s} s")
     if "error" in result:
         exc = result["error"]

@@ -142,7 +142,8 @@ def generate_demos(
                         episode["states"],
                         model_file=episode["model_file"] if store_model_file else None,
                     )
-                    flat = np.stack([flatten_obs(o, spec.obs_keys) for o in episode["obs"]])
+                    # float64 like the stored obs, so min/max map the stored data exactly onto [-1, 1]
+                    flat = np.stack([flatten_obs(o, spec.obs_keys, np.float64) for o in episode["obs"]])
                     flat_obs.append(flat)
                     all_actions.append(episode["actions"])
                     lengths.append(len(episode["actions"]))

@@ -5,7 +5,7 @@ from __future__ import annotations
 import gymnasium as gym
 
 from robotics.envs.faults import SimulatorFaultWrapper
-from robotics.envs.robosuite_env import RENDER_SIZE, RobosuiteGymEnv, ensure_offscreen_gl
+from robotics.envs.robosuite_env import RobosuiteGymEnv, ensure_offscreen_gl
 from robotics.envs.tasks import get_task
 
 
@@ -27,10 +27,11 @@ def make_env(
             continue the same random stream. Pass ``seed`` to ``reset`` to re-seed.
         max_episode_steps: time limit in env steps (default: the task's, 300 for lift/can,
             1000 for hopper); reaching it gives ``truncated=True``.
-        render: enable offscreen rendering; ``env.render()`` then returns (H, W, 3) uint8.
+        render: enable offscreen rendering; ``env.render()`` then returns an
+            (image_size, image_size, 3) uint8 frame (robosuite: the ``agentview`` camera).
         camera: robosuite camera name (e.g. "agentview", "robot0_eye_in_hand") to add an
             image to the observation (obs becomes Dict(state, image)); robosuite tasks only.
-        image_size: camera observation height = width.
+        image_size: side of camera observations and of ``render()`` frames.
         terminate_on_success: end robosuite episodes at the first success (robomimic/DPPO
             default False: episodes run to the time limit; True makes evaluation cheaper).
 
@@ -58,7 +59,7 @@ def make_env(
             raise ValueError(f"camera observations are only supported for robosuite tasks, not {task!r}")
         if render:
             ensure_offscreen_gl()
-        kwargs = {"render_mode": "rgb_array", "width": RENDER_SIZE, "height": RENDER_SIZE} if render else {}
+        kwargs = {"render_mode": "rgb_array", "width": image_size, "height": image_size} if render else {}
         # gym.make's own TimeLimit is disabled: ours goes outside the fault guard.
         base = gym.make(spec.sim_name, max_episode_steps=None, disable_env_checker=True, **kwargs)
         base = _StripTimeLimit.unwrap(base)

@@ -18,8 +18,6 @@ from robotics.envs.robosuite_compat import apply_robosuite_compat
 from robotics.envs.tasks import TaskSpec, robosuite_env_kwargs
 
 DEFAULT_RENDER_CAMERA = "agentview"
-#: side of the square frames env.render() returns (videos)
-RENDER_SIZE = 256
 
 
 def ensure_offscreen_gl() -> str:
@@ -34,8 +32,8 @@ def ensure_offscreen_gl() -> str:
     return os.environ["MUJOCO_GL"]
 
 
-def flatten_obs(obs: dict[str, np.ndarray], keys: tuple[str, ...]) -> np.ndarray:
-    """Concatenate ``obs[k]`` for ``k in keys`` -> (obs_dim,) float32.
+def flatten_obs(obs: dict[str, np.ndarray], keys: tuple[str, ...], dtype=np.float32) -> np.ndarray:
+    """Concatenate ``obs[k]`` for ``k in keys`` -> (obs_dim,) ``dtype``.
 
     Works on robosuite dicts (robomimic's ``object`` is robosuite's ``object-state``) and on
     robomimic-style dicts alike.
@@ -46,7 +44,7 @@ def flatten_obs(obs: dict[str, np.ndarray], keys: tuple[str, ...]) -> np.ndarray
         if source not in obs:
             raise KeyError(f"observation key {key!r} missing; available: {sorted(obs)}")
         parts.append(np.asarray(obs[source], dtype=np.float64).ravel())
-    return np.concatenate(parts).astype(np.float32)
+    return np.concatenate(parts).astype(dtype)
 
 
 def robomimic_obs_dict(obs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
@@ -137,13 +135,25 @@ class RobosuiteGymEnv(gym.Env):
     def is_success(self) -> bool:
         return bool(self.sim_env._check_success())
 
+    def _reseed(self, seed: int) -> None:
+        # robosuite draws robot init noise from env.rng and object placements from the
+        # placement sampler's own reference to the rng given at construction (composite
+        # samplers hold one per child), so all of them get the new generator.
+        rng = np.random.default_rng(seed)
+        self.sim_env.rng = rng
+        pending = [getattr(self.sim_env, "placement_initializer", None)]
+        while pending:
+            sampler = pending.pop()
+            if sampler is None:
+                continue
+            sampler.rng = rng
+            pending.extend(getattr(sampler, "samplers", {}).values())
+
     # --- gymnasium API -------------------------------------------------------------
     def reset(self, *, seed: int | None = None, options: dict[str, Any] | None = None):
         super().reset(seed=seed)
         if seed is not None:
-            # robosuite draws object placements from env.rng; a hard reset rebuilds the
-            # placement sampler from it, so reseeding here makes the layout reproducible.
-            self.sim_env.rng = np.random.default_rng(seed)
+            self._reseed(seed)
         raw = self.sim_env.reset()
         return self._convert(raw), {"success": self.is_success()}
 
@@ -155,11 +165,11 @@ class RobosuiteGymEnv(gym.Env):
         return self._convert(raw), float(reward), terminated, False, {"success": success}
 
     def render(self) -> np.ndarray | None:
-        """(RENDER_SIZE, RENDER_SIZE, 3) uint8 frame from the ``agentview`` camera (``render=True`` only)."""
+        """(image_size, image_size, 3) uint8 frame from the ``agentview`` camera (``render=True`` only)."""
         if not self.render_enabled:
             return None
         frame = self.sim_env.sim.render(
-            camera_name=DEFAULT_RENDER_CAMERA, width=RENDER_SIZE, height=RENDER_SIZE
+            camera_name=DEFAULT_RENDER_CAMERA, width=self.image_size, height=self.image_size
         )
         return np.ascontiguousarray(frame[::-1])
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import multiprocessing
 import os
 import sys
 import time
@@ -60,6 +61,20 @@ def _single_threaded_children() -> Iterator[None]:
                 os.environ.pop(key, None)
             else:
                 os.environ[key] = value
+
+
+def _preload_forkserver(task: str) -> None:
+    """Import the simulator once in the forkserver so each forked worker skips it.
+
+    Without this every worker re-imports robosuite (seconds each on a loaded machine).
+    Only effective before the forkserver process starts (the first vector env).
+    """
+    from robotics.envs.tasks import get_task
+
+    modules = ["robotics.envs.vector"]
+    if get_task(task).family == "robosuite":
+        modules += ["robosuite", "robotics.envs.robosuite_env"]
+    multiprocessing.get_context("forkserver").set_forkserver_preload(modules)
 
 
 def default_context() -> str:
@@ -115,8 +130,11 @@ def make_vector_env(
     ]
     if not asynchronous:
         return SyncVectorEnv(env_fns, autoreset_mode=AutoresetMode.SAME_STEP)
+    context = context or default_context()
     with _single_threaded_children():
-        return AsyncVectorEnv(env_fns, context=context or default_context(), autoreset_mode=AutoresetMode.SAME_STEP)
+        if context == "forkserver":
+            _preload_forkserver(task)
+        return AsyncVectorEnv(env_fns, context=context, autoreset_mode=AutoresetMode.SAME_STEP)
 
 
 def merged_info(infos: dict[str, Any], key: str, default: Any = False) -> np.ndarray:

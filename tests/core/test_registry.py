@@ -10,6 +10,7 @@ from mmpo.core import (
     PolicyLoss,
     Registry,
     compute_advantages,
+    compute_advantages_with_metrics,
     policy_loss,
     register_advantage_estimator,
     register_policy_loss,
@@ -72,3 +73,32 @@ def test_unknown_settings_are_named():
     x = torch.zeros(1, 2)
     with pytest.raises(ValueError, match=r"unknown setting\(s\) \['clip_ratio'\]"):
         policy_loss("ppo", x, x, torch.zeros(1), torch.ones(1, 2), clip_ratio=0.2)
+
+
+def test_user_registered_estimator_and_loss_work_end_to_end():
+    @register_advantage_estimator("_test_sign")
+    def sign_advantages(rewards, index, *, scale: float = 1.0):
+        return scale * torch.sign(rewards - index.mean(rewards)[index.inverse]), {"advantages/custom": 1.0}
+
+    @register_policy_loss("_test_reinforce")
+    def reinforce_loss(log_probs, old_log_probs, advantages, mask, *, aggregation, log_ratio_clamp):
+        return aggregation(-advantages * log_probs, mask), {}
+
+    try:
+        adv, metrics = compute_advantages_with_metrics(
+            "_test_sign", torch.tensor([1.0, 0.0, 0.5, 0.5]), torch.tensor([0, 0, 1, 1]), scale=2.0
+        )
+        # group 0 mean 0.5 -> signs +1, -1 (x2) ; group 1 constant -> 0
+        assert adv.tolist() == [2.0, -2.0, 0.0, 0.0]
+        assert metrics["advantages/custom"] == 1.0 and metrics["rewards/frac_zero_std"] == 0.5
+        with pytest.raises(ValueError, match=r"accepted settings: \['scale'\]"):
+            compute_advantages("_test_sign", torch.tensor([1.0, 0.0]), torch.tensor([0, 0]), eps=1.0)
+        lp = torch.tensor([[-1.0, -2.0]])
+        loss, _ = policy_loss("_test_reinforce", lp, lp, torch.tensor([2.0]), torch.ones(1, 2),
+                              agg="seq-mean-token-sum")
+        # -2 * (-1 - 2) = 6
+        assert loss.item() == 6.0
+    finally:
+        ADVANTAGE_ESTIMATORS.unregister("_test_sign")
+        POLICY_LOSSES.unregister("_test_reinforce")
+    assert "_test_sign" not in ADVANTAGE_ESTIMATORS

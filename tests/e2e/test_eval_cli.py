@@ -84,3 +84,56 @@ def test_eval_greedy_with_k_is_refused(tiny_model, tmp_path):
 def test_eval_list(capsys):
     assert eval_main(["--list"]) == 0
     assert "synth/all" in capsys.readouterr().out.splitlines()
+
+
+def test_evaluate_api_greedy_is_deterministic(tiny_model):
+    from mmpo.eval.harness import evaluate
+    from mmpo.eval.registry import synthetic_rows
+    from mmpo.vlm.factory import load_vlm
+
+    model, processor = load_vlm(tiny_model)
+    rows = synthetic_rows(list(TASKS[:2]), size=2, seed=3)
+    first = evaluate(model, processor, rows, max_new_tokens=6, batch_size=3, progress=False)
+    second = evaluate(model, processor, rows, max_new_tokens=6, batch_size=3, progress=False)
+    assert [p["completions"] for p in first["predictions"]] == [p["completions"] for p in second["predictions"]]
+    flags = [flag for p in first["predictions"] for flag in p["correct"]]
+    assert first["accuracy"] == pytest.approx(sum(flags) / len(flags))
+    assert set(first["by_task"]) == set(TASKS[:2])
+    assert model.training is False
+
+
+@pytest.fixture(scope="module")
+def tiny_dllm(tmp_path_factory):
+    """A tiny masked-diffusion checkpoint saved by the dllm package (marker file included)."""
+    from dllm.modeling import TinyMaskPredictorConfig, build_tiny_mask_predictor, save_mask_predictor
+    from dllm.sampler import SamplerConfig
+    from dllm.task import ArithmeticTaskConfig, corpus
+    from dllm.tokenizer import train_char_tokenizer
+
+    torch.manual_seed(0)
+    tokenizer = train_char_tokenizer(corpus(ArithmeticTaskConfig(), size=50))
+    model = build_tiny_mask_predictor(tokenizer, TinyMaskPredictorConfig(
+        hidden_size=32, num_layers=1, num_heads=2, intermediate_size=64, max_positions=64))
+    path = tmp_path_factory.mktemp("tiny_dllm") / "ckpt"
+    save_mask_predictor(model, tokenizer, path,
+                        generation={"sampler": vars(SamplerConfig(gen_length=8, block_length=4, steps=4))})
+    return path
+
+
+def test_eval_dispatches_dllm_checkpoints(tiny_dllm, tmp_path):
+    out = tmp_path / "eval_dllm"
+    code = eval_main(["--model", str(tiny_dllm), "--benchmarks", "dllm/arith", "--limit", "3",
+                      "--num-samples", "2", "--temperature", "1.0", "--out", str(out), "--no-progress"])
+    assert code == 0
+    results = json.loads((out / "results.json").read_text())
+    assert results["model_type"] == "dllm"
+    metrics = results["benchmarks"]["dllm/arith"]
+    assert metrics["num_items"] == 3 and metrics["num_samples"] == 2
+    assert {"avg@2", "pass@1", "pass@2"} <= set(metrics)
+
+
+def test_eval_refuses_image_benchmarks_for_dllm(tiny_dllm, tmp_path, capsys):
+    visual = next(task for task in TASKS if task != "arithmetic")
+    assert eval_main(["--model", str(tiny_dllm), "--benchmarks", f"synth/{visual}", "--synth-size", "1",
+                      "--out", str(tmp_path)]) == 2
+    assert "text-only dLLM" in capsys.readouterr().err

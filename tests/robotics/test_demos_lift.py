@@ -107,9 +107,13 @@ def test_states_and_env_args_recreate_the_scene(lift_demos):
         step = len(states) // 2
         env.sim.set_state_from_flattened(states[step])
         env.sim.forward()
+        np.testing.assert_allclose(env.sim.get_state().flatten(), states[step])
         obs = env._get_observations(force_update=True)
-        np.testing.assert_allclose(obs["robot0_eef_pos"], eef[step], atol=1e-6)
-        np.testing.assert_allclose(obs["cube_pos"], cube[step], atol=1e-6)
+        # robosuite reads observables after the last physics substep without a forward
+        # pass, so recorded site positions lag the state by one 2 ms substep (< 1 mm).
+        np.testing.assert_allclose(obs["robot0_eef_pos"], eef[step], atol=1e-3)
+        np.testing.assert_allclose(obs["cube_pos"], cube[step], atol=1e-3)
+        assert np.linalg.norm(obs["robot0_eef_pos"] - eef[len(states) // 4]) > 5e-3  # other steps differ
     finally:
         env.close()
 

@@ -125,3 +125,16 @@ def test_lightning_resume_continues_at_the_same_batch(tmp_path, num_workers):
         resumed = _RecordingModule()
         _trainer(7).fit(resumed, datamodule=_dm(num_workers=num_workers), ckpt_path=str(ckpt))
         assert resumed.seen == full.seen[done:], ckpt.name
+
+
+def test_sampler_shards_ranks_disjointly_and_resumes_per_rank():
+    from mmpo.data.datamodule import ResumableSampler, RowDataset
+
+    dataset = RowDataset(list(range(10)))
+    ranks = [ResumableSampler(dataset, seed=3, num_replicas=2, rank=r) for r in (0, 1)]
+    orders = [list(s) for s in ranks]
+    assert len(orders[0]) == len(orders[1]) == 5
+    assert sorted(orders[0] + orders[1]) == list(range(10))
+    ranks[1].resume(0, 2)  # skip this rank's first two indices, once
+    assert list(ranks[1]) == orders[1][2:]
+    assert list(ranks[1]) == orders[1]

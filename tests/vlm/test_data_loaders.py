@@ -82,11 +82,13 @@ def test_r1vl_key_steps_layout(tmp_path, image_dir):
     assert rows[0]["expert_trace"] == "<think>t</think><answer>6</answer>"
 
 
-def test_json_list_file(tmp_path, image_dir):
+def test_json_list_file_with_numeric_fields(tmp_path, image_dir):
     path = tmp_path / "data.json"
-    path.write_text(json.dumps([{"id": "j0", "images": [], "problem": "1+1?", "answer": "2"}]))
+    path.write_text(json.dumps([{"id": "j0", "images": [], "problem": "1+1?", "answer": "2"},
+                                {"id": 7, "problem": "1-1?", "answer": 0, "difficulty": 3}]))
     rows, _ = load_rows(path)
     assert rows[0]["images"] == [] and rows[0]["needs_image"] is False
+    assert rows[1]["id"] == "7" and rows[1]["answer"] == "0" and rows[1]["difficulty"] == 3
 
 
 BAD_RECORDS = [

@@ -57,6 +57,8 @@ def test_extract_answer(completion, expected):
         ("<answer>right</answer>", "left", 0.0),
         ("<answer>felt</answer>", "left", 0.0),  # math-verify alone would say l*e*f*t == f*e*l*t
         ("### The final answer is: red", "red", 1.0),  # StepGRPO layout
+        ("<answer>(B)</answer>", "B", 1.0),  # choice letter in brackets
+        ("<answer>(B)</answer>", "C", 0.0),
     ],
 )
 def test_accuracy_reward(completion, gold, reward):

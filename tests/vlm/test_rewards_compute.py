@@ -76,13 +76,24 @@ def test_hanging_reward_times_out(temporary_reward, caplog):
             total, per_fn, metrics = compute_rewards({"format": 1.0, "unit_hangs": 1.0}, COMPLETIONS, ROWS,
                                                      timeout_s=0.5)
         elapsed = time.monotonic() - start
+        assert elapsed < 5.0
+        assert per_fn["unit_hangs"].tolist() == [0.0, 0.0]
+        assert total.tolist() == [1.0, 0.0]
+        assert metrics["rewards/unit_hangs/errors"] == 1.0
+        assert any("did not finish within 0.5 s" in r.getMessage() for r in caplog.records)
+        # While the first call is still stuck, the next one fails at once without a new thread.
+        start = time.monotonic()
+        _, per_fn, metrics = compute_rewards({"unit_hangs": 1.0}, COMPLETIONS, ROWS, timeout_s=0.5)
+        assert time.monotonic() - start < 0.4
+        assert metrics["rewards/unit_hangs/errors"] == 1.0
     finally:
         release.set()
-    assert elapsed < 5.0
-    assert per_fn["unit_hangs"].tolist() == [0.0, 0.0]
-    assert total.tolist() == [1.0, 0.0]
-    assert metrics["rewards/unit_hangs/errors"] == 1.0
-    assert any("did not finish within 0.5 s" in r.getMessage() for r in caplog.records)
+    # Once the stuck call has finished, the reward works again.
+    from mmpo.rewards import compute as compute_module
+
+    compute_module._HUNG_WORKERS["unit_hangs"].join(5)
+    _, per_fn, metrics = compute_rewards({"unit_hangs": 1.0}, COMPLETIONS, ROWS, timeout_s=5)
+    assert per_fn["unit_hangs"].tolist() == [1.0, 1.0] and metrics["rewards/unit_hangs/errors"] == 0.0
 
 
 @pytest.mark.parametrize(

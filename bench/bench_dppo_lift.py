@@ -1,0 +1,219 @@
+"""Benchmark: does DPPO lift a mediocre BC diffusion policy on robosuite Lift? (arXiv 2409.00588)
+
+Pipeline per seed: noisy scripted demos -> BC (DDPM eps-MSE, EMA 0.995) -> deterministic eval
+-> DPPO fine-tuning for a fixed env-step budget -> deterministic eval with the fine-tuned
+network (same chain as training). Plus simulator throughput: one raw env vs the subprocess
+vector env (``robotics.envs.measure_steps_per_s``) and the DPPO rollout's env steps/s (policy
+sampling included), all measured in the same run. Prints a markdown block of the results.
+
+The paper's budget (50 envs x 300 chunk steps x 81 iterations, ~4.9M env steps, 3000+ BC epochs)
+does not fit a CPU; every budget knob is a command-line option:
+
+    python bench/bench_dppo_lift.py --seeds 0 1 2 --dppo-env-steps 20000 --num-envs 8 --eval-episodes 50
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import platform
+import sys
+import time
+from pathlib import Path
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+os.environ.setdefault("MKL_NUM_THREADS", "1")
+
+import lightning.pytorch as pl  # noqa: E402
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out-dir", default="runs/bench_dppo_lift")
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    parser.add_argument("--num-demos", type=int, default=50)
+    parser.add_argument("--noise", type=float, default=0.3, help="expert action noise std (mediocre demos)")
+    parser.add_argument("--bc-epochs", type=int, default=100)
+    parser.add_argument("--bc-lr", type=float, default=1e-3)
+    parser.add_argument("--hidden", type=int, default=512, help="residual-MLP width (DPPO lift: 512)")
+    parser.add_argument("--denoising-steps", type=int, default=20)
+    parser.add_argument("--ft-steps", type=int, default=10)
+    parser.add_argument("--dppo-env-steps", type=int, default=20_000, help="fine-tuning budget in env steps")
+    parser.add_argument("--num-envs", type=int, default=8)
+    parser.add_argument("--n-steps", type=int, default=25, help="chunk steps per env per iteration")
+    parser.add_argument("--max-episode-steps", type=int, default=100, help="episode limit (paper: 300)")
+    parser.add_argument("--batch-size", type=int, default=1000, help="(env step, denoising step) pairs")
+    parser.add_argument("--update-epochs", type=int, default=10)
+    parser.add_argument("--actor-lr", type=float, default=1e-4)
+    parser.add_argument("--clip-base", type=float, default=0.001)
+    parser.add_argument("--clip-final", type=float, default=0.01)
+    parser.add_argument("--critic-warmup", type=int, default=2)
+    parser.add_argument("--eval-episodes", type=int, default=50)
+    parser.add_argument("--throughput-steps", type=int, default=400, help="sim steps per env for the probe")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--sync-envs", action="store_true", help="in-process envs instead of subprocesses")
+    return parser.parse_args(argv)
+
+
+def evaluate(policy, args, seed: int, normalizer_path: str) -> dict[str, float]:
+    from robotics.envs import make_vector_env
+    from robotics.evaluate import evaluate_policy
+
+    # Episodes end at the first success here: the success metric is unchanged (any-step success)
+    # and evaluation gets cheaper; DPPO training episodes still run to the time limit.
+    envs = make_vector_env("lift", args.num_envs, seed=100_000 + seed, act_steps=4, normalizer_path=normalizer_path,
+                           max_episode_steps=args.max_episode_steps, asynchronous=not args.sync_envs,
+                           terminate_on_success=True)
+    try:
+        start = time.perf_counter()
+        result = evaluate_policy(policy.to(args.device), envs, args.eval_episodes, deterministic=True,
+                                 seed=100_000 + seed, progress=True)
+        result["seconds"] = time.perf_counter() - start
+    finally:
+        envs.close()
+    return result
+
+
+class RolloutRate(pl.Callback):
+    """Collects DPPO's per-iteration metrics."""
+
+    def __init__(self) -> None:
+        self.history: list[dict[str, float]] = []
+
+    def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx) -> None:
+        self.history.append(dict(module.last_metrics))
+        m = module.last_metrics
+        print(f"  dppo itr {len(self.history)}: train success {m.get('charts/success_rate', float('nan')):.3f} "
+              f"return {m.get('charts/return', float('nan')):.2f} clipfrac {m.get('policy/clipfrac', 0):.3f} "
+              f"kl {m.get('policy/approx_kl', 0):.2e} env steps/s {m['perf/env_steps_per_s']:.0f}", flush=True)
+
+
+def run_seed(seed: int, args, demos: Path, out_dir: Path) -> dict[str, float]:
+    from robotics.bc import BCModule, ChunkDataModule
+    from robotics.dppo import DPPOModule
+    from robotics.policy.io import load_policy
+
+    pl.seed_everything(seed, verbose=False)
+    seed_dir = out_dir / f"seed{seed}"
+    bc = BCModule(obs_dim=19, action_dim=7, horizon=4, act_steps=4, denoising_steps=args.denoising_steps,
+                  hidden_dims=[args.hidden] * 3, lr=args.bc_lr, lr_min=args.bc_lr / 10, warmup_steps=50,
+                  task="lift", max_episode_steps=args.max_episode_steps, export_safetensors=False)
+    data = ChunkDataModule(str(demos), horizon=4, batch_size=256)
+    start = time.perf_counter()
+    trainer = pl.Trainer(max_epochs=args.bc_epochs, accelerator=args.device, logger=False, enable_checkpointing=False,
+                         enable_progress_bar=False, enable_model_summary=False, default_root_dir=seed_dir)
+    trainer.fit(bc, data)
+    bc_seconds = time.perf_counter() - start
+    bc_ckpt = seed_dir / "bc.ckpt"
+    trainer.save_checkpoint(bc_ckpt)
+    policy, metadata = load_policy(bc_ckpt)
+    print(f"[seed {seed}] BC done in {bc_seconds:.0f}s; evaluating", flush=True)
+    bc_eval = evaluate(policy, args, seed, metadata["normalizer_path"])
+    print(f"[seed {seed}] BC eval: {json.dumps(bc_eval)}", flush=True)
+
+    per_iteration = args.num_envs * args.n_steps * 4
+    iterations = max(1, math.ceil(args.dppo_env_steps / per_iteration))
+    dppo = DPPOModule(
+        str(bc_ckpt), num_iterations=iterations, num_envs=args.num_envs, n_steps=args.n_steps,
+        ft_steps=args.ft_steps, max_episode_steps=args.max_episode_steps, batch_size=args.batch_size,
+        update_epochs=args.update_epochs, actor_lr=args.actor_lr, clip_base=args.clip_base,
+        clip_final=args.clip_final, n_critic_warmup_itr=args.critic_warmup, eval_every=0, seed=seed,
+        asynchronous=not args.sync_envs,
+    )
+    rates = RolloutRate()
+    start = time.perf_counter()
+    trainer = pl.Trainer(max_epochs=1, accelerator=args.device, logger=False, enable_checkpointing=False,
+                         enable_progress_bar=False, enable_model_summary=False, default_root_dir=seed_dir,
+                         callbacks=[rates])
+    trainer.fit(dppo)
+    dppo_seconds = time.perf_counter() - start
+    trainer.save_checkpoint(seed_dir / "dppo.ckpt")
+    ft_policy, _ = load_policy(seed_dir / "dppo.ckpt")
+    dppo_eval = evaluate(ft_policy, args, seed, metadata["normalizer_path"])
+    print(f"[seed {seed}] DPPO eval: {json.dumps(dppo_eval)}", flush=True)
+    env_steps = sum(h["perf/env_steps_total"] for h in rates.history[-1:])
+    return {
+        "seed": seed,
+        "bc_success": bc_eval["success_rate"],
+        "bc_return": bc_eval["return"],
+        "dppo_success": dppo_eval["success_rate"],
+        "dppo_return": dppo_eval["return"],
+        "dppo_iterations": iterations,
+        "dppo_env_steps": env_steps,
+        "rollout_env_steps_per_s": float(np.mean([h["perf/env_steps_per_s"] for h in rates.history])),
+        "bc_seconds": bc_seconds,
+        "dppo_seconds": dppo_seconds,
+        "faults": rates.history[-1]["perf/faults"],
+        "train_success_first": rates.history[0].get("charts/success_rate", float("nan")),
+        "train_success_last": rates.history[-1].get("charts/success_rate", float("nan")),
+    }
+
+
+def mean_std(values: list[float]) -> str:
+    array = np.asarray(values, dtype=float)
+    return f"{array.mean():.3f} ± {array.std(ddof=1) if len(array) > 1 else 0.0:.3f}"
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    torch.set_num_threads(1)
+    from robotics.demos import generate_demos
+    from robotics.envs import measure_steps_per_s
+
+    out_dir = Path(args.out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    demos = out_dir / f"lift_demos_n{args.num_demos}_noise{args.noise}.hdf5"
+    started = time.perf_counter()
+    if not demos.exists():
+        stats = generate_demos("lift", args.num_demos, demos, noise=args.noise, seed=1234, keep_failures=False)
+    else:
+        stats = {"success_rate": float("nan"), "note": "reused"}
+    print(f"demos: {demos} expert success {stats['success_rate']}", flush=True)
+    throughput = measure_steps_per_s("lift", args.num_envs, args.throughput_steps, act_steps=4)
+    print(f"throughput: {json.dumps(throughput)}", flush=True)
+    results = [run_seed(seed, args, demos, out_dir) for seed in args.seeds]
+    total = time.perf_counter() - started
+
+    lines = [
+        "### DPPO on robosuite Lift (bench/bench_dppo_lift.py)",
+        "",
+        f"- command: `python bench/bench_dppo_lift.py {' '.join(sys.argv[1:] if argv is None else argv)}`",
+        f"- machine: {platform.machine()}, {os.cpu_count()} logical CPUs, device {args.device}; total {total / 60:.1f} min",
+        f"- demos: {args.num_demos} scripted demos, noise std {args.noise} (scripted-expert success with noise: "
+        f"{stats['success_rate']})",
+        f"- BC: {args.bc_epochs} epochs, MLP [{args.hidden}]x3, K={args.denoising_steps}; DPPO: K'={args.ft_steps}, "
+        f"{args.num_envs} envs x {args.n_steps} chunk steps/iteration, budget {args.dppo_env_steps} env steps, "
+        f"episodes {args.max_episode_steps} steps, actor lr {args.actor_lr}, clip {args.clip_base}->{args.clip_final}",
+        f"- eval: deterministic, {args.eval_episodes} episodes per seed (fine-tuned network on the last K' steps)",
+        "",
+        "| seed | BC success | DPPO success | BC return | DPPO return | DPPO iters | DPPO env steps | rollout env steps/s | BC s | DPPO s | faults |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in results:
+        lines.append(
+            f"| {r['seed']} | {r['bc_success']:.3f} | {r['dppo_success']:.3f} | {r['bc_return']:.2f} | "
+            f"{r['dppo_return']:.2f} | {r['dppo_iterations']} | {r['dppo_env_steps']:.0f} | "
+            f"{r['rollout_env_steps_per_s']:.0f} | {r['bc_seconds']:.0f} | {r['dppo_seconds']:.0f} | {r['faults']:.0f} |"
+        )
+    lines += [
+        "",
+        f"- success rate mean ± std over seeds: BC {mean_std([r['bc_success'] for r in results])}, "
+        f"DPPO {mean_std([r['dppo_success'] for r in results])}",
+        f"- simulator throughput (same run, random actions): raw env {throughput['raw_steps_per_s']:.0f} steps/s, "
+        f"vector env ({args.num_envs} subprocesses) {throughput['vector_steps_per_s']:.0f} steps/s "
+        f"(x{throughput['speedup']:.2f}); DPPO rollouts incl. policy sampling: "
+        f"{np.mean([r['rollout_env_steps_per_s'] for r in results]):.0f} env steps/s",
+    ]
+    block = "\n".join(lines)
+    print("\n" + block)
+    (out_dir / "results.md").write_text(block + "\n")
+    (out_dir / "results.json").write_text(json.dumps({"args": vars(args), "throughput": throughput, "seeds": results}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,106 @@
+"""Small shared pieces of the VLM Lightning modules: checks, optimizer + schedule, RNG state.
+
+Kept here so SFTModule and GRPOModule (and the algorithms that subclass GRPOModule)
+validate and checkpoint the same way.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from typing import Any, Iterable
+
+import numpy as np
+import torch
+
+SCHEDULES = ("constant", "linear", "cosine")
+
+
+def require(condition: bool, message: str) -> None:
+    """Raise ``ValueError(message)`` unless ``condition`` (config validation with clear messages)."""
+    if not condition:
+        raise ValueError(message)
+
+
+def divisors(n: int) -> list[int]:
+    """Positive divisors of ``n``, used to list the valid values in error messages."""
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def make_optimizer(
+    params: Iterable[torch.nn.Parameter],
+    *,
+    lr: float,
+    weight_decay: float,
+    betas: tuple[float, float] = (0.9, 0.999),
+    eps: float = 1e-8,
+    warmup_steps: int = 0,
+    total_steps: int | None = None,
+    schedule: str = "constant",
+) -> dict[str, Any]:
+    """AdamW with linear warm-up then constant / linear decay / cosine decay (stepped per optimizer step).
+
+    Returns Lightning's ``configure_optimizers`` dict.
+    """
+    require(lr > 0, f"lr must be > 0, got {lr}")
+    require(weight_decay >= 0, f"weight_decay must be >= 0, got {weight_decay}")
+    require(warmup_steps >= 0, f"warmup_steps must be >= 0, got {warmup_steps}")
+    require(schedule in SCHEDULES, f"unknown schedule {schedule!r}; valid: {list(SCHEDULES)}")
+    if schedule != "constant":
+        require(total_steps is not None and total_steps > 0,
+                f"schedule {schedule!r} needs a positive total_steps (set trainer.max_steps)")
+    optimizer = torch.optim.AdamW(
+        [p for p in params if p.requires_grad], lr=lr, weight_decay=weight_decay, betas=betas, eps=eps
+    )
+
+    def factor(step: int) -> float:
+        if warmup_steps and step < warmup_steps:
+            return (step + 1) / warmup_steps
+        if schedule == "constant":
+            return 1.0
+        progress = min(1.0, (step - warmup_steps) / max(1, total_steps - warmup_steps))
+        if schedule == "linear":
+            return 1.0 - progress
+        return 0.5 * (1.0 + math.cos(math.pi * progress))
+
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+    return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+
+def rng_state() -> dict[str, Any]:
+    """Python, numpy and torch (CPU + CUDA) RNG states, for checkpoints."""
+    state = {
+        "python": random.getstate(),
+        "numpy": np.random.get_state(),
+        "torch": torch.get_rng_state(),
+    }
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    """Restore what :func:`rng_state` saved."""
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def step_seed(seed: int, step: int, rank: int) -> int:
+    """Seed for one training step's sampling: a function of (seed, step, rank) only.
+
+    Sampling is then reproducible after a resume (it does not depend on how much
+    randomness earlier steps consumed) and different on every data-parallel rank.
+    """
+    return (seed * 1_000_003 + step * 10_007 + rank * 101) % (2**63 - 1)
+
+
+def greedy_validation_metrics(engine: Any, rows: list, *, max_new_tokens: int, timeout_s: float | None) -> dict[str, float]:
+    """Greedy decoding on held-out rows -> ``val/accuracy`` and ``val/format`` (means over ``rows``)."""
+    from mmpo.rewards import compute_rewards
+
+    rollout = engine.generate(rows, num_samples=1, max_new_tokens=max_new_tokens, do_sample=False)
+    _, per_fn, _ = compute_rewards({"accuracy": 1.0, "format": 1.0}, rollout.texts, rollout.rows, timeout_s=timeout_s)
+    return {"val/accuracy": float(per_fn["accuracy"].mean()), "val/format": float(per_fn["format"].mean())}

@@ -1,0 +1,525 @@
+"""GRPO for vision-language models as a Lightning module (manual optimisation).
+
+GRPO: arXiv 2402.03300 (DeepSeekMath). Variants through settings: Dr.GRPO (arXiv
+2503.20783, ``advantage="drgrpo"``, ``agg="seq-mean-token-sum-norm"``), DAPO (arXiv
+2503.14476, ``clip_high=0.28``, ``beta=0``, ``dynamic_sampling=True``), RLOO
+(arXiv 2402.14740), MAPO (arXiv 2509.18849), and any policy loss of ``mmpo.core``.
+
+One training step, top to bottom (``training_step``):
+
+1. rollout      G sampled completions per prompt (``build_rollout``; HF generate)
+2. rewards      weighted reward functions (``compute_rewards``; mmpo.rewards)
+3. advantages   group-relative, by prompt id (``compute_advantages``; mmpo.core)
+4. filter       optional dynamic sampling: zero-variance groups leave the loss
+5. old/ref      log-probs without grad (old skipped when the update is on-policy)
+6. update       mu epochs x minibatches: core policy loss + beta KL - entropy bonus
+                + ``extra_loss_terms``; global token/sequence normalisation across
+                micro-batches and ranks; grad clipping; AdamW + schedule step.
+
+Subclasses (PAPO, StepGRPO, GCPO, AHPO, MAPO) override the four hooks
+``build_rollout``, ``compute_rewards``, ``compute_advantages``, ``extra_loss_terms``.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import time
+from contextlib import contextmanager
+from functools import partial
+from pathlib import Path
+from typing import Any, Iterator, Mapping, Sequence
+
+import lightning as L
+import torch
+from torch import Tensor
+
+from mmpo.algos.config import divisors, greedy_validation_metrics, make_optimizer, require, rng_state, set_rng_state, step_seed
+from mmpo.core import (
+    ADVANTAGE_ESTIMATORS,
+    AGGREGATION_MODES,
+    KL_KINDS,
+    POLICY_LOSSES,
+    aggregate,
+    compute_advantages_with_metrics,
+    dynamic_sampling_filter,
+    kl_penalty,
+    policy_loss,
+)
+from mmpo.vlm.factory import load_vlm, make_reference_model, save_vlm
+from mmpo.vlm.logprobs import DEFAULT_LOGPROB_CHUNK, completion_log_probs
+from mmpo.vlm.rollout import HFGenerateEngine, Rollout
+
+log = logging.getLogger(__name__)
+
+DEFAULT_REWARD_WEIGHTS = {"accuracy": 0.9, "format": 0.1}
+
+
+class GRPOModule(L.LightningModule):
+    """Group Relative Policy Optimization for a Qwen-VL policy (manual optimisation).
+
+    A training batch is a list of rows (prompts); each row gets ``num_generations``
+    completions. ``trainer.max_steps`` counts optimizer steps: one batch makes
+    ``mu x (rollout size / minibatch_size)`` of them.
+
+    Args:
+        model_path: saved HF model directory (``build_tiny_vlm`` output, an SFT output, or a real checkpoint).
+        num_generations: completions sampled per prompt (G, >= 2).
+        max_new_tokens: maximum completion length in tokens.
+        temperature: sampling temperature (log-probs use the same temperature).
+        top_p: nucleus sampling threshold (1.0 = off).
+        lr: AdamW learning rate.
+        weight_decay: AdamW weight decay.
+        warmup_steps: linear learning-rate warm-up, in optimizer steps.
+        lr_schedule: after warm-up: constant, linear or cosine decay to trainer.max_steps.
+        beta: coefficient of the KL penalty to the reference (initial) policy; 0 builds no reference.
+        kl_kind: KL estimator in the loss: k1, k2 or k3.
+        loss: policy loss name in mmpo.core (ppo, gspo, gmpo, gppo, dcpo, aspo, cispo).
+        clip_low: lower clip range epsilon (ratio >= 1 - clip_low); None = the loss's own default (ppo 0.2, gspo 3e-4).
+        clip_high: upper clip range epsilon; None = the loss's default (ppo 0.2; EasyR1 uses 0.3, DAPO 0.28).
+        dual_clip: dual-clip constant c for negative advantages (e.g. 3.0); None disables.
+        loss_settings: further keyword settings for the policy loss (e.g. GSPO/CISPO options).
+        agg: loss aggregation: token-mean, seq-mean-token-mean, seq-mean-token-sum, seq-mean-token-sum-norm.
+        advantage: advantage estimator name in mmpo.core (grpo, drgrpo, rloo, mapo, ...).
+        advantage_eps: epsilon added to the group std (estimators that take eps); None = estimator default.
+        mu: inner PPO epochs over each rollout batch.
+        minibatch_size: completions per optimizer step (must divide prompts x G); None = the whole rollout.
+        micro_batch_size: completions per forward/backward (gradient accumulation); None = minibatch_size.
+        reward_weights: reward function name -> weight (default accuracy 0.9, format 0.1).
+        reward_timeout_s: per reward-function call deadline in seconds (a hang gives zeros); None = inline, no deadline.
+        max_grad_norm: gradient clipping norm; 0 disables clipping.
+        entropy_coef: entropy bonus coefficient (0 = off, as the GRPO paper).
+        dynamic_sampling: DAPO dynamic sampling: groups whose rewards all agree are masked out of the loss.
+        max_prompt_length: refuse prompts longer than this (never truncated); None = no limit.
+        logprob_chunk_size: token positions per chunk of the vocabulary projection.
+        val_max_new_tokens: completion length for greedy validation; None = max_new_tokens.
+        min_pixels: image processor min pixels override (None = saved processor's).
+        max_pixels: image processor max pixels override (None = saved processor's).
+        dtype: model weights dtype (float32 on CPU; bfloat16 on GPU).
+        gradient_checkpointing: recompute activations in backward to save memory.
+        system_prompt: "default" = mmpo.data.SYSTEM_PROMPT; empty = none.
+        output_dir: where HF weights (model + processor) are written at the end of fit; None = not saved.
+        save_hf_on_checkpoint: also write HF weights to output_dir whenever a Lightning checkpoint is saved.
+        seed: seeds sampling (per step and rank) and minibatch shuffling.
+    """
+
+    def __init__(
+        self,
+        model_path: str,
+        num_generations: int = 4,
+        max_new_tokens: int = 64,
+        temperature: float = 1.0,
+        top_p: float = 1.0,
+        lr: float = 1e-6,
+        weight_decay: float = 0.0,
+        warmup_steps: int = 0,
+        lr_schedule: str = "constant",
+        beta: float = 0.01,
+        kl_kind: str = "k3",
+        loss: str = "ppo",
+        clip_low: float | None = None,
+        clip_high: float | None = None,
+        dual_clip: float | None = None,
+        loss_settings: dict[str, Any] | None = None,
+        agg: str = "token-mean",
+        advantage: str = "grpo",
+        advantage_eps: float | None = 1e-6,
+        mu: int = 1,
+        minibatch_size: int | None = None,
+        micro_batch_size: int | None = None,
+        reward_weights: dict[str, float] | None = None,
+        reward_timeout_s: float | None = 10.0,
+        max_grad_norm: float = 1.0,
+        entropy_coef: float = 0.0,
+        dynamic_sampling: bool = False,
+        max_prompt_length: int | None = None,
+        logprob_chunk_size: int = DEFAULT_LOGPROB_CHUNK,
+        val_max_new_tokens: int | None = None,
+        min_pixels: int | None = None,
+        max_pixels: int | None = None,
+        dtype: str = "float32",
+        gradient_checkpointing: bool = False,
+        system_prompt: str | None = "default",
+        output_dir: str | None = None,
+        save_hf_on_checkpoint: bool = False,
+        seed: int = 0,
+    ) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+        self.automatic_optimization = False
+        self._validate_settings()
+        self.model, self.processor = load_vlm(
+            model_path, dtype=getattr(torch, dtype), min_pixels=min_pixels, max_pixels=max_pixels
+        )
+        self.model.train()
+        if gradient_checkpointing:
+            self.model.gradient_checkpointing_enable()
+        # kept out of the module tree: not trained, not checkpointed (rebuilt from model_path)
+        self._reference = [make_reference_model(self.model, beta)]
+        self.engine = HFGenerateEngine(
+            self.model, self.processor, system_prompt=system_prompt, max_prompt_length=max_prompt_length
+        )
+        self.reward_weights = dict(reward_weights) if reward_weights is not None else dict(DEFAULT_REWARD_WEIGHTS)
+
+    # ------------------------------------------------------------------ configuration
+
+    def _validate_settings(self) -> None:
+        h = self.hparams
+        require(h.num_generations >= 2,
+                f"num_generations must be >= 2 (group-relative advantages need a group), got {h.num_generations}")
+        require(h.max_new_tokens >= 1, f"max_new_tokens must be >= 1, got {h.max_new_tokens}")
+        require(h.temperature > 0, f"temperature must be > 0, got {h.temperature}")
+        require(0 < h.top_p <= 1, f"top_p must be in (0, 1], got {h.top_p}")
+        require(h.lr > 0, f"lr must be > 0, got {h.lr}")
+        require(h.beta >= 0, f"beta must be >= 0, got {h.beta}")
+        require(h.kl_kind in KL_KINDS, f"unknown kl_kind {h.kl_kind!r}; valid: {list(KL_KINDS)}")
+        require(h.loss in POLICY_LOSSES, f"unknown loss {h.loss!r}; valid: {POLICY_LOSSES.names()}")
+        require(h.agg in AGGREGATION_MODES, f"unknown agg {h.agg!r}; valid: {list(AGGREGATION_MODES)}")
+        require(h.advantage in ADVANTAGE_ESTIMATORS,
+                f"unknown advantage {h.advantage!r}; valid: {ADVANTAGE_ESTIMATORS.names()}")
+        require(h.clip_low is None or 0 <= h.clip_low < 1, f"clip_low must be in [0, 1), got {h.clip_low}")
+        require(h.clip_high is None or h.clip_high >= 0, f"clip_high must be >= 0, got {h.clip_high}")
+        require(h.dual_clip is None or h.dual_clip > 1, f"dual_clip must be > 1 or None, got {h.dual_clip}")
+        require(h.mu >= 1, f"mu (inner epochs) must be >= 1, got {h.mu}")
+        require(h.max_grad_norm >= 0, f"max_grad_norm must be >= 0, got {h.max_grad_norm}")
+        require(h.entropy_coef >= 0, f"entropy_coef must be >= 0, got {h.entropy_coef}")
+        require(h.reward_timeout_s is None or h.reward_timeout_s > 0,
+                f"reward_timeout_s must be > 0, got {h.reward_timeout_s}")
+        for name in ("minibatch_size", "micro_batch_size"):
+            value = getattr(h, name)
+            require(value is None or value >= 1, f"{name} must be >= 1 or None, got {value}")
+        # a dry run on one token: unknown or invalid loss settings fail now, not at the first step
+        one = torch.zeros(1, 1)
+        policy_loss(h.loss, one, one, one[:, 0], torch.ones(1, 1), agg=h.agg, **self._loss_settings())
+        if h.minibatch_size is not None and h.micro_batch_size is not None:
+            require(h.minibatch_size % h.micro_batch_size == 0,
+                    f"micro_batch_size {h.micro_batch_size} must divide minibatch_size {h.minibatch_size}; "
+                    f"valid: {divisors(h.minibatch_size)}")
+
+    def _check_batch_size(self, num_prompts: int) -> tuple[int, int]:
+        """(minibatch, micro-batch) sizes for a rollout of ``num_prompts`` x G, with clear errors."""
+        h = self.hparams
+        rollout_size = num_prompts * h.num_generations
+        minibatch = h.minibatch_size or rollout_size
+        require(rollout_size % minibatch == 0,
+                f"minibatch_size {minibatch} must divide the rollout size {rollout_size} "
+                f"({num_prompts} prompts x num_generations {h.num_generations}); valid: {divisors(rollout_size)}")
+        micro = h.micro_batch_size or minibatch
+        require(minibatch % micro == 0,
+                f"micro_batch_size {micro} must divide minibatch_size {minibatch}; valid: {divisors(minibatch)}")
+        return minibatch, micro
+
+    def configure_optimizers(self):
+        h = self.hparams
+        total = self.trainer.max_steps if self._trainer is not None and self.trainer.max_steps > 0 else None
+        return make_optimizer(
+            self.model.parameters(), lr=h.lr, weight_decay=h.weight_decay,
+            warmup_steps=h.warmup_steps, total_steps=total, schedule=h.lr_schedule,
+        )
+
+    @property
+    def reference_model(self) -> torch.nn.Module | None:
+        """Frozen initial policy for the KL term (None when beta == 0)."""
+        return self._reference[0]
+
+    def on_fit_start(self) -> None:
+        if self.reference_model is not None:
+            self.reference_model.to(self.device)
+
+    # ------------------------------------------------------------------ hooks
+
+    def build_rollout(self, rows: Sequence[Mapping[str, Any]]) -> Rollout:
+        """Sample G completions per row (hook: other engines, masked images, expert traces...)."""
+        h = self.hparams
+        return self.engine.generate(
+            rows, num_samples=h.num_generations, max_new_tokens=h.max_new_tokens,
+            temperature=h.temperature, top_p=h.top_p, do_sample=True,
+        )
+
+    def compute_rewards(self, rollout: Rollout) -> tuple[Tensor, dict[str, float]]:
+        """(N,) total reward and metrics ``rewards/<name>/mean`` (hook: reward shaping)."""
+        from mmpo.rewards import compute_rewards
+
+        total, _per_fn, metrics = compute_rewards(
+            self.reward_weights, rollout.texts, rollout.rows, timeout_s=self.hparams.reward_timeout_s
+        )
+        return total, metrics
+
+    def compute_advantages(
+        self, rewards: Tensor, group_ids: Tensor, rollout: Rollout
+    ) -> tuple[Tensor, dict[str, float]]:
+        """(N,) or (N, T) advantages from rewards grouped by prompt id (hook: MAPO, GCPO ...)."""
+        h = self.hparams
+        settings: dict[str, Any] = {}
+        estimator = ADVANTAGE_ESTIMATORS.get(h.advantage)
+        if h.advantage_eps is not None and "eps" in inspect.signature(estimator).parameters:
+            settings["eps"] = h.advantage_eps
+        return compute_advantages_with_metrics(h.advantage, rewards, group_ids, **settings)
+
+    def extra_loss_terms(self, minibatch: Rollout, outputs: Mapping[str, Any]) -> tuple[Tensor | float, dict[str, Any]]:
+        """Additional loss added to the micro-batch loss (hook: PAPO's perception KL, AHPO's SFT term).
+
+        ``outputs`` holds this micro-batch's ``log_probs``, ``old_log_probs``, ``ref_log_probs``,
+        ``entropy`` (N, T), ``mask`` (N, T), ``advantages``, and ``aggregate`` (a function
+        ``aggregate(values, mask)`` with this step's mode and global normalisers, so extra terms
+        are normalised exactly like the policy loss). Return ``(loss, metrics)``.
+        """
+        return 0.0, {}
+
+    # ------------------------------------------------------------------ helpers
+
+    def sequence_log_probs(self, model: torch.nn.Module, rollout: Rollout, *, with_entropy: bool = False):
+        """Completion log-probs (and entropy) of ``rollout`` under ``model`` at the sampling temperature."""
+        return completion_log_probs(
+            model, rollout.prompt_inputs, rollout.completion_ids, rollout.completion_mask,
+            chunk_size=self.hparams.logprob_chunk_size, with_entropy=with_entropy,
+            temperature=self.hparams.temperature,
+        )
+
+    @torch.no_grad()
+    def _log_probs_no_grad(self, model: torch.nn.Module, rollout: Rollout, micro: int) -> Tensor:
+        parts = [self.sequence_log_probs(model, rollout.select(idx))[0] for idx in _chunks(len(rollout), micro)]
+        return torch.cat(parts, 0)
+
+    def _sum_over_ranks(self, value: Tensor) -> Tensor:
+        if self._trainer is None or self.trainer.world_size == 1:
+            return value
+        return self.trainer.strategy.reduce(value.clone(), reduce_op="sum")
+
+    @property
+    def _world_size(self) -> int:
+        return 1 if self._trainer is None else self.trainer.world_size
+
+    @contextmanager
+    def _sampling_seed(self, step: int) -> Iterator[None]:
+        """Seed sampling from (seed, step, rank) without disturbing the global RNG streams."""
+        rank = 0 if self._trainer is None else self.global_rank
+        devices = [self.device] if self.device.type == "cuda" else []
+        with torch.random.fork_rng(devices=devices):
+            torch.manual_seed(step_seed(self.hparams.seed, step, rank))
+            yield
+
+    # ------------------------------------------------------------------ the step
+
+    def training_step(self, batch: Sequence[Mapping[str, Any]], batch_idx: int) -> None:
+        h = self.hparams
+        rows = list(batch)
+        minibatch_size, micro_size = self._check_batch_size(len(rows))
+        step = self.trainer.global_step
+        t0 = time.perf_counter()
+
+        # 1. rollout: G completions per prompt, grouped contiguously
+        with self._sampling_seed(step):
+            rollout = self.build_rollout(rows)
+        t_rollout = time.perf_counter() - t0
+
+        # 2. rewards and 3. advantages (per prompt group)
+        rewards, reward_metrics = self.compute_rewards(rollout)
+        advantages, adv_metrics = self.compute_advantages(rewards.float(), rollout.group_ids, rollout)
+        metrics: dict[str, Any] = {**reward_metrics, **adv_metrics}
+
+        # 4. dynamic sampling: groups without reward variance leave the loss. They are masked,
+        # not removed, so every rank keeps the same number of micro-batches (no DDP hang).
+        if h.dynamic_sampling:
+            kept = dynamic_sampling_filter(rewards, rollout.group_ids)
+            rollout.completion_mask = rollout.completion_mask * kept.keep_mask.long().unsqueeze(-1)
+            metrics["rewards/dropped_groups"] = kept.num_dropped
+
+        rollout = rollout.to(self.device)
+        advantages = advantages.to(self.device)
+
+        # 5. old and reference log-probs (no grad). A single on-policy update (mu == 1, one
+        # minibatch) uses the detached current log-probs: ratio 1, same gradient, one pass fewer.
+        on_policy = h.mu == 1 and minibatch_size == len(rollout)
+        old_log_probs = None if on_policy else self._log_probs_no_grad(self.model, rollout, micro_size)
+        ref_log_probs = None
+        if h.beta > 0:
+            ref_log_probs = self._log_probs_no_grad(self.reference_model, rollout, micro_size)
+
+        # 6. mu epochs over shuffled minibatches, one optimizer step each
+        generator = torch.Generator().manual_seed(step_seed(h.seed, step, 0) + 1)
+        update_stats: list[dict[str, float]] = []
+        t1 = time.perf_counter()
+        for _epoch in range(h.mu):
+            order = torch.randperm(len(rollout), generator=generator) if not on_policy else torch.arange(len(rollout))
+            for start in range(0, len(rollout), minibatch_size):
+                index = order[start : start + minibatch_size]
+                stats = self._update(rollout, index, advantages, old_log_probs, ref_log_probs, micro_size)
+                if stats:
+                    update_stats.append(stats)
+        t_update = time.perf_counter() - t1
+
+        # 7. metrics
+        lengths = rollout.completion_mask.sum(-1).float()
+        generated = float(lengths.sum())
+        metrics.update(_mean_dicts(update_stats))
+        metrics["response/length_mean"] = float(lengths.mean())
+        metrics["response/length_max"] = float(lengths.max())
+        eos = self.engine.eos_token_id
+        metrics["response/clipped_frac"] = float(
+            ((rollout.completion_ids == eos) & (rollout.completion_mask > 0)).sum(-1).eq(0).float().mean()
+        )
+        metrics["perf/rollout_s"] = t_rollout
+        metrics["perf/update_s"] = t_update
+        metrics["perf/tokens_per_s"] = generated / max(t_rollout, 1e-9)
+        metrics["lr"] = self.optimizers().param_groups[0]["lr"]
+        metrics["rewards/total/mean"] = float(rewards.mean())
+        shown = {"rewards/total/mean", "losses/policy"}
+        logged = {k: float(v) for k, v in metrics.items()}
+        self.log_dict({k: v for k, v in logged.items() if k in shown}, on_step=True, on_epoch=False,
+                      batch_size=len(rows), prog_bar=True)
+        self.log_dict({k: v for k, v in logged.items() if k not in shown}, on_step=True, on_epoch=False,
+                      batch_size=len(rows))
+        self.last_metrics = metrics
+
+    def _loss_settings(self) -> dict[str, Any]:
+        """Settings for the core policy loss: clip bounds (None = the loss's default) + loss_settings."""
+        h = self.hparams
+        settings = {k: v for k, v in (("clip_low", h.clip_low), ("clip_high", h.clip_high),
+                                      ("dual_clip", h.dual_clip)) if v is not None}
+        settings.update(h.loss_settings or {})
+        return settings
+
+    def _update(
+        self,
+        rollout: Rollout,
+        index: Tensor,
+        advantages: Tensor,
+        old_log_probs: Tensor | None,
+        ref_log_probs: Tensor | None,
+        micro_size: int,
+    ) -> dict[str, float]:
+        """One optimizer step on completions ``index``, accumulated over micro-batches.
+
+        Every micro-batch loss is normalised by the GLOBAL token / sequence count of the
+        minibatch (summed over micro-batches and data-parallel ranks), so the summed gradient
+        equals that of one big batch however it is split. DDP averages gradients over ranks,
+        so each loss is multiplied by the world size to turn that average into the sum.
+        """
+        h = self.hparams
+        mask = rollout.completion_mask[index]
+        global_tokens = self._sum_over_ranks(mask.sum().to(torch.float32))
+        global_seqs = self._sum_over_ranks((mask.sum(-1) > 0).sum().to(torch.float32))
+        if float(global_tokens) == 0:
+            log.warning("step %s: no completion tokens left in the minibatch; update skipped", self.global_step)
+            return {}
+        agg = partial(aggregate, mode=h.agg, global_tokens=global_tokens, global_seqs=global_seqs)
+        loss_settings = self._loss_settings()
+
+        optimizer = self.optimizers()
+        optimizer.zero_grad(set_to_none=True)
+        sums: dict[str, float] = {}
+        local_tokens = float(mask.sum())
+        for micro in index.split(micro_size):
+            part = rollout.select(micro.cpu()).to(self.device)
+            part_mask = part.completion_mask.float()
+            log_probs, entropy = self.sequence_log_probs(self.model, part, with_entropy=True)
+            old = log_probs.detach() if old_log_probs is None else old_log_probs[micro]
+            part_adv = advantages[micro]
+            pg_loss, pg_metrics = policy_loss(
+                h.loss, log_probs, old, part_adv, part_mask, agg=h.agg,
+                global_tokens=global_tokens, global_seqs=global_seqs, **loss_settings,
+            )
+            loss = pg_loss
+            kl_loss = torch.zeros((), device=self.device)
+            if ref_log_probs is not None:
+                kl_loss = agg(kl_penalty(log_probs, ref_log_probs[micro], h.kl_kind), part_mask)
+                loss = loss + h.beta * kl_loss
+            entropy_loss = agg(entropy, part_mask)
+            if h.entropy_coef:
+                loss = loss - h.entropy_coef * entropy_loss
+            outputs = {
+                "log_probs": log_probs, "old_log_probs": old, "entropy": entropy, "mask": part_mask,
+                "ref_log_probs": None if ref_log_probs is None else ref_log_probs[micro],
+                "advantages": part_adv, "aggregate": agg,
+            }
+            extra_loss, extra_metrics = self.extra_loss_terms(part, outputs)
+            loss = loss + extra_loss
+            self.manual_backward(loss * self._world_size)
+
+            # metrics: loss parts are shares of the global value (sum them); ratios are
+            # token-weighted means of this rank's micro-batches
+            weight = float(part_mask.sum()) / max(local_tokens, 1.0)
+            _add(sums, "losses/policy", float(pg_loss))
+            _add(sums, "losses/kl", float(kl_loss))
+            _add(sums, "losses/entropy", float(entropy_loss))
+            _add(sums, "losses/extra", float(extra_loss))
+            _add(sums, "losses/total", float(loss))
+            for key, value in pg_metrics.items():
+                if key.startswith("policy/ratio_m") and key != "policy/ratio_mean":
+                    continue
+                _add(sums, key, float(value) * weight)
+            with torch.no_grad():
+                _add(sums, "entropy", float((entropy * part_mask).sum()) / max(local_tokens, 1.0))
+                if ref_log_probs is not None:
+                    k3 = kl_penalty(log_probs.detach(), ref_log_probs[micro], "k3")
+                    _add(sums, "kl", float((k3 * part_mask).sum()) / max(local_tokens, 1.0))
+            for key, value in extra_metrics.items():
+                _add(sums, key, float(value) * weight)
+
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        if h.max_grad_norm > 0:
+            grad_norm = torch.nn.utils.clip_grad_norm_(params, h.max_grad_norm)
+        else:
+            grad_norm = torch.linalg.vector_norm(
+                torch.stack([p.grad.norm() for p in params if p.grad is not None])
+            )
+        sums["policy/grad_norm"] = float(grad_norm)
+        optimizer.step()
+        scheduler = self.lr_schedulers()
+        if scheduler is not None:
+            scheduler.step()
+        return sums
+
+    # ------------------------------------------------------------------ validation
+
+    def validation_step(self, batch: Sequence[Mapping[str, Any]], batch_idx: int) -> None:
+        """Greedy accuracy on held-out rows, logged as ``val/accuracy`` (and ``val/format``)."""
+        h = self.hparams
+        metrics = greedy_validation_metrics(
+            self.engine, list(batch), max_new_tokens=h.val_max_new_tokens or h.max_new_tokens,
+            timeout_s=h.reward_timeout_s,
+        )
+        self.log_dict(metrics, batch_size=len(batch), sync_dist=True, prog_bar=True)
+
+    # ------------------------------------------------------------------ checkpoints and export
+
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        checkpoint["mmpo_rng"] = rng_state()
+        if self.hparams.save_hf_on_checkpoint:
+            self.save_hf()
+
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        if "mmpo_rng" in checkpoint:
+            set_rng_state(checkpoint["mmpo_rng"])
+
+    def on_fit_end(self) -> None:
+        self.save_hf()
+
+    def save_hf(self, output_dir: str | Path | None = None) -> Path | None:
+        """Write model + processor in HF format (global rank 0 only) so ``load_vlm`` can read them."""
+        output_dir = output_dir or self.hparams.output_dir
+        if output_dir is None:
+            return None
+        if self._trainer is not None and not self.trainer.is_global_zero:
+            return None
+        return save_vlm(self.model, self.processor, output_dir)
+
+
+# ---------------------------------------------------------------------- small helpers
+
+
+def _chunks(n: int, size: int) -> list[Tensor]:
+    return list(torch.arange(n).split(size))
+
+
+def _add(sums: dict[str, float], key: str, value: float) -> None:
+    sums[key] = sums.get(key, 0.0) + value
+
+
+def _mean_dicts(dicts: list[dict[str, float]]) -> dict[str, float]:
+    """Mean of each key over the optimizer steps of one training step."""
+    if not dicts:
+        return {}
+    keys = {k for d in dicts for k in d}
+    return {k: sum(d.get(k, 0.0) for d in dicts) / len(dicts) for k in keys}

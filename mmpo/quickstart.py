@@ -1,0 +1,350 @@
+"""``mmpo quickstart``: the whole VLM pipeline on a laptop CPU.
+
+1. build a tiny Qwen2.5-VL (``build_tiny_vlm``: config + tokenizer trained on the synthetic corpus);
+2. evaluate it on held-out synthetic items (before SFT);
+3. SFT warm-up (Lightning ``Trainer`` + ``SFTModule``) on rendered think/answer solutions; evaluate;
+4. GRPO (Lightning ``Trainer`` + ``GRPOModule``, arXiv 2402.03300) with the accuracy + format
+   reward; evaluate on the same held-out items;
+5. print the table (before SFT / after SFT / after GRPO per task), save the eval bars and the
+   RL learning curve (reward and val accuracy per step, from Lightning's CSV logger).
+
+Everything goes under ``--out``: ``model_init/``, ``sft/`` and ``grpo/`` (Lightning logs,
+checkpoints, ``hf/`` exports loadable by ``mmpo eval``), ``eval/<stage>/`` (results.json, ...),
+``quickstart.json``, ``results.md``, ``eval.png``, ``learning_curve.png``.
+A finished stage is not rerun when the command is repeated with the same ``--out``, and an
+interrupted training stage resumes from its last Lightning checkpoint.
+
+The default budget targets ~15 minutes on 2 CPU cores; ``--tiny`` is a seconds-long smoke run
+(it checks the plumbing, not learning).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+from typing import Any, Sequence
+
+STAGES = ("before SFT", "after SFT", "after GRPO")
+
+
+@dataclass(frozen=True)
+class QuickstartConfig:
+    """Budget of one quickstart run (defaults: the ~15 minute CPU run)."""
+
+    tasks: tuple[str, ...] = ("count_shapes", "compare_size", "bar_chart")
+    """synthetic tasks to train and evaluate on (``mmpo.data.synthetic.TASKS``)."""
+    model_size: dict[str, int] = field(default_factory=lambda: dict(
+        hidden_size=128, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=384))
+    """``build_tiny_vlm`` sizes."""
+    corpus_items: int = 200
+    """items per task and split used to train the tokenizer."""
+    sft_train_size: int = 600
+    """SFT training items (all tasks together)."""
+    sft_batch_size: int = 16
+    """SFT prompts per step."""
+    sft_steps: int = 300
+    """SFT optimizer steps."""
+    sft_lr: float = 1e-3
+    """SFT learning rate."""
+    grpo_train_size: int = 600
+    """GRPO training prompts (all tasks together)."""
+    grpo_prompts_per_step: int = 8
+    """GRPO prompts per step."""
+    grpo_group_size: int = 8
+    """G: rollouts per prompt."""
+    grpo_steps: int = 60
+    """GRPO steps."""
+    grpo_lr: float = 2e-4
+    """GRPO learning rate."""
+    grpo_temperature: float = 1.0
+    """GRPO sampling temperature."""
+    grpo_beta: float = 0.01
+    """GRPO k3 KL coefficient to the SFT policy."""
+    grpo_val_size: int = 30
+    """GRPO validation items (the tasks' val split), scored every ``grpo_val_every`` steps."""
+    grpo_val_every: int = 20
+    """GRPO validation interval in steps."""
+    max_new_tokens: int = 48
+    """generation budget (rollouts and eval); the synthetic solutions are ~30-40 tokens."""
+    eval_size: int = 40
+    """held-out (test split) items per task for the three evaluations."""
+    eval_batch_size: int = 16
+    """prompts per generate call in the evaluations."""
+
+    @classmethod
+    def tiny(cls) -> "QuickstartConfig":
+        """A seconds-long smoke budget: the whole pipeline runs, nothing is expected to learn."""
+        return cls(
+            tasks=("count_shapes", "bar_chart"),
+            model_size=dict(hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1, intermediate_size=64),
+            corpus_items=10, sft_train_size=16, sft_batch_size=4, sft_steps=3, grpo_train_size=8,
+            grpo_prompts_per_step=2, grpo_group_size=2, grpo_steps=2, grpo_val_size=2, grpo_val_every=1,
+            max_new_tokens=8, eval_size=2, eval_batch_size=4,
+        )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="mmpo quickstart",
+        description="Build a tiny VLM, evaluate, SFT warm-up, evaluate, GRPO, evaluate; print the table and "
+        "save plots. ~15 minutes on 2 CPU cores (the default); seconds with --tiny.",
+    )
+    parser.add_argument("--out", default="runs/quickstart", help="output directory (default: runs/quickstart)")
+    parser.add_argument("--tiny", action="store_true", help="seconds-long smoke run (checks plumbing, not learning)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the model, data and sampling")
+    parser.add_argument("--tasks", default=None, help="comma-separated synthetic tasks (default: "
+                        + ",".join(QuickstartConfig().tasks) + ")")
+    parser.add_argument("--sft-steps", type=int, default=None, help="override the SFT steps")
+    parser.add_argument("--grpo-steps", type=int, default=None, help="override the GRPO steps")
+    parser.add_argument("--eval-size", type=int, default=None, help="override held-out items per task")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="torch CPU threads (default: OMP_NUM_THREADS, else all cores)")
+    parser.add_argument("--fresh", action="store_true", help="rerun every stage even if --out holds finished ones")
+    parser.add_argument("--no-progress", action="store_true", help="hide progress bars")
+    return parser
+
+
+def config_from_args(args: argparse.Namespace) -> QuickstartConfig:
+    config = QuickstartConfig.tiny() if args.tiny else QuickstartConfig()
+    overrides: dict[str, Any] = {}
+    if args.tasks:
+        overrides["tasks"] = tuple(task.strip() for task in args.tasks.split(",") if task.strip())
+    for name in ("sft_steps", "grpo_steps", "eval_size"):
+        if getattr(args, name) is not None:
+            overrides[name] = getattr(args, name)
+    return replace(config, **overrides)
+
+
+# ----------------------------------------------------------------------------- stages
+
+
+def _done_marker(stage_dir: Path) -> Path:
+    return stage_dir / "stage_done.json"
+
+
+def _stage_finished(stage_dir: Path) -> dict[str, Any] | None:
+    marker = _done_marker(stage_dir)
+    return json.loads(marker.read_text()) if marker.is_file() else None
+
+
+def _mark_finished(stage_dir: Path, info: dict[str, Any]) -> None:
+    stage_dir.mkdir(parents=True, exist_ok=True)
+    _done_marker(stage_dir).write_text(json.dumps(info, indent=2) + "\n")
+
+
+def build_model(config: QuickstartConfig, out: Path, *, seed: int) -> Path:
+    """Stage 1: the tiny Qwen2.5-VL, tokenizer trained on the chosen tasks' corpus."""
+    from mmpo.data.synthetic import corpus
+    from mmpo.vlm.factory import build_tiny_vlm
+
+    texts = corpus(list(config.tasks), n=config.corpus_items, seed=seed)
+    return build_tiny_vlm(out / "model_init", seed=seed, corpus=texts, **config.model_size)
+
+
+def evaluate_stage(
+    model_path: Path, config: QuickstartConfig, out_dir: Path, *, seed: int, progress: bool
+) -> dict[str, Any]:
+    """Greedy accuracy on ``eval_size`` held-out items per task; reports written to ``out_dir``."""
+    from mmpo.eval.harness import evaluate_checkpoint
+
+    benchmarks = [f"synth/{task}" for task in config.tasks]
+    return evaluate_checkpoint(
+        model_path, benchmarks, greedy=True, max_new_tokens=config.max_new_tokens,
+        batch_size=config.eval_batch_size, synth_size=config.eval_size, synth_seed=seed, seed=seed,
+        out_dir=out_dir, progress=progress,
+    )
+
+
+def _trainer(stage_dir: Path, *, max_steps: int, progress: bool, val_every: int | None = None):
+    """A CPU Lightning Trainer with a CSV logger and a checkpoint every few steps (and at the end)."""
+    from lightning.pytorch import Trainer
+    from lightning.pytorch.callbacks import ModelCheckpoint
+    from lightning.pytorch.loggers import CSVLogger
+
+    checkpoint = ModelCheckpoint(dirpath=stage_dir / "checkpoints", save_last=True, save_top_k=0,
+                                 every_n_train_steps=max(1, min(50, max_steps // 4 or 1)))
+    return Trainer(
+        accelerator="cpu", devices=1, max_steps=max_steps, max_epochs=-1,
+        logger=CSVLogger(stage_dir, name="logs", version=0), callbacks=[checkpoint],
+        log_every_n_steps=1, enable_progress_bar=progress, enable_model_summary=False,
+        num_sanity_val_steps=0, default_root_dir=stage_dir,
+        val_check_interval=val_every, check_val_every_n_epoch=None if val_every else 1,
+        limit_val_batches=None if val_every else 0,
+    )
+
+
+def _fit(trainer, module, datamodule, stage_dir: Path) -> None:
+    last = stage_dir / "checkpoints" / "last.ckpt"
+    trainer.fit(module, datamodule=datamodule, ckpt_path=str(last) if last.is_file() else None)
+
+
+def run_sft(model_path: Path, config: QuickstartConfig, stage_dir: Path, *, seed: int, progress: bool) -> Path:
+    """Stage 3: SFT warm-up on rendered think/answer solutions; returns the HF export."""
+    from mmpo.algos.sft import SFTModule
+    from mmpo.data.datamodule import PromptDataModule
+
+    datamodule = PromptDataModule(tasks=list(config.tasks), train_size=config.sft_train_size, val_size=0,
+                                  seed=seed, batch_size=config.sft_batch_size)
+    # The module writes the HF export (output_dir) when fit ends.
+    module = SFTModule(model_path=str(model_path), lr=config.sft_lr, output_dir=str(stage_dir / "hf"),
+                       save_hf_on_checkpoint=False)
+    trainer = _trainer(stage_dir, max_steps=config.sft_steps, progress=progress)
+    _fit(trainer, module, datamodule, stage_dir)
+    return stage_dir / "hf"
+
+
+def run_grpo(model_path: Path, config: QuickstartConfig, stage_dir: Path, *, seed: int, progress: bool) -> Path:
+    """Stage 4: GRPO with the default accuracy + format reward; returns the HF export."""
+    from mmpo.algos.grpo import GRPOModule
+    from mmpo.data.datamodule import PromptDataModule
+
+    # seed + 1: other training prompts than SFT (the module and datamodule seeds must agree for Lightning).
+    datamodule = PromptDataModule(tasks=list(config.tasks), train_size=config.grpo_train_size,
+                                  val_size=config.grpo_val_size, seed=seed + 1,
+                                  batch_size=config.grpo_prompts_per_step)
+    # One rollout batch = one optimizer step (mu 1, whole-rollout minibatch), so max_steps counts batches.
+    module = GRPOModule(model_path=str(model_path), lr=config.grpo_lr, num_generations=config.grpo_group_size,
+                        temperature=config.grpo_temperature, max_new_tokens=config.max_new_tokens,
+                        beta=config.grpo_beta, seed=seed + 1, output_dir=str(stage_dir / "hf"))
+    trainer = _trainer(stage_dir, max_steps=config.grpo_steps, progress=progress, val_every=config.grpo_val_every)
+    _fit(trainer, module, datamodule, stage_dir)
+    return stage_dir / "hf"
+
+
+# ----------------------------------------------------------------------------- reporting
+
+
+def accuracy_by_task(results: dict[str, Any]) -> dict[str, float]:
+    """{task: accuracy, ..., "mean": mean over tasks} from ``evaluate_checkpoint`` results."""
+    table = {name.split("/", 1)[1]: metrics["accuracy"] for name, metrics in results["benchmarks"].items()}
+    table["mean"] = sum(table.values()) / len(table)
+    return table
+
+
+REWARD_CURVE_KEYS = ("rewards/total/mean", "rewards/accuracy/mean", "val/accuracy")
+
+
+def write_summary(out: Path, config: QuickstartConfig, stages: dict[str, dict[str, float]],
+                  timings: dict[str, float], paths: dict[str, str], *, seed: int) -> dict[str, Any]:
+    from mmpo.eval.plots import plot_accuracy_bars, plot_curves
+    from mmpo.eval.reports import comparison_table, write_json
+
+    table = comparison_table(stages)
+    grpo_csv = out / "grpo" / "logs" / "version_0" / "metrics.csv"
+    if grpo_csv.is_file():
+        paths["learning_curve"] = str(plot_curves(grpo_csv, REWARD_CURVE_KEYS, out / "learning_curve.png",
+                                                  title="GRPO: reward and validation accuracy"))
+    paths["eval_plot"] = str(plot_accuracy_bars(stages, out / "eval.png", title="Held-out accuracy per task"))
+    after_sft, after_grpo = stages.get("after SFT", {}).get("mean"), stages.get("after GRPO", {}).get("mean")
+    summary = {
+        "config": asdict(config), "seed": seed, "accuracy": stages, "timings_s": timings, "paths": paths,
+        "grpo_improved_over_sft": None if after_sft is None or after_grpo is None else after_grpo > after_sft,
+    }
+    write_json(summary, out / "quickstart.json")
+    (out / "results.md").write_text(
+        "# mmpo quickstart\n\nGreedy accuracy on held-out synthetic items "
+        f"({config.eval_size} per task, test split).\n\n{table}\n\nTimings (s): "
+        + ", ".join(f"{name} {value:.0f}" for name, value in timings.items()) + "\n")
+    return summary
+
+
+# ----------------------------------------------------------------------------- main
+
+
+def check_tasks(tasks: Sequence[str]) -> None:
+    """Fail with the list of valid names when a task is unknown or none is given."""
+    from mmpo.data.synthetic import TASKS
+
+    unknown = [task for task in tasks if task not in TASKS]
+    if unknown or not tasks:
+        raise ValueError(f"unknown or missing synthetic task(s) {unknown or list(tasks)}; valid: {list(TASKS)}")
+
+
+def run_quickstart(config: QuickstartConfig, out: str | Path, *, seed: int = 0, progress: bool = True,
+                   fresh: bool = False) -> dict[str, Any]:
+    """Run the pipeline; returns the summary written to ``out/quickstart.json``."""
+    import lightning.pytorch as pl
+
+    check_tasks(config.tasks)
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    pl.seed_everything(seed, workers=True, verbose=False)
+    stages: dict[str, dict[str, float]] = {}
+    timings: dict[str, float] = {}
+    paths: dict[str, str] = {}
+
+    def stage(name: str, stage_dir: Path, work) -> dict[str, Any]:
+        finished = None if fresh else _stage_finished(stage_dir)
+        if finished is not None:
+            print(f"[quickstart] {name}: already done in {stage_dir}, reusing it")
+            return finished
+        print(f"[quickstart] {name} ...", flush=True)
+        started = time.perf_counter()
+        info = work()
+        info["seconds"] = round(time.perf_counter() - started, 1)
+        _mark_finished(stage_dir, info)
+        return info
+
+    def eval_work(model_path: Path, stage_dir: Path):
+        return lambda: {"accuracy": accuracy_by_task(
+            evaluate_stage(model_path, config, stage_dir, seed=seed, progress=progress))}
+
+    info = stage("build model", out / "model_init", lambda: {"path": str(build_model(config, out, seed=seed))})
+    model_init, timings["build"] = Path(info["path"]), info["seconds"]
+
+    before_dir = out / "eval" / "before_sft"
+    info = stage("eval before SFT", before_dir, eval_work(model_init, before_dir))
+    stages["before SFT"], timings["eval before SFT"] = info["accuracy"], info["seconds"]
+
+    info = stage("SFT warm-up", out / "sft",
+                 lambda: {"path": str(run_sft(model_init, config, out / "sft", seed=seed, progress=progress))})
+    sft_path, timings["SFT"] = Path(info["path"]), info["seconds"]
+    sft_dir = out / "eval" / "after_sft"
+    info = stage("eval after SFT", sft_dir, eval_work(sft_path, sft_dir))
+    stages["after SFT"], timings["eval after SFT"] = info["accuracy"], info["seconds"]
+
+    info = stage("GRPO", out / "grpo",
+                 lambda: {"path": str(run_grpo(sft_path, config, out / "grpo", seed=seed, progress=progress))})
+    grpo_path, timings["GRPO"] = Path(info["path"]), info["seconds"]
+    grpo_dir = out / "eval" / "after_grpo"
+    info = stage("eval after GRPO", grpo_dir, eval_work(grpo_path, grpo_dir))
+    stages["after GRPO"], timings["eval after GRPO"] = info["accuracy"], info["seconds"]
+
+    paths.update(model_init=str(model_init), sft=str(sft_path), grpo=str(grpo_path))
+    return write_summary(out, config, stages, timings, paths, seed=seed)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of ``mmpo quickstart``; returns the exit code."""
+    args = build_parser().parse_args(list(sys.argv[1:] if argv is None else argv))
+    import torch
+
+    threads = args.threads or int(os.environ.get("OMP_NUM_THREADS", "0") or 0)
+    if threads > 0:
+        torch.set_num_threads(threads)
+    config = config_from_args(args)
+    try:
+        check_tasks(config.tasks)
+    except ValueError as error:
+        print(f"mmpo quickstart: error: {error}", file=sys.stderr)
+        return 2
+    started = time.perf_counter()
+    summary = run_quickstart(config, args.out, seed=args.seed, progress=not args.no_progress, fresh=args.fresh)
+    from mmpo.eval.reports import comparison_table
+
+    print("\nHeld-out accuracy (greedy) per task:\n")
+    print(comparison_table(summary["accuracy"]))
+    verdict = summary["grpo_improved_over_sft"]
+    print(f"\nGRPO {'improved on' if verdict else 'did not improve on'} the SFT model (mean accuracy). "
+          f"Total {time.perf_counter() - started:.0f} s. Outputs: {args.out}/ "
+          "(results.md, quickstart.json, eval.png, learning_curve.png, sft/hf, grpo/hf)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

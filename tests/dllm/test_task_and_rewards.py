@@ -1,0 +1,50 @@
+"""Synthetic arithmetic task and the correctness reward."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from dllm.rewards import correctness_rewards, extract_answer, is_correct
+from dllm.task import ArithmeticTaskConfig, make_problem, make_train_and_test, solve
+
+
+def test_problems_are_consistent_with_their_traces():
+    config = ArithmeticTaskConfig(num_ops=3, max_operand=9, max_value=99)
+    rng = random.Random(0)
+    for _ in range(200):
+        row = make_problem(rng, config)
+        assert solve(row["problem"]) == int(row["answer"])
+        lines = row["trace"].split("\n")
+        assert len(lines) == 4 and lines[-1] == f"A:{row['answer']}"
+        for line in lines[:-1]:
+            left, result = line.split("=")
+            assert solve(left) == int(result) and 0 <= int(result) <= 99
+    # Hand example: 7+5*2-3 evaluated left to right = ((7+5)*2)-3 = 21.
+    assert solve("7+5*2-3") == 21
+
+
+def test_train_and_test_are_disjoint_and_deterministic():
+    train, test = make_train_and_test(ArithmeticTaskConfig(), 500, 50, seed=0)
+    assert not {r["problem"] for r in train} & {r["problem"] for r in test}
+    assert make_train_and_test(ArithmeticTaskConfig(), 500, 50, seed=0)[1] == test
+    assert len({r["id"] for r in train + test}) == 550
+
+
+def test_answer_extraction_and_correctness():
+    assert extract_answer("7+5=12\n12*2=24\nA:24") == "24"
+    assert extract_answer("A:3\nA:5") == "5"  # the last answer counts
+    assert extract_answer("so \\boxed{1/2}") == "1/2"
+    assert extract_answer("no answer") is None
+    assert is_correct("A:021", "21")
+    assert not is_correct("A:20", "21")
+    assert is_correct("\\boxed{0.5}", "1/2")  # math-verify fallback
+    assert correctness_rewards(["A:1", "A:2", "junk"], ["1", "1", "1"], correct=3.0) == [3.0, 0.0, 0.0]
+    with pytest.raises(ValueError, match="completions"):
+        correctness_rewards(["A:1"], ["1", "2"])
+
+
+def test_bad_task_settings_fail_clearly():
+    with pytest.raises(ValueError, match="num_ops"):
+        ArithmeticTaskConfig(num_ops=0)

@@ -1,0 +1,41 @@
+"""`mmpo quickstart --tiny`: the whole pipeline (build, eval, SFT, eval, GRPO, eval, plots) in seconds."""
+
+import json
+
+from mmpo.cli import main as mmpo_main
+from mmpo.quickstart import STAGES, QuickstartConfig
+from mmpo.quickstart import main as quickstart_main
+
+
+def test_quickstart_tiny_smoke(tmp_path, capsys):
+    out = tmp_path / "qs"
+    assert mmpo_main(["quickstart", "--tiny", "--out", str(out), "--seed", "0", "--no-progress"]) == 0
+    summary = json.loads((out / "quickstart.json").read_text())
+    assert set(summary) == {"config", "seed", "accuracy", "timings_s", "paths", "grpo_improved_over_sft"}
+    tiny = QuickstartConfig.tiny()
+    assert list(summary["accuracy"]) == list(STAGES)
+    for stage in STAGES:
+        assert set(summary["accuracy"][stage]) == {*tiny.tasks, "mean"}
+        assert all(0.0 <= value <= 1.0 for value in summary["accuracy"][stage].values())
+    assert isinstance(summary["grpo_improved_over_sft"], bool)
+    # every stage's artefacts are under --out
+    for name in ("model_init/config.json", "sft/hf/config.json", "grpo/hf/config.json",
+                 "grpo/logs/version_0/metrics.csv", "sft/checkpoints/last.ckpt", "grpo/checkpoints/last.ckpt",
+                 "eval/before_sft/results.json", "eval/after_sft/results.json", "eval/after_grpo/results.json",
+                 "results.md", "eval.png", "learning_curve.png"):
+        assert (out / name).is_file(), name
+    eval_results = json.loads((out / "eval" / "after_grpo" / "results.json").read_text())
+    assert set(eval_results["benchmarks"]) == {f"synth/{task}" for task in tiny.tasks}
+    printed = capsys.readouterr().out
+    assert "| task | before SFT | after SFT | after GRPO |" in printed
+
+    # Rerunning with the same --out reuses the finished stages instead of training again.
+    assert quickstart_main(["--tiny", "--out", str(out), "--no-progress"]) == 0
+    assert printed.count("already done") == 0
+    assert capsys.readouterr().out.count("already done") == 6
+    assert json.loads((out / "quickstart.json").read_text())["accuracy"] == summary["accuracy"]
+
+
+def test_quickstart_rejects_unknown_task(tmp_path, capsys):
+    assert quickstart_main(["--tiny", "--tasks", "no_such_task", "--out", str(tmp_path)]) == 2
+    assert "no_such_task" in capsys.readouterr().err

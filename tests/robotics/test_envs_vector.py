@@ -1,0 +1,49 @@
+"""Subprocess vector envs: per-env seeds, chunk steps, SAME_STEP autoreset, fault counters."""
+
+import numpy as np
+
+from robotics.envs import Normalizer, make_vector_env, measure_steps_per_s, merged_info
+
+
+def test_async_lift_two_envs(tmp_path):
+    stats = tmp_path / "lift.hdf5.stats.json"
+    Normalizer(
+        {"obs_min": [-2.0] * 19, "obs_max": [2.0] * 19, "action_min": [-1.0] * 7, "action_max": [1.0] * 7}
+    ).save(stats)
+    # 3 chunk steps of 4 fill the 12-step limit: the third step ends both episodes
+    env = make_vector_env("lift", 2, seed=5, act_steps=4, normalizer_path=stats, max_episode_steps=12)
+    try:
+        assert env.num_envs == 2 and env.single_action_space.shape == (4, 7)
+        assert env.metadata["autoreset_mode"].name == "SAME_STEP"
+        obs, info = env.reset(seed=5)
+        assert obs.shape == (2, 19) and obs.dtype == np.float32
+        assert not np.allclose(obs[0, 9:12], obs[1, 9:12])  # seeds 5 and 6: different cube placements
+        assert np.abs(obs).max() <= 1.0
+        for step in range(3):
+            obs, reward, terminated, truncated, info = env.step(np.zeros((2, 4, 7), dtype=np.float32))
+            np.testing.assert_array_equal(reward, [0.0, 0.0])
+            assert not terminated.any()
+            assert truncated.all() == (step == 2)
+        # SAME_STEP: the returned obs is already the next episode's first; the final one is kept
+        assert info["_final_info"].all() and info["final_obs"][0].shape == (19,)
+        np.testing.assert_array_equal(merged_info(info, "executed_steps", 0), [4, 4])
+        np.testing.assert_array_equal(merged_info(info, "success"), [False, False])
+        assert env.get_attr("fault_count") == (0, 0)
+    finally:
+        env.close()
+
+
+def test_merged_info_prefers_final_info():
+    infos = {
+        "success": np.array([False, False, True]),
+        "_final_info": np.array([True, False, False]),
+        "final_info": {"success": np.array([True, False, False])},
+    }
+    np.testing.assert_array_equal(merged_info(infos, "success"), [True, False, True])
+
+
+def test_measure_steps_per_s_reports_both_rates():
+    result = measure_steps_per_s("hopper", num_envs=1, steps=8, act_steps=4)
+    assert result["raw_steps_per_s"] > 0 and result["vector_steps_per_s"] > 0
+    assert result["speedup"] == result["vector_steps_per_s"] / result["raw_steps_per_s"]
+    assert (result["num_envs"], result["act_steps"], result["steps"]) == (1.0, 4.0, 8.0)
