@@ -56,6 +56,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--throughput-steps", type=int, default=400, help="sim steps per env for the probe")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--sync-envs", action="store_true", help="in-process envs instead of subprocesses")
+    parser.add_argument("--dppo-max-minutes", type=float, default=None,
+                        help="wall-clock cap on each seed's fine-tuning (Lightning max_time); the env steps "
+                             "actually used are reported")
+    parser.add_argument("--demos", default=None, help="demo file (default: <out-dir>/lift_demos_n<N>_noise<X>.hdf5)")
+    parser.add_argument("--demos-only", action="store_true", help="only generate the demo file, then exit")
     return parser.parse_args(argv)
 
 
@@ -126,9 +131,10 @@ def run_seed(seed: int, args, demos: Path, out_dir: Path) -> dict[str, float]:
     )
     rates = RolloutRate()
     start = time.perf_counter()
+    max_time = None if args.dppo_max_minutes is None else {"seconds": int(args.dppo_max_minutes * 60)}
     trainer = pl.Trainer(max_epochs=1, accelerator=args.device, logger=False, enable_checkpointing=False,
                          enable_progress_bar=False, enable_model_summary=False, default_root_dir=seed_dir,
-                         callbacks=[rates])
+                         callbacks=[rates], max_time=max_time)
     trainer.fit(dppo)
     dppo_seconds = time.perf_counter() - start
     trainer.save_checkpoint(seed_dir / "dppo.ckpt")
@@ -142,7 +148,7 @@ def run_seed(seed: int, args, demos: Path, out_dir: Path) -> dict[str, float]:
         "bc_return": bc_eval["return"],
         "dppo_success": dppo_eval["success_rate"],
         "dppo_return": dppo_eval["return"],
-        "dppo_iterations": iterations,
+        "dppo_iterations": len(rates.history),
         "dppo_env_steps": env_steps,
         "rollout_env_steps_per_s": float(np.mean([h["perf/env_steps_per_s"] for h in rates.history])),
         "bc_seconds": bc_seconds,
@@ -166,13 +172,15 @@ def main(argv: list[str] | None = None) -> int:
 
     out_dir = Path(args.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    demos = out_dir / f"lift_demos_n{args.num_demos}_noise{args.noise}.hdf5"
+    demos = Path(args.demos) if args.demos else out_dir / f"lift_demos_n{args.num_demos}_noise{args.noise}.hdf5"
     started = time.perf_counter()
     if not demos.exists():
         stats = generate_demos("lift", args.num_demos, demos, noise=args.noise, seed=1234, keep_failures=False)
     else:
         stats = {"success_rate": float("nan"), "note": "reused"}
     print(f"demos: {demos} expert success {stats['success_rate']}", flush=True)
+    if args.demos_only:
+        return 0
     throughput = measure_steps_per_s("lift", args.num_envs, args.throughput_steps, act_steps=4)
     print(f"throughput: {json.dumps(throughput)}", flush=True)
     results = [run_seed(seed, args, demos, out_dir) for seed in args.seeds]

@@ -47,12 +47,16 @@ def run_one(method: str, seed: int, args: argparse.Namespace, test_rows: list[di
     from dllm.task import ArithmeticTaskConfig
 
     pl.seed_everything(seed, verbose=False)
-    sampler = SamplerConfig(gen_length=32, block_length=8, steps=16, temperature=1.2)
+    from dllm.modeling import read_generation_defaults
+
+    # The SFT checkpoint's canvas (configs/dllm/sft_tiny.yaml: L 24, block 8, steps 12), rollouts at tau 1.2.
+    saved = read_generation_defaults(args.sft_model).get("sampler", {})
+    sampler = SamplerConfig(**{**saved, "temperature": 1.2})
     module = DiffuGRPO(
         model_path=args.sft_model, warmup_config=None, save_dir=str(Path(args.workdir) / f"{method}_{seed}" / "model"),
         sampler=sampler, group_size=args.group_size, inner_updates=args.inner_updates, lr=args.lr,
         warmup_steps=5, beta=0.01, ratio_level="sequence", igpo=(method == "igpo"),
-        hints=HintConfig(min_chunk=3, max_chunk=6, free_tail=4), max_replacements=args.group_size // 2, seed=seed,
+        hints=HintConfig(min_chunk=3, max_chunk=6, free_tail=round(30 / 256 * sampler.gen_length)), max_replacements=args.group_size // 2, seed=seed,
     )
     data = ArithmeticDataModule(task=ArithmeticTaskConfig(), train_size=20000, test_size=256, val_size=8,
                                 batch_size=args.prompts_per_batch, seed=seed)
@@ -139,7 +143,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prompts-per-batch", type=int, default=4)
     parser.add_argument("--group-size", type=int, default=8)
     parser.add_argument("--inner-updates", type=int, default=2)
-    parser.add_argument("--lr", type=float, default=2e-5)
+    parser.add_argument("--lr", type=float, default=1e-4)
     parser.add_argument("--eval-size", type=int, default=128)
     parser.add_argument("--workdir", default=None)
     parser.add_argument("--out", default="bench/results/dllm_igpo.json")

@@ -54,7 +54,7 @@ def trainer(max_steps: int, root: Path, name: str) -> L.Trainer:
     return L.Trainer(
         accelerator="cpu", devices=1, max_steps=max_steps, logger=L.pytorch.loggers.CSVLogger(root, name=name),
         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-        limit_val_batches=0, num_sanity_val_steps=0, deterministic=False,
+        limit_val_batches=0, num_sanity_val_steps=0, log_every_n_steps=1,
     )
 
 
@@ -78,29 +78,32 @@ def main() -> None:
     parser.add_argument("--temperature", type=float, default=1.0)
     parser.add_argument("--max-new-tokens", type=int, default=48)
     parser.add_argument("--eval-n", type=int, default=64, help="held-out items per task")
+    parser.add_argument("--sft-dir", type=Path, default=None, help="reuse this SFT output (skips build and SFT)")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     L.seed_everything(args.seed, verbose=False)
     timings = {}
 
+    sft_dir = args.sft_dir or args.out / "sft"
+    if args.sft_dir is None:
+        t = time.perf_counter()
+        base = build_tiny_vlm(args.out / "base", seed=args.seed, hidden_size=args.hidden_size,
+                              num_layers=args.num_layers)
+        timings["build_s"] = time.perf_counter() - t
+        t = time.perf_counter()
+        sft = SFTModule(str(base), lr=args.sft_lr, warmup_steps=20, lr_schedule="cosine",
+                        output_dir=str(sft_dir), save_hf_on_checkpoint=False)
+        data = PromptDataModule(tasks=args.tasks, train_size=args.train_size, val_size=8, seed=args.seed,
+                                batch_size=args.sft_batch)
+        trainer(args.sft_steps, args.out, "sft").fit(sft, datamodule=data)
+        timings["sft_s"] = time.perf_counter() - t
     t = time.perf_counter()
-    base = build_tiny_vlm(args.out / "base", seed=args.seed, hidden_size=args.hidden_size, num_layers=args.num_layers)
-    timings["build_s"] = time.perf_counter() - t
-
-    t = time.perf_counter()
-    sft = SFTModule(str(base), lr=args.sft_lr, warmup_steps=20, lr_schedule="cosine",
-                    output_dir=str(args.out / "sft"), save_hf_on_checkpoint=False)
-    data = PromptDataModule(tasks=args.tasks, train_size=args.train_size, val_size=8, seed=args.seed,
-                            batch_size=args.sft_batch)
-    trainer(args.sft_steps, args.out, "sft").fit(sft, datamodule=data)
-    timings["sft_s"] = time.perf_counter() - t
-    t = time.perf_counter()
-    before = held_out_accuracy(args.out / "sft", args.tasks, args.eval_n, args.max_new_tokens)
+    before = held_out_accuracy(sft_dir, args.tasks, args.eval_n, args.max_new_tokens)
     timings["eval_s"] = time.perf_counter() - t
     print("after SFT  :", json.dumps(before), flush=True)
 
     t = time.perf_counter()
-    grpo = GRPOModule(str(args.out / "sft"), num_generations=args.num_generations, max_new_tokens=args.max_new_tokens,
+    grpo = GRPOModule(str(sft_dir), num_generations=args.num_generations, max_new_tokens=args.max_new_tokens,
                       temperature=args.temperature, lr=args.grpo_lr, beta=args.beta, clip_high=0.28,
                       output_dir=str(args.out / "grpo"), seed=args.seed, reward_timeout_s=None)
     data = PromptDataModule(tasks=args.tasks, train_size=args.train_size, val_size=8, seed=args.seed,

@@ -178,9 +178,19 @@ def _trainer(stage_dir: Path, *, max_steps: int, progress: bool, val_every: int 
     )
 
 
-def _fit(trainer, module, datamodule, stage_dir: Path) -> None:
+def _fit(trainer, module, datamodule, stage_dir: Path, *, validate_first: bool = False) -> None:
+    """``trainer.fit``, resuming from ``checkpoints/last.ckpt`` when an earlier run was interrupted.
+
+    ``validate_first`` logs the validation metrics at step 0 (the start of the learning curve).
+    """
     last = stage_dir / "checkpoints" / "last.ckpt"
-    trainer.fit(module, datamodule=datamodule, ckpt_path=str(last) if last.is_file() else None)
+    if last.is_file():
+        print(f"[quickstart] resuming from {last}")
+        trainer.fit(module, datamodule=datamodule, ckpt_path=str(last))
+        return
+    if validate_first:
+        trainer.validate(module, datamodule=datamodule, verbose=False)
+    trainer.fit(module, datamodule=datamodule)
 
 
 def run_sft(model_path: Path, config: QuickstartConfig, stage_dir: Path, *, seed: int, progress: bool) -> Path:
@@ -212,7 +222,7 @@ def run_grpo(model_path: Path, config: QuickstartConfig, stage_dir: Path, *, see
                         temperature=config.grpo_temperature, max_new_tokens=config.max_new_tokens,
                         beta=config.grpo_beta, seed=seed + 1, output_dir=str(stage_dir / "hf"))
     trainer = _trainer(stage_dir, max_steps=config.grpo_steps, progress=progress, val_every=config.grpo_val_every)
-    _fit(trainer, module, datamodule, stage_dir)
+    _fit(trainer, module, datamodule, stage_dir, validate_first=True)
     return stage_dir / "hf"
 
 

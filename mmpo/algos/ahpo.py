@@ -17,10 +17,18 @@ reading, see ``/work/shared/research/vlm_algos.md`` section 5).
 
 from __future__ import annotations
 
+from typing import Any, Mapping
+
 import torch
 from torch import Tensor
 
+from mmpo.algos.config import require
+from mmpo.algos.grpo import GRPOModule
+from mmpo.core import policy_loss
 from mmpo.core.groups import build_group_index
+from mmpo.vlm.logprobs import completion_log_probs
+from mmpo.vlm.processing import encode_completions, encode_prompts
+from mmpo.vlm.rollout import Rollout
 
 
 def expert_gate(
@@ -95,3 +103,124 @@ def hybrid_loss(
         "ahpo/expert_nll": float((-expert_log_probs.detach() * off_mask).sum() / off_tokens.clamp(min=1.0)),
     }
     return loss, metrics
+
+
+# --------------------------------------------------------------------------------------------
+# The Lightning module
+# --------------------------------------------------------------------------------------------
+
+GATE = "ahpo_gate"
+TRACE_SHARE = "ahpo_trace_share"
+
+
+class AHPOModule(GRPOModule):
+    """AHPO (arXiv 2510.08540) on top of :class:`~mmpo.algos.grpo.GRPOModule`.
+
+    Each gated prompt's expert trace is scored once per optimizer step: its NLL is split evenly
+    over the prompt's G rollouts (weight 1/G per rollout), so micro-batching does not change
+    the loss. The union normaliser Z needs the whole rollout in one optimizer step
+    (``minibatch_size`` None or prompts x G; ``mu`` epochs are fine) and ``agg: token-mean``.
+
+    Args:
+        model_path: saved HF model directory.
+        min_successes: R_hat: the gate opens when fewer rollouts than this have reward == success_value (2).
+        success_value: reward of a fully correct rollout (1.0 = 0.9 accuracy + 0.1 format).
+        static: Static-AHPO: the expert term is always on for prompts with a trace.
+        expert_max_length: truncate expert traces to this many tokens (None = full trace).
+        num_generations: G (paper 5).
+        beta: reference KL coefficient (paper: none).
+        **kwargs: every other :class:`GRPOModule` setting.
+    """
+
+    def __init__(
+        self,
+        model_path: str,
+        *,
+        min_successes: int = 2,
+        success_value: float = 1.0,
+        static: bool = False,
+        expert_max_length: int | None = None,
+        num_generations: int = 5,
+        beta: float = 0.0,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(model_path, num_generations=num_generations, beta=beta, **kwargs)
+        require(min_successes >= 1, f"min_successes must be >= 1, got {min_successes}")
+        require(self.hparams.agg == "token-mean",
+                f"AHPO normalises over the union of on- and off-policy tokens: agg must be token-mean, got {self.hparams.agg!r}")
+        self._off_policy_tokens = torch.zeros(())
+
+    def _trace_token_counts(self, traces: list[str]) -> Tensor:
+        ids, mask = encode_completions(self.processor, traces, max_length=self.hparams.expert_max_length)
+        return mask.sum(-1).to(torch.float32)
+
+    # -- step 2: the gate, decided from the rollout rewards -------------------------------------
+
+    def compute_advantages(self, rewards: Tensor, group_ids: Tensor, rollout: Rollout) -> tuple[Tensor, dict[str, float]]:
+        h = self.hparams
+        minibatch, _ = self._check_batch_size(len(rollout) // h.num_generations)
+        require(minibatch == len(rollout),
+                f"AHPO needs the whole rollout in one optimizer step (minibatch_size None or {len(rollout)}), "
+                f"got minibatch_size {minibatch}")
+        advantages, metrics = super().compute_advantages(rewards, group_ids, rollout)
+        has_trace = torch.tensor([bool(row.get("expert_trace")) for row in rollout.rows])
+        prompt_ids, gate = expert_gate(rewards, group_ids, has_trace, min_successes=h.min_successes,
+                                       success_value=h.success_value, static=h.static)
+        index = build_group_index(group_ids, num_samples=len(rollout))
+        gate_per_rollout = gate[index.inverse]
+        rollout.extras[GATE] = gate_per_rollout
+        # each gated trace counts once per step: 1/G of it rides on each of its G rollouts
+        rollout.extras[TRACE_SHARE] = gate_per_rollout.float() / index.counts[index.inverse].float()
+        off_tokens = torch.zeros(())
+        if bool(gate_per_rollout.any()):
+            first = {int(g): i for i, g in reversed(list(enumerate(group_ids.tolist())))}
+            gated = [first[int(p)] for p, on in zip(prompt_ids.tolist(), gate.tolist()) if on]
+            off_tokens = self._trace_token_counts([rollout.rows[i]["expert_trace"] for i in gated]).sum()
+        self._off_policy_tokens = self._sum_over_ranks(off_tokens.to(self.device))
+        on_tokens = float(rollout.completion_mask.sum())
+        metrics["ahpo/gate_on_frac"] = float(gate.float().mean())
+        metrics["ahpo/prompts_with_trace_frac"] = float(index.amax(has_trace.float()).mean())
+        metrics["ahpo/off_policy_token_share"] = float(off_tokens) / max(on_tokens + float(off_tokens), 1.0)
+        return advantages, metrics
+
+    # -- step 3: expert NLL in the loss, one token-mean over on- and off-policy tokens ----------
+
+    def extra_loss_terms(self, minibatch: Rollout, outputs: Mapping[str, Any]) -> tuple[Tensor | float, dict[str, Any]]:
+        off_total = self._off_policy_tokens.to(self.device)
+        if float(off_total) == 0:
+            return 0.0, {}  # no gate open anywhere: Z = on-policy tokens, plain GRPO
+        h = self.hparams
+        agg = outputs["aggregate"].keywords
+        on_total = agg["global_tokens"]
+        z = on_total + off_total
+        # The trainer's policy loss is sum_on / N_on; rescale it to sum_on / Z (same graph).
+        pg_loss, _ = policy_loss(
+            h.loss, outputs["log_probs"], outputs["old_log_probs"], outputs["advantages"], outputs["mask"],
+            agg=h.agg, global_tokens=on_total, global_seqs=agg["global_seqs"], **self._loss_settings(),
+        )
+        term = pg_loss * (on_total / z - 1.0)
+        shares = minibatch.extras[TRACE_SHARE].to(self.device)
+        metrics: dict[str, Any] = {}
+        if bool((shares > 0).any()):
+            # one forward per distinct gated prompt in this micro-batch, weighted by its share
+            weight_by_row: dict[str, float] = {}
+            row_by_id: dict[str, Mapping[str, Any]] = {}
+            for row, share in zip(minibatch.rows, shares.tolist()):
+                if share > 0:
+                    key = str(row["id"])
+                    weight_by_row[key] = weight_by_row.get(key, 0.0) + share
+                    row_by_id[key] = row
+            rows = [row_by_id[k] for k in weight_by_row]
+            prompts = encode_prompts(self.processor, rows, system_prompt=self.engine.system_prompt,
+                                     max_prompt_length=h.max_prompt_length)
+            ids, mask = encode_completions(self.processor, [row["expert_trace"] for row in rows],
+                                           max_length=h.expert_max_length)
+            prompts = {k: v.to(self.device) if isinstance(v, Tensor) else v for k, v in prompts.items()}
+            expert_lp, _ = completion_log_probs(self.model, prompts, ids.to(self.device), mask.to(self.device),
+                                                chunk_size=h.logprob_chunk_size)
+            weights = torch.tensor(list(weight_by_row.values()), device=self.device)
+            mask_f = mask.to(self.device, expert_lp.dtype)
+            nll_sum = (-(expert_lp * mask_f).sum(-1) * weights).sum()
+            term = term + nll_sum / z
+            metrics["ahpo/expert_nll"] = float(nll_sum.detach() / (mask_f.sum(-1) * weights).sum().clamp(min=1e-9))
+        return term, metrics

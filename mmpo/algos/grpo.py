@@ -440,11 +440,11 @@ class GRPOModule(L.LightningModule):
             # metrics: loss parts are shares of the global value (sum them); ratios are
             # token-weighted means of this rank's micro-batches
             weight = float(part_mask.sum()) / max(local_tokens, 1.0)
-            _add(sums, "losses/policy", float(pg_loss))
-            _add(sums, "losses/kl", float(kl_loss))
-            _add(sums, "losses/entropy", float(entropy_loss))
-            _add(sums, "losses/extra", float(extra_loss))
-            _add(sums, "losses/total", float(loss))
+            _add(sums, "losses/policy", _item(pg_loss))
+            _add(sums, "losses/kl", _item(kl_loss))
+            _add(sums, "losses/entropy", _item(entropy_loss))
+            _add(sums, "losses/extra", _item(extra_loss))
+            _add(sums, "losses/total", _item(loss))
             for key, value in pg_metrics.items():
                 if key.startswith("policy/ratio_m") and key != "policy/ratio_mean":
                     continue
@@ -455,7 +455,7 @@ class GRPOModule(L.LightningModule):
                     k3 = kl_penalty(log_probs.detach(), ref_log_probs[micro], "k3")
                     _add(sums, "kl", float((k3 * part_mask).sum()) / max(local_tokens, 1.0))
             for key, value in extra_metrics.items():
-                _add(sums, key, float(value) * weight)
+                _add(sums, key, _item(value) * weight)
 
         params = [p for p in self.model.parameters() if p.requires_grad]
         if h.max_grad_norm > 0:
@@ -511,6 +511,10 @@ class GRPOModule(L.LightningModule):
 
 def _chunks(n: int, size: int) -> list[Tensor]:
     return list(torch.arange(n).split(size))
+
+
+def _item(value: Tensor | float) -> float:
+    return float(value.detach()) if isinstance(value, Tensor) else float(value)
 
 
 def _add(sums: dict[str, float], key: str, value: float) -> None:

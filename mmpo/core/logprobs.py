@@ -163,7 +163,6 @@ class _HiddenLogProbs(torch.autograd.Function):
             grad_log_probs = torch.zeros_like(lse_all)
         use_entropy = ctx.with_entropy and grad_entropy is not None
         rows = hidden.shape[0]
-        w32 = weight.float()
         for start in range(0, rows, ctx.chunk_size):
             stop = min(start + ctx.chunk_size, rows)
             g_lp = grad_log_probs[start:stop].unsqueeze(-1)
@@ -184,8 +183,10 @@ class _HiddenLogProbs(torch.autograd.Function):
             if ctx.temperature != 1.0:
                 grad_logits.div_(ctx.temperature)
             if need_h:
-                grad_hidden[start:stop] = (grad_logits @ w32).to(hidden.dtype)
+                # in the weight's dtype: an fp32 copy of a bf16 weight would cost a weight-sized buffer
+                grad_hidden[start:stop] = (grad_logits.to(weight.dtype) @ weight).to(hidden.dtype)
             if need_w:
+                # accumulated in fp32 over chunks, cast to the weight's dtype once at the end
                 grad_weight.addmm_(grad_logits.t(), hidden[start:stop].float())
             if need_b:
                 grad_bias.add_(grad_logits.sum(0))

@@ -285,10 +285,15 @@ def load_rows(
         try:
             if "__bad_json__" in record:
                 raise BadRowError(f"{describe_row(index, None)}: invalid JSON at {record['__bad_json__']}")
+            ref = describe_row(index, record.get("id"))
             if detected is None:
-                detected = _detect_schema(record.keys())
-            if detected == "row" and (missing := [f for f in ("problem", "answer", "steps", "key_steps") if f not in record]):
-                raise BadRowError(f"{describe_row(index, record.get('id'))}: schema 'row' but missing {missing}")
+                try:
+                    detected = _detect_schema(record.keys())
+                except ValueError as exc:  # a malformed first row: name it, and try the next one
+                    raise BadRowError(f"{ref}: {exc}") from exc
+            missing = [f for f in ("problem", "answer", "steps", "key_steps") if f not in record]
+            if detected == "row" and missing:
+                raise BadRowError(f"{ref}: schema 'row' but missing {missing}")
             row = record_to_row(record, index, image_root=root, source=source)
             if row["id"] in seen_ids:
                 raise BadRowError(f"{describe_row(index, row['id'])}: duplicate id")

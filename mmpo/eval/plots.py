@@ -74,14 +74,34 @@ def read_csv_metrics(metrics_csv: str | Path) -> dict[str, list[tuple[int, float
     return curves
 
 
+def moving_average(values: Sequence[float], window: int) -> list[float]:
+    """Trailing mean over the last ``window`` values (shorter at the start); window 1 returns the values."""
+    if window < 1:
+        raise ValueError(f"window must be >= 1, got {window}")
+    out, total = [], 0.0
+    for index, value in enumerate(values):
+        total += value
+        if index >= window:
+            total -= values[index - window]
+        out.append(total / min(index + 1, window))
+    return out
+
+
 def plot_curves(
     metrics_csv: str | Path,
     keys: Sequence[str],
     path: str | Path,
     *,
     title: str = "Training curve",
+    smooth_window: int = 10,
+    references: Mapping[str, tuple[str, float]] | None = None,
 ) -> Path:
     """One subplot per metric in ``keys`` (those present in the CSV), value against step.
+
+    Args:
+        smooth_window: also draw a trailing moving average over this many points (noisy RL
+            rewards); ignored for curves with fewer points.
+        references: {key: (label, value)} horizontal lines, e.g. the accuracy before RL.
 
     Raises:
         ValueError: when none of ``keys`` is in the CSV (naming the ones that are).
@@ -93,7 +113,16 @@ def plot_curves(
     figure, axes_list = plt.subplots(1, len(present), figsize=(4.2 * len(present), 3.4), squeeze=False)
     for axes, key in zip(axes_list[0], present):
         steps, values = zip(*curves[key])
-        axes.plot(steps, values, marker="o" if len(steps) < 30 else None, markersize=3)
+        smoothing = len(values) > smooth_window > 1
+        axes.plot(steps, values, marker="o" if len(steps) < 30 else None, markersize=3,
+                  alpha=0.35 if smoothing else 1.0, label="per step" if smoothing else None)
+        if smoothing:
+            axes.plot(steps, moving_average(values, smooth_window), label=f"mean of last {smooth_window}")
+        if references and key in references:
+            label, value = references[key]
+            axes.axhline(value, color="gray", linestyle="--", linewidth=1, label=label)
+        if smoothing or (references and key in references):
+            axes.legend(fontsize=7)
         axes.set_xlabel("step")
         axes.set_title(key, fontsize=9)
         axes.grid(alpha=0.3)

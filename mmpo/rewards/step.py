@@ -157,22 +157,34 @@ def step_rvr(completions: list[str], rows: list[dict[str, Any]]) -> Tensor:
     return torch.tensor([float(is_valid_step_format(c)) for c in completions], dtype=torch.float32)
 
 
-@register_reward("step_rar")
-def step_rar_reward(completions: list[str], rows: list[dict[str, Any]]) -> Tensor:
-    """Registered StepRAR with the paper defaults (alpha 0.1; missing key steps raise)."""
-    return step_rar(completions, rows)
+def step_rar_reward_name(*, no_answer_zero: bool = False, skip_missing_key_steps: bool = False) -> str:
+    """Registered name of the StepRAR variant with these options (alpha is the paper's 0.1)."""
+    name = "step_rar"
+    if no_answer_zero:
+        name += "_no_answer_zero"
+    if skip_missing_key_steps:
+        name += "_skip_missing"
+    return name
 
 
-@register_reward("step_rar_skip_missing")
-def step_rar_skip_missing_reward(completions: list[str], rows: list[dict[str, Any]]) -> Tensor:
-    """StepRAR that scores k = 0 for rows without key steps instead of raising."""
-    return step_rar(completions, rows, on_missing_key_steps="skip")
+def _register_step_rar_variants() -> None:
+    # One registered function per option combination: the registry's signature is
+    # fn(completions, rows), so options are fixed at registration.
+    for no_answer_zero in (False, True):
+        for skip in (False, True):
+            name = step_rar_reward_name(no_answer_zero=no_answer_zero, skip_missing_key_steps=skip)
+
+            def reward(completions: list[str], rows: list[dict[str, Any]], *, _zero=no_answer_zero,
+                       _skip=skip) -> Tensor:
+                return step_rar(completions, rows, no_answer_zero=_zero,
+                                on_missing_key_steps="skip" if _skip else "error")
+
+            reward.__name__ = reward.__qualname__ = name
+            reward.__doc__ = f"StepRAR (alpha 0.1, no_answer_zero={no_answer_zero}, skip missing key steps={skip})."
+            register_reward(name)(reward)
 
 
-@register_reward("step_rar_no_answer_zero")
-def step_rar_no_answer_zero_reward(completions: list[str], rows: list[dict[str, Any]]) -> Tensor:
-    """StepRAR with the paper's "no answer -> 0" rule."""
-    return step_rar(completions, rows, no_answer_zero=True)
+_register_step_rar_variants()
 
 
 @register_reward("step_rvr")

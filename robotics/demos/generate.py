@@ -26,7 +26,7 @@ def robomimic_env_args(env: RobosuiteGymEnv) -> dict[str, Any]:
 
     kwargs = dict(env.env_kwargs)
     kwargs["robots"] = list(kwargs["robots"])
-    return {"env_name": env.spec_task.sim_name, "env_version": robosuite.__version__, "type": 1, "env_kwargs": kwargs}
+    return {"env_name": env.task_spec.sim_name, "env_version": robosuite.__version__, "type": 1, "env_kwargs": kwargs}
 
 
 def _stack(dicts: list[dict[str, np.ndarray]]) -> dict[str, np.ndarray]:

@@ -2,6 +2,7 @@
 
 robosuite Lift / Can set up as robomimic does, gymnasium Hopper, action-chunk execution,
 min-max normalisation, simulator-fault handling and subprocess vector envs.
+See docs/robotics_envs.md.
 """
 
 from robotics.envs.chunking import ActionChunkWrapper
@@ -9,6 +10,7 @@ from robotics.envs.faults import SimulatorFaultError, SimulatorFaultWrapper, fau
 from robotics.envs.make import make_env
 from robotics.envs.normalizer import Normalizer, stats_path_for
 from robotics.envs.tasks import OBS_KEYS, TASKS, TaskSpec, get_task
+from robotics.envs.vector import make_vector_env, measure_steps_per_s, merged_info
 
 __all__ = [
     "OBS_KEYS",
@@ -22,9 +24,8 @@ __all__ = [
     "find_fault_wrapper",
     "get_task",
     "make_env",
+    "make_vector_env",
+    "measure_steps_per_s",
+    "merged_info",
     "stats_path_for",
 ]
-
-from robotics.envs.vector import make_vector_env, measure_steps_per_s, merged_info  # noqa: E402
-
-__all__ += ["make_vector_env", "measure_steps_per_s", "merged_info"]

@@ -32,6 +32,14 @@ def ensure_offscreen_gl() -> str:
     return os.environ["MUJOCO_GL"]
 
 
+def _offscreen_error(sim_name: str, error: Exception) -> RuntimeError:
+    return RuntimeError(
+        f"offscreen rendering failed for {sim_name} (MUJOCO_GL={os.environ.get('MUJOCO_GL')!r}): {error}. "
+        "Install EGL (libegl1 with Mesa or an NVIDIA driver) and use MUJOCO_GL=egl, or OSMesa "
+        "(libosmesa6) with MUJOCO_GL=osmesa."
+    )
+
+
 def flatten_obs(obs: dict[str, np.ndarray], keys: tuple[str, ...], dtype=np.float32) -> np.ndarray:
     """Concatenate ``obs[k]`` for ``k in keys`` -> (obs_dim,) ``dtype``.
 
@@ -66,7 +74,8 @@ class RobosuiteGymEnv(gym.Env):
     [-1, 1] = OSC_POSE delta (dx, dy, dz, dax, day, daz) + gripper (-1 open, +1 close).
     Reward: sparse, 1.0 while the task's success predicate holds. ``terminated`` is
     False unless ``terminate_on_success`` (robomimic/DPPO never terminate early).
-    ``info``: ``success`` (bool), ``raw_obs`` is NOT included (use :attr:`last_raw_obs`).
+    ``info``: ``success`` (bool). The raw robosuite obs dict of the latest step is
+    :attr:`last_raw_obs` (the scripted experts and the HDF5 writer read it).
     """
 
     metadata = {"render_modes": ["rgb_array"], "render_fps": 20}
@@ -87,7 +96,7 @@ class RobosuiteGymEnv(gym.Env):
         import robosuite
 
         apply_robosuite_compat()
-        self.spec_task = spec
+        self.task_spec = spec
         self.camera = camera
         self.image_size = int(image_size)
         self.render_enabled = bool(render)
@@ -98,13 +107,9 @@ class RobosuiteGymEnv(gym.Env):
         )
         try:
             self.sim_env = robosuite.make(env_name=spec.sim_name, seed=seed, **self.env_kwargs)
-        except Exception as error:  # GL failures surface here when rendering is requested
+        except Exception as error:  # GL failures surface here when camera obs are requested
             if render or camera is not None:
-                raise RuntimeError(
-                    f"could not create {spec.sim_name} with offscreen rendering "
-                    f"(MUJOCO_GL={os.environ.get('MUJOCO_GL')!r}); install EGL (libegl1 + Mesa or an "
-                    f"NVIDIA driver) or OSMesa and set MUJOCO_GL accordingly: {error}"
-                ) from error
+                raise _offscreen_error(spec.sim_name, error) from error
             raise
         state_box = gym.spaces.Box(-np.inf, np.inf, shape=(spec.obs_dim,), dtype=np.float32)
         if camera is None:
@@ -121,7 +126,7 @@ class RobosuiteGymEnv(gym.Env):
     # --- helpers -----------------------------------------------------------------
     def _convert(self, raw: dict[str, np.ndarray]):
         self.last_raw_obs = raw
-        state = flatten_obs(raw, self.spec_task.obs_keys)
+        state = flatten_obs(raw, self.task_spec.obs_keys)
         if self.camera is None:
             return state
         # robosuite renders upside down (OpenGL origin is bottom-left).
@@ -168,9 +173,12 @@ class RobosuiteGymEnv(gym.Env):
         """(image_size, image_size, 3) uint8 frame from the ``agentview`` camera (``render=True`` only)."""
         if not self.render_enabled:
             return None
-        frame = self.sim_env.sim.render(
-            camera_name=DEFAULT_RENDER_CAMERA, width=self.image_size, height=self.image_size
-        )
+        try:
+            frame = self.sim_env.sim.render(
+                camera_name=DEFAULT_RENDER_CAMERA, width=self.image_size, height=self.image_size
+            )
+        except Exception as error:  # the GL context is created lazily, on the first frame
+            raise _offscreen_error(self.task_spec.sim_name, error) from error
         return np.ascontiguousarray(frame[::-1])
 
     def close(self) -> None:

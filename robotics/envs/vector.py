@@ -169,18 +169,20 @@ def measure_steps_per_s(
 
     Returns:
         dict with ``raw_steps_per_s``, ``vector_steps_per_s`` (env steps summed over envs),
-        ``speedup`` (vector / raw), ``num_envs``, ``act_steps``, ``steps``.
+        ``speedup`` (vector / raw), ``raw_cpu_s_per_step`` (process CPU time per raw step,
+        independent of machine load), ``num_envs``, ``act_steps``, ``steps``.
     """
     raw_env = make_env(task, seed=seed, max_episode_steps=max_episode_steps)
     rng = np.random.default_rng(seed)
     raw_env.reset()
     low, high = raw_env.action_space.low, raw_env.action_space.high
-    start = time.perf_counter()
+    start, cpu_start = time.perf_counter(), time.process_time()
     for _ in range(steps):
         _, _, terminated, truncated, _ = raw_env.step(rng.uniform(low, high))
         if terminated or truncated:
             raw_env.reset()
     raw_seconds = time.perf_counter() - start
+    raw_cpu_seconds = time.process_time() - cpu_start
     raw_env.close()
 
     vector_env = make_vector_env(
@@ -201,6 +203,8 @@ def measure_steps_per_s(
         "raw_steps_per_s": raw_rate,
         "vector_steps_per_s": vector_rate,
         "speedup": vector_rate / raw_rate,
+        # CPU seconds per raw step: shows how far wall-clock rates are from an idle core
+        "raw_cpu_s_per_step": raw_cpu_seconds / steps,
         "num_envs": float(num_envs),
         "act_steps": float(act_steps),
         "steps": float(steps),

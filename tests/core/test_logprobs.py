@@ -129,3 +129,24 @@ def test_bad_inputs_are_named():
     with pytest.raises(ValueError, match="temperature must be positive"):
         token_log_probs_from_hidden(torch.zeros(2, 4), torch.zeros(5, 4), torch.zeros(2, dtype=torch.long),
                                     temperature=0.0)
+
+
+def test_hidden_log_probs_bf16_inputs_give_fp32_outputs_and_input_dtype_grads():
+    gen = torch.Generator().manual_seed(6)
+    hidden32 = torch.randn(2, 5, 16, generator=gen)
+    weight32 = 0.3 * torch.randn(40, 16, generator=gen)
+    tokens = torch.randint(0, 40, (2, 5), generator=gen)
+    hidden = hidden32.bfloat16().requires_grad_(True)
+    weight = weight32.bfloat16().requires_grad_(True)
+    lp = token_log_probs_from_hidden(hidden, weight, tokens, chunk_size=3)
+    assert lp.dtype == torch.float32
+    lp.sum().backward()
+    assert hidden.grad.dtype == torch.bfloat16 and weight.grad.dtype == torch.bfloat16
+    # against the fp32 computation on the same (bf16-rounded) inputs, at bf16 tolerance
+    h_ref = hidden.detach().float().requires_grad_(True)
+    w_ref = weight.detach().float().requires_grad_(True)
+    ref = _naive_log_probs(h_ref @ w_ref.t(), tokens)
+    ref.sum().backward()
+    assert torch.allclose(lp, ref, atol=3e-2)
+    assert torch.allclose(hidden.grad.float(), h_ref.grad, atol=5e-2)
+    assert torch.allclose(weight.grad.float(), w_ref.grad, atol=5e-2)

@@ -72,7 +72,7 @@ def test_hopper_family():
         env.close()
 
 
-def test_render_and_camera_observation():
+def test_render_and_camera_observation(monkeypatch):
     from robotics.envs import ActionChunkWrapper, Normalizer
 
     normalizer = Normalizer(
@@ -91,6 +91,13 @@ def test_render_and_camera_observation():
         assert frame.shape == (64, 64, 3) and frame.dtype == np.uint8 and frame.std() > 5
         obs, _, _, _, _ = env.step(np.zeros((2, 7)))
         assert obs["image"].shape == (64, 64, 3)
+
+        def no_gl(**kwargs):
+            raise OSError("EGL: no display (injected)")
+
+        monkeypatch.setattr(env.unwrapped.sim_env.sim, "render", no_gl)
+        with pytest.raises(RuntimeError, match="offscreen rendering failed for Lift .*MUJOCO_GL='egl'.*no display"):
+            env.render()
     finally:
         env.close()
 

@@ -44,6 +44,6 @@ def test_merged_info_prefers_final_info():
 
 def test_measure_steps_per_s_reports_both_rates():
     result = measure_steps_per_s("hopper", num_envs=1, steps=8, act_steps=4)
-    assert result["raw_steps_per_s"] > 0 and result["vector_steps_per_s"] > 0
+    assert result["raw_steps_per_s"] > 0 and result["vector_steps_per_s"] > 0 and result["raw_cpu_s_per_step"] > 0
     assert result["speedup"] == result["vector_steps_per_s"] / result["raw_steps_per_s"]
     assert (result["num_envs"], result["act_steps"], result["steps"]) == (1.0, 4.0, 8.0)

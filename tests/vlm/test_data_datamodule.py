@@ -138,3 +138,18 @@ def test_sampler_shards_ranks_disjointly_and_resumes_per_rank():
     ranks[1].resume(0, 2)  # skip this rank's first two indices, once
     assert list(ranks[1]) == orders[1][2:]
     assert list(ranks[1]) == orders[1]
+
+
+def test_lightning_resume_twice_in_a_row(tmp_path):
+    # Crash at step 2, resume and crash again at step 5, resume and finish at step 7.
+    full = _RecordingModule()
+    _trainer(7).fit(full, datamodule=_dm(num_workers=1))
+    first = ModelCheckpoint(dirpath=tmp_path / "a", filename="{step}", every_n_train_steps=2, save_top_k=-1)
+    _trainer(2, [first]).fit(_RecordingModule(), datamodule=_dm(num_workers=1))
+    second_run = _RecordingModule()
+    second = ModelCheckpoint(dirpath=tmp_path / "b", filename="{step}", every_n_train_steps=5, save_top_k=-1)
+    _trainer(5, [second]).fit(second_run, datamodule=_dm(num_workers=1), ckpt_path=str(tmp_path / "a" / "step=2.ckpt"))
+    third_run = _RecordingModule()
+    _trainer(7).fit(third_run, datamodule=_dm(num_workers=1), ckpt_path=str(tmp_path / "b" / "step=5.ckpt"))
+    assert second_run.seen == full.seen[2:5]
+    assert third_run.seen == full.seen[5:7]

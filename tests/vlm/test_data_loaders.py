@@ -195,3 +195,14 @@ def test_unsupported_path_and_schema(tmp_path):
         load_rows(tmp_path / "x.csv")
     with pytest.raises(ValueError, match="schema"):
         load_rows(tmp_path / "x.csv", schema="coco")
+
+
+def test_bad_first_row_is_named_and_skippable(tmp_path):
+    path = _write_jsonl(tmp_path / "first_bad.jsonl", [
+        {"id": "broken", "answer": "1"},  # no problem column: the schema cannot be read from it
+        {"id": "fine", "images": [], "problem": "Q", "answer": "1"},
+    ])
+    with pytest.raises(BadRowError, match="row 0 \\(id='broken'\\)"):
+        load_rows(path)
+    rows, stats = load_rows(path, skip_bad_rows=True)
+    assert [r["id"] for r in rows] == ["fine"] and stats["skipped"] == 1 and stats["schema"] == "geometry3k"

@@ -5,7 +5,7 @@ import json
 import pytest
 
 from mmpo.eval.harness import write_reports
-from mmpo.eval.plots import plot_accuracy_bars, plot_curves, read_csv_metrics
+from mmpo.eval.plots import moving_average, plot_accuracy_bars, plot_curves, read_csv_metrics
 from mmpo.eval.reports import comparison_table, markdown_table, metric_columns, results_table, write_json
 
 RESULTS = {
@@ -91,7 +91,16 @@ def test_csv_curves(tmp_path):
     curves = read_csv_metrics(csv_path)
     assert curves["rewards/total/mean"] == [(0, 0.25), (1, 0.5), (2, 0.75)]
     assert curves["val/accuracy"] == [(1, 0.4)]
-    out = plot_curves(csv_path, ["rewards/total/mean", "val/accuracy", "not/logged"], tmp_path / "curve.png")
+    out = plot_curves(csv_path, ["rewards/total/mean", "val/accuracy", "not/logged"], tmp_path / "curve.png",
+                      smooth_window=2, references={"val/accuracy": ("before RL", 0.3)})
     assert out.stat().st_size > 1000
     with pytest.raises(ValueError, match="not/logged"):
         plot_curves(csv_path, ["not/logged"], tmp_path / "none.png")
+
+
+def test_moving_average_hand_computed():
+    # window 2: [1], [1, 3], [3, 5], [5, 7] -> 1, 2, 4, 6
+    assert moving_average([1.0, 3.0, 5.0, 7.0], 2) == [1.0, 2.0, 4.0, 6.0]
+    assert moving_average([1.0, 3.0], 1) == [1.0, 3.0]
+    with pytest.raises(ValueError):
+        moving_average([1.0], 0)

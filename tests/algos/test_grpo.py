@@ -1,0 +1,241 @@
+"""GRPOModule: config validation, the update's arithmetic on fixed rollouts, hooks, learning."""
+
+from __future__ import annotations
+
+import lightning as L
+import pytest
+import torch
+from torch.utils.data import DataLoader
+
+from mmpo.algos.grpo import GRPOModule
+from mmpo.data import SYSTEM_PROMPT
+from mmpo.data.synthetic import make_items
+from mmpo.vlm.factory import build_tiny_vlm
+from mmpo.vlm.logprobs import completion_log_probs
+from mmpo.vlm.rollout import HFGenerateEngine
+
+CORPUS = [SYSTEM_PROMPT, "How many shapes? <think>3 shapes.</think><answer>3</answer> left right 0123456789"] * 20
+
+
+@pytest.fixture(scope="module")
+def tiny_path(tmp_path_factory):
+    return str(build_tiny_vlm(tmp_path_factory.mktemp("tiny"), corpus=CORPUS, vocab_size=350, hidden_size=64,
+                              intermediate_size=128))
+
+
+def _rows(n=2):
+    return make_items("count_shapes", n, seed=0)
+
+
+class FixedRolloutGRPO(GRPOModule):
+    """GRPO on a given rollout and given rewards (set as attributes after construction), and
+    SGD(lr=1) so that one update moves the weights by exactly minus the gradient."""
+
+    fixed_rollout = None
+    fixed_rewards = None
+
+    def build_rollout(self, rows):
+        return self.fixed_rollout
+
+    def compute_rewards(self, rollout):
+        return self.fixed_rewards.clone(), {}
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.model.parameters(), lr=1.0)
+
+
+def _fixed_rollout(path, rows, *, num_samples=3, max_new_tokens=5, seed=0):
+    module = GRPOModule(path, num_generations=num_samples, beta=0.0)
+    torch.manual_seed(seed)
+    return HFGenerateEngine(module.model, module.processor).generate(
+        rows, num_samples=num_samples, max_new_tokens=max_new_tokens
+    )
+
+
+def _fit_one_step(module, rows, **trainer_kwargs):
+    trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=1, logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False, **trainer_kwargs)
+    trainer.fit(module, DataLoader([rows], batch_size=None, collate_fn=lambda x: x))
+    return module
+
+
+def _params(module):
+    return {n: p.detach().clone() for n, p in module.model.named_parameters()}
+
+
+@pytest.fixture(scope="module")
+def fixed(tiny_path):
+    rows = _rows(2)
+    rollout = _fixed_rollout(tiny_path, rows)
+    rewards = torch.tensor([1.0, 0.0, 0.5, 0.0, 1.0, 1.0])
+    return rows, rollout, rewards
+
+
+def _run(tiny_path, fixed, **settings):
+    rows, rollout, rewards = fixed
+    module = FixedRolloutGRPO(tiny_path, num_generations=3, max_grad_norm=0.0, **{"beta": 0.0, **settings})
+    module.fixed_rollout, module.fixed_rewards = rollout, rewards
+    before = _params(module)
+    _fit_one_step(module, rows)
+    return module, {n: before[n] - p for n, p in _params(module).items()}  # = gradient (SGD, lr 1)
+
+
+# ----------------------------------------------------------------------------- validation
+
+
+@pytest.mark.parametrize(
+    ("settings", "message"),
+    [
+        ({"num_generations": 1}, "num_generations must be >= 2"),
+        ({"lr": 0.0}, "lr must be > 0"),
+        ({"loss": "nope"}, r"unknown loss 'nope'; valid: \['aspo', "),
+        ({"agg": "mean"}, "unknown agg 'mean'; valid:"),
+        ({"advantage": "gae2"}, "unknown advantage 'gae2'; valid:"),
+        ({"kl_kind": "k4"}, "unknown kl_kind"),
+        ({"mu": 0}, "mu"),
+        ({"minibatch_size": 6, "micro_batch_size": 4}, r"micro_batch_size 4 must divide minibatch_size 6; valid: \[1, 2, 3, 6\]"),
+        ({"loss_settings": {"bogus": 1}}, "bogus"),
+    ],
+)
+def test_bad_settings_fail_with_clear_messages(tiny_path, settings, message):
+    with pytest.raises(ValueError, match=message):
+        GRPOModule(tiny_path, **settings)
+
+
+def test_minibatch_must_divide_rollout(tiny_path, fixed):
+    module = GRPOModule(tiny_path, num_generations=3, minibatch_size=4)
+    with pytest.raises(ValueError, match=r"minibatch_size 4 must divide the rollout size 6 \(2 prompts x "
+                                         r"num_generations 3\); valid: \[1, 2, 3, 6\]"):
+        module._check_batch_size(2)
+
+
+# ----------------------------------------------------------------------------- the update
+
+
+def test_on_policy_gradient_is_the_hand_computed_policy_gradient(tiny_path, fixed):
+    """mu = 1, beta = 0, token-mean: ratio = 1, so grad = grad of -sum_it A_i logp_it / num_tokens."""
+    rows, rollout, rewards = fixed
+    module, step = _run(tiny_path, fixed)
+    # GRPO advantages by hand: group 0 rewards (1, 0, 0.5): mean 0.5, unbiased std 0.5
+    # -> (1, -1, 0); group 1 (0, 1, 1): mean 2/3, std sqrt(1/3) -> (-2/3, 1/3, 1/3) / 0.57735
+    expected_adv = torch.tensor([1.0, -1.0, 0.0, -2 / 3 / 3**-0.5, 1 / 3 / 3**-0.5, 1 / 3 / 3**-0.5])
+    reference = GRPOModule(tiny_path, num_generations=3, beta=0.0).model
+    reference.train()
+    log_probs, _ = completion_log_probs(reference, rollout.prompt_inputs, rollout.completion_ids, rollout.completion_mask)
+    mask = rollout.completion_mask.float()
+    adv = expected_adv  # the std eps 1e-6 changes these by < 2e-6 relative, below the tolerance
+    loss = -(adv.unsqueeze(-1) * log_probs * mask).sum() / mask.sum()
+    loss.backward()
+    for name, p in reference.named_parameters():
+        expected = p.grad if p.grad is not None else torch.zeros_like(p)
+        torch.testing.assert_close(step[name], expected, atol=2e-6, rtol=1e-4, msg=name)
+    # the logged loss is -mean_t(A) over real tokens (ratio 1); the hand value:
+    hand = float(-(adv.unsqueeze(-1) * mask).sum() / mask.sum())
+    assert module.last_metrics["losses/policy"] == pytest.approx(hand, abs=1e-6)
+    assert module.last_metrics["rewards/frac_zero_std"] == 0.0
+
+
+@pytest.mark.parametrize("agg", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"])
+def test_micro_batching_does_not_change_the_update(tiny_path, fixed, agg):
+    """Global normalisation: 6 completions in one pass == 6 micro-batches of 1."""
+    _, whole = _run(tiny_path, fixed, agg=agg)
+    _, split = _run(tiny_path, fixed, agg=agg, micro_batch_size=1)
+    for name in whole:
+        torch.testing.assert_close(split[name], whole[name], atol=1e-6, rtol=1e-5, msg=name)
+
+
+def test_kl_to_identical_reference_is_zero_with_zero_gradient(tiny_path, fixed):
+    """At the first step policy == reference: k3 = 0 and its gradient is 0."""
+    module, with_kl = _run(tiny_path, fixed, beta=0.5)
+    _, without = _run(tiny_path, fixed, beta=0.0)
+    assert module.last_metrics["kl"] == pytest.approx(0.0, abs=1e-7)
+    assert module.last_metrics["losses/kl"] == pytest.approx(0.0, abs=1e-7)
+    for name in with_kl:
+        torch.testing.assert_close(with_kl[name], without[name], atol=1e-7, rtol=1e-6, msg=name)
+
+
+def test_inner_epochs_use_old_log_probs_and_clip(tiny_path, fixed):
+    module, _ = _run(tiny_path, fixed, mu=2, minibatch_size=3, clip_low=0.2, clip_high=0.28)
+    metrics = module.last_metrics
+    for key in ("policy/clipfrac", "policy/clipfrac_low", "policy/clipfrac_high", "policy/approx_kl",
+                "losses/policy", "losses/entropy", "entropy", "policy/grad_norm", "response/length_mean",
+                "perf/tokens_per_s", "rewards/frac_zero_std"):
+        assert key in metrics, key
+    # four SGD(lr=1) steps on a random model move the policy: the later ratios are not 1
+    assert metrics["policy/approx_kl"] > 0
+
+
+def test_dynamic_sampling_masks_constant_groups(tiny_path, fixed):
+    """Group 1 has constant rewards: its completions leave the loss; the update equals the
+    update on group 0 alone."""
+    rows, rollout, _ = fixed
+    rewards = torch.tensor([1.0, 0.0, 0.5, 1.0, 1.0, 1.0])
+    module, filtered = _run(tiny_path, (rows, rollout, rewards), dynamic_sampling=True)
+    assert module.last_metrics["rewards/dropped_groups"] == 1
+    _, group0 = _run(tiny_path, ([rows[0]], rollout.select([0, 1, 2]), rewards[:3]))
+    for name in filtered:
+        torch.testing.assert_close(filtered[name], group0[name], atol=1e-6, rtol=1e-5, msg=name)
+
+
+def test_extra_loss_terms_hook_is_added_with_the_same_normaliser(tiny_path, fixed):
+    calls = []
+
+    class WithExtra(FixedRolloutGRPO):
+        def extra_loss_terms(self, minibatch, outputs):
+            calls.append(len(minibatch))
+            # aggregate(ones) over this micro-batch's mask is its share of the global token count
+            share = outputs["aggregate"](torch.ones_like(outputs["mask"]), outputs["mask"])
+            return 2.0 * share, {"extra/share": share.detach()}
+
+    rows, rollout, rewards = fixed
+    module = WithExtra(tiny_path, num_generations=3, beta=0.0, micro_batch_size=2)
+    module.fixed_rollout, module.fixed_rewards = rollout, rewards
+    _fit_one_step(module, rows)
+    assert calls == [2, 2, 2]
+    # the shares of all micro-batches sum to 1, so the extra loss adds exactly 2.0
+    assert module.last_metrics["losses/extra"] == pytest.approx(2.0, abs=1e-6)
+    assert module.last_metrics["losses/total"] == pytest.approx(module.last_metrics["losses/policy"] + 2.0, abs=1e-5)
+
+
+# ----------------------------------------------------------------------------- learning
+
+
+def test_grpo_increases_a_learnable_reward(tiny_path):
+    """Reward = fraction of completion tokens in the lower half of the vocabulary (about 0.5 for
+    the random model); GRPO must raise it."""
+
+    class TokenReward(GRPOModule):
+        def compute_rewards(self, rollout):
+            mask = rollout.completion_mask.float()
+            low = rollout.completion_ids < self.model.config.text_config.vocab_size // 2
+            hits = (low.float() * mask).sum(-1) / mask.sum(-1).clamp(min=1)
+            return hits, {"rewards/token/mean": float(hits.mean())}
+
+    module = TokenReward(tiny_path, num_generations=4, max_new_tokens=4, lr=3e-2, beta=0.0, seed=0)
+    rows = _rows(2)
+    trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=12, logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False)
+    history = []
+
+    class Record(L.Callback):
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            history.append(pl_module.last_metrics["rewards/token/mean"])
+
+    trainer.callbacks.append(Record())
+    trainer.fit(module, DataLoader([rows] * 12, batch_size=None, collate_fn=lambda x: x))
+    assert len(history) == 12
+    first, last = sum(history[:3]) / 3, sum(history[-3:]) / 3
+    assert last > first + 0.2, history
+
+
+def test_rng_state_survives_a_weights_only_checkpoint(tmp_path):
+    import random
+
+    import numpy as np
+
+    from mmpo.algos.config import rng_state, set_rng_state
+
+    torch.save({"rng": rng_state()}, tmp_path / "rng.pt")
+    expected = (random.random(), float(np.random.rand()), float(torch.rand(())))
+    set_rng_state(torch.load(tmp_path / "rng.pt", weights_only=True)["rng"])
+    assert (random.random(), float(np.random.rand()), float(torch.rand(()))) == expected
