@@ -53,6 +53,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--clip-final", type=float, default=0.01)
     parser.add_argument("--critic-warmup", type=int, default=2)
     parser.add_argument("--eval-episodes", type=int, default=50)
+    parser.add_argument("--stochastic-eval-episodes", type=int, default=0,
+                        help="also evaluate with training-time (stochastic) sampling on this many episodes")
     parser.add_argument("--throughput-steps", type=int, default=400, help="sim steps per env for the probe")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--sync-envs", action="store_true", help="in-process envs instead of subprocesses")
@@ -64,7 +66,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def evaluate(policy, args, seed: int, normalizer_path: str) -> dict[str, float]:
+def evaluate(policy, args, seed: int, normalizer_path: str, *, deterministic: bool = True,
+             episodes: int | None = None) -> dict[str, float]:
     from robotics.envs import make_vector_env
     from robotics.evaluate import evaluate_policy
 
@@ -75,8 +78,8 @@ def evaluate(policy, args, seed: int, normalizer_path: str) -> dict[str, float]:
                            terminate_on_success=True)
     try:
         start = time.perf_counter()
-        result = evaluate_policy(policy.to(args.device), envs, args.eval_episodes, deterministic=True,
-                                 seed=100_000 + seed, progress=True)
+        result = evaluate_policy(policy.to(args.device), envs, episodes or args.eval_episodes,
+                                 deterministic=deterministic, seed=100_000 + seed, progress=True)
         result["seconds"] = time.perf_counter() - start
     finally:
         envs.close()
@@ -119,6 +122,11 @@ def run_seed(seed: int, args, demos: Path, out_dir: Path) -> dict[str, float]:
     print(f"[seed {seed}] BC done in {bc_seconds:.0f}s; evaluating", flush=True)
     bc_eval = evaluate(policy, args, seed, metadata["normalizer_path"])
     print(f"[seed {seed}] BC eval: {json.dumps(bc_eval)}", flush=True)
+    bc_stochastic = {"success_rate": float("nan")}
+    if args.stochastic_eval_episodes:
+        bc_stochastic = evaluate(policy, args, seed, metadata["normalizer_path"], deterministic=False,
+                                 episodes=args.stochastic_eval_episodes)
+        print(f"[seed {seed}] BC stochastic eval: {json.dumps(bc_stochastic)}", flush=True)
 
     per_iteration = args.num_envs * args.n_steps * 4
     iterations = max(1, math.ceil(args.dppo_env_steps / per_iteration))
@@ -141,6 +149,11 @@ def run_seed(seed: int, args, demos: Path, out_dir: Path) -> dict[str, float]:
     ft_policy, _ = load_policy(seed_dir / "dppo.ckpt")
     dppo_eval = evaluate(ft_policy, args, seed, metadata["normalizer_path"])
     print(f"[seed {seed}] DPPO eval: {json.dumps(dppo_eval)}", flush=True)
+    dppo_stochastic = {"success_rate": float("nan")}
+    if args.stochastic_eval_episodes:
+        dppo_stochastic = evaluate(ft_policy, args, seed, metadata["normalizer_path"], deterministic=False,
+                                   episodes=args.stochastic_eval_episodes)
+        print(f"[seed {seed}] DPPO stochastic eval: {json.dumps(dppo_stochastic)}", flush=True)
     env_steps = sum(h["perf/env_steps_total"] for h in rates.history[-1:])
     return {
         "seed": seed,
@@ -148,6 +161,8 @@ def run_seed(seed: int, args, demos: Path, out_dir: Path) -> dict[str, float]:
         "bc_return": bc_eval["return"],
         "dppo_success": dppo_eval["success_rate"],
         "dppo_return": dppo_eval["return"],
+        "bc_success_stochastic": bc_stochastic["success_rate"],
+        "dppo_success_stochastic": dppo_stochastic["success_rate"],
         "dppo_iterations": len(rates.history),
         "dppo_env_steps": env_steps,
         "rollout_env_steps_per_s": float(np.mean([h["perf/env_steps_per_s"] for h in rates.history])),
@@ -198,12 +213,14 @@ def main(argv: list[str] | None = None) -> int:
         f"episodes {args.max_episode_steps} steps, actor lr {args.actor_lr}, clip {args.clip_base}->{args.clip_final}",
         f"- eval: deterministic, {args.eval_episodes} episodes per seed (fine-tuned network on the last K' steps)",
         "",
-        "| seed | BC success | DPPO success | BC return | DPPO return | DPPO iters | DPPO env steps | rollout env steps/s | BC s | DPPO s | faults |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "| seed | BC success | DPPO success | BC success (stochastic) | DPPO success (stochastic) | BC return | DPPO return "
+        "| DPPO iters | DPPO env steps | rollout env steps/s | BC s | DPPO s | faults |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in results:
         lines.append(
-            f"| {r['seed']} | {r['bc_success']:.3f} | {r['dppo_success']:.3f} | {r['bc_return']:.2f} | "
+            f"| {r['seed']} | {r['bc_success']:.3f} | {r['dppo_success']:.3f} | {r['bc_success_stochastic']:.3f} | "
+            f"{r['dppo_success_stochastic']:.3f} | {r['bc_return']:.2f} | "
             f"{r['dppo_return']:.2f} | {r['dppo_iterations']} | {r['dppo_env_steps']:.0f} | "
             f"{r['rollout_env_steps_per_s']:.0f} | {r['bc_seconds']:.0f} | {r['dppo_seconds']:.0f} | {r['faults']:.0f} |"
         )

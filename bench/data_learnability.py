@@ -80,10 +80,10 @@ class PatchTransformer(nn.Module):
         return self.head(self.encoder(tokens, src_key_padding_mask=pad)[:, 0])
 
 
-def train_and_score(task, n_train, n_test, epochs, image_size, seed, use_image, probe="mlp"):
+def train_and_score(task, n_train, n_test, epochs, image_size, seed, use_image, probe="mlp", difficulty=None):
     torch.manual_seed(seed)
-    train = make_items(task, n_train, seed=seed, split="train", image_size=image_size)
-    test = make_items(task, n_test, seed=seed, split="test", image_size=image_size)
+    train = make_items(task, n_train, seed=seed, split="train", image_size=image_size, difficulty=difficulty)
+    test = make_items(task, n_test, seed=seed, split="test", image_size=image_size, difficulty=difficulty)
     vocab = {w: i + 1 for i, w in enumerate(sorted({w for r in train for w in words(r["problem"])}))}
     max_words = max(len(words(r["problem"])) for r in train + test)
     answers = {a: i for i, a in enumerate(sorted({r["answer"] for r in train}))}
@@ -119,6 +119,7 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--probe", choices=["mlp", "transformer"], default="mlp")
     parser.add_argument("--tasks", nargs="+", default=list(VISUAL_TASKS))
+    parser.add_argument("--difficulty", type=int, default=None, help="1..3; default: levels mixed")
     parser.add_argument("--skip-question-only", action="store_true", help="only the image + question condition")
     args = parser.parse_args()
     torch.set_num_threads(1)
@@ -127,11 +128,13 @@ def main() -> None:
     for task in args.tasks:
         start = time.time()
         with_image, majority = train_and_score(task, args.train, args.test, args.epochs, args.image_size,
-                                               args.seed, use_image=True, probe=args.probe)
+                                               args.seed, use_image=True, probe=args.probe,
+                                               difficulty=args.difficulty)
         text_only = float("nan")
         if not args.skip_question_only:
             text_only, _ = train_and_score(task, args.train, args.test, args.epochs, args.image_size,
-                                           args.seed, use_image=False, probe=args.probe)
+                                           args.seed, use_image=False, probe=args.probe,
+                                           difficulty=args.difficulty)
         print(f"| {task} | {with_image:.3f} | {text_only:.3f} | {majority:.3f} | {time.time() - start:.0f} |",
               flush=True)
 

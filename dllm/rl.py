@@ -159,7 +159,8 @@ class DiffuGRPO(pl.LightningModule):
             hint_tokens, hint_masks, hinted_problems, hinted_answers = [], [], [], []
             for g in wrong_groups:
                 trace_ids = self.tokenizer(rows[g]["trace"], add_special_tokens=False)["input_ids"]
-                tokens, mask, _ = build_group_hints(trace_ids, group, self.sampler.gen_length, self.hints, generator=torch.Generator().manual_seed(int(generator.initial_seed()) + g))
+                hint_rng = torch.Generator().manual_seed(int(generator.initial_seed()) + g)
+                tokens, mask, _ = build_group_hints(trace_ids, group, self.sampler.gen_length, self.hints, hint_rng)
                 hint_tokens.append(tokens)
                 hint_masks.append(mask)
                 hinted_problems += [rows[g]["problem"]] * group
@@ -168,8 +169,8 @@ class DiffuGRPO(pl.LightningModule):
                 self.model, self.tokenizer, hinted_problems, self.sampler,
                 fixed_tokens=torch.cat(hint_tokens), fixed_mask=torch.cat(hint_masks), generator=generator,
             )
-            if hinted.prompt_ids.shape[1] != out.prompt_ids.shape[1]:
-                raise RuntimeError("hinted prompts were padded differently from the originals")
+            # Completions do not depend on the prompt's padding width, so a hinted completion can move
+            # into its group's original rows even if the hinted sub-batch was padded narrower.
             hinted_correct = self._score(hinted.texts, hinted_answers)
             hinted_correct_total += int(hinted_correct.sum())
             hinted_total += hinted_correct.numel()

@@ -33,7 +33,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 from mmpo.core import gae, policy_loss
-from robotics.evaluate import EpisodeTracker, check_same_step_autoreset, evaluate_policy, final_observations, step_info
+from robotics.evaluate import EpisodeTracker, check_same_step_autoreset, evaluate_policy, final_observations
 from robotics.policy import CriticMLP, DiffusionPolicy
 from robotics.policy.dppo_math import (
     RunningRewardScaler,

@@ -132,6 +132,7 @@ def evaluate_policy(
     noise_clip: float = 3.0,
     max_chunk_steps: int = 100_000,
     progress: bool = False,
+    deterministic_sampler: str | None = None,
 ) -> dict[str, float]:
     """Roll out ``policy`` for ``num_episodes`` episodes on a SAME_STEP-autoreset vector chunk env.
 
@@ -142,6 +143,8 @@ def evaluate_policy(
         deterministic: mean of every denoising step (evaluation); False samples as in training.
         seed: reset seed (env i gets seed + i); None continues the envs' random streams.
         max_chunk_steps: safety cap on chunk steps (clear error if reached).
+        deterministic_sampler: None (the policy's own chain: DDPM means) or "ddim" (eta = 0, same
+            timesteps and networks); see :meth:`DiffusionPolicy.sample`.
 
     Returns:
         dict with ``return``, ``success_rate`` (NaN for tasks without success), ``episodes``,
@@ -160,7 +163,8 @@ def evaluate_policy(
             raise RuntimeError(f"evaluation did not finish {num_episodes} episodes within {max_chunk_steps} chunk steps")
         obs_tensor = torch.as_tensor(np.asarray(obs), dtype=torch.float32, device=device)
         actions = policy.sample(
-            obs_tensor, deterministic=deterministic, min_sampling_std=min_sampling_std, noise_clip=noise_clip
+            obs_tensor, deterministic=deterministic, min_sampling_std=min_sampling_std, noise_clip=noise_clip,
+            deterministic_sampler=deterministic_sampler,
         ).actions
         before = len(tracker.returns)
         obs, rewards, terminated, truncated, infos = envs.step(actions.cpu().numpy())

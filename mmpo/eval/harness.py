@@ -15,6 +15,7 @@ content), so the numbers match the RL reward. pass@k: arXiv 2107.03374.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import time
 from pathlib import Path
@@ -157,6 +158,18 @@ def _batches(rows: Sequence[Row], batch_size: int):
         yield list(rows[start:start + batch_size])
 
 
+@contextlib.contextmanager
+def _seeded(seed: int | None):
+    """Seed torch's RNGs for the block and restore them afterwards (no side effect on the caller)."""
+    if seed is None:
+        yield
+        return
+    devices = list(range(torch.cuda.device_count())) if torch.cuda.is_available() else []
+    with torch.random.fork_rng(devices=devices):
+        torch.manual_seed(seed)
+        yield
+
+
 def _check_decoding(num_samples: int, greedy: bool, temperature: float) -> None:
     if num_samples < 1:
         raise ValueError(f"num_samples must be >= 1, got {num_samples}")
@@ -186,6 +199,7 @@ def evaluate(
     seed: int | None = 0,
     progress: bool = True,
     description: str = "eval",
+    system_prompt: str | None = "default",
 ) -> dict[str, Any]:
     """Evaluate a loaded VLM on ``rows``.
 
@@ -196,7 +210,9 @@ def evaluate(
         greedy: deterministic argmax decoding; otherwise sampling at ``temperature``/``top_p``.
         batch_size: prompts per ``generate`` call.
         scorer: see :func:`score_completions`.
-        seed: torch seed set before sampling (``None`` leaves the RNG alone).
+        seed: torch seed for sampling, inside a forked RNG so the caller's RNG state is
+            untouched (``None``: use the current RNG).
+        system_prompt: ``"default"`` = ``mmpo.data.SYSTEM_PROMPT`` (what SFT teaches); ``None`` = none.
 
     Returns:
         ``accuracy`` (greedy accuracy, or mean over samples), ``avg@k``, ``pass@k`` for
@@ -209,16 +225,14 @@ def evaluate(
     rows = list(rows)
     if not rows:
         raise ValueError("evaluate needs at least one row")
-    if seed is not None:
-        torch.manual_seed(seed)
     was_training = model.training
     model.eval()
-    engine = HFGenerateEngine(model, processor)
+    engine = HFGenerateEngine(model, processor, system_prompt=system_prompt)
     completions: list[list[str]] = []
     correct: list[list[bool]] = []
     counters: dict[str, float] = {}
     try:
-        with tqdm(total=len(rows), desc=description, unit="item", disable=not progress) as bar:
+        with _seeded(seed), tqdm(total=len(rows), desc=description, unit="item", disable=not progress) as bar:
             for batch in _batches(rows, batch_size):
                 rollout = engine.generate(
                     batch,
@@ -262,12 +276,10 @@ def evaluate_answerer(
     rows = list(rows)
     if not rows:
         raise ValueError("evaluate_answerer needs at least one row")
-    if seed is not None:
-        torch.manual_seed(seed)
     completions: list[list[str]] = []
     correct: list[list[bool]] = []
     counters: dict[str, float] = {}
-    with tqdm(total=len(rows), desc=description, unit="item", disable=not progress) as bar:
+    with _seeded(seed), tqdm(total=len(rows), desc=description, unit="item", disable=not progress) as bar:
         for batch in _batches(rows, batch_size):
             answers = answerer.answer(batch, num_samples, greedy)
             if len(answers) != len(batch) or any(len(samples) != num_samples for samples in answers):

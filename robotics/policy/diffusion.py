@@ -84,6 +84,21 @@ class DiffusionPolicy(nn.Module):
         self.schedule = DenoisingSchedule(denoising_steps, sampler=sampler, ddim_steps=ddim_steps)
         self.ft_network: nn.Module | None = None
         self.ft_steps = 0
+        self._ddim_twin: DenoisingSchedule | None = None
+
+    def deterministic_schedule(self, sampler: str | None) -> DenoisingSchedule:
+        """Schedule for deterministic sampling: the policy's own (None / its sampler name), or for a DDPM
+        policy ``"ddim"``: DDIM with eta = 0 over the same K timesteps (same chain steps, so the same
+        frozen/fine-tuned network split) -- the probability-flow-like deterministic sampler."""
+        if sampler is None or sampler == self.schedule.sampler:
+            return self.schedule
+        if sampler != "ddim":
+            raise ValueError(f"deterministic sampler must be 'ddpm' or 'ddim', got {sampler!r}")
+        if self._ddim_twin is None:
+            twin = DenoisingSchedule(self.schedule.num_train_steps, sampler="ddim",
+                                     ddim_steps=self.schedule.num_chain_steps)
+            self._ddim_twin = twin.to(self.schedule.timesteps.device)
+        return self._ddim_twin
 
     # ------------------------------------------------------------------ fine-tuning split
     def enable_finetuning(self, ft_steps: int) -> None:
@@ -134,11 +149,13 @@ class DiffusionPolicy(nn.Module):
         obs: torch.Tensor,
         *,
         eta: float = 1.0,
+        schedule: DenoisingSchedule | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Mean (B, Ta, Da) and raw std (B, 1, 1) of p(x_prev | x_t, s) at chain steps (B,)."""
-        timesteps = self.schedule.timesteps[chain_step]
+        schedule = schedule or self.schedule
+        timesteps = schedule.timesteps[chain_step]
         eps_hat = network(x_t, timesteps, obs)
-        return self.schedule.mean_std(x_t, eps_hat, chain_step, eta=eta)
+        return schedule.mean_std(x_t, eps_hat, chain_step, eta=eta)
 
     # ------------------------------------------------------------------ sampling
     @torch.no_grad()
@@ -153,6 +170,7 @@ class DiffusionPolicy(nn.Module):
         generator: torch.Generator | None = None,
         return_log_probs: bool = False,
         min_logprob_std: float = 0.1,
+        deterministic_sampler: str | None = None,
     ) -> PolicySample:
         """Run the reverse chain from x ~ N(0, I).
 
@@ -161,7 +179,9 @@ class DiffusionPolicy(nn.Module):
         the mean of every step (DDPM) / DDIM with eta = 0; the fine-tuned copy still runs the last K'
         steps, so evaluation uses exactly the training-time networks. ``return_log_probs`` records the
         elementwise log-density of each fine-tuned transition under N(mean, max(std, min_logprob_std)^2),
-        i.e. the value :meth:`chain_step_log_prob` recomputes later.
+        i.e. the value :meth:`chain_step_log_prob` recomputes later. ``deterministic_sampler="ddim"``
+        makes a DDPM policy's deterministic chain DDIM with eta = 0 over the same timesteps (default:
+        the mean of each DDPM step, as DPPO's evaluation).
         Shapes: obs (B, obs_dim) -> PolicySample(actions (B, Ta, Da), chain (B, K'+1, Ta, Da) | None).
         """
         self._check_inputs(obs)
@@ -172,11 +192,12 @@ class DiffusionPolicy(nn.Module):
         log_probs: list[torch.Tensor] = []
         num_chain = self.schedule.num_chain_steps
         step_eta = 0.0 if deterministic else eta
+        schedule = self.deterministic_schedule(deterministic_sampler) if deterministic else self.schedule
         for j in range(num_chain):
             if self.ft_network is not None and j >= self.first_ft_step:
                 chain.append(x)
             steps = torch.full((batch,), j, dtype=torch.long, device=obs.device)
-            mean, std = self.step_distribution(self._network_for(j), x, steps, obs, eta=step_eta)
+            mean, std = self.step_distribution(self._network_for(j), x, steps, obs, eta=step_eta, schedule=schedule)
             if deterministic:
                 x = mean
                 continue

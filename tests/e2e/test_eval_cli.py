@@ -137,3 +137,18 @@ def test_eval_refuses_image_benchmarks_for_dllm(tiny_dllm, tmp_path, capsys):
     assert eval_main(["--model", str(tiny_dllm), "--benchmarks", f"synth/{visual}", "--synth-size", "1",
                       "--out", str(tmp_path)]) == 2
     assert "text-only dLLM" in capsys.readouterr().err
+
+
+def test_evaluate_sampling_is_seeded_without_touching_the_callers_rng(tiny_model):
+    from mmpo.eval.harness import evaluate
+    from mmpo.eval.registry import synthetic_rows
+    from mmpo.vlm.factory import load_vlm
+
+    model, processor = load_vlm(tiny_model)
+    rows = synthetic_rows([TASKS[0]], size=2, seed=3)
+    state = torch.get_rng_state()
+    runs = [evaluate(model, processor, rows, num_samples=3, greedy=False, max_new_tokens=6, seed=seed,
+                     progress=False) for seed in (7, 7, 8)]
+    assert torch.equal(torch.get_rng_state(), state)
+    texts = [[p["completions"] for p in run["predictions"]] for run in runs]
+    assert texts[0] == texts[1] and texts[0] != texts[2]

@@ -47,3 +47,23 @@ def test_measure_steps_per_s_reports_both_rates():
     assert result["raw_steps_per_s"] > 0 and result["vector_steps_per_s"] > 0 and result["raw_cpu_s_per_step"] > 0
     assert result["speedup"] == result["vector_steps_per_s"] / result["raw_steps_per_s"]
     assert (result["num_envs"], result["act_steps"], result["steps"]) == (1.0, 4.0, 8.0)
+
+
+def test_fault_in_one_env_is_counted_and_the_run_goes_on():
+    # in-process vector env so the fault can be injected into env 0's simulator
+    env = make_vector_env("lift", 2, seed=0, act_steps=2, max_episode_steps=50, asynchronous=False)
+    try:
+        env.reset(seed=0)
+        env.envs[0].unwrapped.sim_env.sim.data._data.qvel[:] = 1e12  # MuJoCo instability
+        obs, reward, terminated, truncated, info = env.step(np.zeros((2, 2, 7)))
+        np.testing.assert_array_equal(terminated, [True, False])
+        np.testing.assert_array_equal(merged_info(info, "fault"), [True, False])
+        np.testing.assert_array_equal(merged_info(info, "success"), [False, False])
+        assert np.isfinite(obs).all() and reward[0] == 0.0
+        assert env.get_attr("fault_count") == (1, 0)
+        # env 0 was reset within the step (SAME_STEP); both keep running
+        obs, reward, terminated, truncated, info = env.step(np.zeros((2, 2, 7)))
+        assert not terminated.any() and not info["fault"].any()
+        assert env.get_attr("fault_count") == (1, 0)
+    finally:
+        env.close()

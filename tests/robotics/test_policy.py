@@ -164,3 +164,21 @@ def test_ddim_policy_samples_and_logprobs():
     recomputed = policy.chain_step_log_prob(obs, out.chain, torch.tensor([0, 1, 2, 2]))
     rows = torch.arange(4)
     assert torch.allclose(recomputed, out.log_probs[rows, torch.tensor([0, 1, 2, 2])], atol=1e-5)
+
+
+def test_deterministic_ddim_twin_matches_a_manual_ddim_scheduler_loop():
+    policy = _policy()
+    twin = policy.deterministic_schedule("ddim")
+    assert twin.timesteps.tolist() == policy.schedule.timesteps.tolist() == [5, 4, 3, 2, 1, 0]
+    obs = torch.randn(3, 3)
+    out = policy.sample(obs, deterministic=True, deterministic_sampler="ddim", generator=torch.Generator().manual_seed(4))
+    scheduler = make_ddim_scheduler(6)
+    scheduler.set_timesteps(6)
+    x = torch.randn(3, 4, 2, generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        for t in scheduler.timesteps.tolist():
+            eps = policy.network(x, torch.full((3,), t), obs)
+            x = scheduler.step(eps, t, x, eta=0.0, use_clipped_model_output=True).prev_sample
+    assert torch.allclose(out.actions, x, atol=1e-5)
+    with pytest.raises(ValueError, match="deterministic sampler"):
+        policy.sample(obs, deterministic=True, deterministic_sampler="euler")

@@ -101,3 +101,12 @@ def test_rollout_cli_records_a_video(dppo_checkpoint, tmp_path, capsys):
 def test_rollout_cli_rejects_bad_input(tmp_path, capsys):
     assert main(["rollout", "--ckpt", str(tmp_path / "missing.ckpt")]) == 2
     assert "does not exist" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("name", ["bc_lift", "dppo_lift", "bc_can", "dppo_can"])
+def test_configs_parse(name, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["fit", "-c", str(CONFIGS / f"{name}.yaml"), "--print_config"])
+    assert exit_info.value.code == 0
+    printed = capsys.readouterr().out
+    assert "class_path: robotics." in printed

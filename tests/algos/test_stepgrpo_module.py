@@ -1,0 +1,83 @@
+"""StepGRPO as a module (R1-VL, arXiv 2503.12937): summed step rewards, missing key steps,
+and an `mmpo fit` smoke run."""
+
+from __future__ import annotations
+
+import csv
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import BatchFeature
+
+from mmpo.data.synthetic import make_items
+from mmpo.vlm.rollout import Rollout
+
+CONFIGS = Path(__file__).resolve().parents[2] / "configs" / "vlm"
+
+GOOD = ("### Image Description: shapes\n### Rationales: count\n### Step 1: 2 + 1 = 3\n"
+        "### The final answer is: 3")
+BAD_FORMAT = "### Step 1: 2 + 1 = 3\n### The final answer is: 4"
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory) -> Path:
+    from mmpo.vlm.factory import build_tiny_vlm
+
+    corpus = [r["problem"] for r in make_items("count_shapes", 10, seed=0)] + [GOOD]
+    return build_tiny_vlm(tmp_path_factory.mktemp("stepgrpo_model"), corpus=corpus)
+
+
+def _rollout(texts, rows):
+    n = len(texts)
+    return Rollout(rows=rows, group_ids=torch.zeros(n, dtype=torch.long), prompt_inputs=BatchFeature({}),
+                   completion_ids=torch.zeros(n, 1, dtype=torch.long), completion_mask=torch.ones(n, 1, dtype=torch.long),
+                   texts=texts)
+
+
+def test_module_defaults_and_summed_rewards(tiny_model):
+    from mmpo.algos.stepgrpo import StepGRPOModule
+    from mmpo.data import STEPS_SYSTEM_PROMPT
+
+    module = StepGRPOModule(str(tiny_model), reward_timeout_s=None)
+    h = module.hparams
+    assert (h.num_generations, h.advantage_eps, h.beta, h.temperature) == (4, 1e-4, 0.04, 1.2)
+    assert module.engine.system_prompt == STEPS_SYSTEM_PROMPT
+    row = {"id": "c1", "answer": "3", "key_steps": [["2 + 1 = 3"], ["circle"]]}
+    total, metrics = module.compute_rewards(_rollout([GOOD, BAD_FORMAT], [row, row]))
+    # GOOD: correct 1 + 0.1 * 1/2 (only "2 + 1 = 3" is in a Step) + valid 1 = 2.05
+    # BAD_FORMAT: wrong 0 + 0.1 * 1/2 + invalid 0 = 0.05
+    assert total.tolist() == pytest.approx([2.05, 0.05])
+    assert metrics["stepgrpo/key_step_frac"] == pytest.approx(0.5)
+    # group advantage with std eps 1e-4: +-(1.0 / (std + 1e-4)), std of [2.05, 0.05] = sqrt(2)
+    adv, _ = module.compute_advantages(total, torch.zeros(2, dtype=torch.long), None)
+    assert adv.tolist() == pytest.approx([1.0 / (2**0.5 + 1e-4), -1.0 / (2**0.5 + 1e-4)], rel=1e-5)
+
+
+def test_missing_key_steps_error_or_counted_skip(tiny_model):
+    from mmpo.algos.stepgrpo import StepGRPOModule
+
+    rows = [{"id": "no-keys-1", "answer": "3", "key_steps": []}, {"id": "k", "answer": "3", "key_steps": [["2 + 1"]]}]
+    strict = StepGRPOModule(str(tiny_model), reward_timeout_s=None)
+    with pytest.raises(ValueError, match="no-keys-1"):
+        strict.compute_rewards(_rollout([GOOD, GOOD], rows))
+    lenient = StepGRPOModule(str(tiny_model), reward_timeout_s=None, skip_missing_key_steps=True)
+    total, metrics = lenient.compute_rewards(_rollout([GOOD, GOOD], rows))
+    assert total.tolist() == pytest.approx([2.0, 2.1])
+    assert metrics["stepgrpo/missing_key_steps"] == 1.0
+
+
+def test_stepgrpo_fit_smoke(tiny_model, tmp_path):
+    from mmpo.cli import main
+
+    main([
+        "fit", "-c", str(CONFIGS / "stepgrpo_tiny.yaml"), f"--model.init_args.model_path={tiny_model}",
+        "--model.init_args.output_dir=null", "--model.init_args.max_new_tokens=6",
+        "--model.init_args.num_generations=2", "--trainer.max_steps=2", f"--trainer.default_root_dir={tmp_path}",
+        "--trainer.logger=lightning.pytorch.loggers.CSVLogger", f"--trainer.logger.init_args.save_dir={tmp_path}",
+        "--trainer.enable_progress_bar=false", "--data.init_args.train_size=8", "--trainer.max_epochs=1",
+    ])
+    with open(next(tmp_path.rglob("metrics.csv"))) as f:
+        rows = list(csv.DictReader(f))
+    assert len([r for r in rows if r.get("rewards/step_rvr/mean")]) == 2
+    assert len([r for r in rows if r.get("stepgrpo/key_step_frac")]) == 2
