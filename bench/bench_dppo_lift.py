@@ -55,6 +55,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--eval-episodes", type=int, default=50)
     parser.add_argument("--stochastic-eval-episodes", type=int, default=0,
                         help="also evaluate with training-time (stochastic) sampling on this many episodes")
+    parser.add_argument("--eval-sampler", default=None, choices=["ddpm", "ddim"],
+                        help="deterministic chain: DDPM step means (default, as DPPO) or DDIM eta = 0")
     parser.add_argument("--throughput-steps", type=int, default=400, help="sim steps per env for the probe")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--sync-envs", action="store_true", help="in-process envs instead of subprocesses")
@@ -79,7 +81,8 @@ def evaluate(policy, args, seed: int, normalizer_path: str, *, deterministic: bo
     try:
         start = time.perf_counter()
         result = evaluate_policy(policy.to(args.device), envs, episodes or args.eval_episodes,
-                                 deterministic=deterministic, seed=100_000 + seed, progress=True)
+                                 deterministic=deterministic, seed=100_000 + seed, progress=True,
+                                 deterministic_sampler=args.eval_sampler)
         result["seconds"] = time.perf_counter() - start
     finally:
         envs.close()
@@ -211,7 +214,9 @@ def main(argv: list[str] | None = None) -> int:
         f"- BC: {args.bc_epochs} epochs, MLP [{args.hidden}]x3, K={args.denoising_steps}; DPPO: K'={args.ft_steps}, "
         f"{args.num_envs} envs x {args.n_steps} chunk steps/iteration, budget {args.dppo_env_steps} env steps, "
         f"episodes {args.max_episode_steps} steps, actor lr {args.actor_lr}, clip {args.clip_base}->{args.clip_final}",
-        f"- eval: deterministic, {args.eval_episodes} episodes per seed (fine-tuned network on the last K' steps)",
+        f"- eval: deterministic ({args.eval_sampler or 'ddpm'} chain), {args.eval_episodes} episodes per seed "
+        f"(fine-tuned network on the last K' steps); stochastic (training-time sampling): "
+        f"{args.stochastic_eval_episodes or 'not run'} episodes; eval episodes end at the first success",
         "",
         "| seed | BC success | DPPO success | BC success (stochastic) | DPPO success (stochastic) | BC return | DPPO return "
         "| DPPO iters | DPPO env steps | rollout env steps/s | BC s | DPPO s | faults |",

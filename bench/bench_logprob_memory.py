@@ -1,10 +1,11 @@
 """Peak memory and time: chunked ``token_log_probs_from_hidden`` vs naive logits + log_softmax.
 
-Each (path, phase) runs in its own subprocess so its peak RSS (``ru_maxrss``) is its own;
-the reported peak is the kernel's peak RSS during the run (VmHWM, reset once the inputs exist;
-``ru_maxrss`` where VmHWM cannot be reset) minus the RSS with the inputs in memory
-(tracemalloc does not see torch's allocator). Both paths see the same seeded inputs; the
-parent checks that log-probs and gradients agree.
+Each (path, phase) runs in its own subprocess, so each peak belongs to that path alone.
+On CPU the reported peak is the kernel's peak RSS during the run (VmHWM, reset once the
+inputs exist; ``ru_maxrss`` where VmHWM cannot be reset) minus the RSS with the inputs in
+memory (tracemalloc does not see torch's allocator). On CUDA it is
+``torch.cuda.max_memory_allocated`` after a warm-up, minus the memory the inputs take. Both
+paths see the same seeded inputs; the parent checks that log-probs and gradients agree.
 
 Phases:
 - ``fwd``: log-probs under ``torch.no_grad()`` (old / reference log-probs of a rollout).
@@ -12,7 +13,8 @@ Phases:
 
 Usage (defaults: Qwen2.5-0.5B head, V=151936, H=896, B=4, T=1024, fp32 CPU)::
 
-    OMP_NUM_THREADS=1 python bench/bench_logprob_memory.py [--out bench/results/core_raw.md]
+    OMP_NUM_THREADS=1 python bench/bench_logprob_memory.py [--out table.md]
+    python bench/bench_logprob_memory.py --device cuda --dtype bfloat16 --repeats 5
 """
 
 from __future__ import annotations

@@ -116,6 +116,8 @@ class DPPOModule(pl.LightningModule):
         reward_scale_running: running reward scaling (True); reward_scale_const multiplies rewards first.
         reset_at_iteration: reset envs at each iteration's start (robomimic True, Gym False).
         eval_every, eval_episodes: deterministic evaluation cadence (0 = never) and episode count.
+        eval_sampler: None = the mean of every DDPM step (DPPO's evaluation); "ddim" = DDIM eta = 0 over
+            the same timesteps with the same networks.
         critic_hidden_dims: critic ResidualMLP widths ([256, 256, 256]).
         seed: env seed (env i: seed + i) and torch seed of sampling.
         env_factory: callable ``(num_envs=..., seed=..., act_steps=...) -> VectorEnv`` (SAME_STEP
@@ -160,6 +162,7 @@ class DPPOModule(pl.LightningModule):
         reset_at_iteration: bool = True,
         eval_every: int = 10,
         eval_episodes: int = 50,
+        eval_sampler: str | None = None,
         critic_hidden_dims: list[int] | None = None,
         seed: int = 0,
         env_factory: EnvFactory | None = None,
@@ -397,7 +400,7 @@ class DPPOModule(pl.LightningModule):
         """Deterministic evaluation with the fine-tuned network on the last K' steps (the training chain)."""
         result = evaluate_policy(
             self.policy, self.envs, num_episodes or self.hparams.eval_episodes, deterministic=True,
-            seed=self.hparams.seed + 10_000 + self.iteration,
+            seed=self.hparams.seed + 10_000 + self.iteration, deterministic_sampler=self.hparams.eval_sampler,
         )
         self._obs = None  # evaluation consumed the envs' episodes: the next rollout resets them
         return result

@@ -29,6 +29,8 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--video", default=None, help="write an mp4 of all episodes here")
     parser.add_argument("--seed", type=int, default=0, help="env seed")
     parser.add_argument("--stochastic", action="store_true", help="sample as in training (default: deterministic)")
+    parser.add_argument("--sampler", default=None, choices=["ddpm", "ddim"],
+                        help="deterministic chain: DDPM step means (default) or DDIM eta = 0")
     parser.add_argument("--max-episode-steps", type=int, default=None, help="time limit (default: checkpoint/task)")
     parser.add_argument("--normalizer", default=None, help="stats json (default: the checkpoint's)")
     parser.add_argument("--image-size", type=int, default=128, help="video frame size for robosuite tasks")
@@ -78,7 +80,8 @@ def rollout_main(argv: Sequence[str] | None = None) -> int:
         total, success, length, done = 0.0, False, 0, False
         while not done:
             obs_tensor = torch.as_tensor(np.asarray(obs), dtype=torch.float32).unsqueeze(0)
-            chunk = policy.sample(obs_tensor, deterministic=not args.stochastic, generator=generator).actions[0]
+            chunk = policy.sample(obs_tensor, deterministic=not args.stochastic, generator=generator,
+                                  deterministic_sampler=args.sampler).actions[0]
             obs, reward, terminated, truncated, info = env.step(chunk.numpy())
             total += float(reward)
             success = success or bool(info.get("success_any", False))

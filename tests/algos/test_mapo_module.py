@@ -37,15 +37,16 @@ GROUPS = [
     [1.0, 0.1, 0.1, 0.0],  # partial credit: p = 0.25, lambda = 0.25
     [0.1, 0.1, 0.0, 0.0],  # all fail, format credit only: p = 0, lambda = 1 -> pure APD
 ]
+EPS = 1e-6  # in both denominators (paper)
 SQRT_1_3 = math.sqrt(1 / 3)  # std of [1,1,0,0] (Bessel): sqrt(4 * 0.25 / 3)
 SIGMA_3 = math.sqrt((0.7**2 + 0.2**2 + 0.2**2 + 0.3**2) / 3)  # sqrt(0.22) = 0.469042
 EXPECTED = [
     [0.0] * 4,
     [0.0] * 4,
-    [0.5 / SQRT_1_3, 0.5 / SQRT_1_3, -0.5 / SQRT_1_3, -0.5 / SQRT_1_3],  # +-0.866025
+    [d / (SQRT_1_3 + EPS) for d in (0.5, 0.5, -0.5, -0.5)],  # +-0.866025
     # 0.75 * dev / sigma + 0.25 * dev / mu, mu = 0.3; r = 1: 0.75 * 1.492405 + 0.25 * 2.333333 = 1.702637
-    [0.75 * d / SIGMA_3 + 0.25 * d / 0.3 for d in (0.7, -0.2, -0.2, -0.3)],
-    [1.0, 1.0, -1.0, -1.0],  # (r - 0.05) / 0.05
+    [0.75 * d / (SIGMA_3 + EPS) + 0.25 * d / (0.3 + EPS) for d in (0.7, -0.2, -0.2, -0.3)],
+    [d / (0.05 + EPS) for d in (0.05, 0.05, -0.05, -0.05)],  # (r - 0.05) / 0.05 = +-0.99998
 ]
 
 
@@ -58,7 +59,7 @@ def _batch():
 def test_module_advantages_hand_computed_and_metrics(module):
     rewards, ids = _batch()
     adv, metrics = module.compute_advantages(rewards, ids, None)
-    assert adv.tolist() == pytest.approx([a for g in EXPECTED for a in g], abs=1e-5)
+    assert adv.tolist() == pytest.approx([a for g in EXPECTED for a in g], abs=1e-6)
     # lambda per group: [1, 1, 0, 0.25, 1]
     assert metrics["mapo/lambda_min"] == pytest.approx(0.0)
     assert metrics["mapo/lambda_max"] == pytest.approx(1.0)
@@ -80,7 +81,7 @@ def test_fallback_counted_when_mean_not_positive(module):
     rewards = torch.tensor([-0.1, 0.1, 0.1, -0.1])
     adv, metrics = module.compute_advantages(rewards, torch.zeros(4, dtype=torch.long), None)
     sigma = math.sqrt(4 * 0.01 / 3)  # 0.115470
-    assert adv.tolist() == pytest.approx([-0.1 / sigma, 0.1 / sigma, 0.1 / sigma, -0.1 / sigma], abs=1e-5)
+    assert adv.tolist() == pytest.approx([d / (sigma + EPS) for d in (-0.1, 0.1, 0.1, -0.1)], abs=1e-5)
     assert metrics["mapo/fallback_groups"] == 1.0
 
 
