@@ -10,7 +10,7 @@ For each method and seed: train ``DiffuGRPO`` (configs/dllm/{igpo,grpo}_tiny.yam
 
 Results (means and per-seed values) go to ``--out`` as JSON and a markdown table.
 
-    python bench/bench_igpo.py --seeds 0 1 2 --batches 40 --out bench/results/dllm_igpo.json
+    python bench/bench_igpo.py --seeds 0 1 2 --batches 40 --lr 1e-4
 """
 
 from __future__ import annotations
@@ -71,11 +71,13 @@ def run_one(method: str, seed: int, args: argparse.Namespace, test_rows: list[di
     trainer.fit(module, datamodule=data)
     seconds = time.time() - started
     accuracy = greedy_accuracy(module.model, module.tokenizer, test_rows, sampler, batch_size=64)
+    sampled = sampled_accuracy(module.model, module.tokenizer, test_rows, sampler, args.eval_samples, seed)
     with open(next(root.rglob("metrics.csv"))) as handle:
         rows = [r for r in csv.DictReader(handle) if r.get("igpo/frac_all_wrong_sampled")]
     series = lambda key: [float(r[key]) for r in rows]  # noqa: E731
     return {
         "method": method, "seed": seed, "seconds": round(seconds, 1), "heldout_accuracy": accuracy,
+        "heldout_sampled_accuracy": sampled,
         "frac_all_wrong_sampled": series("igpo/frac_all_wrong_sampled"),
         "frac_all_wrong": series("igpo/frac_all_wrong"),
         "train_correct": series("rewards/correct/mean"),
@@ -83,12 +85,28 @@ def run_one(method: str, seed: int, args: argparse.Namespace, test_rows: list[di
     }
 
 
+def sampled_accuracy(model, tokenizer, rows: list[dict], sampler, samples: int, seed: int) -> float:
+    """Held-out accuracy of rollouts at the training temperature (mean over ``samples`` per problem)."""
+    from dllm.rewards import is_correct
+    from dllm.rollout import rollout
+
+    model.eval()
+    generator = torch.Generator().manual_seed(10_000 + seed)
+    problems = [r["problem"] for r in rows for _ in range(samples)]
+    answers = [r["answer"] for r in rows for _ in range(samples)]
+    correct = 0
+    for start in range(0, len(problems), 128):
+        texts = rollout(model, tokenizer, problems[start : start + 128], sampler, generator=generator).texts
+        correct += sum(is_correct(t, a) for t, a in zip(texts, answers[start : start + 128]))
+    return correct / len(problems)
+
+
 def mean(values: list[float]) -> float:
     return sum(values) / len(values) if values else float("nan")
 
 
 def summarize(results: list[dict], base_accuracy: float) -> dict:
-    out = {"base_heldout_accuracy": base_accuracy, "methods": {}}
+    out = {"base_heldout_accuracy": base_accuracy[0], "base_heldout_sampled_accuracy": base_accuracy[1], "methods": {}}
     for method in ("grpo", "igpo"):
         runs = [r for r in results if r["method"] == method]
         if not runs:
@@ -96,6 +114,7 @@ def summarize(results: list[dict], base_accuracy: float) -> dict:
         per_seed = lambda key: [mean(r[key]) for r in runs]  # noqa: E731
         halves = lambda key, h: [mean(r[key][: len(r[key]) // 2] if h == 0 else r[key][len(r[key]) // 2 :]) for r in runs]  # noqa: E731
         acc = [r["heldout_accuracy"] for r in runs]
+        sampled = [r["heldout_sampled_accuracy"] for r in runs]
         out["methods"][method] = {
             "frac_all_wrong": mean(per_seed("frac_all_wrong")),
             "frac_all_wrong_first_half": mean(halves("frac_all_wrong", 0)),
@@ -105,6 +124,8 @@ def summarize(results: list[dict], base_accuracy: float) -> dict:
             "heldout_accuracy": mean(acc),
             "heldout_accuracy_std": statistics.pstdev(acc) if len(acc) > 1 else 0.0,
             "heldout_accuracy_per_seed": acc,
+            "heldout_sampled_accuracy": mean(sampled),
+            "heldout_sampled_accuracy_per_seed": sampled,
             "replaced_per_batch": mean(per_seed("num_replaced")),
             "seconds_per_run": mean([r["seconds"] for r in runs]),
         }
@@ -117,18 +138,21 @@ def summarize(results: list[dict], base_accuracy: float) -> dict:
 def markdown(summary: dict, args: argparse.Namespace) -> str:
     lines = [
         "| method | all-wrong groups (after replacement) | first half | second half | all-wrong as sampled | "
-        "train accuracy (sampled) | held-out greedy accuracy | per seed | replaced / batch |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "train accuracy (sampled) | held-out greedy accuracy | per seed | held-out sampled accuracy (tau 1.2) | per seed | "
+        "replaced / batch |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for method, m in summary["methods"].items():
         lines.append(
             f"| {method} | {m['frac_all_wrong']:.3f} | {m['frac_all_wrong_first_half']:.3f} | "
             f"{m['frac_all_wrong_second_half']:.3f} | {m['frac_all_wrong_sampled']:.3f} | {m['train_correct']:.3f} | "
             f"{m['heldout_accuracy']:.3f} ± {m['heldout_accuracy_std']:.3f} | "
-            f"{', '.join(f'{a:.3f}' for a in m['heldout_accuracy_per_seed'])} | {m['replaced_per_batch']:.2f} |"
+            f"{', '.join(f'{a:.3f}' for a in m['heldout_accuracy_per_seed'])} | {m['heldout_sampled_accuracy']:.3f} | "
+            f"{', '.join(f'{a:.3f}' for a in m['heldout_sampled_accuracy_per_seed'])} | {m['replaced_per_batch']:.2f} |"
         )
     lines.append("")
-    lines.append(f"SFT checkpoint held-out greedy accuracy (start of both): {summary['base_heldout_accuracy']:.3f}")
+    lines.append(f"SFT checkpoint (start of both): held-out greedy accuracy {summary['base_heldout_accuracy']:.3f}, "
+                 f"sampled (tau 1.2) {summary['base_heldout_sampled_accuracy']:.3f}")
     if "all_wrong_reduction" in summary:
         lines.append(f"All-wrong groups, IGPO vs GRPO: {100 * summary['all_wrong_reduction']:.0f}% fewer")
     return "\n".join(lines)
@@ -146,8 +170,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--inner-updates", type=int, default=2)
     parser.add_argument("--lr", type=float, default=1e-4)
     parser.add_argument("--eval-size", type=int, default=128)
+    parser.add_argument("--eval-samples", type=int, default=4, help="sampled answers per held-out problem")
     parser.add_argument("--workdir", default=None)
-    parser.add_argument("--out", default="bench/results/dllm_igpo.json")
+    parser.add_argument("--out", default="runs/bench/dllm_igpo.json", help="JSON with every run (the summary table is printed)")
     args = parser.parse_args(argv)
     sys.path.insert(0, str(REPO))
     from dllm.rollout import greedy_accuracy
@@ -162,14 +187,17 @@ def main(argv: list[str] | None = None) -> int:
     test_rows = test_rows[: args.eval_size]
     model, tokenizer = load_mask_predictor(args.sft_model)
     sampler = SamplerConfig(**read_generation_defaults(args.sft_model).get("sampler", {}))
-    base_accuracy = greedy_accuracy(model, tokenizer, test_rows, sampler)
-    print(f"SFT held-out greedy accuracy: {base_accuracy:.3f}", flush=True)
+    rollout_sampler = SamplerConfig(**{**vars(sampler), "temperature": 1.2})
+    base_accuracy = (greedy_accuracy(model, tokenizer, test_rows, sampler),
+                     sampled_accuracy(model, tokenizer, test_rows, rollout_sampler, args.eval_samples, 0))
+    print(f"SFT held-out accuracy: greedy {base_accuracy[0]:.3f}, sampled {base_accuracy[1]:.3f}", flush=True)
     results = []
     for seed in args.seeds:
         for method in args.methods:
             result = run_one(method, seed, args, test_rows)
             results.append(result)
-            print(f"{method} seed {seed}: held-out {result['heldout_accuracy']:.3f}, all-wrong "
+            print(f"{method} seed {seed}: held-out greedy {result['heldout_accuracy']:.3f} sampled "
+                  f"{result['heldout_sampled_accuracy']:.3f}, all-wrong "
                   f"{mean(result['frac_all_wrong']):.3f} (sampled {mean(result['frac_all_wrong_sampled']):.3f}), "
                   f"{result['seconds']}s", flush=True)
             Path(args.out).parent.mkdir(parents=True, exist_ok=True)

@@ -65,11 +65,12 @@ class PatchTransformer(nn.Module):
     def __init__(self, vocab_size: int, classes: int, image_size: int, max_words: int, width: int = 64):
         super().__init__()
         self.patch = nn.Conv2d(3, width, kernel_size=14, stride=14)
-        self.patch_pos = nn.Parameter(torch.randn((image_size // 14) ** 2, width) * 0.02)
+        self.patch_pos = nn.Parameter(torch.randn((image_size // 14) ** 2, width))
         self.words = nn.Embedding(vocab_size, width, padding_idx=0)
-        self.word_pos = nn.Parameter(torch.randn(max_words, width) * 0.02)
+        self.word_pos = nn.Parameter(torch.randn(max_words, width))
         self.cls = nn.Parameter(torch.zeros(1, 1, width))
-        layer = nn.TransformerEncoderLayer(width, 4, dim_feedforward=2 * width, dropout=0.0, batch_first=True)
+        layer = nn.TransformerEncoderLayer(width, 4, dim_feedforward=2 * width, dropout=0.0, batch_first=True,
+                                           norm_first=True)
         self.encoder = nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)
         self.head = nn.Linear(width, classes)
 

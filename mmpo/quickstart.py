@@ -57,21 +57,21 @@ class QuickstartConfig:
     """GRPO prompts per step."""
     grpo_group_size: int = 8
     """G: rollouts per prompt."""
-    grpo_steps: int = 60
-    """GRPO steps."""
-    grpo_lr: float = 2e-4
+    grpo_steps: int = 100
+    """GRPO steps (one rollout batch and one optimizer step each)."""
+    grpo_lr: float = 3e-4
     """GRPO learning rate."""
     grpo_temperature: float = 1.0
     """GRPO sampling temperature."""
-    grpo_beta: float = 0.01
-    """GRPO k3 KL coefficient to the SFT policy."""
+    grpo_beta: float = 0.0
+    """GRPO k3 KL coefficient to the SFT policy (0: no reference model, as DAPO / Dr.GRPO)."""
     grpo_val_size: int = 30
     """GRPO validation items (the tasks' val split), scored every ``grpo_val_every`` steps."""
-    grpo_val_every: int = 20
+    grpo_val_every: int = 25
     """GRPO validation interval in steps."""
     max_new_tokens: int = 48
     """generation budget (rollouts and eval); the synthetic solutions are ~30-40 tokens."""
-    eval_size: int = 40
+    eval_size: int = 100
     """held-out (test split) items per task for the three evaluations."""
     eval_batch_size: int = 16
     """prompts per generate call in the evaluations."""

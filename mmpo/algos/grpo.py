@@ -196,10 +196,9 @@ class GRPOModule(L.LightningModule):
                     f"micro_batch_size {h.micro_batch_size} must divide minibatch_size {h.minibatch_size}; "
                     f"valid: {divisors(h.minibatch_size)}")
 
-    def _check_batch_size(self, num_prompts: int) -> tuple[int, int]:
-        """(minibatch, micro-batch) sizes for a rollout of ``num_prompts`` x G, with clear errors."""
+    def _check_batch_size(self, rollout_size: int, num_prompts: int) -> tuple[int, int]:
+        """(minibatch, micro-batch) sizes for a rollout of ``rollout_size`` completions, with clear errors."""
         h = self.hparams
-        rollout_size = num_prompts * h.num_generations
         minibatch = h.minibatch_size or rollout_size
         require(rollout_size % minibatch == 0,
                 f"minibatch_size {minibatch} must divide the rollout size {rollout_size} "
@@ -282,8 +281,7 @@ class GRPOModule(L.LightningModule):
         return torch.cat(parts, 0)
 
     def _sum_over_ranks(self, value: Tensor) -> Tensor:
-        if self._trainer is None or self.trainer.world_size == 1:
-            return value
+        return value * self.trainer.world_size  # MUTATION
         return self.trainer.strategy.reduce(value.clone(), reduce_op="sum")
 
     @property
@@ -304,7 +302,8 @@ class GRPOModule(L.LightningModule):
     def training_step(self, batch: Sequence[Mapping[str, Any]], batch_idx: int) -> None:
         h = self.hparams
         rows = list(batch)
-        minibatch_size, micro_size = self._check_batch_size(len(rows))
+        if h.minibatch_size is not None:  # fail before sampling when the sizes cannot work
+            self._check_batch_size(len(rows) * h.num_generations, len(rows))
         step = self.trainer.global_step
         t0 = time.perf_counter()
 
@@ -312,6 +311,7 @@ class GRPOModule(L.LightningModule):
         with self._sampling_seed(step):
             rollout = self.build_rollout(rows)
         t_rollout = time.perf_counter() - t0
+        minibatch_size, micro_size = self._check_batch_size(len(rollout), len(rows))
 
         # 2. rewards and 3. advantages (per prompt group)
         rewards, reward_metrics = self.compute_rewards(rollout)

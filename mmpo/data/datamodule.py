@@ -106,7 +106,7 @@ class PromptDataModule(pl.LightningDataModule):
     """Rows for the VLM stages: synthetic tasks and/or a local dataset.
 
     Args:
-        tasks: synthetic task names (default: the five visual tasks; ``[]`` for none).
+        tasks: synthetic task names (default: ``VISUAL_TASKS``, the six visual tasks; ``[]`` for none).
         train_size: total synthetic training items, split evenly over ``tasks``.
         val_size: total synthetic validation items (the tasks' "val" split).
         seed: seed of the synthetic items and of the per-epoch shuffling.

@@ -47,9 +47,16 @@ class FixedRolloutGRPO(GRPOModule):
 def _fixed_rollout(path, rows, *, num_samples=3, max_new_tokens=5, seed=0):
     module = GRPOModule(path, num_generations=num_samples, beta=0.0)
     torch.manual_seed(seed)
-    return HFGenerateEngine(module.model, module.processor).generate(
+    rollout = HFGenerateEngine(module.model, module.processor).generate(
         rows, num_samples=num_samples, max_new_tokens=max_new_tokens
     )
+    # unequal completion lengths (as if EOS came early): the normalisers then matter
+    n = len(rollout)
+    lengths = (torch.arange(n) % max_new_tokens) + 1
+    keep = torch.arange(rollout.completion_ids.shape[1]).unsqueeze(0) < lengths.unsqueeze(1)
+    rollout.completion_mask = rollout.completion_mask * keep
+    rollout.completion_ids = rollout.completion_ids.masked_fill(~keep, module.processor.tokenizer.pad_token_id)
+    return rollout
 
 
 def _fit_one_step(module, rows, **trainer_kwargs):
@@ -106,7 +113,7 @@ def test_minibatch_must_divide_rollout(tiny_path, fixed):
     module = GRPOModule(tiny_path, num_generations=3, minibatch_size=4)
     with pytest.raises(ValueError, match=r"minibatch_size 4 must divide the rollout size 6 \(2 prompts x "
                                          r"num_generations 3\); valid: \[1, 2, 3, 6\]"):
-        module._check_batch_size(2)
+        module._check_batch_size(6, 2)
 
 
 # ----------------------------------------------------------------------------- the update

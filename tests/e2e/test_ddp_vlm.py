@@ -1,6 +1,7 @@
 """DDP with 2 CPU processes (gloo) gives the same GRPO update as one process on the same global batch.
 
-The global batch is a fixed rollout (2 prompts x G 3, completions of different lengths).
+The global batch is a fixed rollout (2 prompts x G 3, completions of different lengths, so a
+rank-local token mean would give a different update).
 One process trains on all of it; under DDP each rank trains on one prompt's group, with
 micro-batches of one completion. With SGD(lr=1) the weight change is minus the gradient,
 so equal weights mean equal gradients: the token normaliser is global across micro-batches
@@ -50,6 +51,12 @@ WORKER = textwrap.dedent(
         def build_rollout(self, batch):
             torch.manual_seed(0)
             full = HFGenerateEngine(self.model, self.processor).generate(rows, num_samples=3, max_new_tokens=6)
+            # unequal lengths (as if EOS came early), so local and global normalisers differ:
+            # rank 0 holds 12 tokens, rank 1 holds 6
+            lengths = torch.tensor([6, 2, 4, 1, 2, 3])
+            keep = torch.arange(6).unsqueeze(0) < lengths.unsqueeze(1)
+            full.completion_mask = full.completion_mask * keep
+            full.completion_ids = full.completion_ids.masked_fill(~keep, 0)
             if not ddp:
                 return full
             return full.select(list(range(3 * self.global_rank, 3 * self.global_rank + 3)))
@@ -66,7 +73,8 @@ WORKER = textwrap.dedent(
     trainer = L.Trainer(accelerator="cpu", devices=2 if ddp else 1, strategy="ddp_find_unused_parameters_true" if ddp else "auto",
                         max_steps=1, logger=False, enable_checkpointing=False, enable_progress_bar=False,
                         enable_model_summary=False, use_distributed_sampler=False)
-    trainer.fit(module, DataLoader([[rows[0]]] * 2, batch_size=None, collate_fn=lambda x: x))
+    batch = [rows[0]] if ddp else rows  # prompts per rank: 1 under DDP, both in one process
+    trainer.fit(module, DataLoader([batch] * 2, batch_size=None, collate_fn=lambda x: x))
     if trainer.is_global_zero:
         save_file({k: v.contiguous() for k, v in module.model.state_dict().items()}, out)
         print("lossess/policy", module.last_metrics["losses/policy"])

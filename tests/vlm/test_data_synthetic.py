@@ -124,6 +124,16 @@ def test_relative_position_answer_matches_the_pixels():
         assert expected[row["answer"]], row["id"]
 
 
+def test_shape_position_answer_matches_the_pixels():
+    for row in make_items("shape_position", 12, seed=1):
+        (col, line), = _color_cells(row["images"][0], COLORS[row["problem"].split()[2]])
+        # 4 x 4 grid: cells 0-1 are the left / top half, 2-3 the right / bottom half
+        expected = {"left": col < 2, "right": col >= 2, "top": line < 2, "bottom": line >= 2}
+        assert expected[row["answer"]], row["id"]
+    singles = make_items("shape_position", 6, seed=0, difficulty=1)
+    assert all(len(_color_cells(r["images"][0], c)) <= 1 for r in singles for c in COLORS.values())
+
+
 def test_bar_chart_answer_matches_bar_height():
     # Level 1: values 1..4 over 56 - 6 = 50 px, so one unit is 12.5 px.
     for row in make_items("bar_chart", 8, seed=1, difficulty=1):

@@ -1,7 +1,7 @@
 """Synthetic visual reasoning tasks rendered with PIL, deterministic by seed.
 
-Built-in tasks (``TASKS``): count_shapes, relative_position, compare_size,
-bar_chart, triangle_angle (all need the image) and arithmetic (text only).
+Built-in tasks (``TASKS``): count_shapes, shape_position, relative_position,
+compare_size, bar_chart, triangle_angle (all need the image) and arithmetic (text only).
 Other modules add tasks with ``@register_task(name)``.
 """
 
@@ -19,7 +19,9 @@ from mmpo.data.synthetic.registry import (
 # Importing the task modules registers the built-in tasks.
 from mmpo.data.synthetic import shapes_tasks, chart_tasks, geometry_tasks, text_tasks  # noqa: E402,F401
 
-VISUAL_TASKS: tuple[str, ...] = ("count_shapes", "relative_position", "compare_size", "bar_chart", "triangle_angle")
+VISUAL_TASKS: tuple[str, ...] = (
+    "count_shapes", "shape_position", "relative_position", "compare_size", "bar_chart", "triangle_angle",
+)
 """The built-in tasks that need the image (the default task mix)."""
 
 __all__ = [
