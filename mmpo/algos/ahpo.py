@@ -150,6 +150,12 @@ class AHPOModule(GRPOModule):
                 f"AHPO normalises over the union of on- and off-policy tokens: agg must be token-mean, got {self.hparams.agg!r}")
         self._off_policy_tokens = torch.zeros(())
 
+    def _global_sum(self, value: Tensor) -> Tensor:
+        """Sum over data-parallel ranks (Z counts every rank's tokens, like the trainer's normaliser)."""
+        if self._trainer is None or self.trainer.world_size == 1:
+            return value
+        return self.trainer.strategy.reduce(value.clone(), reduce_op="sum")
+
     def _trace_token_counts(self, traces: list[str]) -> Tensor:
         ids, mask = encode_completions(self.processor, traces, max_length=self.hparams.expert_max_length)
         return mask.sum(-1).to(torch.float32)
@@ -158,10 +164,9 @@ class AHPOModule(GRPOModule):
 
     def compute_advantages(self, rewards: Tensor, group_ids: Tensor, rollout: Rollout) -> tuple[Tensor, dict[str, float]]:
         h = self.hparams
-        minibatch, _ = self._check_batch_size(len(rollout) // h.num_generations)
-        require(minibatch == len(rollout),
+        require(h.minibatch_size in (None, len(rollout)),
                 f"AHPO needs the whole rollout in one optimizer step (minibatch_size None or {len(rollout)}), "
-                f"got minibatch_size {minibatch}")
+                f"got minibatch_size {h.minibatch_size}")
         advantages, metrics = super().compute_advantages(rewards, group_ids, rollout)
         has_trace = torch.tensor([bool(row.get("expert_trace")) for row in rollout.rows])
         prompt_ids, gate = expert_gate(rewards, group_ids, has_trace, min_successes=h.min_successes,
@@ -176,7 +181,7 @@ class AHPOModule(GRPOModule):
             first = {int(g): i for i, g in reversed(list(enumerate(group_ids.tolist())))}
             gated = [first[int(p)] for p, on in zip(prompt_ids.tolist(), gate.tolist()) if on]
             off_tokens = self._trace_token_counts([rollout.rows[i]["expert_trace"] for i in gated]).sum()
-        self._off_policy_tokens = self._sum_over_ranks(off_tokens.to(self.device))
+        self._off_policy_tokens = self._global_sum(off_tokens.to(self.device))
         on_tokens = float(rollout.completion_mask.sum())
         metrics["ahpo/gate_on_frac"] = float(gate.float().mean())
         metrics["ahpo/prompts_with_trace_frac"] = float(index.amax(has_trace.float()).mean())

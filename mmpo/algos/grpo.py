@@ -22,6 +22,7 @@ Subclasses (PAPO, StepGRPO, GCPO, AHPO, MAPO) override the four hooks
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import logging
 import time
@@ -281,7 +282,8 @@ class GRPOModule(L.LightningModule):
         return torch.cat(parts, 0)
 
     def _sum_over_ranks(self, value: Tensor) -> Tensor:
-        return value * self.trainer.world_size  # MUTATION
+        if self._trainer is None or self.trainer.world_size == 1:
+            return value
         return self.trainer.strategy.reduce(value.clone(), reduce_op="sum")
 
     @property
@@ -317,12 +319,20 @@ class GRPOModule(L.LightningModule):
         rewards, reward_metrics = self.compute_rewards(rollout)
         advantages, adv_metrics = self.compute_advantages(rewards.float(), rollout.group_ids, rollout)
         metrics: dict[str, Any] = {**reward_metrics, **adv_metrics}
+        lengths = rollout.completion_mask.sum(-1).float()
+        ended = ((rollout.completion_ids == self.engine.eos_token_id) & (rollout.completion_mask > 0)).any(-1)
+        metrics["response/length_mean"] = float(lengths.mean())
+        metrics["response/length_max"] = float(lengths.max())
+        metrics["response/clipped_frac"] = float((~ended).float().mean())  # no EOS within max_new_tokens
+        metrics["perf/tokens_per_s"] = float(lengths.sum()) / max(t_rollout, 1e-9)
 
         # 4. dynamic sampling: groups without reward variance leave the loss. They are masked,
         # not removed, so every rank keeps the same number of micro-batches (no DDP hang).
         if h.dynamic_sampling:
             kept = dynamic_sampling_filter(rewards, rollout.group_ids)
-            rollout.completion_mask = rollout.completion_mask * kept.keep_mask.long().unsqueeze(-1)
+            rollout = dataclasses.replace(
+                rollout, completion_mask=rollout.completion_mask * kept.keep_mask.long().unsqueeze(-1)
+            )
             metrics["rewards/dropped_groups"] = kept.num_dropped
 
         rollout = rollout.to(self.device)
@@ -350,18 +360,9 @@ class GRPOModule(L.LightningModule):
         t_update = time.perf_counter() - t1
 
         # 7. metrics
-        lengths = rollout.completion_mask.sum(-1).float()
-        generated = float(lengths.sum())
         metrics.update(_mean_dicts(update_stats))
-        metrics["response/length_mean"] = float(lengths.mean())
-        metrics["response/length_max"] = float(lengths.max())
-        eos = self.engine.eos_token_id
-        metrics["response/clipped_frac"] = float(
-            ((rollout.completion_ids == eos) & (rollout.completion_mask > 0)).sum(-1).eq(0).float().mean()
-        )
         metrics["perf/rollout_s"] = t_rollout
         metrics["perf/update_s"] = t_update
-        metrics["perf/tokens_per_s"] = generated / max(t_rollout, 1e-9)
         metrics["lr"] = self.optimizers().param_groups[0]["lr"]
         metrics["rewards/total/mean"] = float(rewards.mean())
         shown = {"rewards/total/mean", "losses/policy"}

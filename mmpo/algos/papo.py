@@ -321,8 +321,11 @@ class PAPOModule(GRPOModule):
         if original_grid is not None and not torch.equal(original_grid, masked_prompts["image_grid_thw"]):
             raise RuntimeError("PAPO: the masked images produced a different image grid than the originals")
         masked = dataclasses.replace(rollout, prompt_inputs=masked_prompts).to(self.device)
-        _, micro = self._check_batch_size(len(rows))
-        rollout.extras[MASKED_LOG_PROBS] = self._log_probs_no_grad(self.model, masked, micro).cpu()
+        chunk = self.hparams.micro_batch_size or self.hparams.minibatch_size or len(masked)
+        with torch.no_grad():  # rollout-time weights, no gradient (official compute_log_probs_aug)
+            parts = [self.sequence_log_probs(self.model, masked.select(index))[0]
+                     for index in torch.arange(len(masked)).split(chunk)]
+        rollout.extras[MASKED_LOG_PROBS] = torch.cat(parts, 0).cpu()
         return rollout
 
     def _masked_log_probs(self, minibatch: Rollout) -> Tensor:

@@ -41,6 +41,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="items per task in synth/* benchmarks (held-out test split)")
     parser.add_argument("--synth-seed", type=int, default=DEFAULT_SYNTH_SEED, help="seed of the synthetic test split")
     parser.add_argument("--seed", type=int, default=0, help="torch seed for sampling")
+    parser.add_argument("--device", default=None, help="cpu, cuda, cuda:1, ... (default: cuda when available)")
+    parser.add_argument("--dtype", default="float32", help="VLM weight dtype: float32, bfloat16, float16")
     parser.add_argument("--threads", type=int, default=None,
                         help="torch CPU threads (default: OMP_NUM_THREADS or torch's default)")
     parser.add_argument("--out", required=True, help="output directory")
@@ -81,7 +83,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             args.model, names, num_samples=args.num_samples, greedy=greedy, temperature=temperature,
             top_p=args.top_p, max_new_tokens=args.max_new_tokens, batch_size=args.batch_size, limit=args.limit,
             synth_size=args.synth_size, synth_seed=args.synth_seed, seed=args.seed, out_dir=args.out,
-            progress=not args.no_progress,
+            progress=not args.no_progress, device=args.device, dtype=args.dtype,
         )
     except (UnknownBenchmarkError, NotAModelError, FileNotFoundError, ValueError) as error:
         print(f"mmpo eval: error: {error}", file=sys.stderr)

@@ -326,17 +326,38 @@ def detect_model_type(model_path: str | Path) -> str:
     )
 
 
-def load_model_for_eval(model_path: str | Path, *, model_type: str | None = None, **gen_kwargs: Any):
-    """Load ``model_path`` for evaluation: ``("vlm", (model, processor))`` or ``("dllm", answerer)``."""
+def default_device() -> str:
+    """``"cuda"`` when a GPU is visible, else ``"cpu"``."""
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def load_model_for_eval(
+    model_path: str | Path,
+    *,
+    model_type: str | None = None,
+    device: str | None = None,
+    dtype: str = "float32",
+    **gen_kwargs: Any,
+):
+    """Load ``model_path`` for evaluation: ``("vlm", (model, processor))`` or ``("dllm", answerer)``.
+
+    Args:
+        device: where a VLM runs (default :func:`default_device`); dLLM answerers place themselves.
+        dtype: VLM weight dtype name (``float32``; ``bfloat16`` on GPUs).
+        gen_kwargs: generation settings passed to ``dllm.eval.load_answerer``.
+    """
     model_type = model_type or detect_model_type(model_path)
     if model_type == "dllm":
         return model_type, _dllm_eval_module().load_answerer(str(model_path), **gen_kwargs)
     from mmpo.vlm.factory import load_vlm
 
+    if not isinstance(getattr(torch, dtype, None), torch.dtype):
+        raise ValueError(f"unknown dtype {dtype!r}; use e.g. float32, bfloat16, float16")
     try:
-        return model_type, load_vlm(str(model_path))
+        model, processor = load_vlm(str(model_path), dtype=getattr(torch, dtype))
     except (OSError, ValueError, KeyError) as error:
         raise NotAModelError(f"could not load {model_path} as a vision-language model: {error}") from error
+    return model_type, (model.to(device or default_device()), processor)
 
 
 def evaluate_checkpoint(
@@ -356,6 +377,8 @@ def evaluate_checkpoint(
     out_dir: str | Path | None = None,
     progress: bool = True,
     model: Any = None,
+    device: str | None = None,
+    dtype: str = "float32",
 ) -> dict[str, Any]:
     """Evaluate a saved checkpoint on named benchmarks (see :mod:`mmpo.eval.registry`).
 
@@ -368,6 +391,7 @@ def evaluate_checkpoint(
             ``predictions/<benchmark>.jsonl`` there.
         model: an already loaded ``("vlm", (model, processor))`` / ``("dllm", answerer)`` pair
             from :func:`load_model_for_eval` (skips loading).
+        device, dtype: where and in which precision a VLM runs (default: GPU if visible, float32).
 
     Returns:
         The results dict described in :mod:`mmpo.eval.reports` (without per-item predictions).
@@ -383,7 +407,7 @@ def evaluate_checkpoint(
     # Resolve every name before loading anything, so a typo fails fast.
     resolved = [resolve_benchmark(name, **resolve_kwargs) for name in benchmarks]
     model_type, loaded = model if model is not None else load_model_for_eval(
-        model_path, max_new_tokens=max_new_tokens, temperature=temperature)
+        model_path, device=device, dtype=dtype, max_new_tokens=max_new_tokens, temperature=temperature)
     results: dict[str, Any] = {
         "model": str(model_path),
         "model_type": model_type,

@@ -152,3 +152,9 @@ def test_evaluate_sampling_is_seeded_without_touching_the_callers_rng(tiny_model
     assert torch.equal(torch.get_rng_state(), state)
     texts = [[p["completions"] for p in run["predictions"]] for run in runs]
     assert texts[0] == texts[1] and texts[0] != texts[2]
+
+
+def test_eval_rejects_unknown_dtype(tiny_model, tmp_path, capsys):
+    assert eval_main(["--model", str(tiny_model), "--benchmarks", "synth/all", "--dtype", "float33",
+                      "--out", str(tmp_path)]) == 2
+    assert "unknown dtype 'float33'" in capsys.readouterr().err

@@ -107,6 +107,7 @@ def _trainer(max_steps, callbacks=()):
 
 
 @pytest.mark.parametrize("num_workers", [0, 1])
+@pytest.mark.filterwarnings("ignore:Be aware that when using `ckpt_path`")
 def test_lightning_resume_continues_at_the_same_batch(tmp_path, num_workers):
     # 16 rows / batch 4 = 4 batches per epoch; 7 steps cross into the second epoch. With a
     # worker process the sampler runs ahead of training (prefetch): the saved position must not.
@@ -140,6 +141,7 @@ def test_sampler_shards_ranks_disjointly_and_resumes_per_rank():
     assert list(ranks[1]) == orders[1]
 
 
+@pytest.mark.filterwarnings("ignore:Be aware that when using `ckpt_path`")
 def test_lightning_resume_twice_in_a_row(tmp_path):
     # Crash at step 2, resume and crash again at step 5, resume and finish at step 7.
     full = _RecordingModule()
