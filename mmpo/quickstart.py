@@ -33,6 +33,10 @@ from typing import Any, Sequence
 STAGES = ("before SFT", "after SFT", "after GRPO")
 
 
+class StaleOutputError(ValueError):
+    """``--out`` holds a finished stage made with different settings (reusing it would mix runs)."""
+
+
 @dataclass(frozen=True)
 class QuickstartConfig:
     """Budget of one quickstart run (defaults: the ~15 minute CPU run)."""
@@ -292,15 +296,21 @@ def run_quickstart(config: QuickstartConfig, out: str | Path, *, seed: int = 0, 
     timings: dict[str, float] = {}
     paths: dict[str, str] = {}
 
+    settings = {"config": asdict(config), "seed": seed}
+
     def stage(name: str, stage_dir: Path, work) -> dict[str, Any]:
         finished = None if fresh else _stage_finished(stage_dir)
         if finished is not None:
+            if finished.get("settings") != json.loads(json.dumps(settings)):
+                raise StaleOutputError(f"{stage_dir} was produced with other settings than this run's; "
+                                       "pass --fresh to redo it or choose another --out")
             print(f"[quickstart] {name}: already done in {stage_dir}, reusing it")
             return finished
         print(f"[quickstart] {name} ...", flush=True)
         started = time.perf_counter()
         info = work()
         info["seconds"] = round(time.perf_counter() - started, 1)
+        info["settings"] = settings
         _mark_finished(stage_dir, info)
         return info
 
@@ -348,7 +358,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"mmpo quickstart: error: {error}", file=sys.stderr)
         return 2
     started = time.perf_counter()
-    summary = run_quickstart(config, args.out, seed=args.seed, progress=not args.no_progress, fresh=args.fresh)
+    try:
+        summary = run_quickstart(config, args.out, seed=args.seed, progress=not args.no_progress,
+                                 fresh=args.fresh)
+    except StaleOutputError as error:
+        print(f"mmpo quickstart: error: {error}", file=sys.stderr)
+        return 2
     from mmpo.eval.reports import comparison_table
 
     print("\nHeld-out accuracy (greedy) per task:\n")

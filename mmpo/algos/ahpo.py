@@ -144,10 +144,11 @@ class AHPOModule(GRPOModule):
         beta: float = 0.0,
         **kwargs: Any,
     ) -> None:
-        super().__init__(model_path, num_generations=num_generations, beta=beta, **kwargs)
         require(min_successes >= 1, f"min_successes must be >= 1, got {min_successes}")
-        require(self.hparams.agg == "token-mean",
-                f"AHPO normalises over the union of on- and off-policy tokens: agg must be token-mean, got {self.hparams.agg!r}")
+        agg = kwargs.get("agg", "token-mean")
+        require(agg == "token-mean",
+                f"AHPO normalises over the union of on- and off-policy tokens: agg must be token-mean, got {agg!r}")
+        super().__init__(model_path, num_generations=num_generations, beta=beta, **kwargs)
         self._off_policy_tokens = torch.zeros(())
 
     def _global_sum(self, value: Tensor) -> Tensor:

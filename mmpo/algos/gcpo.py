@@ -63,10 +63,11 @@ class GCPOModule(GRPOModule):
         beta: float = 0.0,
         **kwargs: Any,
     ) -> None:
-        super().__init__(model_path, num_generations=num_generations, beta=beta, **kwargs)
         require(contrastive_eps >= 0, f"contrastive_eps must be >= 0, got {contrastive_eps}")
         require(length_cap >= 1, f"length_cap must be >= 1, got {length_cap}")
-        self.aux_detector = get_aux_detector(aux_detector)
+        detector = get_aux_detector(aux_detector)  # an unknown name fails before the model load
+        super().__init__(model_path, num_generations=num_generations, beta=beta, **kwargs)
+        self.aux_detector = detector
 
     def compute_rewards(self, rollout: Rollout) -> tuple[Tensor, dict[str, float]]:
         h = self.hparams

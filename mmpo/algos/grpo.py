@@ -49,7 +49,7 @@ from mmpo.core import (
 )
 from mmpo.vlm.factory import load_vlm, make_reference_model, save_vlm
 from mmpo.vlm.logprobs import DEFAULT_LOGPROB_CHUNK, completion_log_probs
-from mmpo.vlm.rollout import HFGenerateEngine, Rollout
+from mmpo.vlm.rollout import HFGenerateEngine, Rollout, concat_rollouts
 
 log = logging.getLogger(__name__)
 
@@ -91,6 +91,7 @@ class GRPOModule(L.LightningModule):
         max_grad_norm: gradient clipping norm; 0 disables clipping.
         entropy_coef: entropy bonus coefficient (0 = off, as the GRPO paper).
         dynamic_sampling: DAPO dynamic sampling: groups whose rewards all agree are masked out of the loss.
+        dynamic_sampling_retries: with dynamic_sampling, sample such groups' prompts again up to this many times.
         max_prompt_length: refuse prompts longer than this (never truncated); None = no limit.
         logprob_chunk_size: token positions per chunk of the vocabulary projection.
         val_max_new_tokens: completion length for greedy validation; None = max_new_tokens.
@@ -133,6 +134,7 @@ class GRPOModule(L.LightningModule):
         max_grad_norm: float = 1.0,
         entropy_coef: float = 0.0,
         dynamic_sampling: bool = False,
+        dynamic_sampling_retries: int = 0,
         max_prompt_length: int | None = None,
         logprob_chunk_size: int = DEFAULT_LOGPROB_CHUNK,
         val_max_new_tokens: int | None = None,
@@ -182,6 +184,7 @@ class GRPOModule(L.LightningModule):
         require(h.clip_high is None or h.clip_high >= 0, f"clip_high must be >= 0, got {h.clip_high}")
         require(h.dual_clip is None or h.dual_clip > 1, f"dual_clip must be > 1 or None, got {h.dual_clip}")
         require(h.mu >= 1, f"mu (inner epochs) must be >= 1, got {h.mu}")
+        require(h.dynamic_sampling_retries >= 0, f"dynamic_sampling_retries must be >= 0, got {h.dynamic_sampling_retries}")
         require(h.max_grad_norm >= 0, f"max_grad_norm must be >= 0, got {h.max_grad_norm}")
         require(h.entropy_coef >= 0, f"entropy_coef must be >= 0, got {h.entropy_coef}")
         require(h.reward_timeout_s is None or h.reward_timeout_s > 0,
@@ -291,12 +294,12 @@ class GRPOModule(L.LightningModule):
         return 1 if self._trainer is None else self.trainer.world_size
 
     @contextmanager
-    def _sampling_seed(self, step: int) -> Iterator[None]:
-        """Seed sampling from (seed, step, rank) without disturbing the global RNG streams."""
+    def _sampling_seed(self, step: int, attempt: int = 0) -> Iterator[None]:
+        """Seed sampling from (seed, step, rank, attempt) without disturbing the global RNG streams."""
         rank = 0 if self._trainer is None else self.global_rank
         devices = [self.device] if self.device.type == "cuda" else []
         with torch.random.fork_rng(devices=devices):
-            torch.manual_seed(step_seed(self.hparams.seed, step, rank))
+            torch.manual_seed(step_seed(self.hparams.seed, step, rank) + 7919 * attempt)
             yield
 
     # ------------------------------------------------------------------ the step
@@ -315,10 +318,17 @@ class GRPOModule(L.LightningModule):
         t_rollout = time.perf_counter() - t0
         minibatch_size, micro_size = self._check_batch_size(len(rollout), len(rows))
 
-        # 2. rewards and 3. advantages (per prompt group)
+        # 2. rewards; with dynamic sampling, prompts whose G rewards all agree are sampled again
         rewards, reward_metrics = self.compute_rewards(rollout)
+        metrics: dict[str, Any] = dict(reward_metrics)
+        if h.dynamic_sampling and h.dynamic_sampling_retries:
+            rollout, rewards, metrics["rewards/resampled_groups"] = self._resample_constant_groups(
+                rollout, rewards, step
+            )
+
+        # 3. advantages (per prompt group)
         advantages, adv_metrics = self.compute_advantages(rewards.float(), rollout.group_ids, rollout)
-        metrics: dict[str, Any] = {**reward_metrics, **adv_metrics}
+        metrics.update(adv_metrics)
         lengths = rollout.completion_mask.sum(-1).float()
         ended = ((rollout.completion_ids == self.engine.eos_token_id) & (rollout.completion_mask > 0)).any(-1)
         metrics["response/length_mean"] = float(lengths.mean())
@@ -326,8 +336,8 @@ class GRPOModule(L.LightningModule):
         metrics["response/clipped_frac"] = float((~ended).float().mean())  # no EOS within max_new_tokens
         metrics["perf/tokens_per_s"] = float(lengths.sum()) / max(t_rollout, 1e-9)
 
-        # 4. dynamic sampling: groups without reward variance leave the loss. They are masked,
-        # not removed, so every rank keeps the same number of micro-batches (no DDP hang).
+        # 4. dynamic sampling: groups still without reward variance leave the loss. They are
+        # masked, not removed (nor an error), so every rank keeps the same number of micro-batches.
         if h.dynamic_sampling:
             kept = dynamic_sampling_filter(rewards, rollout.group_ids)
             rollout = dataclasses.replace(
@@ -372,6 +382,36 @@ class GRPOModule(L.LightningModule):
         self.log_dict({k: v for k, v in logged.items() if k not in shown}, on_step=True, on_epoch=False,
                       batch_size=len(rows))
         self.last_metrics = metrics
+
+    def _resample_constant_groups(self, rollout: Rollout, rewards: Tensor, step: int) -> tuple[Rollout, Tensor, int]:
+        """DAPO refill: sample the prompts of zero-variance groups again (up to
+        ``dynamic_sampling_retries`` times) and swap in the new groups that do vary.
+        The rollout keeps its size, so DDP ranks keep the same number of micro-batches."""
+        resampled = 0
+        for attempt in range(1, self.hparams.dynamic_sampling_retries + 1):
+            constant = ~dynamic_sampling_filter(rewards, rollout.group_ids).keep_mask
+            if not bool(constant.any()):
+                break
+            first = {}  # group id -> first position: the group's row
+            for position, group in enumerate(rollout.group_ids.tolist()):
+                first.setdefault(group, position)
+            dropped = sorted({int(g) for g in rollout.group_ids[constant].tolist()})
+            with self._sampling_seed(step, attempt):
+                retry = self.build_rollout([rollout.rows[first[g]] for g in dropped])
+            retry_rewards, _ = self.compute_rewards(retry)
+            varied = dynamic_sampling_filter(retry_rewards, retry.group_ids).keep_mask
+            varied_groups = sorted({int(g) for g in retry.group_ids[varied].tolist()})
+            if not varied_groups:
+                continue
+            # each varied retry group replaces one constant group (same prompt count, same G)
+            replaced = set(dropped[: len(varied_groups)])
+            stay = torch.tensor([int(g) not in replaced for g in rollout.group_ids.tolist()])
+            stay_index = torch.nonzero(stay).flatten()
+            new_index = torch.nonzero(varied).flatten()
+            rollout = concat_rollouts([rollout.select(stay_index), retry.select(new_index)])
+            rewards = torch.cat([rewards[stay_index], retry_rewards[new_index]])
+            resampled += len(varied_groups)
+        return rollout, rewards, resampled
 
     def _loss_settings(self) -> dict[str, Any]:
         """Settings for the core policy loss: clip bounds (None = the loss's default) + loss_settings."""

@@ -279,12 +279,13 @@ class PAPOModule(GRPOModule):
         gamma_annealing_ratio: float = 1.0,
         **kwargs: Any,
     ) -> None:
-        super().__init__(model_path, **kwargs)
+        # settings are checked before the (slow) model load
         require(gamma >= 0, f"gamma must be >= 0, got {gamma}")
         require(eta_orig >= 0 and eta_masked >= 0, f"eta_orig/eta_masked must be >= 0, got {eta_orig}/{eta_masked}")
         require(0.0 <= mask_prob <= 1.0, f"mask_prob must be in [0, 1], got {mask_prob}")
         require(mask_cell_size >= 1, f"mask_cell_size must be >= 1, got {mask_cell_size}")
         require(0.0 < gamma_annealing_ratio <= 1.0, f"gamma_annealing_ratio must be in (0, 1], got {gamma_annealing_ratio}")
+        super().__init__(model_path, **kwargs)
 
     # -- step 1: masked images, one mask per prompt (shared by its G rollouts) -----------------
 

@@ -181,7 +181,8 @@ class HFGenerateEngine:
 
 
 def concat_rollouts(rollouts: Sequence[Rollout]) -> Rollout:
-    """Concatenate rollouts (group ids are renumbered so groups stay distinct)."""
+    """Concatenate rollouts (group ids are renumbered so groups stay distinct; prompts are
+    re-left-padded and completions right-padded to the widest)."""
     from torch.nn.functional import pad
 
     if not rollouts:
@@ -204,7 +205,27 @@ def concat_rollouts(rollouts: Sequence[Rollout]) -> Rollout:
     for key in prompt_parts[0]:
         values = [p[key] for p in prompt_parts if key in p]
         prompt_inputs[key] = torch.cat(values, 0)
-    return Rollout(rows, torch.cat(groups), BatchFeature(prompt_inputs), torch.cat(ids), torch.cat(masks), texts)
+    return Rollout(rows, torch.cat(groups), BatchFeature(prompt_inputs), torch.cat(ids), torch.cat(masks), texts,
+                   extras=_concat_extras(rollouts, width))
+
+
+def _concat_extras(rollouts: Sequence[Rollout], width: int) -> dict[str, Any]:
+    """Per-completion tensors (first dim N) are concatenated, (N, T) ones right-padded to ``width``;
+    other values must agree across rollouts (e.g. a step number)."""
+    from torch.nn.functional import pad
+
+    out: dict[str, Any] = {}
+    for key in rollouts[0].extras:
+        values = [r.extras.get(key) for r in rollouts]
+        if all(isinstance(v, torch.Tensor) and v.ndim >= 1 and v.shape[0] == len(r) for v, r in zip(values, rollouts)):
+            if values[0].ndim == 2:
+                values = [pad(v, (0, width - v.shape[1])) for v in values]
+            out[key] = torch.cat(values, 0)
+        elif all(not isinstance(v, torch.Tensor) and v == values[0] for v in values):
+            out[key] = values[0]
+        else:
+            raise ValueError(f"concat_rollouts: extras[{key!r}] is neither per-completion nor shared by all rollouts")
+    return out
 
 
 def _left_pad_prompts(inputs: Mapping[str, Any], width: int) -> dict[str, Any]:

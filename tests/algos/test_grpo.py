@@ -246,3 +246,29 @@ def test_rng_state_survives_a_weights_only_checkpoint(tmp_path):
     expected = (random.random(), float(np.random.rand()), float(torch.rand(())))
     set_rng_state(torch.load(tmp_path / "rng.pt", weights_only=True)["rng"])
     assert (random.random(), float(np.random.rand()), float(torch.rand(()))) == expected
+
+
+def test_dynamic_sampling_resamples_constant_groups(tiny_path):
+    """DAPO refill: a group whose rewards all agree is sampled again and replaced when the new
+    group varies; the rollout keeps its size."""
+    calls = []
+
+    class FirstCallConstant(GRPOModule):
+        def compute_rewards(self, rollout):
+            calls.append(len(rollout))
+            # reward: does the completion start with an even token id (varies on a random model);
+            # on the first call prompt 0's group is forced constant
+            rewards = (rollout.completion_ids[:, 0] % 2 == 0).float()
+            if len(calls) == 1:
+                rewards[:4] = 1.0  # prompt 0's group: (1, 1, 1, 1), no signal
+                rewards[4:] = torch.tensor([0.0, 1.0, 1.0, 1.0])  # prompt 1's group varies
+            return rewards, {}
+
+    module = FirstCallConstant(tiny_path, num_generations=4, max_new_tokens=3, beta=0.0, dynamic_sampling=True,
+                               dynamic_sampling_retries=3, seed=1)
+    _fit_one_step(module, _rows(2))
+    assert calls[0] == 8 and all(n == 4 for n in calls[1:])  # only prompt 0 was sampled again
+    metrics = module.last_metrics
+    assert metrics["rewards/resampled_groups"] == 1
+    assert metrics["rewards/dropped_groups"] == 0
+    assert metrics["rewards/frac_zero_std"] == 0.0

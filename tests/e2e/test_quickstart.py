@@ -35,6 +35,10 @@ def test_quickstart_tiny_smoke(tmp_path, capsys):
     assert capsys.readouterr().out.count("already done") == 6
     assert json.loads((out / "quickstart.json").read_text())["accuracy"] == summary["accuracy"]
 
+    # ... but never mixes in stages made with other settings.
+    assert quickstart_main(["--tiny", "--out", str(out), "--seed", "1", "--no-progress"]) == 2
+    assert "other settings" in capsys.readouterr().err
+
 
 def test_quickstart_rejects_unknown_task(tmp_path, capsys):
     assert quickstart_main(["--tiny", "--tasks", "no_such_task", "--out", str(tmp_path)]) == 2

@@ -122,3 +122,13 @@ def test_encode_completions_appends_eos_and_right_pads(processor):
     assert tokenizer.decode(ids[0, : lengths[0] - 1]) == "<answer>3</answer>"
     truncated_ids, truncated_mask = encode_completions(processor, ["<answer>3</answer>"], max_length=2)
     assert truncated_ids.shape == (1, 2) and truncated_mask.sum() == 2
+
+
+def test_large_images_are_resized_into_the_pixel_budget(processor):
+    """A 300x300 image is resized (qwen-vl-utils + processor) into max_pixels = 12544 (112 x 112)."""
+    row = {**make_items("count_shapes", 1, seed=0)[0], "id": "big", "images": [Image.new("RGB", (300, 300))]}
+    inputs = encode_prompts(processor, [row])
+    # smart_resize: 300 -> 308 (multiple of 28); 308^2 = 94864 > 12544, so beta = sqrt(94864 / 12544)
+    # = 2.75 and each side becomes floor(300 / 2.75 / 28) * 28 = 3 * 28 = 84: 84 / 14 = 6 patches a side
+    assert inputs["image_grid_thw"].tolist() == [[1, 6, 6]]
+    assert (inputs["input_ids"] == processor.image_token_id).sum() == 6 * 6 // 4

@@ -151,7 +151,12 @@ def test_concat_rollouts_renumbers_groups(tiny):
     torch.manual_seed(3)
     a = engine.generate(_rows()[:1], num_samples=2, max_new_tokens=3)
     b = engine.generate(_rows()[2:], num_samples=2, max_new_tokens=5)
+    a.extras.update(step=5, per_token=torch.ones(2, 3), per_sample=torch.tensor([1, 2]))
+    b.extras.update(step=5, per_token=torch.full((2, 5), 2.0), per_sample=torch.tensor([3, 4]))
     both = concat_rollouts([a, b])
+    assert both.extras["step"] == 5
+    assert both.extras["per_sample"].tolist() == [1, 2, 3, 4]
+    assert both.extras["per_token"].tolist() == [[1, 1, 1, 0, 0], [1, 1, 1, 0, 0], [2] * 5, [2] * 5]
     assert both.group_ids.tolist() == [0, 0, 1, 1]
     assert both.completion_ids.shape == (4, 5)
     assert torch.equal(both.completion_ids[:2, :3], a.completion_ids)
