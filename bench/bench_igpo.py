@@ -10,7 +10,7 @@ For each method and seed: train ``DiffuGRPO`` (configs/dllm/{igpo,grpo}_tiny.yam
 
 Results (means and per-seed values) go to ``--out`` as JSON and a markdown table.
 
-    python bench/bench_igpo.py --seeds 0 1 2 --batches 40 --lr 1e-4
+    python bench/bench_igpo.py --seeds 0 1 2 --batches 40 --lr 1e-5
 """
 
 from __future__ import annotations
@@ -168,7 +168,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prompts-per-batch", type=int, default=4)
     parser.add_argument("--group-size", type=int, default=8)
     parser.add_argument("--inner-updates", type=int, default=2)
-    parser.add_argument("--lr", type=float, default=1e-4)
+    parser.add_argument("--lr", type=float, default=1e-5)
     parser.add_argument("--eval-size", type=int, default=128)
     parser.add_argument("--eval-samples", type=int, default=4, help="sampled answers per held-out problem")
     parser.add_argument("--workdir", default=None)

@@ -35,7 +35,15 @@ import lightning as L
 import torch
 from torch import Tensor
 
-from mmpo.algos.config import divisors, greedy_validation_metrics, make_optimizer, require, rng_state, set_rng_state, step_seed
+from mmpo.algos.config import (
+    divisors,
+    greedy_validation_metrics,
+    make_optimizer,
+    require,
+    rng_state,
+    set_rng_state,
+    step_seed,
+)
 from mmpo.core import (
     ADVANTAGE_ESTIMATORS,
     AGGREGATION_MODES,
