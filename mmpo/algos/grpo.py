@@ -449,14 +449,21 @@ class GRPOModule(L.LightningModule):
         mask = rollout.completion_mask[index]
         global_tokens = self._sum_over_ranks(mask.sum().to(torch.float32))
         global_seqs = self._sum_over_ranks((mask.sum(-1) > 0).sum().to(torch.float32))
+        optimizer = self.optimizers()
+        optimizer.zero_grad(set_to_none=True)
         if float(global_tokens) == 0:
+            # Every group was filtered out (e.g. dynamic sampling). Still count the optimizer step
+            # (no parameter has a gradient, so nothing changes): otherwise global_step stalls and a
+            # run bounded by max_steps never ends. global_tokens is summed over ranks, so all agree.
             log.warning("step %s: no completion tokens left in the minibatch; update skipped", self.global_step)
+            optimizer.step()
+            scheduler = self.lr_schedulers()
+            if scheduler is not None:
+                scheduler.step()
             return {}
         agg = partial(aggregate, mode=h.agg, global_tokens=global_tokens, global_seqs=global_seqs)
         loss_settings = self._loss_settings()
 
-        optimizer = self.optimizers()
-        optimizer.zero_grad(set_to_none=True)
         sums: dict[str, float] = {}
         local_tokens = float(mask.sum())
         for micro in index.split(micro_size):

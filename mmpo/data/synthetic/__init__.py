@@ -35,3 +35,4 @@ __all__ = [
     "make_items",
     "register_task",
 ]
+from mmpo.data import geometry_aux  # noqa: E402,F401  (GCPO task; registers itself)
