@@ -184,6 +184,23 @@ def test_dynamic_sampling_masks_constant_groups(tiny_path, fixed):
         torch.testing.assert_close(filtered[name], group0[name], atol=1e-6, rtol=1e-5, msg=name)
 
 
+def test_all_groups_filtered_still_counts_the_step_and_changes_nothing(tiny_path, fixed):
+    """Every group constant under dynamic sampling: no parameter moves, but the optimizer step
+    is counted, so a run bounded by max_steps still ends (it used to loop forever)."""
+    rows, rollout, _ = fixed
+    rewards = torch.tensor([1.0, 1.0, 1.0, 0.0, 0.0, 0.0])
+    module = FixedRolloutGRPO(tiny_path, num_generations=3, max_grad_norm=0.0, beta=0.0, dynamic_sampling=True)
+    module.fixed_rollout, module.fixed_rewards = rollout, rewards
+    before = _params(module)
+    trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=2, logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False)
+    trainer.fit(module, DataLoader([rows, rows, rows], batch_size=None, collate_fn=lambda x: x))
+    assert trainer.global_step == 2
+    assert module.last_metrics["rewards/dropped_groups"] == 2
+    for name, value in _params(module).items():
+        torch.testing.assert_close(value, before[name], atol=0, rtol=0, msg=name)
+
+
 def test_extra_loss_terms_hook_is_added_with_the_same_normaliser(tiny_path, fixed):
     calls = []
 
