@@ -45,6 +45,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--dtype", default="float32", help="VLM weight dtype: float32, bfloat16, float16")
     parser.add_argument("--threads", type=int, default=None,
                         help="torch CPU threads (default: OMP_NUM_THREADS or torch's default)")
+    parser.add_argument("--prompt-style", choices=["think-answer", "steps"], default="think-answer",
+                        help="system prompt of the answer format the model was trained on (steps = StepGRPO)")
     parser.add_argument("--out", required=True, help="output directory")
     parser.add_argument("--no-progress", action="store_true", help="hide the progress bars")
     return parser
@@ -76,6 +78,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     from mmpo.eval.harness import NotAModelError, evaluate_checkpoint
     from mmpo.eval.registry import UnknownBenchmarkError
+    from mmpo.data import system_prompt_for
     from mmpo.eval.reports import results_table
 
     try:
@@ -84,6 +87,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             top_p=args.top_p, max_new_tokens=args.max_new_tokens, batch_size=args.batch_size, limit=args.limit,
             synth_size=args.synth_size, synth_seed=args.synth_seed, seed=args.seed, out_dir=args.out,
             progress=not args.no_progress, device=args.device, dtype=args.dtype,
+            system_prompt=system_prompt_for(args.prompt_style),
         )
     except (UnknownBenchmarkError, NotAModelError, FileNotFoundError, ValueError) as error:
         print(f"mmpo eval: error: {error}", file=sys.stderr)

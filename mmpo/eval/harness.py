@@ -379,6 +379,7 @@ def evaluate_checkpoint(
     model: Any = None,
     device: str | None = None,
     dtype: str = "float32",
+    system_prompt: str | None = "default",
 ) -> dict[str, Any]:
     """Evaluate a saved checkpoint on named benchmarks (see :mod:`mmpo.eval.registry`).
 
@@ -431,7 +432,7 @@ def evaluate_checkpoint(
         else:
             model_obj, processor = loaded
             metrics = evaluate(model_obj, processor, rows, max_new_tokens=max_new_tokens,
-                               temperature=temperature, top_p=top_p, **common)
+                               temperature=temperature, top_p=top_p, system_prompt=system_prompt, **common)
         metrics["seconds"] = round(time.perf_counter() - started, 2)
         predictions[benchmark.name] = metrics.pop("predictions")
         results["benchmarks"][benchmark.name] = metrics

@@ -158,3 +158,24 @@ def test_eval_rejects_unknown_dtype(tiny_model, tmp_path, capsys):
     assert eval_main(["--model", str(tiny_model), "--benchmarks", "synth/all", "--dtype", "float33",
                       "--out", str(tmp_path)]) == 2
     assert "unknown dtype 'float33'" in capsys.readouterr().err
+
+
+def test_eval_prompt_style_selects_the_system_prompt(tiny_model, tmp_path, monkeypatch):
+    """`--prompt-style steps` evaluates with StepGRPO's system prompt (the format it was trained on)."""
+    from mmpo.data import STEPS_SYSTEM_PROMPT, SYSTEM_PROMPT
+    from mmpo.vlm import rollout
+
+    seen = []
+    real_engine = rollout.HFGenerateEngine
+
+    def recording_engine(model, processor, *, system_prompt, **kwargs):
+        seen.append(system_prompt)
+        return real_engine(model, processor, system_prompt=system_prompt, **kwargs)
+
+    monkeypatch.setattr(rollout, "HFGenerateEngine", recording_engine)
+    for style in ("steps", "think-answer"):
+        code = eval_main(["--model", str(tiny_model), "--benchmarks", f"synth/{TASKS[0]}", "--synth-size", "2",
+                          "--limit", "2", "--max-new-tokens", "4", "--prompt-style", style,
+                          "--out", str(tmp_path / style), "--no-progress"])
+        assert code == 0
+    assert seen == [STEPS_SYSTEM_PROMPT, SYSTEM_PROMPT]
