@@ -4,7 +4,7 @@ Usage:
     python bench/robotics_envs.py experts --task lift --episodes 50 --noises 0 0.1 0.2 0.3 0.5
     python bench/robotics_envs.py throughput --task lift --num-envs 2 --steps 400
 
-Prints one JSON line per measurement (copy them into bench/results/robotics_envs.md).
+Prints one JSON line per measurement (copy them into bench/RESULTS.md (section robotics_envs)).
 """
 
 from __future__ import annotations

@@ -71,7 +71,7 @@ def count_shapes(rng: random.Random, difficulty: int, image_size: int) -> dict[s
 # difficulty -> (distractor count range, axes the question may ask about, pair in opposite halves)
 # Level 1 puts the two shapes in opposite halves of the image, so "left of" coincides with
 # "in the left half". The task stays hard for small models all the same (it needs the word
-# order, colour binding and a position comparison; see bench/results/data.md):
+# order, colour binding and a position comparison; see bench/RESULTS.md (section data)):
 # ``shape_position`` below is the easy variant.
 _POSITION_LEVELS: dict[int, tuple[tuple[int, int], tuple[str, ...], bool]] = {
     1: ((0, 0), ("horizontal",), True),
