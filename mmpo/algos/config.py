@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 import random
+from pathlib import Path
 from typing import Any, Iterable
 
 import numpy as np
@@ -110,3 +111,36 @@ def greedy_validation_metrics(engine: Any, rows: list, *, max_new_tokens: int, t
     rollout = engine.generate(rows, num_samples=1, max_new_tokens=max_new_tokens, do_sample=False)
     _, per_fn, _ = compute_rewards({"accuracy": 1.0, "format": 1.0}, rollout.texts, rollout.rows, timeout_s=timeout_s)
     return {"val/accuracy": float(per_fn["accuracy"].mean()), "val/format": float(per_fn["format"].mean())}
+
+
+class VLMCheckpointHooks:
+    """Checkpoint hooks shared by the VLM Lightning modules (mixed in before LightningModule).
+
+    Lightning checkpoints carry the python/numpy/torch RNG streams (so a resumed run samples the
+    same rollouts), and the policy is also exported in HF format (``save_pretrained``) so the
+    next stage and ``mmpo eval`` can load it with ``load_vlm``. Expects ``self.model``,
+    ``self.processor`` and hparams ``output_dir`` / ``save_hf_on_checkpoint``.
+    """
+
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        checkpoint["mmpo_rng"] = rng_state()
+        if self.hparams.save_hf_on_checkpoint:
+            self.save_hf()
+
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        if "mmpo_rng" in checkpoint:
+            set_rng_state(checkpoint["mmpo_rng"])
+
+    def on_fit_end(self) -> None:
+        self.save_hf()
+
+    def save_hf(self, output_dir: str | Path | None = None) -> Path | None:
+        """Write model + processor in HF format (global rank 0 only) so ``load_vlm`` can read them."""
+        from mmpo.vlm.factory import save_vlm
+
+        output_dir = output_dir or self.hparams.output_dir
+        if output_dir is None:
+            return None
+        if self._trainer is not None and not self.trainer.is_global_zero:
+            return None
+        return save_vlm(self.model, self.processor, output_dir)

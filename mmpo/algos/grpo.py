@@ -28,7 +28,6 @@ import logging
 import time
 from contextlib import contextmanager
 from functools import partial
-from pathlib import Path
 from typing import Any, Iterator, Mapping, Sequence
 
 import lightning as L
@@ -36,12 +35,11 @@ import torch
 from torch import Tensor
 
 from mmpo.algos.config import (
+    VLMCheckpointHooks,
     divisors,
     greedy_validation_metrics,
     make_optimizer,
     require,
-    rng_state,
-    set_rng_state,
     step_seed,
 )
 from mmpo.core import (
@@ -55,7 +53,7 @@ from mmpo.core import (
     kl_penalty,
     policy_loss,
 )
-from mmpo.vlm.factory import load_vlm, make_reference_model, save_vlm
+from mmpo.vlm.factory import load_vlm, make_reference_model
 from mmpo.vlm.logprobs import DEFAULT_LOGPROB_CHUNK, completion_log_probs
 from mmpo.vlm.rollout import HFGenerateEngine, Rollout, concat_rollouts
 
@@ -64,7 +62,7 @@ log = logging.getLogger(__name__)
 DEFAULT_REWARD_WEIGHTS = {"accuracy": 0.9, "format": 0.1}
 
 
-class GRPOModule(L.LightningModule):
+class GRPOModule(VLMCheckpointHooks, L.LightningModule):
     """Group Relative Policy Optimization for a Qwen-VL policy (manual optimisation).
 
     A training batch is a list of rows (prompts); each row gets ``num_generations``
@@ -539,27 +537,6 @@ class GRPOModule(L.LightningModule):
         self.log_dict(metrics, batch_size=len(batch), sync_dist=True, prog_bar=True)
 
     # ------------------------------------------------------------------ checkpoints and export
-
-    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        checkpoint["mmpo_rng"] = rng_state()
-        if self.hparams.save_hf_on_checkpoint:
-            self.save_hf()
-
-    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        if "mmpo_rng" in checkpoint:
-            set_rng_state(checkpoint["mmpo_rng"])
-
-    def on_fit_end(self) -> None:
-        self.save_hf()
-
-    def save_hf(self, output_dir: str | Path | None = None) -> Path | None:
-        """Write model + processor in HF format (global rank 0 only) so ``load_vlm`` can read them."""
-        output_dir = output_dir or self.hparams.output_dir
-        if output_dir is None:
-            return None
-        if self._trainer is not None and not self.trainer.is_global_zero:
-            return None
-        return save_vlm(self.model, self.processor, output_dir)
 
 
 # ---------------------------------------------------------------------- small helpers

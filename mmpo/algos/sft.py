@@ -9,14 +9,13 @@ so the full (B, T, V) logits tensor is never built. The result is saved in HF fo
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any, Mapping, Sequence
 
 import lightning as L
 import torch
 
-from mmpo.algos.config import greedy_validation_metrics, make_optimizer, require, rng_state, set_rng_state
-from mmpo.vlm.factory import load_vlm, save_vlm
+from mmpo.algos.config import VLMCheckpointHooks, greedy_validation_metrics, make_optimizer, require
+from mmpo.vlm.factory import load_vlm
 from mmpo.vlm.logprobs import DEFAULT_LOGPROB_CHUNK, completion_log_probs
 from mmpo.vlm.processing import encode_completions, encode_prompts
 from mmpo.vlm.rollout import HFGenerateEngine
@@ -24,7 +23,7 @@ from mmpo.vlm.rollout import HFGenerateEngine
 STYLES = ("think-answer", "steps")
 
 
-class SFTModule(L.LightningModule):
+class SFTModule(VLMCheckpointHooks, L.LightningModule):
     """Teacher-forced SFT on reference solutions (loss on completion tokens only).
 
     Args:
@@ -130,24 +129,3 @@ class SFTModule(L.LightningModule):
                                             timeout_s=self.hparams.reward_timeout_s)
         metrics["val/loss"] = float(loss)
         self.log_dict(metrics, batch_size=len(rows), sync_dist=True, prog_bar=True)
-
-    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        checkpoint["mmpo_rng"] = rng_state()
-        if self.hparams.save_hf_on_checkpoint:
-            self.save_hf()
-
-    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        if "mmpo_rng" in checkpoint:
-            set_rng_state(checkpoint["mmpo_rng"])
-
-    def on_fit_end(self) -> None:
-        self.save_hf()
-
-    def save_hf(self, output_dir: str | Path | None = None) -> Path | None:
-        """Write model + processor in HF format (global rank 0 only) so ``load_vlm`` can read them."""
-        output_dir = output_dir or self.hparams.output_dir
-        if output_dir is None:
-            return None
-        if self._trainer is not None and not self.trainer.is_global_zero:
-            return None
-        return save_vlm(self.model, self.processor, output_dir)
