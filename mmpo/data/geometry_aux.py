@@ -22,7 +22,7 @@ from __future__ import annotations
 import random
 from typing import Any
 
-from mmpo.data.synthetic.drawing import font, new_canvas, triangle_vertices
+from mmpo.data.synthetic.drawing import draw_labelled_triangle
 from mmpo.data.synthetic.registry import register_task
 
 TASK_NAME = "geometry_aux"
@@ -72,17 +72,7 @@ def geometry_aux(rng: random.Random, difficulty: int, image_size: int) -> dict[s
         if a + b <= max_sum:
             break
     exterior = rng.random() < 0.5
-    image, draw = new_canvas(image_size)
-    text_size = max(9, image_size // 5)
-    face = font(text_size)
-    margin = text_size * 0.9
-    (ax, ay), (bx, by), (cx, cy) = triangle_vertices(a, b, image_size, margin)
-    ay -= text_size * 0.6
-    by -= text_size * 0.6
-    cy = max(cy, text_size * 1.0)
-    draw.polygon([(ax, ay), (bx, by), (cx, cy)], outline=_LINE)
-    draw.text((ax, ay + 1), str(a), fill=_TEXT, font=face, anchor="lt")
-    draw.text((bx, by + 1), str(b), fill=_TEXT, font=face, anchor="rt")
+    image, draw, face, ((ax, ay), _, (cx, cy)) = draw_labelled_triangle(a, b, image_size, line=_LINE, text=_TEXT)
     if exterior:
         # extension of AC beyond C, a third of AC long
         ex, ey = cx + (cx - ax) / 3, cy + (cy - ay) / 3

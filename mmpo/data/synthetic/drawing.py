@@ -113,3 +113,25 @@ def triangle_vertices(
     x_off = margin + (span - width * scale) / 2 - min(xs) * scale
     y_base = image_size - margin - (span - height * scale) / 2
     return [(x_off + x * scale, y_base - y * scale) for x, y in zip(xs, ys)]
+
+
+def draw_labelled_triangle(
+    angle_a: int, angle_b: int, image_size: int, *, line: tuple[int, int, int], text: tuple[int, int, int]
+) -> tuple[Image.Image, ImageDraw.ImageDraw, ImageFont.ImageFont | ImageFont.FreeTypeFont, list[tuple[float, float]]]:
+    """A new canvas with triangle ABC whose base angles A and B are written beside their vertices.
+
+    Returns the image, its drawing context, the label font and the vertices [A, B, C] (room is
+    left under the base and above the apex so callers can add their own labels there).
+    """
+    image, draw = new_canvas(image_size)
+    text_size = max(9, image_size // 5)
+    face = font(text_size)
+    margin = text_size * 0.9
+    (ax, ay), (bx, by), (cx, cy) = triangle_vertices(angle_a, angle_b, image_size, margin)
+    ay -= text_size * 0.6
+    by -= text_size * 0.6
+    cy = max(cy, text_size * 1.0)
+    draw.polygon([(ax, ay), (bx, by), (cx, cy)], outline=line)
+    draw.text((ax, ay + 1), str(angle_a), fill=text, font=face, anchor="lt")
+    draw.text((bx, by + 1), str(angle_b), fill=text, font=face, anchor="rt")
+    return image, draw, face, [(ax, ay), (bx, by), (cx, cy)]

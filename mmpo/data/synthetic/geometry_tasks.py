@@ -9,7 +9,7 @@ from __future__ import annotations
 import random
 from typing import Any
 
-from mmpo.data.synthetic.drawing import font, new_canvas, triangle_vertices
+from mmpo.data.synthetic.drawing import draw_labelled_triangle
 from mmpo.data.synthetic.registry import register_task
 
 # difficulty -> (allowed base angles, largest sum of the two given angles)
@@ -32,18 +32,7 @@ def triangle_angle(rng: random.Random, difficulty: int, image_size: int) -> dict
         if a + b <= max_sum:
             break
     c = 180 - a - b
-    image, draw = new_canvas(image_size)
-    text_size = max(9, image_size // 5)
-    face = font(text_size)
-    # Keep room under the base and above the apex for the labels.
-    margin = text_size * 0.9
-    (ax, ay), (bx, by), (cx, cy) = triangle_vertices(a, b, image_size, margin)
-    ay -= text_size * 0.6
-    by -= text_size * 0.6
-    cy = max(cy, text_size * 1.0)
-    draw.polygon([(ax, ay), (bx, by), (cx, cy)], outline=_LINE)
-    draw.text((ax, ay + 1), str(a), fill=_TEXT, font=face, anchor="lt")
-    draw.text((bx, by + 1), str(b), fill=_TEXT, font=face, anchor="rt")
+    image, draw, face, (_, _, (cx, cy)) = draw_labelled_triangle(a, b, image_size, line=_LINE, text=_TEXT)
     draw.text((cx, cy - 1), "?", fill=_TEXT, font=face, anchor="mb")
     steps = [
         f"The two angles are {a} and {b}.",
