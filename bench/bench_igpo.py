@@ -49,16 +49,16 @@ def run_one(method: str, seed: int, args: argparse.Namespace, test_rows: list[di
     pl.seed_everything(seed, verbose=False)
     from dllm.modeling import read_generation_defaults
 
-    # The SFT checkpoint's canvas (configs/dllm/sft_tiny.yaml: L 24, block 8, steps 12), rollouts at tau 1.2.
+    # The SFT checkpoint's canvas (configs/dllm/sft_tiny.yaml: L 24, block 8, steps 12), rollouts at --temperature (1.2).
     saved = read_generation_defaults(args.sft_model).get("sampler", {})
-    sampler = SamplerConfig(**{**saved, "temperature": 1.2})
+    sampler = SamplerConfig(**{**saved, "temperature": args.temperature})
     module = DiffuGRPO(
         model_path=args.sft_model, warmup_config=None, save_dir=str(Path(args.workdir) / f"{method}_{seed}" / "model"),
         sampler=sampler, group_size=args.group_size, inner_updates=args.inner_updates, lr=args.lr,
-        warmup_steps=5, beta=0.01, ratio_level="sequence", igpo=(method == "igpo"),
+        warmup_steps=5, beta=args.beta, ratio_level=args.ratio_level, masking=args.masking, igpo=(method == "igpo"),
         hints=HintConfig(min_chunk=3, max_chunk=6, free_tail=round(30 / 256 * sampler.gen_length)), max_replacements=args.group_size // 2, seed=seed,
     )
-    # Split seed 0 for every run (the held-out rows are the same ones); the run seed drives shuffling and rollouts.
+    # Data seed 0 for every run (same held-out rows, same prompt order); the run seed drives the rollouts.
     data = ArithmeticDataModule(task=ArithmeticTaskConfig(), train_size=2500, test_size=256, val_size=8,
                                 batch_size=args.prompts_per_batch, seed=0)
     root = Path(args.workdir) / f"{method}_{seed}"
@@ -138,7 +138,7 @@ def summarize(results: list[dict], base_accuracy: float) -> dict:
 def markdown(summary: dict, args: argparse.Namespace) -> str:
     lines = [
         "| method | all-wrong groups (after replacement) | first half | second half | all-wrong as sampled | "
-        "train accuracy (sampled) | held-out greedy accuracy | per seed | held-out sampled accuracy (tau 1.2) | per seed | "
+        "train accuracy (sampled) | held-out greedy accuracy | per seed | held-out sampled accuracy (rollout tau) | per seed | "
         "replaced / batch |",
         "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
@@ -152,7 +152,7 @@ def markdown(summary: dict, args: argparse.Namespace) -> str:
         )
     lines.append("")
     lines.append(f"SFT checkpoint (start of both): held-out greedy accuracy {summary['base_heldout_accuracy']:.3f}, "
-                 f"sampled (tau 1.2) {summary['base_heldout_sampled_accuracy']:.3f}")
+                 f"sampled (rollout tau) {summary['base_heldout_sampled_accuracy']:.3f}")
     if "all_wrong_reduction" in summary:
         lines.append(f"All-wrong groups, IGPO vs GRPO: {100 * summary['all_wrong_reduction']:.0f}% fewer")
     return "\n".join(lines)
@@ -169,6 +169,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--group-size", type=int, default=8)
     parser.add_argument("--inner-updates", type=int, default=2)
     parser.add_argument("--lr", type=float, default=1e-5)
+    parser.add_argument("--beta", type=float, default=0.01, help="k3 KL coefficient")
+    parser.add_argument("--temperature", type=float, default=1.2, help="rollout temperature")
+    parser.add_argument("--ratio-level", default="sequence", choices=["sequence", "token"])
+    parser.add_argument("--masking", default="full", choices=["full", "structured"],
+                        help="log-prob estimator: one-pass (full) or IGPO's structured timesteps")
     parser.add_argument("--eval-size", type=int, default=128)
     parser.add_argument("--eval-samples", type=int, default=4, help="sampled answers per held-out problem")
     parser.add_argument("--workdir", default=None)
@@ -187,7 +192,7 @@ def main(argv: list[str] | None = None) -> int:
     test_rows = test_rows[: args.eval_size]
     model, tokenizer = load_mask_predictor(args.sft_model)
     sampler = SamplerConfig(**read_generation_defaults(args.sft_model).get("sampler", {}))
-    rollout_sampler = SamplerConfig(**{**vars(sampler), "temperature": 1.2})
+    rollout_sampler = SamplerConfig(**{**vars(sampler), "temperature": args.temperature})
     base_accuracy = (greedy_accuracy(model, tokenizer, test_rows, sampler),
                      sampled_accuracy(model, tokenizer, test_rows, rollout_sampler, args.eval_samples, 0))
     print(f"SFT held-out accuracy: greedy {base_accuracy[0]:.3f}, sampled {base_accuracy[1]:.3f}", flush=True)

@@ -1,4 +1,8 @@
-"""LightningDataModule for the synthetic arithmetic task (rows are plain dicts)."""
+"""LightningDataModules for the dLLM text tasks (rows are plain dicts).
+
+The training order is resumable (``mmpo.data.resumable``): a run restarted from a
+checkpoint continues at the next unseen batch with the same shuffling.
+"""
 
 from __future__ import annotations
 
@@ -6,13 +10,25 @@ import lightning.pytorch as pl
 from torch.utils.data import DataLoader
 
 from dllm.task import ArithmeticTaskConfig, make_train_and_test
+from mmpo.data.resumable import ResumableTrainData, collate_rows as _rows
 
 
-def _rows(batch: list[dict[str, str]]) -> list[dict[str, str]]:
-    return batch
+class _TextRows(ResumableTrainData, pl.LightningDataModule):
+    """Shared plumbing: rows are built by ``setup``; the training loader is resumable."""
+
+    train_rows: list[dict[str, str]]
+    drop_last = True
+    num_workers = 0
+
+    def _training_rows(self) -> list[dict[str, str]]:
+        self.setup()
+        return self.train_rows
+
+    def _num_train_rows(self) -> int | None:
+        return len(self.train_rows) if self.train_rows else None
 
 
-class ArithmeticDataModule(pl.LightningDataModule):
+class ArithmeticDataModule(_TextRows):
     """Train / held-out splits of :mod:`dllm.task` problems; batches are lists of row dicts.
 
     Args:
@@ -22,7 +38,7 @@ class ArithmeticDataModule(pl.LightningDataModule):
         val_size: how many held-out problems validation decodes (<= test_size).
         batch_size: rows per training batch (SFT: sequences; RL: prompts, each rolled out G times).
         val_batch_size: rows per validation batch.
-        seed: split seed.
+        seed: split seed and shuffling seed (epoch e shuffles with seed + e).
     """
 
     def __init__(
@@ -43,13 +59,12 @@ class ArithmeticDataModule(pl.LightningDataModule):
         self.batch_size, self.val_batch_size, self.seed = batch_size, val_batch_size, seed
         self.train_rows: list[dict[str, str]] = []
         self.test_rows: list[dict[str, str]] = []
+        self._train_sampler = None
+        self._pending_position = None
 
     def setup(self, stage: str | None = None) -> None:
         if not self.train_rows:
             self.train_rows, self.test_rows = make_train_and_test(self.task, self.train_size, self.test_size, self.seed)
-
-    def train_dataloader(self) -> DataLoader:
-        return DataLoader(self.train_rows, batch_size=self.batch_size, shuffle=True, collate_fn=_rows, drop_last=True)
 
     def val_dataloader(self) -> DataLoader:
         return DataLoader(self.test_rows[: self.val_size], batch_size=self.val_batch_size, collate_fn=_rows)
@@ -58,7 +73,7 @@ class ArithmeticDataModule(pl.LightningDataModule):
         return DataLoader(self.test_rows, batch_size=self.val_batch_size, collate_fn=_rows)
 
 
-class TraceFileDataModule(pl.LightningDataModule):
+class TraceFileDataModule(_TextRows):
     """Rows from local JSONL files (one object per line with ``problem``, ``trace``, ``answer``).
 
     For real-scale runs, e.g. MetaMathQA GSM/MATH rows converted to this layout (IGPO's
@@ -71,16 +86,20 @@ class TraceFileDataModule(pl.LightningDataModule):
         batch_size: prompts per training batch.
         val_batch_size: rows per validation batch.
         val_size: how many held-out rows validation decodes (None: all).
+        seed: shuffling seed (epoch e shuffles with seed + e).
     """
 
     def __init__(
-        self, train_path: str, test_path: str, batch_size: int = 8, val_batch_size: int = 32, val_size: int | None = None
+        self, train_path: str, test_path: str, batch_size: int = 8, val_batch_size: int = 32,
+        val_size: int | None = None, seed: int = 0,
     ) -> None:
         super().__init__()
         self.train_path, self.test_path = train_path, test_path
-        self.batch_size, self.val_batch_size, self.val_size = batch_size, val_batch_size, val_size
+        self.batch_size, self.val_batch_size, self.val_size, self.seed = batch_size, val_batch_size, val_size, seed
         self.train_rows: list[dict[str, str]] = []
         self.test_rows: list[dict[str, str]] = []
+        self._train_sampler = None
+        self._pending_position = None
 
     @staticmethod
     def read(path: str) -> list[dict[str, str]]:
@@ -104,9 +123,6 @@ class TraceFileDataModule(pl.LightningDataModule):
     def setup(self, stage: str | None = None) -> None:
         if not self.train_rows:
             self.train_rows, self.test_rows = self.read(self.train_path), self.read(self.test_path)
-
-    def train_dataloader(self) -> DataLoader:
-        return DataLoader(self.train_rows, batch_size=self.batch_size, shuffle=True, collate_fn=_rows, drop_last=True)
 
     def val_dataloader(self) -> DataLoader:
         rows = self.test_rows if self.val_size is None else self.test_rows[: self.val_size]

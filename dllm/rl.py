@@ -11,12 +11,15 @@ with ``igpo: false`` it is the diffu-GRPO baseline of d1, arXiv 2504.12216, as i
    ``max_replacements`` correct hinted rollouts replace original ones;
 4. advantages r - mean over the (mixed) group (core ``drgrpo``);
 5. old and reference log-probs (+ old entropies) by the one-pass estimator
-   (completion fully masked; prompt masked with ``p_mask_prompt``, one seed per inner step);
+   (completion fully masked; prompt masked with ``p_mask_prompt``, one seed per inner step),
+   or with ``masking: structured`` by IGPO's structured estimator (inner step n masks each
+   completion token with probability t_n / T; only masked positions enter the loss);
 6. IGPO only: keep only the top ``entropy_keep`` fraction of hint tokens by old entropy;
 7. ``inner_updates`` (mu) optimizer steps on the clipped loss + beta * k3 KL.
 
 Metrics (CleanRL names): ``rewards/correct/mean`` (sampled rollouts), ``rewards/mean``
-(after replacement), ``igpo/frac_all_wrong_sampled`` (groups all wrong before hints),
+(after replacement, format reward included), ``rewards/format/mean`` (with a format reward),
+``igpo/frac_all_wrong_sampled`` (groups all wrong before hints),
 ``igpo/frac_all_wrong`` (after replacement: groups that give no learning signal),
 ``igpo/num_replaced``, ``igpo/hinted_accuracy``, ``losses/policy``, ``losses/kl``,
 ``policy/*`` from the core, ``val/accuracy`` (greedy, held out).
@@ -32,17 +35,18 @@ import lightning.pytorch as pl
 import torch
 from torch import Tensor
 
+from dllm.checkpoint_hparams import PlainHparamsMixin, as_config
 from dllm.hints import HintConfig, build_group_hints
 from dllm.igpo import all_wrong_groups, choose_replacements, hint_entropy_filter, igpo_loss
-from dllm.logprobs import completion_log_probs
+from dllm.logprobs import completion_log_probs, perturb_for_scoring, structured_timesteps
 from dllm.modeling import generation_dict, load_mask_predictor, mask_token_id, save_mask_predictor
-from dllm.rewards import correctness_rewards
+from dllm.rewards import FORMAT_REWARDS, correctness_rewards, format_rewards
 from dllm.rollout import greedy_accuracy, rollout
 from dllm.sampler import SamplerConfig
 from mmpo.core import compute_advantages_with_metrics
 
 
-class DiffuGRPO(pl.LightningModule):
+class DiffuGRPO(PlainHparamsMixin, pl.LightningModule):
     """diffu-GRPO with optional IGPO inpainting (``igpo: true``) for masked-diffusion LMs.
 
     Args:
@@ -65,7 +69,15 @@ class DiffuGRPO(pl.LightningModule):
         clip_high: PPO upper clip (IGPO: 0.2).
         ratio_level: 'sequence' (GSPO ratio, IGPO's official run) or 'token'.
         p_mask_prompt: prompt masking probability of the estimator (IGPO: 0; d1: 0.15).
+        masking: 'full' (the one-pass estimator: every completion token masked; IGPO's official
+            run, ``d1_masking: true``) or 'structured' (IGPO's ``d1_masking: false`` path: inner
+            step n masks completion tokens with probability t_n / T and scores only those).
+        diffusion_steps: T of the structured schedule (IGPO: 128).
+        min_timestep: smallest t_0 of the structured schedule (IGPO: 30).
         correct_reward: reward of a correct answer (IGPO: 3.0; only the scale of A changes).
+        format_reward: added format reward, 'xmlcount' (IGPO's, for <reasoning>/<answer> prompts)
+            or 'derivation' (the synthetic task's layout); None for correctness only. It never
+            triggers hinting: all-wrong means no correct answer.
         igpo: regenerate all-wrong groups with hints (False = diffu-GRPO baseline).
         hints: hint construction (chunks, eta range, stretch, free tail).
         max_replacements: at most this many hinted rollouts enter a group (IGPO: 4 of 8).
@@ -94,7 +106,11 @@ class DiffuGRPO(pl.LightningModule):
         clip_high: float = 0.2,
         ratio_level: str = "sequence",
         p_mask_prompt: float = 0.0,
+        masking: str = "full",
+        diffusion_steps: int = 128,
+        min_timestep: int = 30,
         correct_reward: float = 1.0,
+        format_reward: str | None = None,
         igpo: bool = True,
         hints: HintConfig | None = None,
         max_replacements: int = 4,
@@ -111,6 +127,12 @@ class DiffuGRPO(pl.LightningModule):
             raise ValueError(f"inner_updates must be >= 1, got {inner_updates}")
         if ratio_level not in ("token", "sequence"):
             raise ValueError(f"ratio_level must be 'token' or 'sequence', got {ratio_level!r}")
+        if format_reward is not None and format_reward not in FORMAT_REWARDS:
+            raise ValueError(f"unknown format_reward {format_reward!r}; valid: {sorted(FORMAT_REWARDS)} or None")
+        if masking not in ("full", "structured"):
+            raise ValueError(f"masking must be 'full' or 'structured', got {masking!r}")
+        if masking == "structured" and not 1 <= min_timestep <= diffusion_steps - 2:
+            raise ValueError(f"need 1 <= min_timestep <= diffusion_steps - 2, got {min_timestep} and {diffusion_steps}")
         if not Path(model_path, "config.json").is_file():
             if warmup_config is None:
                 raise FileNotFoundError(f"no model at {model_path!r} and no warmup_config to create it")
@@ -123,12 +145,13 @@ class DiffuGRPO(pl.LightningModule):
         self.mask_id = mask_token_id(self.tokenizer, self.model)
         # The KL anchor is the starting model; kept out of the module tree so checkpoints hold one copy.
         self.__dict__["ref_model"] = copy.deepcopy(self.model).eval().requires_grad_(False) if beta > 0 else None
-        self.sampler = sampler or SamplerConfig()
-        self.hints = hints or HintConfig()
+        self.sampler = as_config(sampler, SamplerConfig)
+        self.hints = as_config(hints, HintConfig)
         self.save_dir = save_dir
         self.settings = dict(
             group_size=group_size, inner_updates=inner_updates, beta=beta, clip_low=clip_low, clip_high=clip_high,
-            ratio_level=ratio_level, p_mask_prompt=p_mask_prompt, correct_reward=correct_reward, igpo=igpo,
+            ratio_level=ratio_level, p_mask_prompt=p_mask_prompt, masking=masking, diffusion_steps=diffusion_steps,
+            min_timestep=min_timestep, correct_reward=correct_reward, format_reward=format_reward, igpo=igpo,
             max_replacements=max_replacements, entropy_keep=entropy_keep, chunk=logprob_chunk_size, seed=seed,
         )
 
@@ -152,7 +175,7 @@ class DiffuGRPO(pl.LightningModule):
         out = rollout(self.model, self.tokenizer, problems, self.sampler, generator=generator)
         correct = self._score(out.texts, answers)
         sampled_correct = correct.clone()
-        completions, hint_mask = out.completions.clone(), torch.zeros_like(out.fixed_mask)
+        completions, hint_mask, texts = out.completions.clone(), torch.zeros_like(out.fixed_mask), list(out.texts)
         wrong_groups = all_wrong_groups(correct.cpu(), group_ids.cpu()).tolist()
         num_replaced, hinted_correct_total, hinted_total = 0, 0, 0
         if s["igpo"] and wrong_groups:
@@ -181,65 +204,97 @@ class DiffuGRPO(pl.LightningModule):
                     dst, src = g * group + original, k * group + hinted_index
                     completions[dst] = hinted.completions[src]
                     hint_mask[dst] = hinted.fixed_mask[src]
+                    texts[dst] = hinted.texts[src]
                     correct[dst] = True
                     num_replaced += 1
         final_wrong = all_wrong_groups(correct.cpu(), group_ids.cpu())
+        rewards = correct.float() * s["correct_reward"]
+        format_metrics = {}
+        if s["format_reward"] is not None:
+            formats = torch.tensor(format_rewards(texts, s["format_reward"]), device=self.device)
+            rewards = rewards + formats
+            format_metrics["rewards/format/mean"] = float(formats.mean())
         return {
             "prompt_ids": out.prompt_ids,
             "prompt_mask": out.prompt_attention_mask,
             "completions": completions,
             "hint_mask": hint_mask,
-            "rewards": correct.float() * s["correct_reward"],
+            "rewards": rewards,
             "group_ids": group_ids,
             "metrics": {
                 "rewards/correct/mean": float(sampled_correct.float().mean()),
+                "rewards/mean": float(rewards.mean()),
                 "igpo/frac_all_wrong_sampled": len(wrong_groups) / len(rows),
                 "igpo/frac_all_wrong": final_wrong.numel() / len(rows),
                 "igpo/num_replaced": float(num_replaced),
                 "igpo/hinted_accuracy": hinted_correct_total / hinted_total if hinted_total else 0.0,
                 "igpo/hint_token_frac": float(hint_mask.float().mean()),
+                **format_metrics,
             },
         }
 
     # ------------------------------------------------------------------ training
 
-    def _log_probs(self, model: torch.nn.Module, batch: dict, seed: int, with_entropy: bool = False):
+    def _log_probs(self, model: torch.nn.Module, batch: dict, key: tuple[int, float], with_entropy: bool = False):
+        seed, ratio = key
         return completion_log_probs(
             model, batch["prompt_ids"], batch["prompt_mask"], batch["completions"], mask_token_id=self.mask_id,
-            p_mask_prompt=self.settings["p_mask_prompt"], seed=seed, with_entropy=with_entropy,
-            chunk_size=self.settings["chunk"],
+            p_mask_prompt=self.settings["p_mask_prompt"], completion_mask_ratio=ratio, seed=seed,
+            with_entropy=with_entropy, chunk_size=self.settings["chunk"],
         )
+
+    def _scored_positions(self, batch: dict, key: tuple[int, float]) -> Tensor:
+        seed, ratio = key
+        return perturb_for_scoring(
+            batch["prompt_ids"], batch["prompt_mask"], batch["completions"], mask_token_id=self.mask_id,
+            p_mask_prompt=self.settings["p_mask_prompt"], completion_mask_ratio=ratio, seed=seed,
+        )[2]
+
+    def scoring_keys(self) -> list[tuple[int, float]]:
+        """(mask seed, completion mask ratio) of each inner update of the current batch.
+
+        Full masking: d1 draws one prompt-mask seed per inner step; with ``p_mask_prompt = 0`` every
+        step sees the same input. Structured: IGPO's timesteps t_n, ratio t_n / T, one seed per step.
+        Seeds derive from ``global_step`` so a resumed run draws the same masks.
+        """
+        s = self.settings
+        mu = s["inner_updates"]
+        if s["masking"] == "full":
+            return [(self.global_step * 1000 + i if s["p_mask_prompt"] > 0 else 0, 1.0) for i in range(mu)]
+        steps = structured_timesteps(mu, s["diffusion_steps"], s["min_timestep"], self._generator(offset=104729))
+        return [(self.global_step * 1000 + i, t / s["diffusion_steps"]) for i, t in enumerate(steps)]
 
     def training_step(self, rows: list[dict[str, str]], batch_idx: int) -> Tensor:
         s = self.settings
         batch = self.collect(rows)
         advantages, adv_metrics = compute_advantages_with_metrics("drgrpo", batch["rewards"], batch["group_ids"])
-        # One prompt-mask seed per inner step (d1); with p_mask_prompt = 0 every step sees the same input.
-        seeds = [self.global_step * 1000 + i if s["p_mask_prompt"] > 0 else 0 for i in range(s["inner_updates"])]
-        unique_seeds = sorted(set(seeds))
+        keys = self.scoring_keys()
+        unique_keys = sorted(set(keys))
         with torch.no_grad():
             self.model.eval()
-            old = {seed: self._log_probs(self.model, batch, seed, with_entropy=True) for seed in unique_seeds}
-            ref = {seed: self._log_probs(self.ref_model, batch, seed)[0] for seed in unique_seeds} if s["beta"] > 0 else {}
+            old = {key: self._log_probs(self.model, batch, key, with_entropy=True) for key in unique_keys}
+            ref = {key: self._log_probs(self.ref_model, batch, key)[0] for key in unique_keys} if s["beta"] > 0 else {}
         optimizer = self.optimizers()
         self.model.train()
         metrics_sum: dict[str, float] = {}
-        for i, seed in enumerate(seeds):
-            old_log_probs, old_entropy = old[seed]
+        for key in keys:
+            old_log_probs, old_entropy = old[key]
             loss_mask = torch.ones_like(batch["hint_mask"])
             if batch["hint_mask"].any():
                 loss_mask = hint_entropy_filter(batch["hint_mask"], old_entropy, s["entropy_keep"])
-            log_probs, _ = self._log_probs(self.model, batch, seed)
+            if key[1] < 1.0:  # structured masking scores only the masked positions
+                loss_mask = loss_mask & self._scored_positions(batch, key)
+            log_probs, _ = self._log_probs(self.model, batch, key)
             loss, metrics = igpo_loss(
-                log_probs, old_log_probs, ref.get(seed), advantages, loss_mask, ratio_level=s["ratio_level"],
+                log_probs, old_log_probs, ref.get(key), advantages, loss_mask, ratio_level=s["ratio_level"],
                 clip_low=s["clip_low"], clip_high=s["clip_high"], beta=s["beta"],
             )
             optimizer.zero_grad()
             self.manual_backward(loss)
             self.clip_gradients(optimizer, gradient_clip_val=self.hparams.max_grad_norm, gradient_clip_algorithm="norm")
             optimizer.step()
-            for key, value in metrics.items():
-                metrics_sum[key] = metrics_sum.get(key, 0.0) + float(value) / len(seeds)
+            for name, value in metrics.items():
+                metrics_sum[name] = metrics_sum.get(name, 0.0) + float(value) / len(keys)
         scheduler = self.lr_schedulers()
         if scheduler is not None:
             scheduler.step()

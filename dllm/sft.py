@@ -32,6 +32,7 @@ from dllm.modeling import (
     mask_token_id,
     save_mask_predictor,
 )
+from dllm.checkpoint_hparams import PlainHparamsMixin, as_config
 from dllm.rollout import greedy_accuracy
 from dllm.sampler import SamplerConfig
 from dllm.task import ArithmeticTaskConfig, corpus
@@ -72,7 +73,7 @@ def llada_sft_loss(answer_logits: Tensor, answers: Tensor, masked: Tensor, p_mas
     return per_row.mean()
 
 
-class MaskedDiffusionSFT(pl.LightningModule):
+class MaskedDiffusionSFT(PlainHparamsMixin, pl.LightningModule):
     """SFT warm-up of a masked-diffusion LM on reference traces (LLaDA SFT loss).
 
     Args:
@@ -106,14 +107,14 @@ class MaskedDiffusionSFT(pl.LightningModule):
         super().__init__()
         self.save_hyperparameters()
         self.save_dir = save_dir
-        self.sampler = sampler or SamplerConfig()
+        self.sampler = as_config(sampler, SamplerConfig)
         self.lr, self.weight_decay, self.warmup_steps, self.mask_eps = lr, weight_decay, warmup_steps, mask_eps
         if init_from:
             self.model, self.tokenizer = load_mask_predictor(init_from, trust_remote_code=trust_remote_code)
         else:
             torch.manual_seed(seed)
-            self.tokenizer = train_char_tokenizer(corpus(tokenizer_task or ArithmeticTaskConfig()))
-            self.model = build_tiny_mask_predictor(self.tokenizer, tiny)
+            self.tokenizer = train_char_tokenizer(corpus(as_config(tokenizer_task, ArithmeticTaskConfig)))
+            self.model = build_tiny_mask_predictor(self.tokenizer, as_config(tiny, TinyMaskPredictorConfig))
         self.mask_id = mask_token_id(self.tokenizer, self.model)
         self.generator = torch.Generator().manual_seed(seed)
 
@@ -128,6 +129,14 @@ class MaskedDiffusionSFT(pl.LightningModule):
         loss = llada_sft_loss(logits, answers, masked, p_mask)
         self.log("losses/sft", loss, prog_bar=True, batch_size=len(batch))
         return loss
+
+    def on_save_checkpoint(self, checkpoint: dict) -> None:
+        super().on_save_checkpoint(checkpoint)
+        checkpoint["mask_generator_state"] = self.generator.get_state()  # the noise draws continue on resume
+
+    def on_load_checkpoint(self, checkpoint: dict) -> None:
+        if "mask_generator_state" in checkpoint:
+            self.generator.set_state(checkpoint["mask_generator_state"])
 
     def validation_step(self, batch: list[dict[str, str]], batch_idx: int) -> None:
         accuracy = greedy_accuracy(self.model, self.tokenizer, batch, self.sampler, batch_size=len(batch))

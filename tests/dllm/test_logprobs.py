@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 from types import SimpleNamespace
 
+import pytest
 import torch
 
 from dllm.logprobs import completion_log_probs, perturb_for_scoring
@@ -63,13 +64,48 @@ def test_prompt_masking_is_seeded_and_spares_padding():
     prompt = torch.tensor([[0, 0, 5, 6, 7, 8, 9, 5, 6, 7, 8, 9]] * 4)
     attention = (prompt != 0).long()
     completion = torch.tensor([[3, 4]] * 4)
-    a, _ = perturb_for_scoring(prompt, attention, completion, mask_token_id=MASK, p_mask_prompt=0.5, seed=7)
-    b, _ = perturb_for_scoring(prompt, attention, completion, mask_token_id=MASK, p_mask_prompt=0.5, seed=7)
-    c, _ = perturb_for_scoring(prompt, attention, completion, mask_token_id=MASK, p_mask_prompt=0.5, seed=8)
+    a, _, _ = perturb_for_scoring(prompt, attention, completion, mask_token_id=MASK, p_mask_prompt=0.5, seed=7)
+    b, _, _ = perturb_for_scoring(prompt, attention, completion, mask_token_id=MASK, p_mask_prompt=0.5, seed=7)
+    c, _, _ = perturb_for_scoring(prompt, attention, completion, mask_token_id=MASK, p_mask_prompt=0.5, seed=8)
     assert torch.equal(a, b)  # old and new log-probs of one inner step see the same masked prompt
     assert not torch.equal(a, c)
     assert (a[:, :2] == 0).all()  # padding is never masked
     assert (a[:, -2:] == MASK).all()  # the completion is always fully masked
     assert 0 < (a[:, 2:12] == MASK).float().mean() < 1
-    unmasked, _ = perturb_for_scoring(prompt, attention, completion, mask_token_id=MASK, p_mask_prompt=0.0, seed=7)
+    unmasked, _, _ = perturb_for_scoring(prompt, attention, completion, mask_token_id=MASK, p_mask_prompt=0.0, seed=7)
     assert torch.equal(unmasked[:, :12], prompt)  # IGPO: the prompt stays visible
+
+
+def test_structured_timesteps_follow_igpos_schedule():
+    from dllm.logprobs import structured_timesteps
+
+    generator = torch.Generator().manual_seed(0)
+    steps = structured_timesteps(4, 128, 30, generator)
+    t0 = steps[0]
+    assert 30 <= t0 <= 126
+    # t_n = floor(n / (mu - 1) * (T - t0) + t0): evenly spaced up to T
+    assert steps == [t0] + [int(n / 3 * (128 - t0) + t0) for n in (1, 2, 3)] and steps[-1] == 128
+    assert structured_timesteps(1, 128, 30, torch.Generator().manual_seed(0)) == [t0]
+    # hand-computed for a fixed t0: T = 10, min = max = 8 -> [8, 9, 10]
+    assert structured_timesteps(3, 10, 8) == [8, 9, 10]
+    with pytest.raises(ValueError):
+        structured_timesteps(2, 10, 9)
+
+
+def test_partial_completion_masking_is_seeded_and_scores_the_masked_positions(toy_model):
+    prompt = torch.tensor([[3, 4, 5]])
+    attention = torch.ones_like(prompt)
+    completion = torch.tensor([[6, 7, 8, 9, 10, 11, 6, 7, 8, 9]])
+    ids, _, masked = perturb_for_scoring(prompt, attention, completion, mask_token_id=MASK, completion_mask_ratio=0.5, seed=3)
+    again, _, masked_again = perturb_for_scoring(prompt, attention, completion, mask_token_id=MASK, completion_mask_ratio=0.5, seed=3)
+    assert torch.equal(ids, again) and torch.equal(masked, masked_again)
+    assert 0 < int(masked.sum()) < completion.numel()
+    assert torch.equal(ids[:, 3:][masked], torch.full((int(masked.sum()),), MASK))
+    assert torch.equal(ids[:, 3:][~masked], completion[~masked])  # unmasked tokens stay visible
+    assert torch.equal(ids[:, :3], prompt)
+    log_probs, _ = completion_log_probs(toy_model, prompt, attention, completion, mask_token_id=MASK,
+                                        completion_mask_ratio=0.5, seed=3)
+    expected = torch.log_softmax(toy_model(ids).logits[:, 3:], -1).gather(-1, completion[..., None])[..., 0]
+    assert torch.allclose(log_probs, expected)
+    with pytest.raises(ValueError):
+        perturb_for_scoring(prompt, attention, completion, mask_token_id=MASK, completion_mask_ratio=0.0)

@@ -48,3 +48,26 @@ def test_answer_extraction_and_correctness():
 def test_bad_task_settings_fail_clearly():
     with pytest.raises(ValueError, match="num_ops"):
         ArithmeticTaskConfig(num_ops=0)
+
+
+def test_derivation_format_reward_hand_computed():
+    from dllm.rewards import derivation_format_reward, format_rewards
+
+    assert derivation_format_reward("7+5=12\n12*2=24\nA:24") == 0.75  # all three parts
+    assert derivation_format_reward("7+5=12\nfoo\nA:24\n") == 0.5 + 0.25 * 1 / 2  # one of two steps well formed
+    assert derivation_format_reward("A:24\n7+5=12") == 0.25 + 0.25  # answer not last
+    assert derivation_format_reward("A:3\nA:4") == 0.0  # two answers: no answer credit, no step lines
+    assert derivation_format_reward("7+5=12") == 0.25  # steps only
+    assert derivation_format_reward("") == 0.0
+    assert format_rewards(["A:1", ""], "derivation") == [0.5, 0.0]
+
+
+def test_xmlcount_format_reward_matches_igpo_count_xml():
+    from dllm.rewards import format_rewards, xmlcount_format_reward
+
+    full = "<reasoning>\nx\n</reasoning>\n<answer>\n\\boxed{3}\n</answer>"
+    assert xmlcount_format_reward(full) == 0.125 * 4 + 0.25
+    assert xmlcount_format_reward("<answer>\n</answer></answer>") == 0.125  # "</answer>" twice earns nothing
+    assert xmlcount_format_reward("no tags, \\boxed{2}") == 0.25
+    with pytest.raises(ValueError, match="valid"):
+        format_rewards(["x"], "strict")

@@ -1,0 +1,99 @@
+"""DiffuGRPO's collect step with scripted rollouts: rewards, format reward, trigger, replacement, masking."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import dllm.rl as rl
+from dllm.hints import HintConfig
+from dllm.modeling import save_mask_predictor
+from dllm.rewards import derivation_format_reward
+from dllm.rollout import Rollout
+from dllm.sampler import SamplerConfig
+
+GEN = 8
+
+
+@pytest.fixture
+def start(tiny_model_and_tokenizer, tmp_path):
+    model, tokenizer = tiny_model_and_tokenizer
+    save_mask_predictor(model, tokenizer, tmp_path / "start")
+    return str(tmp_path / "start")
+
+
+def _module(start, tmp_path, **overrides):
+    settings = dict(model_path=start, warmup_config=None, save_dir=str(tmp_path / "out"), group_size=2,
+                    inner_updates=2, igpo=True, beta=0.0, max_replacements=1,
+                    sampler=SamplerConfig(gen_length=GEN, block_length=8, steps=4),
+                    hints=HintConfig(min_chunk=1, max_chunk=2, free_tail=1))
+    return rl.DiffuGRPO(**{**settings, **overrides})
+
+
+def _scripted(monkeypatch, plain: list[str], hinted: list[str]):
+    """rollout() returns ``plain`` texts for normal calls and ``hinted`` for hinted ones."""
+    calls = []
+
+    def fake_rollout(model, tokenizer, problems, config, *, fixed_tokens=None, fixed_mask=None, generator=None):
+        texts = hinted if fixed_tokens is not None else plain
+        calls.append("hinted" if fixed_tokens is not None else "plain")
+        assert len(texts) == len(problems)
+        n = len(problems)
+        completions = torch.arange(n * GEN).reshape(n, GEN) % 7 + (100 if fixed_tokens is not None else 0)
+        fixed = fixed_mask if fixed_mask is not None else torch.zeros(n, GEN, dtype=torch.bool)
+        return Rollout(torch.ones(n, 3, dtype=torch.long), torch.ones(n, 3, dtype=torch.long), completions, fixed, list(texts))
+
+    monkeypatch.setattr(rl, "rollout", fake_rollout)
+    return calls
+
+
+ROWS = [{"problem": "1+2", "trace": "1+2=3\nA:3", "answer": "3"}, {"problem": "2*2", "trace": "2*2=4\nA:4", "answer": "4"}]
+
+
+def test_format_reward_is_added_and_never_triggers_hints(start, tmp_path, monkeypatch):
+    # group 0: one right, one wrong but well formatted; group 1: both wrong, one well formatted
+    plain = ["1+2=3\nA:3", "1+2=4\nA:4", "2*2=5\nA:5", "junk"]
+    calls = _scripted(monkeypatch, plain, hinted=["2*2=4\nA:4", "x"])
+    module = _module(start, tmp_path, format_reward="derivation", correct_reward=3.0, igpo=False)
+    batch = module.collect(ROWS)
+    expected = [3.0 + 0.75, 0.75, 0.75, derivation_format_reward("junk")]
+    assert batch["rewards"].tolist() == pytest.approx(expected)
+    assert calls == ["plain"]  # igpo off: group 1 is all wrong (formatted or not) and stays so
+    assert batch["metrics"]["igpo/frac_all_wrong"] == 0.5
+    assert derivation_format_reward("junk") == 0.0
+    assert batch["metrics"]["rewards/format/mean"] == pytest.approx(0.75 * 3 / 4)
+
+
+def test_replaced_rollouts_bring_their_own_text_into_the_format_reward(start, tmp_path, monkeypatch):
+    plain = ["1+2=3\nA:3", "1+2=4\nA:4", "2*2=5\nA:5", "junk"]
+    hinted = ["A:4\n2*2=4", "2*2=4\nA:4"]  # the first is correct but badly ordered; the second well formed
+    calls = _scripted(monkeypatch, plain, hinted)
+    module = _module(start, tmp_path, format_reward="derivation", correct_reward=1.0, max_replacements=2)
+    batch = module.collect(ROWS)
+    assert calls == ["plain", "hinted"]
+    assert batch["metrics"]["igpo/num_replaced"] == 2.0
+    group1 = sorted(batch["rewards"][2:].tolist())
+    assert group1 == pytest.approx(sorted([1.0 + derivation_format_reward(t) for t in hinted]))
+    assert batch["completions"][2:].min() >= 100  # the hinted completions replaced both rows
+
+
+def test_unknown_format_reward_and_masking_fail_clearly(start, tmp_path):
+    with pytest.raises(ValueError, match="format_reward"):
+        _module(start, tmp_path, format_reward="xml")
+    with pytest.raises(ValueError, match="masking"):
+        _module(start, tmp_path, masking="partial")
+    with pytest.raises(ValueError, match="min_timestep"):
+        _module(start, tmp_path, masking="structured", diffusion_steps=8, min_timestep=7)
+
+
+def test_scoring_keys_full_and_structured(start, tmp_path):
+    full = _module(start, tmp_path, inner_updates=3)
+    assert full.scoring_keys() == [(0, 1.0)] * 3  # prompt visible, completion fully masked: one input
+    d1 = _module(start, tmp_path, inner_updates=3, p_mask_prompt=0.15)
+    assert [ratio for _, ratio in d1.scoring_keys()] == [1.0] * 3
+    assert len({seed for seed, _ in d1.scoring_keys()}) == 3  # one prompt-mask seed per inner step (d1)
+    structured = _module(start, tmp_path, inner_updates=3, masking="structured", diffusion_steps=128)
+    keys = structured.scoring_keys()
+    ratios = [ratio for _, ratio in keys]
+    assert 30 / 128 <= ratios[0] <= 126 / 128 and ratios[-1] == 1.0 and ratios == sorted(ratios)
+    assert keys == structured.scoring_keys()  # a function of (seed, global_step): same after a resume
