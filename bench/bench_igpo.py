@@ -10,7 +10,7 @@ For each method and seed: train ``DiffuGRPO`` (configs/dllm/{igpo,grpo}_tiny.yam
 
 Results (means and per-seed values) go to ``--out`` as JSON and a markdown table.
 
-    python bench/bench_igpo.py --seeds 0 1 2 --batches 40 --lr 1e-5
+    python bench/bench_igpo.py --seeds 0 1 2 --jobs 2   # the tiny configs' settings: 150 x 16 prompts, lr 1e-4
 """
 
 from __future__ import annotations
@@ -18,11 +18,13 @@ from __future__ import annotations
 import argparse
 import csv
 import json
+import multiprocessing
 import os
 import statistics
 import sys
 import tempfile
 import time
+from concurrent.futures import ProcessPoolExecutor, as_completed
 from pathlib import Path
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -55,7 +57,7 @@ def run_one(method: str, seed: int, args: argparse.Namespace, test_rows: list[di
     module = DiffuGRPO(
         model_path=args.sft_model, warmup_config=None, save_dir=str(Path(args.workdir) / f"{method}_{seed}" / "model"),
         sampler=sampler, group_size=args.group_size, inner_updates=args.inner_updates, lr=args.lr,
-        warmup_steps=5, beta=args.beta, ratio_level=args.ratio_level, masking=args.masking, igpo=(method == "igpo"),
+        warmup_steps=5, beta=args.beta, format_reward=args.format_reward, ratio_level=args.ratio_level, masking=args.masking, igpo=(method == "igpo"),
         hints=HintConfig(min_chunk=3, max_chunk=6, free_tail=round(30 / 256 * sampler.gen_length)), max_replacements=args.group_size // 2, seed=seed,
     )
     # Data seed 0 for every run (same held-out rows, same prompt order); the run seed drives the rollouts.
@@ -121,10 +123,13 @@ def summarize(results: list[dict], base_accuracy: float) -> dict:
             "frac_all_wrong_second_half": mean(halves("frac_all_wrong", 1)),
             "frac_all_wrong_sampled": mean(per_seed("frac_all_wrong_sampled")),
             "train_correct": mean(per_seed("train_correct")),
+            "train_correct_first_quarter": mean([mean(r["train_correct"][: len(r["train_correct"]) // 4]) for r in runs]),
+            "train_correct_last_quarter": mean([mean(r["train_correct"][-(len(r["train_correct"]) // 4) :]) for r in runs]),
             "heldout_accuracy": mean(acc),
             "heldout_accuracy_std": statistics.pstdev(acc) if len(acc) > 1 else 0.0,
             "heldout_accuracy_per_seed": acc,
             "heldout_sampled_accuracy": mean(sampled),
+            "heldout_sampled_accuracy_std": statistics.pstdev(sampled) if len(sampled) > 1 else 0.0,
             "heldout_sampled_accuracy_per_seed": sampled,
             "replaced_per_batch": mean(per_seed("num_replaced")),
             "seconds_per_run": mean([r["seconds"] for r in runs]),
@@ -138,16 +143,18 @@ def summarize(results: list[dict], base_accuracy: float) -> dict:
 def markdown(summary: dict, args: argparse.Namespace) -> str:
     lines = [
         "| method | all-wrong groups (after replacement) | first half | second half | all-wrong as sampled | "
-        "train accuracy (sampled) | held-out greedy accuracy | per seed | held-out sampled accuracy (rollout tau) | per seed | "
+        "train accuracy (sampled): first -> last quarter | held-out greedy accuracy | per seed | held-out sampled accuracy (rollout tau) | per seed | "
         "replaced / batch |",
         "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for method, m in summary["methods"].items():
         lines.append(
             f"| {method} | {m['frac_all_wrong']:.3f} | {m['frac_all_wrong_first_half']:.3f} | "
-            f"{m['frac_all_wrong_second_half']:.3f} | {m['frac_all_wrong_sampled']:.3f} | {m['train_correct']:.3f} | "
+            f"{m['frac_all_wrong_second_half']:.3f} | {m['frac_all_wrong_sampled']:.3f} | "
+            f"{m['train_correct_first_quarter']:.3f} -> {m['train_correct_last_quarter']:.3f} | "
             f"{m['heldout_accuracy']:.3f} ± {m['heldout_accuracy_std']:.3f} | "
-            f"{', '.join(f'{a:.3f}' for a in m['heldout_accuracy_per_seed'])} | {m['heldout_sampled_accuracy']:.3f} | "
+            f"{', '.join(f'{a:.3f}' for a in m['heldout_accuracy_per_seed'])} | "
+            f"{m['heldout_sampled_accuracy']:.3f} ± {m['heldout_sampled_accuracy_std']:.3f} | "
             f"{', '.join(f'{a:.3f}' for a in m['heldout_sampled_accuracy_per_seed'])} | {m['replaced_per_batch']:.2f} |"
         )
     lines.append("")
@@ -164,17 +171,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sft-config", default=str(REPO / "configs/dllm/sft_tiny.yaml"))
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--methods", nargs="+", default=["grpo", "igpo"], choices=["grpo", "igpo"])
-    parser.add_argument("--batches", type=int, default=40, help="batches of rollouts per run")
-    parser.add_argument("--prompts-per-batch", type=int, default=4)
+    parser.add_argument("--batches", type=int, default=150, help="batches of rollouts per run")
+    parser.add_argument("--prompts-per-batch", type=int, default=16)
     parser.add_argument("--group-size", type=int, default=8)
     parser.add_argument("--inner-updates", type=int, default=2)
-    parser.add_argument("--lr", type=float, default=1e-5)
+    parser.add_argument("--lr", type=float, default=1e-4)
+    parser.add_argument("--format-reward", default=None, choices=["derivation"], help="add the task's format reward")
+    parser.add_argument("--jobs", type=int, default=1, help="runs in parallel processes (one core each)")
     parser.add_argument("--beta", type=float, default=0.01, help="k3 KL coefficient")
     parser.add_argument("--temperature", type=float, default=1.2, help="rollout temperature")
     parser.add_argument("--ratio-level", default="sequence", choices=["sequence", "token"])
     parser.add_argument("--masking", default="full", choices=["full", "structured"],
                         help="log-prob estimator: one-pass (full) or IGPO's structured timesteps")
-    parser.add_argument("--eval-size", type=int, default=128)
+    parser.add_argument("--eval-size", type=int, default=256)
     parser.add_argument("--eval-samples", type=int, default=4, help="sampled answers per held-out problem")
     parser.add_argument("--workdir", default=None)
     parser.add_argument("--out", default="runs/bench/dllm_igpo.json", help="JSON with every run (the summary table is printed)")
@@ -197,16 +206,20 @@ def main(argv: list[str] | None = None) -> int:
                      sampled_accuracy(model, tokenizer, test_rows, rollout_sampler, args.eval_samples, 0))
     print(f"SFT held-out accuracy: greedy {base_accuracy[0]:.3f}, sampled {base_accuracy[1]:.3f}", flush=True)
     results = []
-    for seed in args.seeds:
-        for method in args.methods:
-            result = run_one(method, seed, args, test_rows)
+    runs = [(method, seed) for seed in args.seeds for method in args.methods]
+    with ProcessPoolExecutor(max_workers=args.jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
+        futures = [pool.submit(run_one, method, seed, args, test_rows) for method, seed in runs]
+        for future in as_completed(futures):
+            result = future.result()
             results.append(result)
+            method, seed = result["method"], result["seed"]
             print(f"{method} seed {seed}: held-out greedy {result['heldout_accuracy']:.3f} sampled "
                   f"{result['heldout_sampled_accuracy']:.3f}, all-wrong "
                   f"{mean(result['frac_all_wrong']):.3f} (sampled {mean(result['frac_all_wrong_sampled']):.3f}), "
                   f"{result['seconds']}s", flush=True)
             Path(args.out).parent.mkdir(parents=True, exist_ok=True)
             Path(args.out).write_text(json.dumps({"args": vars(args), "runs": results}, indent=1))
+    results.sort(key=lambda r: (r["method"], r["seed"]))
     summary = summarize(results, base_accuracy)
     Path(args.out).write_text(json.dumps({"args": vars(args), "summary": summary, "runs": results}, indent=1))
     print(markdown(summary, args))

@@ -128,10 +128,20 @@ def mask_token_id(tokenizer: Any, model: torch.nn.Module | None = None) -> int |
 def save_mask_predictor(
     model: torch.nn.Module, tokenizer: Any, path: str | Path, *, generation: dict[str, Any] | None = None
 ) -> None:
-    """Save weights (safetensors), config, tokenizer and the dLLM marker with generation defaults."""
+    """Save weights (safetensors), config, tokenizer and the dLLM marker with generation defaults.
+
+    A LoRA-wrapped model (``dllm.lora``) is saved as plain merged weights, loadable without peft,
+    and its adapter alone goes to ``path / "adapter"``.
+    """
+    from dllm.lora import is_lora, merged_state_dict
+
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(path, safe_serialization=True)
+    if is_lora(model):
+        model.get_base_model().save_pretrained(path, state_dict=merged_state_dict(model))
+        model.save_pretrained(path / "adapter")
+    else:
+        model.save_pretrained(path)
     tokenizer.save_pretrained(path)
     marker = {"kind": "masked-diffusion-lm", "generation": generation or {}}
     (path / DLLM_MARKER_FILE).write_text(json.dumps(marker, indent=2))

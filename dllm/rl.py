@@ -39,6 +39,7 @@ from dllm.checkpoint_hparams import PlainHparamsMixin, as_config
 from dllm.hints import HintConfig, build_group_hints
 from dllm.igpo import all_wrong_groups, choose_replacements, hint_entropy_filter, igpo_loss
 from dllm.logprobs import completion_log_probs, perturb_for_scoring, structured_timesteps
+from dllm.lora import LoraSettings, wrap_with_lora
 from dllm.modeling import generation_dict, load_mask_predictor, mask_token_id, save_mask_predictor
 from dllm.rewards import FORMAT_REWARDS, correctness_rewards, format_rewards
 from dllm.rollout import greedy_accuracy, rollout
@@ -82,6 +83,10 @@ class DiffuGRPO(PlainHparamsMixin, pl.LightningModule):
         hints: hint construction (chunks, eta range, stretch, free tail).
         max_replacements: at most this many hinted rollouts enter a group (IGPO: 4 of 8).
         entropy_keep: fraction of hint tokens kept in the loss, by entropy (IGPO: 0.2).
+        lora: train a LoRA adapter instead of all weights (IGPO / d1: r 128, alpha 64, dropout
+            0.05); the KL reference is then the same network with the adapter disabled, as in
+            the official runs, so no second copy of the model is held. None: full fine-tuning
+            with a frozen copy of the starting weights as reference.
         logprob_chunk_size: rows per chunk of the log-softmax.
         seed: rollout RNG seed (step s uses seed * 1_000_003 + s, so resumes reproduce).
     """
@@ -115,6 +120,7 @@ class DiffuGRPO(PlainHparamsMixin, pl.LightningModule):
         hints: HintConfig | None = None,
         max_replacements: int = 4,
         entropy_keep: float = 0.2,
+        lora: LoraSettings | None = None,
         logprob_chunk_size: int = 1024,
         seed: int = 0,
     ) -> None:
@@ -143,8 +149,13 @@ class DiffuGRPO(PlainHparamsMixin, pl.LightningModule):
             model_path, trust_remote_code=trust_remote_code, dtype=getattr(torch, dtype) if dtype else None
         )
         self.mask_id = mask_token_id(self.tokenizer, self.model)
-        # The KL anchor is the starting model; kept out of the module tree so checkpoints hold one copy.
-        self.__dict__["ref_model"] = copy.deepcopy(self.model).eval().requires_grad_(False) if beta > 0 else None
+        self.use_lora = lora is not None
+        if self.use_lora:
+            self.model = wrap_with_lora(self.model, as_config(lora, LoraSettings))
+        # The KL anchor is the starting model: with LoRA the adapter-disabled network itself; otherwise
+        # a frozen copy, kept out of the module tree so checkpoints hold one copy.
+        needs_copy = beta > 0 and not self.use_lora
+        self.__dict__["ref_model"] = copy.deepcopy(self.model).eval().requires_grad_(False) if needs_copy else None
         self.sampler = as_config(sampler, SamplerConfig)
         self.hints = as_config(hints, HintConfig)
         self.save_dir = save_dir
@@ -243,6 +254,12 @@ class DiffuGRPO(PlainHparamsMixin, pl.LightningModule):
             with_entropy=with_entropy, chunk_size=self.settings["chunk"],
         )
 
+    def _reference_log_probs(self, batch: dict, keys: list[tuple[int, float]]) -> dict[tuple[int, float], Tensor]:
+        if self.use_lora:
+            with self.model.disable_adapter():
+                return {key: self._log_probs(self.model, batch, key)[0] for key in keys}
+        return {key: self._log_probs(self.ref_model, batch, key)[0] for key in keys}
+
     def _scored_positions(self, batch: dict, key: tuple[int, float]) -> Tensor:
         seed, ratio = key
         return perturb_for_scoring(
@@ -273,7 +290,7 @@ class DiffuGRPO(PlainHparamsMixin, pl.LightningModule):
         with torch.no_grad():
             self.model.eval()
             old = {key: self._log_probs(self.model, batch, key, with_entropy=True) for key in unique_keys}
-            ref = {key: self._log_probs(self.ref_model, batch, key)[0] for key in unique_keys} if s["beta"] > 0 else {}
+            ref = self._reference_log_probs(batch, unique_keys) if s["beta"] > 0 else {}
         optimizer = self.optimizers()
         self.model.train()
         metrics_sum: dict[str, float] = {}
@@ -332,7 +349,8 @@ class DiffuGRPO(PlainHparamsMixin, pl.LightningModule):
 
     def configure_optimizers(self):
         h = self.hparams
-        optimizer = torch.optim.AdamW(self.model.parameters(), lr=h.lr, weight_decay=h.weight_decay, betas=tuple(h.betas))
+        trainable = [p for p in self.model.parameters() if p.requires_grad]  # only the adapter under LoRA
+        optimizer = torch.optim.AdamW(trainable, lr=h.lr, weight_decay=h.weight_decay, betas=tuple(h.betas))
         warmup = max(1, h.warmup_steps)
         # Linear warm-up then constant (d1's constant_with_warmup); stepped once per batch of rollouts.
         schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / warmup))
