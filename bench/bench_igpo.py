@@ -57,8 +57,11 @@ def run_one(method: str, seed: int, args: argparse.Namespace, test_rows: list[di
     module = DiffuGRPO(
         model_path=args.sft_model, warmup_config=None, save_dir=str(Path(args.workdir) / f"{method}_{seed}" / "model"),
         sampler=sampler, group_size=args.group_size, inner_updates=args.inner_updates, lr=args.lr,
-        warmup_steps=5, beta=args.beta, format_reward=args.format_reward, ratio_level=args.ratio_level, masking=args.masking, igpo=(method == "igpo"),
-        hints=HintConfig(min_chunk=3, max_chunk=6, free_tail=round(30 / 256 * sampler.gen_length)), max_replacements=args.group_size // 2, seed=seed,
+        warmup_steps=5, beta=args.beta, format_reward=args.format_reward, ratio_level=args.ratio_level,
+        loss_agg=args.loss_agg, masking=args.masking, igpo=(method == "igpo"),
+        hints=HintConfig(min_chunk=3, max_chunk=6, free_tail=round(30 / 256 * sampler.gen_length),
+                         max_stretch=args.max_stretch, trace_free_tail=args.trace_free_tail),
+        max_replacements=args.group_size // 2, seed=seed,
     )
     # Data seed 0 for every run (same held-out rows, same prompt order); the run seed drives the rollouts.
     data = ArithmeticDataModule(task=ArithmeticTaskConfig(), train_size=2500, test_size=256, val_size=8,
@@ -180,7 +183,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--jobs", type=int, default=1, help="runs in parallel processes (one core each)")
     parser.add_argument("--beta", type=float, default=0.01, help="k3 KL coefficient")
     parser.add_argument("--temperature", type=float, default=1.2, help="rollout temperature")
-    parser.add_argument("--ratio-level", default="sequence", choices=["sequence", "token"])
+    parser.add_argument("--ratio-level", default="sequence", choices=["sequence", "sequence_masked", "token"],
+                        help="sequence: IGPO's official ratio over all L; sequence_masked: GSPO-token over the loss mask")
+    parser.add_argument("--max-stretch", type=float, default=1.0,
+                        help="hint position stretch cap (official 1.5; tiny configs 1.0: traces are EOS-padded, not stretched)")
+    parser.add_argument("--trace-free-tail", type=int, default=5,
+                        help="last trace tokens never hinted (official 0; tiny configs 5 = the answer line)")
+    parser.add_argument("--loss-agg", default="token-mean", choices=["token-mean", "seq-mean-token-mean"])
     parser.add_argument("--masking", default="full", choices=["full", "structured"],
                         help="log-prob estimator: one-pass (full) or IGPO's structured timesteps")
     parser.add_argument("--eval-size", type=int, default=256)

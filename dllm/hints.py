@@ -5,7 +5,11 @@ IGPO (arXiv 2509.10396), ``facebookresearch/igpo:utils/generate.py``
 ``research/dllm_dppo.md`` 1.4.3:
 
 1. tokenize the reference trace; the hint area is the first ``L - free_tail`` completion
-   positions (the official code keeps the last 30 free); truncate the trace to it;
+   positions (the official code keeps the last 30 free); truncate the trace to it; with
+   ``trace_free_tail > 0`` (ours, 0 in the official code) the last tokens of the trace itself
+   are never revealed either: when the trace is shorter than the canvas (short synthetic
+   traces), the canvas tail rule alone leaves the final answer revealable, and a "correct"
+   hinted rollout may then only have copied it;
 2. cut the trace left to right into chunks of ``U{min_chunk, max_chunk}`` tokens; a
    trailing piece shorter than ``min_chunk`` is never revealed;
 3. hide ``floor(n_chunks * (1 - eta))`` chunks chosen at random, reveal the rest;
@@ -45,6 +49,8 @@ class HintConfig:
     """last completion positions never hinted (30 at L = 256; scale down for tiny canvases)"""
     max_spacing: int = 100
     """cap on the stretched gap between revealed chunks"""
+    trace_free_tail: int = 0
+    """last reference-trace tokens never revealed (ours; 0 = the official rule only)"""
 
     def __post_init__(self) -> None:
         if not 1 <= self.min_chunk <= self.max_chunk:
@@ -53,8 +59,11 @@ class HintConfig:
             raise ValueError(f"need 0 <= eta_low <= eta_high <= 1, got {self.eta_low}, {self.eta_high}")
         if self.max_stretch < 1.0:
             raise ValueError(f"max_stretch must be >= 1, got {self.max_stretch}")
-        if self.free_tail < 0 or self.max_spacing < 0:
-            raise ValueError(f"free_tail and max_spacing must be >= 0, got {self.free_tail}, {self.max_spacing}")
+        if self.free_tail < 0 or self.max_spacing < 0 or self.trace_free_tail < 0:
+            raise ValueError(
+                f"free_tail, max_spacing and trace_free_tail must be >= 0, got {self.free_tail}, "
+                f"{self.max_spacing}, {self.trace_free_tail}"
+            )
 
 
 def sample_hint_ratios(group_size: int, config: HintConfig, generator: torch.Generator | None = None) -> Tensor:
@@ -97,14 +106,15 @@ def build_hint(
     mask = torch.zeros(gen_length, dtype=torch.bool)
     if area <= 0 or not trace_ids:
         return tokens, mask
-    trace = list(trace_ids[:area])
+    placed_len = min(len(trace_ids), area)  # positions (and the stretch) refer to the whole trace
+    trace = list(trace_ids[: min(placed_len, len(trace_ids) - config.trace_free_tail)])
     chunks = chunk_trace(len(trace), config, generator)
     if not chunks:
         return tokens, mask
     num_hidden = math.floor(len(chunks) * (1.0 - eta))
     hidden = set(torch.randperm(len(chunks), generator=generator)[:num_hidden].tolist())
     revealed = [chunk for i, chunk in enumerate(chunks) if i not in hidden]
-    stretch = min(max(area / len(trace), 1.0), config.max_stretch)
+    stretch = min(max(area / placed_len, 1.0), config.max_stretch)
     previous_end_orig = previous_end_new = None
     for start, end in revealed:
         if previous_end_new is None:

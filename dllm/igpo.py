@@ -9,7 +9,12 @@ IGPO (Inpainting-Guided Policy Optimization, arXiv 2509.10396; ``facebookresearc
 - advantages r - mean over the mixed group (Dr.GRPO, ``mmpo.core`` ``drgrpo``);
 - loss mask: all L completion positions, except hint positions that are not among the
   top ``entropy_keep`` (20%) by old-policy entropy (at least one is kept per sample);
-- ratio: token level (``ppo``) or sequence level (``gspo``), PPO clip 0.2, k3 KL x beta.
+- ratio: token level (``ppo``) or sequence level, PPO clip 0.2, k3 KL x beta. The official
+  sequence ratio (``use_gspo``) is exp(mean over *all* L positions of l - l_old), broadcast to
+  every token and differentiated as a whole, so every position of a kept sequence gets
+  gradient, hint tokens dropped by the entropy filter included; the filter then only sets how
+  many tokens carry each sequence's loss (``ratio_level="sequence"``). ``"sequence_masked"`` is
+  GSPO-token over the loss mask instead: dropped tokens get no gradient at all.
 """
 
 from __future__ import annotations
@@ -90,6 +95,40 @@ def hint_entropy_filter(hint_mask: Tensor, entropy: Tensor, keep_fraction: float
     return keep
 
 
+RATIO_LEVELS = ("token", "sequence", "sequence_masked")
+LOG_RATIO_CLAMP = 20.0  # as the core's losses: exp() of a larger log-ratio overflows in bf16
+
+
+def official_sequence_ratio_loss(
+    log_probs: Tensor, old_log_probs: Tensor, advantages: Tensor, loss_mask: Tensor, *,
+    clip_low: float, clip_high: float, agg: str,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """IGPO's ``use_gspo`` loss (``trainer_igpo.py compute_loss``), written out because its two
+    masks differ: s_i = exp(mean over all L of (l - l_old)), per-token loss
+    -min(s_i A_i, clip(s_i, 1 - clip_low, 1 + clip_high) A_i) aggregated over ``loss_mask``, with
+    the gradient taken through s_i (so it reaches every position of the sequence)."""
+    log_ratio = (log_probs - old_log_probs).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+    ratio = torch.exp(log_ratio.mean(dim=-1, keepdim=True)).expand_as(log_probs)
+    adv = advantages.reshape(-1, 1).to(log_probs.dtype).expand_as(log_probs)
+    clipped = ratio.clamp(1.0 - clip_low, 1.0 + clip_high)
+    per_token = torch.maximum(-adv * ratio, -adv * clipped)
+    mask = loss_mask.to(log_probs.dtype)
+    with torch.no_grad():
+        kept = mask > 0
+        low, high = (adv < 0) & (ratio < 1.0 - clip_low), (adv > 0) & (ratio > 1.0 + clip_high)
+        fraction = lambda flags: (flags & kept).sum() / kept.sum().clamp(min=1)  # noqa: E731
+        ratio_kept = ratio.detach()[kept] if kept.any() else torch.ones(1, dtype=ratio.dtype)
+        metrics = {
+            "policy/clipfrac": fraction(low | high), "policy/clipfrac_low": fraction(low),
+            "policy/clipfrac_high": fraction(high),
+            "policy/approx_kl": (torch.expm1(log_ratio.detach()) - log_ratio.detach())[kept].mean()
+            if kept.any() else torch.zeros(()),
+            "policy/ratio_mean": ratio_kept.mean(), "policy/ratio_min": ratio_kept.min(),
+            "policy/ratio_max": ratio_kept.max(),
+        }
+    return aggregate(per_token, mask, agg), metrics
+
+
 def igpo_loss(
     log_probs: Tensor,
     old_log_probs: Tensor,
@@ -106,11 +145,11 @@ def igpo_loss(
     """Clipped policy loss + beta * k3 KL over the (entropy-filtered) loss mask.
 
     ``ratio_level="token"``: r_t = exp(l_t - l_old_t) (core ``ppo``).
-    ``ratio_level="sequence"``: GSPO's s_i = exp(mean_t (l_t - l_old_t)) (core ``gspo``,
-    token-gradient form), averaged over the *loss mask*. Caveat: the official IGPO code
-    averages the sequence log-ratio over all L positions, so hint tokens dropped by the
-    entropy filter still get gradient through s_i there and the filter only reweights;
-    here dropped tokens get no gradient in either mode (digest 1.4.5).
+    ``ratio_level="sequence"``: the official run's s_i = exp(mean over all L positions of
+    (l_t - l_old_t)), differentiated through s_i (``official_sequence_ratio_loss``): hint tokens
+    dropped by the entropy filter still get gradient, the filter only reweights (digest 1.4.5).
+    ``ratio_level="sequence_masked"``: GSPO-token (core ``gspo``) with s_i averaged over the
+    loss mask only: dropped tokens get no gradient.
 
     Args:
         log_probs, old_log_probs: ``(batch, L)``.
@@ -120,13 +159,17 @@ def igpo_loss(
     Returns:
         ``(loss, metrics)`` with ``losses/policy``, ``losses/kl`` and the core's ``policy/*``.
     """
-    names = {"token": "ppo", "sequence": "gspo"}
-    if ratio_level not in names:
-        raise ValueError(f"ratio_level must be 'token' or 'sequence', got {ratio_level!r}")
-    pg_loss, metrics = policy_loss(
-        names[ratio_level], log_probs, old_log_probs, advantages, loss_mask,
-        agg=agg, clip_low=clip_low, clip_high=clip_high,
-    )
+    if ratio_level not in RATIO_LEVELS:
+        raise ValueError(f"ratio_level must be one of {RATIO_LEVELS}, got {ratio_level!r}")
+    if ratio_level == "sequence":
+        pg_loss, metrics = official_sequence_ratio_loss(
+            log_probs, old_log_probs, advantages, loss_mask, clip_low=clip_low, clip_high=clip_high, agg=agg
+        )
+    else:
+        pg_loss, metrics = policy_loss(
+            {"token": "ppo", "sequence_masked": "gspo"}[ratio_level], log_probs, old_log_probs, advantages,
+            loss_mask, agg=agg, clip_low=clip_low, clip_high=clip_high,
+        )
     metrics = dict(metrics)
     metrics["losses/policy"] = pg_loss.detach()
     loss = pg_loss

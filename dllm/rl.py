@@ -37,7 +37,7 @@ from torch import Tensor
 
 from dllm.checkpoint_hparams import PlainHparamsMixin, as_config
 from dllm.hints import HintConfig, build_group_hints
-from dllm.igpo import all_wrong_groups, choose_replacements, hint_entropy_filter, igpo_loss
+from dllm.igpo import RATIO_LEVELS, all_wrong_groups, choose_replacements, hint_entropy_filter, igpo_loss
 from dllm.logprobs import completion_log_probs, perturb_for_scoring, structured_timesteps
 from dllm.lora import LoraSettings, wrap_with_lora
 from dllm.modeling import generation_dict, load_mask_predictor, mask_token_id, save_mask_predictor
@@ -45,6 +45,7 @@ from dllm.rewards import FORMAT_REWARDS, correctness_rewards, format_rewards
 from dllm.rollout import greedy_accuracy, rollout
 from dllm.sampler import SamplerConfig
 from mmpo.core import compute_advantages_with_metrics
+from mmpo.core.aggregate import AggregationMode
 
 
 class DiffuGRPO(PlainHparamsMixin, pl.LightningModule):
@@ -68,7 +69,10 @@ class DiffuGRPO(PlainHparamsMixin, pl.LightningModule):
         beta: k3 KL coefficient against the starting model (IGPO: 0.01; d1: 0.04).
         clip_low: PPO lower clip (IGPO: 0.2).
         clip_high: PPO upper clip (IGPO: 0.2).
-        ratio_level: 'sequence' (GSPO ratio, IGPO's official run) or 'token'.
+        ratio_level: 'sequence' (IGPO's official run: sequence ratio over all L positions,
+            gradient through it), 'sequence_masked' (GSPO-token over the loss mask) or 'token'.
+        loss_agg: aggregation of the per-token loss and KL (IGPO / d1: 'token-mean' over the
+            loss mask; 'seq-mean-token-mean' weighs every rollout equally).
         p_mask_prompt: prompt masking probability of the estimator (IGPO: 0; d1: 0.15).
         masking: 'full' (the one-pass estimator: every completion token masked; IGPO's official
             run, ``d1_masking: true``) or 'structured' (IGPO's ``d1_masking: false`` path: inner
@@ -110,6 +114,7 @@ class DiffuGRPO(PlainHparamsMixin, pl.LightningModule):
         clip_low: float = 0.2,
         clip_high: float = 0.2,
         ratio_level: str = "sequence",
+        loss_agg: str = "token-mean",
         p_mask_prompt: float = 0.0,
         masking: str = "full",
         diffusion_steps: int = 128,
@@ -131,8 +136,10 @@ class DiffuGRPO(PlainHparamsMixin, pl.LightningModule):
             raise ValueError(f"group_size must be >= 2 for group-relative advantages, got {group_size}")
         if inner_updates < 1:
             raise ValueError(f"inner_updates must be >= 1, got {inner_updates}")
-        if ratio_level not in ("token", "sequence"):
-            raise ValueError(f"ratio_level must be 'token' or 'sequence', got {ratio_level!r}")
+        if ratio_level not in RATIO_LEVELS:
+            raise ValueError(f"ratio_level must be one of {RATIO_LEVELS}, got {ratio_level!r}")
+        if loss_agg not in {mode.value for mode in AggregationMode}:
+            raise ValueError(f"unknown loss_agg {loss_agg!r}; valid: {[mode.value for mode in AggregationMode]}")
         if format_reward is not None and format_reward not in FORMAT_REWARDS:
             raise ValueError(f"unknown format_reward {format_reward!r}; valid: {sorted(FORMAT_REWARDS)} or None")
         if masking not in ("full", "structured"):
@@ -161,8 +168,9 @@ class DiffuGRPO(PlainHparamsMixin, pl.LightningModule):
         self.save_dir = save_dir
         self.settings = dict(
             group_size=group_size, inner_updates=inner_updates, beta=beta, clip_low=clip_low, clip_high=clip_high,
-            ratio_level=ratio_level, p_mask_prompt=p_mask_prompt, masking=masking, diffusion_steps=diffusion_steps,
-            min_timestep=min_timestep, correct_reward=correct_reward, format_reward=format_reward, igpo=igpo,
+            ratio_level=ratio_level, loss_agg=loss_agg, p_mask_prompt=p_mask_prompt, masking=masking,
+            diffusion_steps=diffusion_steps, min_timestep=min_timestep, correct_reward=correct_reward,
+            format_reward=format_reward, igpo=igpo,
             max_replacements=max_replacements, entropy_keep=entropy_keep, chunk=logprob_chunk_size, seed=seed,
         )
 
@@ -304,7 +312,7 @@ class DiffuGRPO(PlainHparamsMixin, pl.LightningModule):
             log_probs, _ = self._log_probs(self.model, batch, key)
             loss, metrics = igpo_loss(
                 log_probs, old_log_probs, ref.get(key), advantages, loss_mask, ratio_level=s["ratio_level"],
-                clip_low=s["clip_low"], clip_high=s["clip_high"], beta=s["beta"],
+                clip_low=s["clip_low"], clip_high=s["clip_high"], beta=s["beta"], agg=s["loss_agg"],
             )
             optimizer.zero_grad()
             self.manual_backward(loss)

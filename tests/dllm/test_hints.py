@@ -69,6 +69,23 @@ def test_stretch_is_capped_and_hints_are_truncated_at_the_hint_area():
     assert not mask[5:].any()
 
 
+def test_trace_free_tail_never_reveals_the_end_of_the_trace():
+    trace = list(range(10, 22))  # 12 tokens; the last 4 (say, the answer line) stay hidden
+    config = HintConfig(min_chunk=4, max_chunk=4, free_tail=0, max_stretch=1.5, trace_free_tail=4)
+    tokens, mask = build_hint(trace, 18, 1.0, config)
+    # revealable prefix: 8 tokens = 2 chunks; the stretch still uses the whole trace: s = 18 / 12 = 1.5
+    # chunk [0, 4) -> 0..3; chunk [4, 8): previous end 4 + floor(0 * 1.5) -> 4..7
+    assert torch.nonzero(mask).flatten().tolist() == [0, 1, 2, 3, 4, 5, 6, 7]
+    assert tokens[mask].tolist() == list(range(10, 18))
+    assert not (set(tokens[mask].tolist()) & set(range(18, 22)))
+    # the default (0) is the official rule: with eta = 1 the whole trace is revealed
+    _, mask = build_hint(trace, 18, 1.0, HintConfig(min_chunk=4, max_chunk=4, free_tail=0, max_stretch=1.0))
+    assert int(mask.sum()) == 12
+    # nothing revealable: no hints
+    _, mask = build_hint(trace, 18, 1.0, HintConfig(min_chunk=4, max_chunk=4, free_tail=0, trace_free_tail=12))
+    assert not mask.any()
+
+
 def test_reveal_count_follows_eta():
     trace = list(range(20, 40))  # 20 tokens -> 5 chunks of 4
     config = HintConfig(min_chunk=4, max_chunk=4, free_tail=0)

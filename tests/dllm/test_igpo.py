@@ -68,19 +68,38 @@ def test_token_level_loss_hand_computed():
     assert loss.item() == pytest.approx((-1.2 + 0.8 + 1.0) / 3, abs=1e-6)
 
 
-def test_sequence_level_loss_hand_computed_and_filtered_tokens_get_no_gradient():
+def test_masked_sequence_loss_hand_computed_and_filtered_tokens_get_no_gradient():
     new, old, adv = _fixed_tensors()
-    loss, _ = igpo_loss(new, old, None, adv, torch.ones(2, 2), ratio_level="sequence", beta=0.0)
+    loss, _ = igpo_loss(new, old, None, adv, torch.ones(2, 2), ratio_level="sequence_masked", beta=0.0)
     s0 = math.sqrt(1.5 * 0.9)  # exp(mean(log 1.5, log 0.9)) = 1.162, inside [0.8, 1.2]
     s1 = math.sqrt(0.5)  # 0.707 < 0.8 with A < 0: clipped, loss 0.8
+    assert s1 < 0.8
     assert loss.item() == pytest.approx((-s0 * 2 + 0.8 * 2) / 4, abs=1e-6)
     mask = torch.ones(2, 2)
     mask[0, 1] = 0  # a hint token dropped by the entropy filter
-    loss, _ = igpo_loss(new, old, None, adv, mask, ratio_level="sequence", beta=0.0)
+    loss, _ = igpo_loss(new, old, None, adv, mask, ratio_level="sequence_masked", beta=0.0)
     # Sequence ratio over the kept token only: s0 = 1.5 -> clipped to 1.2 for A > 0.
     assert loss.item() == pytest.approx((-1.2 + 0.8 * 2) / 3, abs=1e-6)
     loss.backward()
     assert new.grad[0, 1].item() == 0.0
+
+
+def test_official_sequence_loss_hand_computed_and_filtered_tokens_still_get_gradient():
+    new, old, adv = _fixed_tensors()
+    s0 = math.sqrt(1.5 * 0.9)  # over all L = 2 positions, whatever the loss mask
+    mask = torch.ones(2, 2)
+    mask[0, 1] = 0  # a hint token dropped by the entropy filter: it carries no loss term ...
+    loss, metrics = igpo_loss(new, old, None, adv, mask, ratio_level="sequence", beta=0.0)
+    # ... so 3 terms: -s0 (row 0, kept token), and 0.8 twice (row 1 clipped: no gradient)
+    assert loss.item() == pytest.approx((-s0 + 0.8 * 2) / 3, abs=1e-6)
+    assert metrics["policy/clipfrac"].item() == pytest.approx(2 / 3)
+    loss.backward()
+    # ... but the gradient goes through s0 = exp(mean_t log-ratio) to both positions:
+    # d(-s0 / 3) / d l_t = -s0 / 3 * 1/2 for t = 0 and t = 1
+    assert new.grad[0].tolist() == pytest.approx([-s0 / 6, -s0 / 6], abs=1e-6)
+    assert new.grad[1].tolist() == [0.0, 0.0]
+    with pytest.raises(ValueError, match="ratio_level"):
+        igpo_loss(new, old, None, adv, mask, ratio_level="seq", beta=0.0)
 
 
 def test_k3_kl_term_is_added_with_beta():

@@ -77,11 +77,15 @@ def test_replaced_rollouts_bring_their_own_text_into_the_format_reward(start, tm
     assert batch["completions"][2:].min() >= 100  # the hinted completions replaced both rows
 
 
-def test_unknown_format_reward_and_masking_fail_clearly(start, tmp_path):
+def test_bad_settings_fail_clearly(start, tmp_path):
     with pytest.raises(ValueError, match="format_reward"):
         _module(start, tmp_path, format_reward="xml")
     with pytest.raises(ValueError, match="masking"):
         _module(start, tmp_path, masking="partial")
+    with pytest.raises(ValueError, match="loss_agg"):
+        _module(start, tmp_path, loss_agg="sum")
+    with pytest.raises(ValueError, match="ratio_level"):
+        _module(start, tmp_path, ratio_level="seq")
     with pytest.raises(ValueError, match="min_timestep"):
         _module(start, tmp_path, masking="structured", diffusion_steps=8, min_timestep=7)
 
