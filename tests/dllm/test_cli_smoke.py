@@ -35,7 +35,7 @@ def test_sft_then_igpo_fit_end_to_end(tmp_path, monkeypatch):
     ensure_warm_model(
         warm, REPO / "configs/dllm/sft_tiny.yaml",
         ["--trainer.max_steps=3", "--data.init_args.batch_size=8", "--trainer.logger=false",
-         "--trainer.enable_checkpointing=false", "--trainer.enable_progress_bar=false", *TINY_MODEL, *TINY_DATA],
+         f"--trainer.callbacks.init_args.dirpath={tmp_path / 'sft_ckpt'}", "--trainer.enable_progress_bar=false", *TINY_MODEL, *TINY_DATA],
     )
     assert is_dllm_checkpoint(str(warm))
     out = tmp_path / "igpo"
@@ -43,6 +43,7 @@ def test_sft_then_igpo_fit_end_to_end(tmp_path, monkeypatch):
         "fit", "-c", str(REPO / "configs/dllm/igpo_tiny.yaml"),
         f"--model.init_args.model_path={warm}", "--model.init_args.warmup_config=null",
         f"--model.init_args.save_dir={out / 'model'}", f"--trainer.default_root_dir={out}",
+        f"--trainer.callbacks.init_args.dirpath={out / 'ckpt'}",
         "--model.init_args.group_size=4", "--model.init_args.inner_updates=2",
         "--model.init_args.sampler.gen_length=32", "--model.init_args.sampler.steps=8",
         "--trainer.max_steps=4", "--trainer.val_check_interval=2", "--trainer.enable_progress_bar=false",
@@ -57,6 +58,24 @@ def test_sft_then_igpo_fit_end_to_end(tmp_path, monkeypatch):
     assert all(f <= s for f, s in zip(final, sampled))  # replacement can only remove all-wrong groups
     assert any(r.get("val/accuracy") for r in rows)
     assert any(r.get("losses/policy") for r in rows)
+
+    # the config's ModelCheckpoint wrote last.ckpt; `--ckpt_path .../last.ckpt` continues the run from it
+    assert (out / "ckpt" / "last.ckpt").is_file()
+    main([
+        "fit", "-c", str(REPO / "configs/dllm/igpo_tiny.yaml"),
+        f"--model.init_args.model_path={warm}", "--model.init_args.warmup_config=null",
+        f"--model.init_args.save_dir={out / 'model'}", f"--trainer.default_root_dir={out}",
+        f"--trainer.callbacks.init_args.dirpath={out / 'ckpt'}",
+        "--model.init_args.group_size=4", "--model.init_args.inner_updates=2",
+        "--model.init_args.sampler.gen_length=32", "--model.init_args.sampler.steps=8",
+        "--trainer.max_steps=6", "--trainer.val_check_interval=2", "--trainer.enable_progress_bar=false",
+        "--trainer.logger=lightning.pytorch.loggers.CSVLogger", f"--trainer.logger.init_args.save_dir={out / 'resumed'}",
+        "--data.init_args.batch_size=2", *TINY_DATA, f"--ckpt_path={out / 'ckpt' / 'last.ckpt'}",
+    ])
+    first_steps = [int(r["step"]) for r in rows if r.get("igpo/frac_all_wrong_sampled")]
+    resumed = [int(r["step"]) for r in _metrics(out / "resumed") if r.get("igpo/frac_all_wrong_sampled")]
+    # 4 of 6 optimizer steps were done: one more batch (2 inner updates), logged after the first run's
+    assert len(resumed) == 1 and resumed[0] > max(first_steps), f"resume went wrong: {first_steps} then {resumed}"
 
 
 def test_missing_model_without_warmup_config_is_a_clear_error(tmp_path):
