@@ -25,6 +25,10 @@ import torch
 from torch import Tensor
 
 from mmpo.core import aggregate, kl_penalty, policy_loss
+# The core's own clip / metric helpers, so this loss clips and reports exactly like core ``ppo`` / ``gspo``.
+from mmpo.core.policy_loss import _log_ratio as core_log_ratio
+from mmpo.core.policy_loss import _metrics as policy_metrics
+from mmpo.core.policy_loss import _ppo_clip_tokens as ppo_clip_tokens
 
 
 def all_wrong_groups(correct: Tensor, group_ids: Tensor) -> Tensor:
@@ -96,36 +100,24 @@ def hint_entropy_filter(hint_mask: Tensor, entropy: Tensor, keep_fraction: float
 
 
 RATIO_LEVELS = ("token", "sequence", "sequence_masked")
-LOG_RATIO_CLAMP = 20.0  # as the core's losses: exp() of a larger log-ratio overflows in bf16
+LOG_RATIO_CLAMP = 20.0  # the core losses' default clamp
 
 
 def official_sequence_ratio_loss(
     log_probs: Tensor, old_log_probs: Tensor, advantages: Tensor, loss_mask: Tensor, *,
     clip_low: float, clip_high: float, agg: str,
 ) -> tuple[Tensor, dict[str, Tensor]]:
-    """IGPO's ``use_gspo`` loss (``trainer_igpo.py compute_loss``), written out because its two
-    masks differ: s_i = exp(mean over all L of (l - l_old)), per-token loss
+    """IGPO's ``use_gspo`` loss (``trainer_igpo.py compute_loss``), assembled from the core's
+    clip and metric helpers because its two masks differ, which the core losses do not model:
+    s_i = exp(mean over all L of (l - l_old)), per-token loss
     -min(s_i A_i, clip(s_i, 1 - clip_low, 1 + clip_high) A_i) aggregated over ``loss_mask``, with
     the gradient taken through s_i (so it reaches every position of the sequence)."""
-    log_ratio = (log_probs - old_log_probs).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+    log_ratio = core_log_ratio(log_probs, old_log_probs, LOG_RATIO_CLAMP)
     ratio = torch.exp(log_ratio.mean(dim=-1, keepdim=True)).expand_as(log_probs)
     adv = advantages.reshape(-1, 1).to(log_probs.dtype).expand_as(log_probs)
-    clipped = ratio.clamp(1.0 - clip_low, 1.0 + clip_high)
-    per_token = torch.maximum(-adv * ratio, -adv * clipped)
+    per_token, clipped_low, clipped_high = ppo_clip_tokens(ratio, adv, 1.0 - clip_low, 1.0 + clip_high)
     mask = loss_mask.to(log_probs.dtype)
-    with torch.no_grad():
-        kept = mask > 0
-        low, high = (adv < 0) & (ratio < 1.0 - clip_low), (adv > 0) & (ratio > 1.0 + clip_high)
-        fraction = lambda flags: (flags & kept).sum() / kept.sum().clamp(min=1)  # noqa: E731
-        ratio_kept = ratio.detach()[kept] if kept.any() else torch.ones(1, dtype=ratio.dtype)
-        metrics = {
-            "policy/clipfrac": fraction(low | high), "policy/clipfrac_low": fraction(low),
-            "policy/clipfrac_high": fraction(high),
-            "policy/approx_kl": (torch.expm1(log_ratio.detach()) - log_ratio.detach())[kept].mean()
-            if kept.any() else torch.zeros(()),
-            "policy/ratio_mean": ratio_kept.mean(), "policy/ratio_min": ratio_kept.min(),
-            "policy/ratio_max": ratio_kept.max(),
-        }
+    metrics = policy_metrics(log_ratio, ratio, mask, clipped_low, clipped_high)
     return aggregate(per_token, mask, agg), metrics
 
 

@@ -268,12 +268,19 @@ class DiffuGRPO(PlainHparamsMixin, pl.LightningModule):
                 return {key: self._log_probs(self.model, batch, key)[0] for key in keys}
         return {key: self._log_probs(self.ref_model, batch, key)[0] for key in keys}
 
-    def _scored_positions(self, batch: dict, key: tuple[int, float]) -> Tensor:
+    def _loss_mask(self, batch: dict, old_entropy: Tensor, key: tuple[int, float]) -> Tensor:
+        """Tokens in the loss for one scoring key: IGPO's hint-entropy filter, and with structured
+        masking only the positions that key masked (the others were visible, not predicted)."""
+        loss_mask = torch.ones_like(batch["hint_mask"])
+        if batch["hint_mask"].any():
+            loss_mask = hint_entropy_filter(batch["hint_mask"], old_entropy, self.settings["entropy_keep"])
         seed, ratio = key
-        return perturb_for_scoring(
-            batch["prompt_ids"], batch["prompt_mask"], batch["completions"], mask_token_id=self.mask_id,
-            p_mask_prompt=self.settings["p_mask_prompt"], completion_mask_ratio=ratio, seed=seed,
-        )[2]
+        if ratio < 1.0:
+            loss_mask = loss_mask & perturb_for_scoring(
+                batch["prompt_ids"], batch["prompt_mask"], batch["completions"], mask_token_id=self.mask_id,
+                p_mask_prompt=self.settings["p_mask_prompt"], completion_mask_ratio=ratio, seed=seed,
+            )[2]
+        return loss_mask
 
     def scoring_keys(self) -> list[tuple[int, float]]:
         """(mask seed, completion mask ratio) of each inner update of the current batch.
@@ -302,16 +309,11 @@ class DiffuGRPO(PlainHparamsMixin, pl.LightningModule):
         optimizer = self.optimizers()
         self.model.train()
         metrics_sum: dict[str, float] = {}
+        loss_masks = {key: self._loss_mask(batch, old[key][1], key) for key in unique_keys}
         for key in keys:
-            old_log_probs, old_entropy = old[key]
-            loss_mask = torch.ones_like(batch["hint_mask"])
-            if batch["hint_mask"].any():
-                loss_mask = hint_entropy_filter(batch["hint_mask"], old_entropy, s["entropy_keep"])
-            if key[1] < 1.0:  # structured masking scores only the masked positions
-                loss_mask = loss_mask & self._scored_positions(batch, key)
             log_probs, _ = self._log_probs(self.model, batch, key)
             loss, metrics = igpo_loss(
-                log_probs, old_log_probs, ref.get(key), advantages, loss_mask, ratio_level=s["ratio_level"],
+                log_probs, old[key][0], ref.get(key), advantages, loss_masks[key], ratio_level=s["ratio_level"],
                 clip_low=s["clip_low"], clip_high=s["clip_high"], beta=s["beta"], agg=s["loss_agg"],
             )
             optimizer.zero_grad()

@@ -3,7 +3,6 @@ the union-normalised hybrid loss, and an `mmpo fit` smoke run."""
 
 from __future__ import annotations
 
-import csv
 from functools import partial
 from pathlib import Path
 
@@ -12,8 +11,6 @@ import torch
 
 from mmpo.core import aggregate, policy_loss
 from mmpo.data.synthetic import make_items
-
-CONFIGS = Path(__file__).resolve().parents[2] / "configs" / "vlm"
 
 
 @pytest.fixture(scope="module")
@@ -69,18 +66,9 @@ def test_ahpo_requires_token_mean(tiny_model):
         AHPOModule(str(tiny_model), agg="seq-mean-token-mean")
 
 
-def test_ahpo_fit_smoke_static(tiny_model, tmp_path):
-    from mmpo.cli import main
-
-    main([
-        "fit", "-c", str(CONFIGS / "ahpo_tiny.yaml"), f"--model.init_args.model_path={tiny_model}",
-        "--model.init_args.output_dir=null", "--model.init_args.max_new_tokens=6", "--model.init_args.static=true",
-        "--model.init_args.num_generations=2", "--trainer.max_steps=2", f"--trainer.default_root_dir={tmp_path}",
-        "--trainer.logger=lightning.pytorch.loggers.CSVLogger", f"--trainer.logger.init_args.save_dir={tmp_path}",
-        "--trainer.enable_progress_bar=false", "--data.init_args.train_size=8", "--trainer.max_epochs=1",
-    ])
-    with open(next(tmp_path.rglob("metrics.csv"))) as f:
-        rows = list(csv.DictReader(f))
+def test_ahpo_fit_smoke_static(tiny_model, tmp_path, fit_vlm_config):
+    rows = fit_vlm_config("ahpo_tiny.yaml", tiny_model, tmp_path, "--model.init_args.static=true",
+                          "--model.init_args.num_generations=2")
     gate = [float(r["ahpo/gate_on_frac"]) for r in rows if r.get("ahpo/gate_on_frac")]
     share = [float(r["ahpo/off_policy_token_share"]) for r in rows if r.get("ahpo/off_policy_token_share")]
     assert gate == [1.0, 1.0]  # static: always on (every synthetic row has a trace)

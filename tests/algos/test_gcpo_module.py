@@ -3,7 +3,6 @@ and an `mmpo fit` smoke run on the geometry_aux task."""
 
 from __future__ import annotations
 
-import csv
 from pathlib import Path
 
 import pytest
@@ -12,8 +11,6 @@ from transformers import BatchFeature
 
 from mmpo.data.synthetic import make_items
 from mmpo.vlm.rollout import Rollout
-
-CONFIGS = Path(__file__).resolve().parents[2] / "configs" / "vlm"
 
 
 @pytest.fixture(scope="module")
@@ -59,17 +56,7 @@ def test_module_rewards_with_contrastive_mask_hand_computed(tiny_model):
     assert total_plain.tolist() == pytest.approx([2.5, 2.25, 0.5, 2.0, 1.5, 2.0, 2.0, 2.5])
 
 
-def test_gcpo_fit_smoke(tiny_model, tmp_path):
-    from mmpo.cli import main
-
-    main([
-        "fit", "-c", str(CONFIGS / "gcpo_tiny.yaml"), f"--model.init_args.model_path={tiny_model}",
-        "--model.init_args.output_dir=null", "--model.init_args.max_new_tokens=6",
-        "--model.init_args.num_generations=2", "--trainer.max_steps=2", f"--trainer.default_root_dir={tmp_path}",
-        "--trainer.logger=lightning.pytorch.loggers.CSVLogger", f"--trainer.logger.init_args.save_dir={tmp_path}",
-        "--trainer.enable_progress_bar=false", "--data.init_args.train_size=8", "--trainer.max_epochs=1",
-    ])
-    with open(next(tmp_path.rglob("metrics.csv"))) as f:
-        rows = list(csv.DictReader(f))
+def test_gcpo_fit_smoke(tiny_model, tmp_path, fit_vlm_config):
+    rows = fit_vlm_config("gcpo_tiny.yaml", tiny_model, tmp_path, "--model.init_args.num_generations=2")
     fractions = [[float(r[f"gcpo/mask_{k}_frac"]) for k in ("pos", "neg", "zero")] for r in rows if r.get("gcpo/mask_pos_frac")]
     assert len(fractions) == 2 and all(sum(f) == pytest.approx(1.0) for f in fractions)

@@ -3,7 +3,6 @@ the logged lambda / fallback metrics, and an `mmpo fit` smoke run."""
 
 from __future__ import annotations
 
-import csv
 import math
 from pathlib import Path
 
@@ -11,8 +10,6 @@ import pytest
 import torch
 
 from mmpo.data.synthetic import make_items
-
-CONFIGS = Path(__file__).resolve().parents[2] / "configs" / "vlm"
 
 
 @pytest.fixture(scope="module")
@@ -92,17 +89,7 @@ def test_rejects_non_mapo_estimator(tiny_model):
         MAPOModule(str(tiny_model), advantage="grpo")
 
 
-def test_mapo_fit_smoke(tiny_model, tmp_path):
-    from mmpo.cli import main
-
-    main([
-        "fit", "-c", str(CONFIGS / "mapo_tiny.yaml"), f"--model.init_args.model_path={tiny_model}",
-        "--model.init_args.output_dir=null", "--model.init_args.max_new_tokens=6",
-        "--model.init_args.num_generations=2", "--trainer.max_steps=2", f"--trainer.default_root_dir={tmp_path}",
-        "--trainer.logger=lightning.pytorch.loggers.CSVLogger", f"--trainer.logger.init_args.save_dir={tmp_path}",
-        "--trainer.enable_progress_bar=false", "--data.init_args.train_size=8", "--trainer.max_epochs=1",
-    ])
-    with open(next(tmp_path.rglob("metrics.csv"))) as f:
-        rows = list(csv.DictReader(f))
+def test_mapo_fit_smoke(tiny_model, tmp_path, fit_vlm_config):
+    rows = fit_vlm_config("mapo_tiny.yaml", tiny_model, tmp_path, "--model.init_args.num_generations=2")
     lambdas = [float(r["mapo/lambda_mean"]) for r in rows if r.get("mapo/lambda_mean")]
     assert len(lambdas) == 2 and all(0.0 <= v <= 1.0 for v in lambdas)

@@ -3,7 +3,6 @@ with-gradient option, and `mmpo fit` smoke runs of PAPO-G and PAPO-D."""
 
 from __future__ import annotations
 
-import csv
 import math
 from pathlib import Path
 
@@ -11,8 +10,6 @@ import pytest
 import torch
 
 from mmpo.data.synthetic import make_items
-
-CONFIGS = Path(__file__).resolve().parents[2] / "configs" / "vlm"
 
 
 @pytest.fixture(scope="module")
@@ -23,27 +20,12 @@ def tiny_model(tmp_path_factory) -> Path:
     return build_tiny_vlm(tmp_path_factory.mktemp("papo_model"), corpus=corpus)
 
 
-def fit(config: str, model: Path, root: Path, *overrides: str) -> list[dict[str, str]]:
-    """Run `mmpo fit` in-process with a tiny budget; return the CSV-logged metric rows."""
-    from mmpo.cli import main
-
-    main([
-        "fit", "-c", str(CONFIGS / config),
-        f"--model.init_args.model_path={model}", "--model.init_args.output_dir=null",
-        "--model.init_args.max_new_tokens=6", "--trainer.max_steps=2", f"--trainer.default_root_dir={root}",
-        "--trainer.logger=lightning.pytorch.loggers.CSVLogger", f"--trainer.logger.init_args.save_dir={root}",
-        "--trainer.enable_progress_bar=false", "--data.init_args.train_size=8", "--trainer.max_epochs=1", *overrides,
-    ])
-    with open(next(root.rglob("metrics.csv"))) as f:
-        return list(csv.DictReader(f))
-
-
 def _values(rows: list[dict[str, str]], key: str) -> list[float]:
     return [float(r[key]) for r in rows if r.get(key) not in (None, "")]
 
 
-def test_papo_g_fit_smoke_logs_perception_metrics(tiny_model, tmp_path):
-    rows = fit("papo_g_tiny.yaml", tiny_model, tmp_path, "--model.init_args.num_generations=2")
+def test_papo_g_fit_smoke_logs_perception_metrics(tiny_model, tmp_path, fit_vlm_config):
+    rows = fit_vlm_config("papo_g_tiny.yaml", tiny_model, tmp_path, "--model.init_args.num_generations=2")
     for key in ("papo/kl_prcp", "papo/entropy_orig", "papo/entropy_masked", "policy/clipfrac_high"):
         values = _values(rows, key)
         assert len(values) == 2 and all(math.isfinite(v) for v in values), key
@@ -52,8 +34,8 @@ def test_papo_g_fit_smoke_logs_perception_metrics(tiny_model, tmp_path):
     assert _values(rows, "papo/gamma") == pytest.approx([0.02, 0.02])
 
 
-def test_papo_g_fit_smoke_with_grad_and_annealing(tiny_model, tmp_path):
-    rows = fit("papo_g_tiny.yaml", tiny_model, tmp_path, "--model.init_args.num_generations=2",
+def test_papo_g_fit_smoke_with_grad_and_annealing(tiny_model, tmp_path, fit_vlm_config):
+    rows = fit_vlm_config("papo_g_tiny.yaml", tiny_model, tmp_path, "--model.init_args.num_generations=2",
                "--model.init_args.masked_with_grad=true", "--model.init_args.gamma_end=0.0",
                "--model.init_args.eta_orig=0.05", "--model.init_args.eta_masked=0.05")
     # annealed linearly over max_steps = 2: 0.02 at step 0, 0.01 at step 1
@@ -61,10 +43,10 @@ def test_papo_g_fit_smoke_with_grad_and_annealing(tiny_model, tmp_path):
     assert all(math.isfinite(v) for v in _values(rows, "papo/kl_prcp"))
 
 
-def test_papo_d_fit_smoke(tiny_model, tmp_path):
+def test_papo_d_fit_smoke(tiny_model, tmp_path, fit_vlm_config):
     # DAPO settings: no reference model, clip-higher, dynamic sampling (an untrained model may
     # score every group alike, then all groups are dropped and counted; the run still finishes)
-    rows = fit("papo_d_tiny.yaml", tiny_model, tmp_path, "--model.init_args.num_generations=2")
+    rows = fit_vlm_config("papo_d_tiny.yaml", tiny_model, tmp_path, "--model.init_args.num_generations=2")
     assert _values(rows, "rewards/dropped_groups")
 
 

@@ -3,7 +3,6 @@ and an `mmpo fit` smoke run."""
 
 from __future__ import annotations
 
-import csv
 from pathlib import Path
 
 import pytest
@@ -13,7 +12,6 @@ from transformers import BatchFeature
 from mmpo.data.synthetic import make_items
 from mmpo.vlm.rollout import Rollout
 
-CONFIGS = Path(__file__).resolve().parents[2] / "configs" / "vlm"
 
 GOOD = ("### Image Description: shapes\n### Rationales: count\n### Step 1: 2 + 1 = 3\n"
         "### The final answer is: 3")
@@ -67,17 +65,7 @@ def test_missing_key_steps_error_or_counted_skip(tiny_model):
     assert metrics["stepgrpo/missing_key_steps"] == 1.0
 
 
-def test_stepgrpo_fit_smoke(tiny_model, tmp_path):
-    from mmpo.cli import main
-
-    main([
-        "fit", "-c", str(CONFIGS / "stepgrpo_tiny.yaml"), f"--model.init_args.model_path={tiny_model}",
-        "--model.init_args.output_dir=null", "--model.init_args.max_new_tokens=6",
-        "--model.init_args.num_generations=2", "--trainer.max_steps=2", f"--trainer.default_root_dir={tmp_path}",
-        "--trainer.logger=lightning.pytorch.loggers.CSVLogger", f"--trainer.logger.init_args.save_dir={tmp_path}",
-        "--trainer.enable_progress_bar=false", "--data.init_args.train_size=8", "--trainer.max_epochs=1",
-    ])
-    with open(next(tmp_path.rglob("metrics.csv"))) as f:
-        rows = list(csv.DictReader(f))
+def test_stepgrpo_fit_smoke(tiny_model, tmp_path, fit_vlm_config):
+    rows = fit_vlm_config("stepgrpo_tiny.yaml", tiny_model, tmp_path, "--model.init_args.num_generations=2")
     assert len([r for r in rows if r.get("rewards/step_rvr/mean")]) == 2
     assert len([r for r in rows if r.get("stepgrpo/key_step_frac")]) == 2

@@ -39,17 +39,21 @@ def test_sft_then_igpo_fit_end_to_end(tmp_path, monkeypatch):
     )
     assert is_dllm_checkpoint(str(warm))
     out = tmp_path / "igpo"
-    main([
-        "fit", "-c", str(REPO / "configs/dllm/igpo_tiny.yaml"),
-        f"--model.init_args.model_path={warm}", "--model.init_args.warmup_config=null",
-        f"--model.init_args.save_dir={out / 'model'}", f"--trainer.default_root_dir={out}",
-        f"--trainer.callbacks.init_args.dirpath={out / 'ckpt'}",
-        "--model.init_args.group_size=4", "--model.init_args.inner_updates=2",
-        "--model.init_args.sampler.gen_length=32", "--model.init_args.sampler.steps=8",
-        "--trainer.max_steps=4", "--trainer.val_check_interval=2", "--trainer.enable_progress_bar=false",
-        "--trainer.logger=lightning.pytorch.loggers.CSVLogger", f"--trainer.logger.init_args.save_dir={out}",
-        "--data.init_args.batch_size=2", *TINY_DATA,
-    ])
+
+    def fit_igpo(max_steps: int, log_dir, *extra: str) -> None:
+        main([
+            "fit", "-c", str(REPO / "configs/dllm/igpo_tiny.yaml"),
+            f"--model.init_args.model_path={warm}", "--model.init_args.warmup_config=null",
+            f"--model.init_args.save_dir={out / 'model'}", f"--trainer.default_root_dir={out}",
+            f"--trainer.callbacks.init_args.dirpath={out / 'ckpt'}",
+            "--model.init_args.group_size=4", "--model.init_args.inner_updates=2",
+            "--model.init_args.sampler.gen_length=32", "--model.init_args.sampler.steps=8",
+            f"--trainer.max_steps={max_steps}", "--trainer.val_check_interval=2", "--trainer.enable_progress_bar=false",
+            "--trainer.logger=lightning.pytorch.loggers.CSVLogger", f"--trainer.logger.init_args.save_dir={log_dir}",
+            "--data.init_args.batch_size=2", *TINY_DATA, *extra,
+        ])
+
+    fit_igpo(4, out)
     assert is_dllm_checkpoint(str(out / "model"))
     rows = _metrics(out)
     sampled = [float(r["igpo/frac_all_wrong_sampled"]) for r in rows if r.get("igpo/frac_all_wrong_sampled")]
@@ -61,17 +65,7 @@ def test_sft_then_igpo_fit_end_to_end(tmp_path, monkeypatch):
 
     # the config's ModelCheckpoint wrote last.ckpt; `--ckpt_path .../last.ckpt` continues the run from it
     assert (out / "ckpt" / "last.ckpt").is_file()
-    main([
-        "fit", "-c", str(REPO / "configs/dllm/igpo_tiny.yaml"),
-        f"--model.init_args.model_path={warm}", "--model.init_args.warmup_config=null",
-        f"--model.init_args.save_dir={out / 'model'}", f"--trainer.default_root_dir={out}",
-        f"--trainer.callbacks.init_args.dirpath={out / 'ckpt'}",
-        "--model.init_args.group_size=4", "--model.init_args.inner_updates=2",
-        "--model.init_args.sampler.gen_length=32", "--model.init_args.sampler.steps=8",
-        "--trainer.max_steps=6", "--trainer.val_check_interval=2", "--trainer.enable_progress_bar=false",
-        "--trainer.logger=lightning.pytorch.loggers.CSVLogger", f"--trainer.logger.init_args.save_dir={out / 'resumed'}",
-        "--data.init_args.batch_size=2", *TINY_DATA, f"--ckpt_path={out / 'ckpt' / 'last.ckpt'}",
-    ])
+    fit_igpo(6, out / "resumed", f"--ckpt_path={out / 'ckpt' / 'last.ckpt'}")
     first_steps = [int(r["step"]) for r in rows if r.get("igpo/frac_all_wrong_sampled")]
     resumed = [int(r["step"]) for r in _metrics(out / "resumed") if r.get("igpo/frac_all_wrong_sampled")]
     # 4 of 6 optimizer steps were done: one more batch (2 inner updates), logged after the first run's

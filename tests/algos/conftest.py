@@ -1,0 +1,32 @@
+"""Shared helpers of the algorithm tests."""
+
+from __future__ import annotations
+
+import csv
+from pathlib import Path
+from typing import Callable
+
+import pytest
+
+CONFIGS = Path(__file__).resolve().parents[2] / "configs" / "vlm"
+
+
+def _fit(config: str, model: Path, root: Path, *overrides: str) -> list[dict[str, str]]:
+    """Run `mmpo fit -c configs/vlm/<config>` in-process for 2 steps; return the CSV-logged metric rows."""
+    from mmpo.cli import main
+
+    main([
+        "fit", "-c", str(CONFIGS / config),
+        f"--model.init_args.model_path={model}", "--model.init_args.output_dir=null",
+        "--model.init_args.max_new_tokens=6", "--trainer.max_steps=2", f"--trainer.default_root_dir={root}",
+        "--trainer.logger=lightning.pytorch.loggers.CSVLogger", f"--trainer.logger.init_args.save_dir={root}",
+        "--trainer.enable_progress_bar=false", "--data.init_args.train_size=8", "--trainer.max_epochs=1", *overrides,
+    ])
+    with open(next(Path(root).rglob("metrics.csv"))) as f:
+        return list(csv.DictReader(f))
+
+
+@pytest.fixture
+def fit_vlm_config() -> Callable[..., list[dict[str, str]]]:
+    """``fit_vlm_config(config_name, model_path, root, *overrides) -> metric rows``."""
+    return _fit
