@@ -32,9 +32,10 @@ def _load(target: str) -> Callable[[Sequence[str]], int | None]:
 def lightning_main(argv: Sequence[str]) -> None:
     """Run LightningCLI with model/data classes chosen by the config's ``class_path``."""
     from lightning.pytorch import LightningDataModule, LightningModule
-    from lightning.pytorch.cli import LightningCLI
 
-    LightningCLI(
+    from mmpo.training.cli_support import MMPOLightningCLI
+
+    MMPOLightningCLI(
         LightningModule,
         LightningDataModule,
         subclass_mode_model=True,

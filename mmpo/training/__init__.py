@@ -1,0 +1,1 @@
+"""Lightning-level reliability pieces shared by every training entry point."""

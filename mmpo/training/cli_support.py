@@ -1,0 +1,32 @@
+"""``MMPOLightningCLI``: Lightning's CLI with mmpo's run guards on every Trainer it builds.
+
+Every ``mmpo fit|validate|test`` Trainer gets ``VerifiedCheckpointIO`` (atomic, checksummed
+checkpoints that refuse to load when damaged) and ``RunDirectoryLock`` (one run per checkpoint
+directory; ``last.ckpt`` is always the newest run's).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from lightning.pytorch import Trainer
+from lightning.pytorch.cli import LightningCLI
+
+from mmpo.training.checkpoint import install_verified_checkpoint_io
+from mmpo.training.run_lock import RunDirectoryLock
+
+
+class MMPOLightningCLI(LightningCLI):
+    """``LightningCLI`` whose Trainers carry the verified checkpoint IO and the run-directory lock."""
+
+    def __init__(self, *args: Any, trainer_defaults: dict[str, Any] | None = None, **kwargs: Any) -> None:
+        # LightningCLI appends ``trainer_defaults["callbacks"]`` to the config's callbacks.
+        trainer_defaults = dict(trainer_defaults or {})
+        extra = trainer_defaults.get("callbacks") or []
+        trainer_defaults["callbacks"] = [*(extra if isinstance(extra, list) else [extra]), RunDirectoryLock()]
+        super().__init__(*args, trainer_defaults=trainer_defaults, **kwargs)
+
+    def instantiate_trainer(self, **kwargs: Any) -> Trainer:
+        trainer = super().instantiate_trainer(**kwargs)
+        install_verified_checkpoint_io(trainer)
+        return trainer
