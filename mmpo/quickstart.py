@@ -12,7 +12,11 @@ Everything goes under ``--out``: ``model_init/``, ``sft/`` and ``grpo/`` (Lightn
 checkpoints, ``hf/`` exports loadable by ``mmpo eval``), ``eval/<stage>/`` (results.json, ...),
 ``quickstart.json``, ``results.md``, ``eval.png``, ``learning_curve.png``.
 A finished stage is not rerun when the command is repeated with the same ``--out``, and an
-interrupted training stage resumes from its last Lightning checkpoint.
+interrupted training stage resumes from its last Lightning checkpoint (``last.ckpt``, or
+``last.prev.ckpt`` when ``last.ckpt`` is damaged; the metrics logged before the interruption are
+kept: each resume logs to a new ``logs/version_N`` and the curve joins them). ``--fresh`` moves
+an existing ``--out`` aside to ``OUT.old-<time>`` and starts over. ``--out`` is locked while a
+run writes it.
 
 The default budget targets ~15 minutes on 2 CPU cores; ``--tiny`` is a seconds-long smoke run
 (it checks the plumbing, not learning).
@@ -109,7 +113,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--eval-size", type=int, default=None, help="override held-out items per task")
     parser.add_argument("--threads", type=int, default=None,
                         help="torch CPU threads (default: OMP_NUM_THREADS, else all cores)")
-    parser.add_argument("--fresh", action="store_true", help="rerun every stage even if --out holds finished ones")
+    parser.add_argument("--fresh", action="store_true",
+                        help="start over: move an existing --out aside to OUT.old-<time> (nothing is deleted)")
     parser.add_argument("--no-progress", action="store_true", help="hide progress bars")
     return parser
 
@@ -166,16 +171,26 @@ def evaluate_stage(
 
 
 def _trainer(stage_dir: Path, *, max_steps: int, progress: bool, val_every: int | None = None):
-    """A CPU Lightning Trainer with a CSV logger and a checkpoint every few steps (and at the end)."""
+    """A CPU Lightning Trainer with a CSV logger and a checkpoint every few steps (and at the end).
+
+    Checkpoints are verified and the one replaced is kept as ``last.prev.ckpt`` (the fallback when
+    ``last.ckpt`` is damaged). Each run logs to the next free ``logs/version_N`` (a resume never
+    overwrites the metrics logged before the interruption), flushed every step so that a hard kill
+    loses none of the rows a checkpoint covers.
+    """
     from lightning.pytorch import Trainer
     from lightning.pytorch.callbacks import ModelCheckpoint
     from lightning.pytorch.loggers import CSVLogger
+
+    from mmpo.training.checkpoint import VerifiedCheckpointIO
+    from mmpo.training.run_lock import RunDirectoryLock
 
     checkpoint = ModelCheckpoint(dirpath=stage_dir / "checkpoints", save_last=True, save_top_k=0,
                                  every_n_train_steps=max(1, min(50, max_steps // 4 or 1)))
     return Trainer(
         accelerator="cpu", devices=1, max_steps=max_steps, max_epochs=-1,
-        logger=CSVLogger(stage_dir, name="logs", version=0), callbacks=[checkpoint],
+        logger=CSVLogger(stage_dir, name="logs", flush_logs_every_n_steps=1),
+        callbacks=[checkpoint, RunDirectoryLock()], plugins=[VerifiedCheckpointIO()],
         log_every_n_steps=1, enable_progress_bar=progress, enable_model_summary=False,
         num_sanity_val_steps=0, default_root_dir=stage_dir,
         val_check_interval=val_every, check_val_every_n_epoch=None if val_every else 1,
@@ -186,12 +201,15 @@ def _trainer(stage_dir: Path, *, max_steps: int, progress: bool, val_every: int 
 def _fit(trainer, module, datamodule, stage_dir: Path, *, validate_first: bool = False) -> None:
     """``trainer.fit``, resuming from ``checkpoints/last.ckpt`` when an earlier run was interrupted.
 
+    A damaged ``last.ckpt`` falls back to ``last.prev.ckpt`` with a warning naming both.
     ``validate_first`` logs the validation metrics at step 0 (the start of the learning curve).
     """
-    last = stage_dir / "checkpoints" / "last.ckpt"
-    if last.is_file():
-        print(f"[quickstart] resuming from {last}")
-        trainer.fit(module, datamodule=datamodule, ckpt_path=str(last))
+    from mmpo.training.checkpoint import select_resume_checkpoint
+
+    resume = select_resume_checkpoint(stage_dir / "checkpoints" / "last.ckpt")
+    if resume is not None:
+        print(f"[quickstart] resuming from {resume}")
+        trainer.fit(module, datamodule=datamodule, ckpt_path=str(resume))
         return
     if validate_first:
         trainer.validate(module, datamodule=datamodule, verbose=False)
@@ -234,6 +252,12 @@ def run_grpo(model_path: Path, config: QuickstartConfig, stage_dir: Path, *, see
 # ----------------------------------------------------------------------------- reporting
 
 
+def metrics_files(logs_dir: Path) -> list[Path]:
+    """``logs/version_N/metrics.csv`` of a stage in version order (a run, then each resume)."""
+    found = [path for path in logs_dir.glob("version_*/metrics.csv") if path.parent.name[8:].isdigit()]
+    return sorted(found, key=lambda path: int(path.parent.name[8:]))
+
+
 def accuracy_by_task(results: dict[str, Any]) -> dict[str, float]:
     """{task: accuracy, ..., "mean": mean over tasks} from ``evaluate_checkpoint`` results."""
     table = {name.split("/", 1)[1]: metrics["accuracy"] for name, metrics in results["benchmarks"].items()}
@@ -250,9 +274,9 @@ def write_summary(out: Path, config: QuickstartConfig, stages: dict[str, dict[st
     from mmpo.eval.reports import comparison_table, write_json
 
     table = comparison_table(stages)
-    grpo_csv = out / "grpo" / "logs" / "version_0" / "metrics.csv"
-    if grpo_csv.is_file():
-        paths["learning_curve"] = str(plot_curves(grpo_csv, REWARD_CURVE_KEYS, out / "learning_curve.png",
+    grpo_csvs = metrics_files(out / "grpo" / "logs")
+    if grpo_csvs:
+        paths["learning_curve"] = str(plot_curves(grpo_csvs, REWARD_CURVE_KEYS, out / "learning_curve.png",
                                                   title="GRPO: reward and validation accuracy"))
     paths["eval_plot"] = str(plot_accuracy_bars(stages, out / "eval.png", title="Held-out accuracy per task"))
     after_sft, after_grpo = stages.get("after SFT", {}).get("mean"), stages.get("after GRPO", {}).get("mean")
@@ -283,11 +307,40 @@ def check_tasks(tasks: Sequence[str]) -> None:
 def run_quickstart(config: QuickstartConfig, out: str | Path, *, seed: int = 0, progress: bool = True,
                    fresh: bool = False) -> dict[str, Any]:
     """Run the pipeline; returns the summary written to ``out/quickstart.json``."""
-    import lightning.pytorch as pl
+    from mmpo.training.run_lock import DirectoryLock
 
     check_tasks(config.tasks)
     out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
+    if fresh:
+        moved = move_aside(out)
+        if moved is not None:
+            print(f"[quickstart] --fresh: moved the earlier {out} to {moved}")
+    with DirectoryLock(out):
+        return _run_stages(config, out, seed=seed, progress=progress)
+
+
+def move_aside(out: Path) -> Path | None:
+    """Rename an existing, non-empty ``out`` to ``OUT.old-<time>`` (never deleting); returns the new path.
+
+    Takes ``out``'s lock first, so a run still writing it is never moved from under it.
+    """
+    from mmpo.training.run_lock import DirectoryLock
+
+    if not out.is_dir() or not any(out.iterdir()):
+        return None
+    with DirectoryLock(out):
+        pass
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    target, n = out.with_name(f"{out.name}.old-{stamp}"), 1
+    while target.exists():
+        target, n = out.with_name(f"{out.name}.old-{stamp}-{n}"), n + 1
+    os.replace(out, target)
+    return target
+
+
+def _run_stages(config: QuickstartConfig, out: Path, *, seed: int, progress: bool) -> dict[str, Any]:
+    import lightning.pytorch as pl
+
     pl.seed_everything(seed, workers=True, verbose=False)
     # GRPO steps its optimizer manually and the checkpoint is meant to hold the post-step state,
     # which is exactly what Lightning's warning about manual optimization describes.
@@ -299,7 +352,7 @@ def run_quickstart(config: QuickstartConfig, out: str | Path, *, seed: int = 0, 
     settings = {"config": asdict(config), "seed": seed}
 
     def stage(name: str, stage_dir: Path, work) -> dict[str, Any]:
-        finished = None if fresh else _stage_finished(stage_dir)
+        finished = _stage_finished(stage_dir)
         if finished is not None:
             if finished.get("settings") != json.loads(json.dumps(settings)):
                 raise StaleOutputError(f"{stage_dir} was produced with other settings than this run's; "
@@ -357,11 +410,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ValueError as error:
         print(f"mmpo quickstart: error: {error}", file=sys.stderr)
         return 2
+    from mmpo.training.checkpoint import CorruptCheckpointError
+    from mmpo.training.run_lock import RunDirectoryLockedError
+
     started = time.perf_counter()
     try:
         summary = run_quickstart(config, args.out, seed=args.seed, progress=not args.no_progress,
                                  fresh=args.fresh)
-    except StaleOutputError as error:
+    except (StaleOutputError, CorruptCheckpointError, RunDirectoryLockedError) as error:
         print(f"mmpo quickstart: error: {error}", file=sys.stderr)
         return 2
     from mmpo.eval.reports import comparison_table

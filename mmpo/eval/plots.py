@@ -58,8 +58,7 @@ def _finite_or_zero(value: float | None) -> float:
     return float(value) if value is not None and math.isfinite(float(value)) else 0.0
 
 
-def read_csv_metrics(metrics_csv: str | Path) -> dict[str, list[tuple[int, float]]]:
-    """Lightning ``CSVLogger`` ``metrics.csv`` -> {metric: [(step, value), ...]} (empty cells skipped)."""
+def _read_one_csv(metrics_csv: str | Path) -> dict[str, list[tuple[int, float]]]:
     curves: dict[str, list[tuple[int, float]]] = {}
     with open(metrics_csv, newline="") as handle:
         for record in csv.DictReader(handle):
@@ -72,6 +71,29 @@ def read_csv_metrics(metrics_csv: str | Path) -> dict[str, list[tuple[int, float
                     continue
                 curves.setdefault(key, []).append((step, float(text)))
     return curves
+
+
+def read_csv_metrics(
+    metrics_csv: str | Path | Sequence[str | Path],
+) -> dict[str, list[tuple[int, float]]]:
+    """Lightning ``CSVLogger`` ``metrics.csv`` -> {metric: [(step, value), ...]} (empty cells skipped).
+
+    A sequence of files is one run and its resumptions, in order (each resume logs to a new
+    version): a later file's rows replace the earlier files' rows from its first step on, since
+    the steps logged after the resumed checkpoint were done again.
+    """
+    files = [metrics_csv] if isinstance(metrics_csv, (str, Path)) else list(metrics_csv)
+    merged: dict[str, list[tuple[int, float]]] = {}
+    for path in files:
+        curves = _read_one_csv(path)
+        steps = [step for points in curves.values() for step, _ in points]
+        if not steps:
+            continue
+        first = min(steps)
+        merged = {key: [(s, v) for s, v in points if s < first] for key, points in merged.items()}
+        for key, points in curves.items():
+            merged.setdefault(key, []).extend(points)
+    return {key: points for key, points in merged.items() if points}
 
 
 def moving_average(values: Sequence[float], window: int) -> list[float]:
@@ -88,7 +110,7 @@ def moving_average(values: Sequence[float], window: int) -> list[float]:
 
 
 def plot_curves(
-    metrics_csv: str | Path,
+    metrics_csv: str | Path | Sequence[str | Path],
     keys: Sequence[str],
     path: str | Path,
     *,
@@ -97,6 +119,8 @@ def plot_curves(
     references: Mapping[str, tuple[str, float]] | None = None,
 ) -> Path:
     """One subplot per metric in ``keys`` (those present in the CSV), value against step.
+
+    ``metrics_csv`` may be a run's CSVs across resumptions (see ``read_csv_metrics``).
 
     Args:
         smooth_window: also draw a trailing moving average over this many points (noisy RL
