@@ -118,6 +118,7 @@ class RolloutRate(pl.Callback):
 
 
 def run_seed(seed: int, args, demos: Path, out_dir: Path) -> dict[str, float]:
+    from mmpo.training.checkpoint import VerifiedCheckpointIO
     from robotics.bc import BCModule, ChunkDataModule
     from robotics.dppo import DPPOModule
     from robotics.policy.io import load_policy
@@ -130,7 +131,8 @@ def run_seed(seed: int, args, demos: Path, out_dir: Path) -> dict[str, float]:
     data = ChunkDataModule(str(demos), horizon=4, batch_size=256)
     start = time.perf_counter()
     trainer = pl.Trainer(max_epochs=args.bc_epochs, accelerator=args.device, logger=False, enable_checkpointing=False,
-                         enable_progress_bar=False, enable_model_summary=False, default_root_dir=seed_dir)
+                         enable_progress_bar=False, enable_model_summary=False, default_root_dir=seed_dir,
+                         plugins=[VerifiedCheckpointIO()])
     trainer.fit(bc, data)
     bc_seconds = time.perf_counter() - start
     bc_ckpt = seed_dir / "bc.ckpt"
@@ -159,7 +161,7 @@ def run_seed(seed: int, args, demos: Path, out_dir: Path) -> dict[str, float]:
     max_time = None if args.dppo_max_minutes is None else {"seconds": int(args.dppo_max_minutes * 60)}
     trainer = pl.Trainer(max_epochs=1, accelerator=args.device, logger=False, enable_checkpointing=False,
                          enable_progress_bar=False, enable_model_summary=False, default_root_dir=seed_dir,
-                         callbacks=[rates], max_time=max_time)
+                         callbacks=[rates], max_time=max_time, plugins=[VerifiedCheckpointIO()])
     trainer.fit(dppo)
     dppo_seconds = time.perf_counter() - start
     trainer.save_checkpoint(seed_dir / "dppo.ckpt")
