@@ -62,9 +62,8 @@ def checksum_status(path: _PATH) -> str:
     A symlink (``ModelCheckpoint(save_last="link")``) is checked against its target's sidecar.
     """
     path = Path(path)
-    sidecar = sidecar_path(path)
-    if not sidecar.is_file() and path.is_symlink():
-        sidecar = sidecar_path(path.resolve())
+    # A link's own sidecar may be stale (Lightning replaces a saved last.ckpt by a link without telling the IO).
+    sidecar = sidecar_path(path.resolve() if path.is_symlink() else path)
     if not sidecar.is_file():
         return "missing"
     recorded = sidecar.read_text().split()
