@@ -5,8 +5,8 @@ start time, command). The kernel drops a flock when its process dies, so a lock 
 run is simply taken over; a live holder makes the next run fail at once with its pid and command.
 
 ``RunDirectoryLock`` is the Lightning callback that every ``mmpo fit`` Trainer gets: it locks each
-``ModelCheckpoint`` directory before anything is written there (``setup`` for an explicit
-``dirpath``, ``on_fit_start`` for one Lightning resolves from the logger) and releases the locks in
+``ModelCheckpoint`` directory in ``on_fit_start`` (once Lightning has resolved the directories and
+restored any checkpoint, before the first step can write one) and releases the locks in
 ``teardown`` / ``on_exception``. Under the lock it also keeps ``last.ckpt`` the newest: Lightning
 would write a fresh run's last checkpoint as ``last-v1.ckpt`` beside an earlier run's
 ``last.ckpt`` (so ``--ckpt_path .../last.ckpt`` resumed the old run); instead, the earlier run's
@@ -163,16 +163,11 @@ class RunDirectoryLock(Callback):
         return [cb.dirpath for cb in trainer.checkpoint_callbacks
                 if isinstance(cb, ModelCheckpoint) and cb.dirpath is not None]
 
-    def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
-        # Explicit dirpaths are known now, before the config, logs or any checkpoint is written.
-        if stage == "fit" and trainer.is_global_zero:
-            for directory in self._checkpoint_dirs(trainer):
-                self._lock(directory)
-
     def on_fit_start(self, trainer: Any, pl_module: Any) -> None:
+        # Not in setup: ModelCheckpoint.setup runs after ours and would warn about our lock file.
         if not trainer.is_global_zero:
             return
-        for directory in self._checkpoint_dirs(trainer):  # now including those resolved from the logger
+        for directory in self._checkpoint_dirs(trainer):
             self._lock(directory)
         for checkpoint in trainer.checkpoint_callbacks:
             if isinstance(checkpoint, ModelCheckpoint):
