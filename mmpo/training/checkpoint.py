@@ -151,6 +151,15 @@ def _unreadable_errors() -> tuple[type[BaseException], ...]:
     return (RuntimeError, EOFError, zipfile.BadZipFile, ValueError)
 
 
+def _mismatch_reason(path: _PATH) -> str:
+    return f"its sha256 does not match {sidecar_path(path).name} (bytes changed after it was written)"
+
+
+def _unreadable_reason(error: BaseException) -> str:
+    first_line = (str(error).splitlines() or [""])[0][:200]
+    return f"it cannot be read ({error.__class__.__name__}: {first_line})"
+
+
 def checkpoint_problem(path: _PATH) -> str | None:
     """Why ``path`` is not a good checkpoint (``None`` when it is).
 
@@ -161,11 +170,11 @@ def checkpoint_problem(path: _PATH) -> str | None:
     if status == "ok":
         return None
     if status == "mismatch":
-        return "its sha256 does not match " + sidecar_path(path).name + " (bytes changed after it was written)"
+        return _mismatch_reason(path)
     try:
         checkpoint = torch.load(path, map_location="cpu", weights_only=True)
     except _unreadable_errors() as error:
-        return f"it cannot be read ({error.__class__.__name__}: {str(error).splitlines()[0][:200]})"
+        return _unreadable_reason(error)
     except Exception as error:  # noqa: BLE001 - any other refusal also means "not usable as is"
         return f"it cannot be verified ({error.__class__.__name__})"
     bad = first_non_finite(checkpoint)
@@ -233,7 +242,7 @@ class VerifiedCheckpointIO(TorchCheckpointIO):
     ) -> dict[str, Any]:
         status = checksum_status(path) if Path(path).exists() else "missing"
         if status == "mismatch":
-            raise corrupt_checkpoint_error(path, checkpoint_problem(path) or "checksum mismatch")
+            raise corrupt_checkpoint_error(path, _mismatch_reason(path))
         if status == "missing" and Path(path).exists():
             warnings.warn(f"checkpoint {path} has no {SIDECAR_SUFFIX} checksum beside it (written by an older "
                           "version?); loading it with finite-value checks only", stacklevel=2)
@@ -242,8 +251,7 @@ class VerifiedCheckpointIO(TorchCheckpointIO):
         except FileNotFoundError:
             raise
         except _unreadable_errors() as error:
-            reason = f"it cannot be read ({error.__class__.__name__}: {str(error).splitlines()[0][:200]})"
-            raise corrupt_checkpoint_error(path, reason) from error
+            raise corrupt_checkpoint_error(path, _unreadable_reason(error)) from error
         bad = first_non_finite(checkpoint)
         if bad is not None:
             raise corrupt_checkpoint_error(path, f"{bad} holds NaN or inf")
