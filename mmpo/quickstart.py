@@ -254,8 +254,8 @@ def run_grpo(model_path: Path, config: QuickstartConfig, stage_dir: Path, *, see
 
 def metrics_files(logs_dir: Path) -> list[Path]:
     """``logs/version_N/metrics.csv`` of a stage in version order (a run, then each resume)."""
-    found = [path for path in logs_dir.glob("version_*/metrics.csv") if path.parent.name[8:].isdigit()]
-    return sorted(found, key=lambda path: int(path.parent.name[8:]))
+    numbered = {path: path.parent.name.removeprefix("version_") for path in logs_dir.glob("version_*/metrics.csv")}
+    return sorted((path for path, number in numbered.items() if number.isdigit()), key=lambda p: int(numbered[p]))
 
 
 def accuracy_by_task(results: dict[str, Any]) -> dict[str, float]:
@@ -326,6 +326,7 @@ def move_aside(out: Path) -> Path | None:
     """
     from mmpo.training.run_lock import DirectoryLock
 
+    out = out.absolute()  # "." has no name to suffix
     if not out.is_dir() or not any(out.iterdir()):
         return None
     with DirectoryLock(out):
