@@ -160,11 +160,12 @@ def _unreadable_reason(error: BaseException) -> str:
     return f"it cannot be read ({error.__class__.__name__}: {first_line})"
 
 
-def checkpoint_problem(path: _PATH) -> str | None:
+def checkpoint_problem(path: _PATH, *, unverifiable_is_problem: bool = True) -> str | None:
     """Why ``path`` is not a good checkpoint (``None`` when it is).
 
     Checksummed files are judged by their checksum; files without a sidecar are loaded
-    (``weights_only=True``) and checked for finite values.
+    (``weights_only=True``) and checked for finite values. A file that loads only without
+    ``weights_only`` counts as a problem unless ``unverifiable_is_problem`` is False.
     """
     status = checksum_status(path)
     if status == "ok":
@@ -176,7 +177,7 @@ def checkpoint_problem(path: _PATH) -> str | None:
     except _unreadable_errors() as error:
         return _unreadable_reason(error)
     except Exception as error:  # noqa: BLE001 - any other refusal also means "not usable as is"
-        return f"it cannot be verified ({error.__class__.__name__})"
+        return f"it cannot be verified ({error.__class__.__name__})" if unverifiable_is_problem else None
     bad = first_non_finite(checkpoint)
     return None if bad is None else f"{bad} holds NaN or inf"
 
@@ -200,6 +201,16 @@ def corrupt_checkpoint_error(path: _PATH, reason: str) -> CorruptCheckpointError
     hint = (f"The newest good checkpoint is {good}; resume from it (e.g. --ckpt_path {good})."
             if good is not None else f"No good checkpoint was found in {Path(path).parent}.")
     return CorruptCheckpointError(f"checkpoint {path} is damaged and was not loaded: {reason}. {hint}")
+
+
+def refuse_if_damaged(path: _PATH) -> None:
+    """Raise ``CorruptCheckpointError`` when ``path`` is damaged (checksum, unreadable, NaN/inf).
+
+    For code that reads a checkpoint before the Trainer does (LightningCLI reads its hyperparameters).
+    """
+    problem = checkpoint_problem(path, unverifiable_is_problem=False)
+    if problem is not None:
+        raise corrupt_checkpoint_error(path, problem)
 
 
 def select_resume_checkpoint(last: _PATH) -> Path | None:

@@ -7,12 +7,13 @@ directory; ``last.ckpt`` is always the newest run's).
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 from lightning.pytorch import Trainer
-from lightning.pytorch.cli import LightningCLI
+from lightning.pytorch.cli import ArgsType, LightningArgumentParser, LightningCLI
 
-from mmpo.training.checkpoint import install_verified_checkpoint_io
+from mmpo.training.checkpoint import install_verified_checkpoint_io, refuse_if_damaged
 from mmpo.training.run_lock import RunDirectoryLock
 
 
@@ -25,6 +26,14 @@ class MMPOLightningCLI(LightningCLI):
         extra = trainer_defaults.get("callbacks") or []
         trainer_defaults["callbacks"] = [*(extra if isinstance(extra, list) else [extra]), RunDirectoryLock()]
         super().__init__(*args, trainer_defaults=trainer_defaults, **kwargs)
+
+    def parse_arguments(self, parser: LightningArgumentParser, args: ArgsType) -> None:
+        super().parse_arguments(parser, args)
+        # LightningCLI reads --ckpt_path's hyperparameters with a bare torch.load next: verify it first.
+        subcommand = self.config.get("subcommand")
+        ckpt_path = self.config[subcommand].get("ckpt_path") if subcommand else None
+        if ckpt_path and Path(ckpt_path).is_file():
+            refuse_if_damaged(ckpt_path)
 
     def instantiate_trainer(self, **kwargs: Any) -> Trainer:
         trainer = super().instantiate_trainer(**kwargs)

@@ -168,3 +168,22 @@ def test_symlinked_last_is_verified_through_its_target(tmp_path):
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # no "missing sidecar" warning for the link
         assert VerifiedCheckpointIO().load_checkpoint(last)["global_step"] == 2
+
+
+@pytest.mark.parametrize("damage", ["overwrite", "truncate"])
+def test_mmpo_cli_refuses_a_damaged_ckpt_path(run_dir, damage):
+    from lightning.pytorch.demos.boring_classes import BoringDataModule
+
+    from mmpo.training.cli_support import MMPOLightningCLI
+
+    last = run_dir / "checkpoints" / "last.ckpt"
+    if damage == "overwrite":
+        _overwrite_optimizer_bytes(last)
+    else:
+        last.write_bytes(last.read_bytes()[:1000])
+    args = ["fit", f"--ckpt_path={last}", f"--trainer.default_root_dir={run_dir / 'resume'}", "--trainer.logger=false",
+            "--trainer.max_steps=6", "--trainer.enable_progress_bar=false"]
+    with pytest.raises(CorruptCheckpointError) as raised:
+        MMPOLightningCLI(AdamBoring, BoringDataModule, args=args)
+    assert str(last) in str(raised.value)
+    assert str(run_dir / "checkpoints" / "epoch=0-step=4.ckpt") in str(raised.value)
