@@ -18,6 +18,7 @@ import torch
 from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 from torch.utils.data import DataLoader, Dataset, random_split
 
+from mmpo.training.nonfinite import DEFAULT_MAX_CONSECUTIVE_SKIPS, NonFiniteGuard, NonFiniteGuardMixin
 from robotics.policy import DiffusionPolicy
 from robotics.policy.io import save_policy_safetensors
 
@@ -118,7 +119,7 @@ def _unpack_batch(batch: Any) -> tuple[torch.Tensor, torch.Tensor]:
     return obs.float().reshape(obs.shape[0], -1), actions.float()
 
 
-class BCModule(pl.LightningModule):
+class BCModule(NonFiniteGuardMixin, pl.LightningModule):
     """DDPM behaviour cloning of a :class:`~robotics.policy.DiffusionPolicy` (arXiv 2006.11239, 2409.00588).
 
     Args:
@@ -131,6 +132,9 @@ class BCModule(pl.LightningModule):
             DPPO fine-tuning and ``mmpo rollout``.
         normalizer_path: stats json stored in the checkpoint (default: the datamodule's).
         export_safetensors: also write the EMA policy as ``<log_dir>/policy.safetensors`` at the end.
+        max_consecutive_skips: optimizer steps with a non-finite loss or gradient norm are skipped (weights, EMA
+            and optimizer state untouched, counted as perf/skipped_steps); this many in a row stop the run with
+            NonFiniteTrainingError (mmpo.training.nonfinite).
     """
 
     def __init__(
@@ -155,9 +159,11 @@ class BCModule(pl.LightningModule):
         max_episode_steps: int | None = None,
         normalizer_path: str | None = None,
         export_safetensors: bool = True,
+        max_consecutive_skips: int = DEFAULT_MAX_CONSECUTIVE_SKIPS,
     ) -> None:
         super().__init__()
         self.save_hyperparameters()
+        self.nonfinite = NonFiniteGuard(max_consecutive_skips)
         if not 1 <= act_steps <= horizon:
             raise ValueError(f"act_steps must be in [1, horizon={horizon}], got {act_steps}")
         self.policy = DiffusionPolicy(
@@ -184,7 +190,8 @@ class BCModule(pl.LightningModule):
         return loss
 
     def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
-        self.ema_policy.update_parameters(self.policy)
+        if not self.nonfinite.skipping:  # a skipped (non-finite) step leaves the EMA as it was too
+            self.ema_policy.update_parameters(self.policy)
 
     def validation_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         obs, actions = _unpack_batch(batch)
