@@ -50,6 +50,8 @@ class ChunkDataModule(pl.LightningDataModule):
         normalizer_path: min-max stats json; default ``<dataset_path>.stats.json``.
         num_workers: DataLoader workers (0 on shared CPUs).
         seed: split seed.
+        on_nonfinite: a demo with a NaN/inf observation or action is an error naming it ("error") or is
+            skipped with a warning ("skip"; the count is ``skipped_demos``).
     """
 
     def __init__(
@@ -61,6 +63,7 @@ class ChunkDataModule(pl.LightningDataModule):
         normalizer_path: str | None = None,
         num_workers: int = 0,
         seed: int = 0,
+        on_nonfinite: str = "error",
     ) -> None:
         super().__init__()
         if not 0.0 <= val_fraction < 1.0:
@@ -71,6 +74,7 @@ class ChunkDataModule(pl.LightningDataModule):
         self.val_fraction = val_fraction
         self.num_workers = num_workers
         self.seed = seed
+        self.on_nonfinite = on_nonfinite
         self.normalizer_path = normalizer_path or f"{dataset_path}.stats.json"
         self.train_set: Dataset | None = None
         self.val_set: Dataset | None = None
@@ -91,7 +95,8 @@ class ChunkDataModule(pl.LightningDataModule):
                 f"normaliser stats {self.normalizer_path!r} not found (written by `mmpo demos` beside the dataset)"
             )
         normalizer = Normalizer.load(self.normalizer_path)
-        dataset = ChunkDataset(self.dataset_path, horizon=self.horizon, normalizer=normalizer)
+        dataset = ChunkDataset(self.dataset_path, horizon=self.horizon, normalizer=normalizer,
+                               on_nonfinite=self.on_nonfinite)
         if len(dataset) == 0:
             raise ValueError(f"demo dataset {self.dataset_path!r} holds no chunks")
         num_val = int(round(len(dataset) * self.val_fraction))
