@@ -11,6 +11,7 @@ from __future__ import annotations
 import copy
 import logging
 import math
+from pathlib import Path
 from types import SimpleNamespace
 
 import gymnasium as gym
@@ -425,3 +426,69 @@ def test_demo_loader_names_the_nonfinite_demo_and_step_or_skips_it(tmp_path):
         ChunkDataset(obs_path, horizon=2, obs_keys=("state",))
     with pytest.raises(ValueError, match="on_nonfinite must be one of"):
         ChunkDataset(obs_path, horizon=2, obs_keys=("state",), on_nonfinite="ignore")
+
+
+# ----------------------------------------------------------------------------- `mmpo fit`, end to end
+
+
+def _lift_like_demos(path, nan_action_in: str | None) -> None:
+    """3 demos in the lift layout (19-d state, 7-d actions) and their stats file, as `mmpo demos` writes."""
+    from robotics.envs import Normalizer
+    from robotics.envs.tasks import ROBOMIMIC_LOW_DIM_KEYS
+
+    dims = {"robot0_eef_pos": 3, "robot0_eef_quat": 4, "robot0_gripper_qpos": 2, "object": 10}
+    rng = np.random.default_rng(0)
+    finite_obs, finite_actions = [], []
+    with h5py.File(path, "w") as handle:
+        data = handle.create_group("data")
+        for name in ("demo_1", "demo_2", "demo_3"):
+            group = data.create_group(name)
+            actions = rng.uniform(-1, 1, (12, 7))
+            obs = {key: rng.uniform(-1, 1, (12, dims[key])) for key in ROBOMIMIC_LOW_DIM_KEYS}
+            if name == nan_action_in:
+                actions[7, 2] = np.nan
+            else:
+                finite_obs.append(np.concatenate([obs[k] for k in ROBOMIMIC_LOW_DIM_KEYS], 1))
+                finite_actions.append(actions)
+            group.create_dataset("actions", data=actions)
+            for key, values in obs.items():
+                group.create_dataset(f"obs/{key}", data=values)
+    Normalizer.from_data(np.concatenate(finite_obs), np.concatenate(finite_actions)).save(f"{path}.stats.json")
+
+
+def _fit_bc_config(path, *overrides: str) -> None:
+    from mmpo.cli import main
+
+    config = str(Path(__file__).resolve().parents[2] / "configs" / "robotics" / "bc_lift.yaml")
+    main(["fit", "-c", config, f"--data.init_args.dataset_path={path}", "--data.init_args.batch_size=8",
+          "--model.init_args.hidden_dims=[16, 16]", "--model.init_args.denoising_steps=3", "--trainer.max_epochs=2",
+          "--trainer.enable_progress_bar=false", *overrides])
+
+
+def test_mmpo_fit_bc_rejects_a_nan_demo_or_skips_it_and_exports_a_finite_policy(tmp_path, monkeypatch):
+    from robotics.policy.io import load_policy
+
+    monkeypatch.chdir(tmp_path)  # the config writes under runs/bc_lift
+    path = tmp_path / "demos.hdf5"
+    _lift_like_demos(path, nan_action_in="demo_3")
+    with pytest.raises(ValueError, match=r"demo_3, step 7: actions\[2\] = nan"):
+        _fit_bc_config(path)
+    assert not list(tmp_path.rglob("policy.safetensors"))
+
+    _fit_bc_config(path, "--data.init_args.on_nonfinite=skip")
+    exported = list(tmp_path.rglob("policy.safetensors"))
+    assert len(exported) == 1
+    policy, _ = load_policy(exported[0])
+    assert all(torch.isfinite(p).all() for p in policy.parameters())
+
+
+def test_mmpo_fit_bc_stops_on_repeated_nan_losses_without_exporting(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    path = tmp_path / "demos.hdf5"
+    _lift_like_demos(path, nan_action_in=None)
+    # lr 1e30: the first AdamW step makes the weights ~1e30, every later forward overflows to NaN
+    with pytest.raises(NonFiniteTrainingError, match=r"3 consecutive optimizer steps \(up to step 3\).*"
+                                                     r"Last finite step: 0\."):
+        _fit_bc_config(path, "--model.init_args.lr=1e30", "--model.init_args.lr_min=1e30",
+                       "--model.init_args.max_consecutive_skips=3")
+    assert not list(tmp_path.rglob("policy.safetensors"))
