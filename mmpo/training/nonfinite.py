@@ -3,7 +3,8 @@
 One rule for every family (VLM GRPO/SFT, dLLM RL/SFT, robotics BC/DPPO):
 
 - After backward, before the optimizer step, the loss and the total gradient norm (before
-  clipping) are checked. If either is NaN or inf, every gradient is dropped (set to None), so the
+  clipping) are checked; under fp16 AMP only the loss (the GradScaler skips overflowing
+  gradients itself). If either is NaN or inf, every gradient is dropped (set to None), so the
   following ``optimizer.step()`` changes nothing: torch optimizers skip parameters without a
   gradient, so weights, AdamW moments and AdamW's step count stay bit-identical.
 - The skipped step still counts as a step: ``trainer.global_step`` and the LR schedule advance,
@@ -162,6 +163,10 @@ class NonFiniteGuardMixin:
         reduce = None
         if trainer is not None:
             reduce = lambda decision: trainer.strategy.reduce_boolean_decision(decision, all=False)  # noqa: E731
+            if getattr(trainer.precision_plugin, "scaler", None) is not None:
+                # fp16 AMP: gradients are still scaled here and an overflow is the GradScaler's to skip
+                # (it lowers the scale); dropping them would hide the overflow from it
+                grad_norm = None
         ok = self.nonfinite.check(step, loss, grad_norm, reduce=reduce)
         if not ok:
             for optimizer in optimizers:
