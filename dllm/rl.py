@@ -46,9 +46,10 @@ from dllm.rollout import greedy_accuracy, rollout
 from dllm.sampler import SamplerConfig
 from mmpo.core import compute_advantages_with_metrics
 from mmpo.core.aggregate import AggregationMode
+from mmpo.training.nonfinite import DEFAULT_MAX_CONSECUTIVE_SKIPS, NonFiniteGuard, NonFiniteGuardMixin, gradient_norm
 
 
-class DiffuGRPO(PlainHparamsMixin, pl.LightningModule):
+class DiffuGRPO(NonFiniteGuardMixin, PlainHparamsMixin, pl.LightningModule):
     """diffu-GRPO with optional IGPO inpainting (``igpo: true``) for masked-diffusion LMs.
 
     Args:
@@ -93,6 +94,9 @@ class DiffuGRPO(PlainHparamsMixin, pl.LightningModule):
             with a frozen copy of the starting weights as reference.
         logprob_chunk_size: rows per chunk of the log-softmax.
         seed: rollout RNG seed (step s uses seed * 1_000_003 + s, so resumes reproduce).
+        max_consecutive_skips: optimizer steps with a non-finite loss or gradient norm are skipped (weights and
+            optimizer state untouched, counted as perf/skipped_steps); this many in a row stop the run with
+            NonFiniteTrainingError (mmpo.training.nonfinite).
     """
 
     def __init__(
@@ -128,10 +132,12 @@ class DiffuGRPO(PlainHparamsMixin, pl.LightningModule):
         lora: LoraSettings | None = None,
         logprob_chunk_size: int = 1024,
         seed: int = 0,
+        max_consecutive_skips: int = DEFAULT_MAX_CONSECUTIVE_SKIPS,
     ) -> None:
         super().__init__()
         self.save_hyperparameters()
         self.automatic_optimization = False
+        self.nonfinite = NonFiniteGuard(max_consecutive_skips)
         if group_size < 2:
             raise ValueError(f"group_size must be >= 2 for group-relative advantages, got {group_size}")
         if inner_updates < 1:
@@ -318,7 +324,10 @@ class DiffuGRPO(PlainHparamsMixin, pl.LightningModule):
             )
             optimizer.zero_grad()
             self.manual_backward(loss)
-            self.clip_gradients(optimizer, gradient_clip_val=self.hparams.max_grad_norm, gradient_clip_algorithm="norm")
+            # a non-finite loss or gradient norm drops the gradients: the step below then changes nothing
+            trainable = (p for p in self.model.parameters() if p.requires_grad)
+            if self.nonfinite_step_ok(loss, gradient_norm(trainable), optimizer):
+                self.clip_gradients(optimizer, gradient_clip_val=self.hparams.max_grad_norm, gradient_clip_algorithm="norm")
             optimizer.step()
             for name, value in metrics.items():
                 metrics_sum[name] = metrics_sum.get(name, 0.0) + float(value) / len(keys)
@@ -326,6 +335,7 @@ class DiffuGRPO(PlainHparamsMixin, pl.LightningModule):
         if scheduler is not None:
             scheduler.step()
         batch_size = len(rows)
+        metrics_sum["perf/skipped_steps"] = float(self.nonfinite.skipped_steps)
         self.log_dict({**batch["metrics"], **adv_metrics, **metrics_sum}, batch_size=batch_size)
         self.log("train/frac_all_wrong", batch["metrics"]["igpo/frac_all_wrong"], prog_bar=True, batch_size=batch_size)
         return loss.detach()

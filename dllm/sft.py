@@ -33,6 +33,7 @@ from dllm.modeling import (
     save_mask_predictor,
 )
 from dllm.checkpoint_hparams import PlainHparamsMixin, as_config
+from mmpo.training.nonfinite import DEFAULT_MAX_CONSECUTIVE_SKIPS, NonFiniteGuard, NonFiniteGuardMixin
 from dllm.rollout import greedy_accuracy
 from dllm.sampler import SamplerConfig
 from dllm.task import ArithmeticTaskConfig, corpus
@@ -73,7 +74,7 @@ def llada_sft_loss(answer_logits: Tensor, answers: Tensor, masked: Tensor, p_mas
     return per_row.mean()
 
 
-class MaskedDiffusionSFT(PlainHparamsMixin, pl.LightningModule):
+class MaskedDiffusionSFT(NonFiniteGuardMixin, PlainHparamsMixin, pl.LightningModule):
     """SFT warm-up of a masked-diffusion LM on reference traces (LLaDA SFT loss).
 
     Args:
@@ -88,6 +89,9 @@ class MaskedDiffusionSFT(PlainHparamsMixin, pl.LightningModule):
         warmup_steps: linear learning-rate warm-up.
         mask_eps: LLaDA's eps in p = (1 - eps) t + eps.
         seed: seed of the masking RNG and of the tiny model's initialisation.
+        max_consecutive_skips: optimizer steps with a non-finite loss or gradient norm are skipped (weights and
+            optimizer state untouched, counted as perf/skipped_steps); this many in a row stop the run with
+            NonFiniteTrainingError (mmpo.training.nonfinite).
     """
 
     def __init__(
@@ -103,9 +107,11 @@ class MaskedDiffusionSFT(PlainHparamsMixin, pl.LightningModule):
         warmup_steps: int = 50,
         mask_eps: float = 1e-3,
         seed: int = 0,
+        max_consecutive_skips: int = DEFAULT_MAX_CONSECUTIVE_SKIPS,
     ) -> None:
         super().__init__()
         self.save_hyperparameters()
+        self.nonfinite = NonFiniteGuard(max_consecutive_skips)
         self.save_dir = save_dir
         self.sampler = as_config(sampler, SamplerConfig)
         self.lr, self.weight_decay, self.warmup_steps, self.mask_eps = lr, weight_decay, warmup_steps, mask_eps

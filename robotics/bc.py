@@ -18,6 +18,7 @@ import torch
 from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 from torch.utils.data import DataLoader, Dataset, random_split
 
+from mmpo.training.nonfinite import DEFAULT_MAX_CONSECUTIVE_SKIPS, NonFiniteGuard, NonFiniteGuardMixin
 from robotics.policy import DiffusionPolicy
 from robotics.policy.io import save_policy_safetensors
 
@@ -49,6 +50,8 @@ class ChunkDataModule(pl.LightningDataModule):
         normalizer_path: min-max stats json; default ``<dataset_path>.stats.json``.
         num_workers: DataLoader workers (0 on shared CPUs).
         seed: split seed.
+        on_nonfinite: a demo with a NaN/inf observation or action is an error naming it ("error") or is
+            skipped with a warning ("skip"; the count is ``skipped_demos``).
     """
 
     def __init__(
@@ -60,6 +63,7 @@ class ChunkDataModule(pl.LightningDataModule):
         normalizer_path: str | None = None,
         num_workers: int = 0,
         seed: int = 0,
+        on_nonfinite: str = "error",
     ) -> None:
         super().__init__()
         if not 0.0 <= val_fraction < 1.0:
@@ -70,6 +74,7 @@ class ChunkDataModule(pl.LightningDataModule):
         self.val_fraction = val_fraction
         self.num_workers = num_workers
         self.seed = seed
+        self.on_nonfinite = on_nonfinite
         self.normalizer_path = normalizer_path or f"{dataset_path}.stats.json"
         self.train_set: Dataset | None = None
         self.val_set: Dataset | None = None
@@ -90,7 +95,8 @@ class ChunkDataModule(pl.LightningDataModule):
                 f"normaliser stats {self.normalizer_path!r} not found (written by `mmpo demos` beside the dataset)"
             )
         normalizer = Normalizer.load(self.normalizer_path)
-        dataset = ChunkDataset(self.dataset_path, horizon=self.horizon, normalizer=normalizer)
+        dataset = ChunkDataset(self.dataset_path, horizon=self.horizon, normalizer=normalizer,
+                               on_nonfinite=self.on_nonfinite)
         if len(dataset) == 0:
             raise ValueError(f"demo dataset {self.dataset_path!r} holds no chunks")
         num_val = int(round(len(dataset) * self.val_fraction))
@@ -118,7 +124,7 @@ def _unpack_batch(batch: Any) -> tuple[torch.Tensor, torch.Tensor]:
     return obs.float().reshape(obs.shape[0], -1), actions.float()
 
 
-class BCModule(pl.LightningModule):
+class BCModule(NonFiniteGuardMixin, pl.LightningModule):
     """DDPM behaviour cloning of a :class:`~robotics.policy.DiffusionPolicy` (arXiv 2006.11239, 2409.00588).
 
     Args:
@@ -131,6 +137,9 @@ class BCModule(pl.LightningModule):
             DPPO fine-tuning and ``mmpo rollout``.
         normalizer_path: stats json stored in the checkpoint (default: the datamodule's).
         export_safetensors: also write the EMA policy as ``<log_dir>/policy.safetensors`` at the end.
+        max_consecutive_skips: optimizer steps with a non-finite loss or gradient norm are skipped (weights, EMA
+            and optimizer state untouched, counted as perf/skipped_steps); this many in a row stop the run with
+            NonFiniteTrainingError (mmpo.training.nonfinite).
     """
 
     def __init__(
@@ -155,9 +164,11 @@ class BCModule(pl.LightningModule):
         max_episode_steps: int | None = None,
         normalizer_path: str | None = None,
         export_safetensors: bool = True,
+        max_consecutive_skips: int = DEFAULT_MAX_CONSECUTIVE_SKIPS,
     ) -> None:
         super().__init__()
         self.save_hyperparameters()
+        self.nonfinite = NonFiniteGuard(max_consecutive_skips)
         if not 1 <= act_steps <= horizon:
             raise ValueError(f"act_steps must be in [1, horizon={horizon}], got {act_steps}")
         self.policy = DiffusionPolicy(
@@ -184,7 +195,8 @@ class BCModule(pl.LightningModule):
         return loss
 
     def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
-        self.ema_policy.update_parameters(self.policy)
+        if not self.nonfinite.skipping:  # a skipped (non-finite) step leaves the EMA as it was too
+            self.ema_policy.update_parameters(self.policy)
 
     def validation_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         obs, actions = _unpack_batch(batch)

@@ -33,6 +33,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 from mmpo.core import gae, policy_loss
+from mmpo.training.nonfinite import DEFAULT_MAX_CONSECUTIVE_SKIPS, NonFiniteGuard, NonFiniteGuardMixin, gradient_norm
 from robotics.evaluate import EpisodeTracker, check_same_step_autoreset, evaluate_policy, final_observations
 from robotics.policy import CriticMLP, DiffusionPolicy
 from robotics.policy.dppo_math import (
@@ -91,7 +92,7 @@ class OnPolicyDataModule(pl.LightningDataModule):
         return DataLoader(_IterationIndices(module.hparams.num_iterations), batch_size=None, shuffle=False)
 
 
-class DPPOModule(pl.LightningModule):
+class DPPOModule(NonFiniteGuardMixin, pl.LightningModule):
     """DPPO fine-tuning (arXiv 2409.00588) of a BC diffusion policy on a vectorised chunk env.
 
     Args:
@@ -123,6 +124,9 @@ class DPPOModule(pl.LightningModule):
         env_factory: callable ``(num_envs=..., seed=..., act_steps=...) -> VectorEnv`` (SAME_STEP
             autoreset) replacing ``robotics.envs.make_vector_env`` (used by tests).
         asynchronous: subprocess envs (True) or in-process (False).
+        max_consecutive_skips: minibatch steps with a non-finite loss or gradient norm are skipped (actor, critic
+            and optimizer states untouched, counted as perf/skipped_steps); this many in a row stop the run with
+            NonFiniteTrainingError (mmpo.training.nonfinite).
     """
 
     def __init__(
@@ -167,10 +171,12 @@ class DPPOModule(pl.LightningModule):
         seed: int = 0,
         env_factory: EnvFactory | None = None,
         asynchronous: bool = True,
+        max_consecutive_skips: int = DEFAULT_MAX_CONSECUTIVE_SKIPS,
     ) -> None:
         super().__init__()
         self.save_hyperparameters(ignore=["env_factory"])
         self.automatic_optimization = False
+        self.nonfinite = NonFiniteGuard(max_consecutive_skips)
         for name, value in (("num_iterations", num_iterations), ("num_envs", num_envs), ("n_steps", n_steps),
                             ("batch_size", batch_size), ("update_epochs", update_epochs)):
             if int(value) < 1:
@@ -377,6 +383,9 @@ class DPPOModule(pl.LightningModule):
                 actor_opt.zero_grad(set_to_none=True)
                 critic_opt.zero_grad(set_to_none=True)
                 self.manual_backward(loss)
+                # a non-finite loss or gradient norm drops the gradients: the steps below then change nothing
+                trained = [*self.policy.ft_network.parameters(), *self.critic.parameters()]
+                self.nonfinite_step_ok(loss, gradient_norm(trained), actor_opt, critic_opt)
                 if hp.max_grad_norm is not None:
                     torch.nn.utils.clip_grad_norm_(self.policy.ft_network.parameters(), hp.max_grad_norm)
                     torch.nn.utils.clip_grad_norm_(self.critic.parameters(), hp.max_grad_norm)
@@ -427,6 +436,7 @@ class DPPOModule(pl.LightningModule):
             "perf/env_steps_per_s": env_steps / max(rollout_seconds, 1e-9),
             "perf/env_steps_total": float(self.train_tracker.env_steps),
             "perf/faults": float(self.train_tracker.faults),
+            "perf/skipped_steps": float(self.nonfinite.skipped_steps),
             "charts/iteration": float(self.iteration),
         })
         if hp.eval_every and (self.iteration % hp.eval_every == 0 or self.iteration == hp.num_iterations - 1):

@@ -53,6 +53,7 @@ from mmpo.core import (
     kl_penalty,
     policy_loss,
 )
+from mmpo.training.nonfinite import DEFAULT_MAX_CONSECUTIVE_SKIPS, NonFiniteGuard, NonFiniteGuardMixin
 from mmpo.vlm.factory import load_vlm, make_reference_model
 from mmpo.vlm.logprobs import DEFAULT_LOGPROB_CHUNK, completion_log_probs
 from mmpo.vlm.rollout import HFGenerateEngine, Rollout, concat_rollouts
@@ -62,7 +63,7 @@ log = logging.getLogger(__name__)
 DEFAULT_REWARD_WEIGHTS = {"accuracy": 0.9, "format": 0.1}
 
 
-class GRPOModule(VLMCheckpointHooks, L.LightningModule):
+class GRPOModule(NonFiniteGuardMixin, VLMCheckpointHooks, L.LightningModule):
     """Group Relative Policy Optimization for a Qwen-VL policy (manual optimisation).
 
     A training batch is a list of rows (prompts); each row gets ``num_generations``
@@ -87,6 +88,8 @@ class GRPOModule(VLMCheckpointHooks, L.LightningModule):
         dual_clip: dual-clip constant c for negative advantages (e.g. 3.0); None disables.
         loss_settings: further keyword settings for the policy loss (e.g. GSPO/CISPO options).
         agg: loss aggregation: token-mean, seq-mean-token-mean, seq-mean-token-sum, seq-mean-token-sum-norm.
+        norm_len: the constant L of seq-mean-token-sum-norm (Dr.GRPO divides by sequences x L); None = max_new_tokens
+            (as the paper and TRL's dr_grpo with max_completion_length), never the step's padded width.
         advantage: advantage estimator name in mmpo.core (grpo, drgrpo, rloo, mapo, ...).
         advantage_eps: epsilon added to the group std (estimators that take eps); None = estimator default.
         mu: inner PPO epochs over each rollout batch.
@@ -109,6 +112,9 @@ class GRPOModule(VLMCheckpointHooks, L.LightningModule):
         output_dir: where HF weights (model + processor) are written at the end of fit; None = not saved.
         save_hf_on_checkpoint: also write HF weights to output_dir whenever a Lightning checkpoint is saved.
         seed: seeds sampling (per step and rank) and minibatch shuffling.
+        max_consecutive_skips: optimizer steps with a non-finite loss or gradient norm are skipped (weights and
+            optimizer state untouched, counted as perf/skipped_steps); this many in a row stop the run with
+            NonFiniteTrainingError (mmpo.training.nonfinite).
     """
 
     def __init__(
@@ -130,6 +136,7 @@ class GRPOModule(VLMCheckpointHooks, L.LightningModule):
         dual_clip: float | None = None,
         loss_settings: dict[str, Any] | None = None,
         agg: str = "token-mean",
+        norm_len: int | None = None,
         advantage: str = "grpo",
         advantage_eps: float | None = 1e-6,
         mu: int = 1,
@@ -152,10 +159,12 @@ class GRPOModule(VLMCheckpointHooks, L.LightningModule):
         output_dir: str | None = None,
         save_hf_on_checkpoint: bool = False,
         seed: int = 0,
+        max_consecutive_skips: int = DEFAULT_MAX_CONSECUTIVE_SKIPS,
     ) -> None:
         super().__init__()
         self.save_hyperparameters()
         self.automatic_optimization = False
+        self.nonfinite = NonFiniteGuard(max_consecutive_skips)
         self._validate_settings()
         self.model, self.processor = load_vlm(
             model_path, dtype=getattr(torch, dtype), min_pixels=min_pixels, max_pixels=max_pixels
@@ -184,6 +193,7 @@ class GRPOModule(VLMCheckpointHooks, L.LightningModule):
         require(h.kl_kind in KL_KINDS, f"unknown kl_kind {h.kl_kind!r}; valid: {list(KL_KINDS)}")
         require(h.loss in POLICY_LOSSES, f"unknown loss {h.loss!r}; valid: {POLICY_LOSSES.names()}")
         require(h.agg in AGGREGATION_MODES, f"unknown agg {h.agg!r}; valid: {list(AGGREGATION_MODES)}")
+        require(h.norm_len is None or h.norm_len >= 1, f"norm_len must be >= 1 or None, got {h.norm_len}")
         require(h.advantage in ADVANTAGE_ESTIMATORS,
                 f"unknown advantage {h.advantage!r}; valid: {ADVANTAGE_ESTIMATORS.names()}")
         require(h.clip_low is None or 0 <= h.clip_low < 1, f"clip_low must be in [0, 1), got {h.clip_low}")
@@ -380,6 +390,7 @@ class GRPOModule(VLMCheckpointHooks, L.LightningModule):
         metrics["perf/rollout_s"] = t_rollout
         metrics["perf/update_s"] = t_update
         metrics["lr"] = self.optimizers().param_groups[0]["lr"]
+        metrics["perf/skipped_steps"] = float(self.nonfinite.skipped_steps)
         metrics["rewards/total/mean"] = float(rewards.mean())
         shown = {"rewards/total/mean", "losses/policy"}
         logged = {k: float(v) for k, v in metrics.items()}
@@ -459,7 +470,10 @@ class GRPOModule(VLMCheckpointHooks, L.LightningModule):
             if scheduler is not None:
                 scheduler.step()
             return {}
-        agg = partial(aggregate, mode=h.agg, global_tokens=global_tokens, global_seqs=global_seqs)
+        # Dr.GRPO's L is a constant (max_new_tokens unless norm_len says otherwise), never this
+        # minibatch's padded width; the KL, entropy and extra terms share the policy loss's normaliser.
+        norm_len = h.norm_len or h.max_new_tokens
+        agg = partial(aggregate, mode=h.agg, global_tokens=global_tokens, global_seqs=global_seqs, norm_len=norm_len)
         loss_settings = self._loss_settings()
 
         sums: dict[str, float] = {}
@@ -472,7 +486,7 @@ class GRPOModule(VLMCheckpointHooks, L.LightningModule):
             part_adv = advantages[micro]
             pg_loss, pg_metrics = policy_loss(
                 h.loss, log_probs, old, part_adv, part_mask, agg=h.agg,
-                global_tokens=global_tokens, global_seqs=global_seqs, **loss_settings,
+                global_tokens=global_tokens, global_seqs=global_seqs, norm_len=norm_len, **loss_settings,
             )
             loss = pg_loss
             kl_loss = torch.zeros((), device=self.device)
@@ -519,6 +533,8 @@ class GRPOModule(VLMCheckpointHooks, L.LightningModule):
                 torch.stack([p.grad.norm() for p in params if p.grad is not None])
             )
         sums["policy/grad_norm"] = float(grad_norm)
+        # a non-finite loss or gradient norm drops the gradients: the step below then changes nothing
+        self.nonfinite_step_ok(sums["losses/total"], grad_norm, optimizer)
         optimizer.step()
         scheduler = self.lr_schedulers()
         if scheduler is not None:

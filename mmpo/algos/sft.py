@@ -15,6 +15,7 @@ import lightning as L
 import torch
 
 from mmpo.algos.config import VLMCheckpointHooks, greedy_validation_metrics, make_optimizer, require
+from mmpo.training.nonfinite import DEFAULT_MAX_CONSECUTIVE_SKIPS, NonFiniteGuard, NonFiniteGuardMixin
 from mmpo.vlm.factory import load_vlm
 from mmpo.vlm.logprobs import DEFAULT_LOGPROB_CHUNK, completion_log_probs
 from mmpo.vlm.processing import encode_completions, encode_prompts
@@ -23,7 +24,7 @@ from mmpo.vlm.rollout import HFGenerateEngine
 STYLES = ("think-answer", "steps")
 
 
-class SFTModule(VLMCheckpointHooks, L.LightningModule):
+class SFTModule(NonFiniteGuardMixin, VLMCheckpointHooks, L.LightningModule):
     """Teacher-forced SFT on reference solutions (loss on completion tokens only).
 
     Args:
@@ -45,6 +46,9 @@ class SFTModule(VLMCheckpointHooks, L.LightningModule):
         output_dir: where HF weights (model + processor) are written; None = not saved.
         save_hf_on_checkpoint: also write HF weights to output_dir whenever a Lightning checkpoint is saved.
         reward_timeout_s: per reward-function call deadline during validation.
+        max_consecutive_skips: optimizer steps with a non-finite loss or gradient norm are skipped (weights and
+            optimizer state untouched, counted as perf/skipped_steps); this many in a row stop the run with
+            NonFiniteTrainingError (mmpo.training.nonfinite).
     """
 
     def __init__(
@@ -67,9 +71,11 @@ class SFTModule(VLMCheckpointHooks, L.LightningModule):
         output_dir: str | None = None,
         save_hf_on_checkpoint: bool = True,
         reward_timeout_s: float = 10.0,
+        max_consecutive_skips: int = DEFAULT_MAX_CONSECUTIVE_SKIPS,
     ) -> None:
         super().__init__()
         self.save_hyperparameters()
+        self.nonfinite = NonFiniteGuard(max_consecutive_skips)
         require(lr > 0, f"lr must be > 0, got {lr}")
         require(style in STYLES, f"unknown style {style!r}; valid: {list(STYLES)}")
         require(max_completion_length is None or max_completion_length >= 1,

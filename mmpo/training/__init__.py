@@ -1,1 +1,1 @@
-"""Lightning-level reliability pieces shared by every training entry point."""
+"""Lightning-level reliability pieces shared by every family and entry point (one module per guard)."""

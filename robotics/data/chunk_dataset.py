@@ -14,6 +14,7 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
+from robotics.data.finite import drop_nonfinite_demos
 from robotics.data.robomimic_io import Demo, load_demos
 from robotics.envs.normalizer import Normalizer, stats_path_for
 from robotics.envs.tasks import ROBOMIMIC_LOW_DIM_KEYS
@@ -31,6 +32,8 @@ class ChunkDataset(Dataset):
         obs_keys: low-dim keys concatenated into the state (default robomimic's
             robot0_eef_pos, robot0_eef_quat, robot0_gripper_qpos, object).
         filter_key: robomimic mask name (e.g. "train", "valid") to select demos.
+        on_nonfinite: a demo with a NaN/inf observation or action is an error naming it ("error")
+            or is dropped and counted in ``skipped_demos`` ("skip").
 
     Shapes: ``obs`` (obs_dim,) when obs_horizon == 1, else (obs_horizon, obs_dim);
     ``action_chunk`` (horizon, action_dim).
@@ -45,6 +48,7 @@ class ChunkDataset(Dataset):
         normalizer: Normalizer | str | Path | None = None,
         obs_keys: tuple[str, ...] | list[str] = ROBOMIMIC_LOW_DIM_KEYS,
         filter_key: str | None = None,
+        on_nonfinite: str = "error",
     ) -> None:
         if horizon < 1 or obs_horizon < 1:
             raise ValueError(f"horizon and obs_horizon must be >= 1, got {horizon}, {obs_horizon}")
@@ -53,6 +57,7 @@ class ChunkDataset(Dataset):
         self.obs_horizon = int(obs_horizon)
         self.obs_keys = tuple(obs_keys)
         self.demos: list[Demo] = load_demos(self.hdf5_path, self.obs_keys, filter_key=filter_key)
+        self.demos, self.skipped_demos = drop_nonfinite_demos(self.demos, self.hdf5_path, on_nonfinite)
         self.normalizer = self._resolve_normalizer(normalizer)
         self._obs = [self.normalizer.normalize_obs(d.obs).astype(np.float32) for d in self.demos]
         self._actions = [self.normalizer.normalize_action(d.actions).astype(np.float32) for d in self.demos]
@@ -74,6 +79,9 @@ class ChunkDataset(Dataset):
                 np.concatenate([d.actions for d in self.demos]),
                 obs_keys=list(self.obs_keys),
             )
+        stats = (result.obs_min, result.obs_max, result.action_min, result.action_max)
+        if not all(np.isfinite(values).all() for values in stats):
+            raise ValueError(f"normaliser stats for {self.hdf5_path} hold non-finite values (NaN/inf); recompute them")
         if result.obs_dim != self.obs_dim or result.action_dim != self.action_dim:
             raise ValueError(
                 f"normaliser dims (obs {result.obs_dim}, action {result.action_dim}) do not match "
