@@ -311,3 +311,11 @@ def test_linear_scans_agree_with_the_former_regexes_on_random_texts():
         assert is_think_answer_format(text) == expected_format, text
         expected_steps = "\n".join(body.strip() for body in _STEP_SECTION_REGEX.findall(text)).lower()
         assert step_sections_text(text) == expected_steps, text
+
+
+def test_math_verify_log_lines_are_cut(caplog):
+    with caplog.at_level(logging.WARNING, logger="math_verify.parser"):
+        logging.getLogger("math_verify.parser").warning("Timeout during parsing: %s", "9" * 50_000)
+    (record,) = [r for r in caplog.records if r.name == "math_verify.parser"]
+    assert record.getMessage() == shorten("Timeout during parsing: " + "9" * 50_000)
+    assert record.getMessage().endswith("... (50024 chars)")
