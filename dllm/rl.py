@@ -21,7 +21,9 @@ Metrics (CleanRL names): ``rewards/correct/mean`` (sampled rollouts), ``rewards/
 (after replacement, format reward included), ``rewards/format/mean`` (with a format reward),
 ``igpo/frac_all_wrong_sampled`` (groups all wrong before hints),
 ``igpo/frac_all_wrong`` (after replacement: groups that give no learning signal),
-``igpo/num_replaced``, ``igpo/hinted_accuracy``, ``losses/policy``, ``losses/kl``,
+``igpo/num_replaced``, ``igpo/hinted_accuracy``, ``rewards/correct/errors``, ``/timeouts`` and
+``/verify_errors`` (scoring calls that failed or missed ``reward_timeout_s``; answers math-verify
+raised on), ``perf/reward_worker_restarts``, ``losses/policy``, ``losses/kl``,
 ``policy/*`` from the core, ``val/accuracy`` (greedy, held out).
 """
 
@@ -41,7 +43,7 @@ from dllm.igpo import RATIO_LEVELS, all_wrong_groups, choose_replacements, hint_
 from dllm.logprobs import completion_log_probs, perturb_for_scoring, structured_timesteps
 from dllm.lora import LoraSettings, wrap_with_lora
 from dllm.modeling import generation_dict, load_mask_predictor, mask_token_id, save_mask_predictor
-from dllm.rewards import FORMAT_REWARDS, correctness_rewards, format_rewards
+from dllm.rewards import FORMAT_REWARDS, correctness_rewards_with_deadline, format_rewards
 from dllm.rollout import greedy_accuracy, rollout
 from dllm.sampler import SamplerConfig
 from mmpo.core import compute_advantages_with_metrics
@@ -84,6 +86,9 @@ class DiffuGRPO(NonFiniteGuardMixin, PlainHparamsMixin, pl.LightningModule):
         format_reward: added format reward, 'xmlcount' (IGPO's, for <reasoning>/<answer> prompts)
             or 'derivation' (the synthetic task's layout); None for correctness only. It never
             triggers hinting: all-wrong means no correct answer.
+        reward_timeout_s: deadline in seconds for scoring one batch of rollouts; scoring runs in
+            the reward worker process, killed when it is missed (the batch scores 0, counted in
+            ``rewards/correct/timeouts``). None scores inline without one.
         igpo: regenerate all-wrong groups with hints (False = diffu-GRPO baseline).
         hints: hint construction (chunks, eta range, stretch, free tail).
         max_replacements: at most this many hinted rollouts enter a group (IGPO: 4 of 8).
@@ -125,6 +130,7 @@ class DiffuGRPO(NonFiniteGuardMixin, PlainHparamsMixin, pl.LightningModule):
         min_timestep: int = 30,
         correct_reward: float = 1.0,
         format_reward: str | None = None,
+        reward_timeout_s: float | None = 10.0,
         igpo: bool = True,
         hints: HintConfig | None = None,
         max_replacements: int = 4,
@@ -148,6 +154,8 @@ class DiffuGRPO(NonFiniteGuardMixin, PlainHparamsMixin, pl.LightningModule):
             raise ValueError(f"unknown loss_agg {loss_agg!r}; valid: {[mode.value for mode in AggregationMode]}")
         if format_reward is not None and format_reward not in FORMAT_REWARDS:
             raise ValueError(f"unknown format_reward {format_reward!r}; valid: {sorted(FORMAT_REWARDS)} or None")
+        if reward_timeout_s is not None and reward_timeout_s <= 0:
+            raise ValueError(f"reward_timeout_s must be > 0 or None, got {reward_timeout_s}")
         if masking not in ("full", "structured"):
             raise ValueError(f"masking must be 'full' or 'structured', got {masking!r}")
         if masking == "structured" and not 1 <= min_timestep <= diffusion_steps - 2:
@@ -176,7 +184,7 @@ class DiffuGRPO(NonFiniteGuardMixin, PlainHparamsMixin, pl.LightningModule):
             group_size=group_size, inner_updates=inner_updates, beta=beta, clip_low=clip_low, clip_high=clip_high,
             ratio_level=ratio_level, loss_agg=loss_agg, p_mask_prompt=p_mask_prompt, masking=masking,
             diffusion_steps=diffusion_steps, min_timestep=min_timestep, correct_reward=correct_reward,
-            format_reward=format_reward, igpo=igpo,
+            format_reward=format_reward, reward_timeout_s=reward_timeout_s, igpo=igpo,
             max_replacements=max_replacements, entropy_keep=entropy_keep, chunk=logprob_chunk_size, seed=seed,
         )
 
@@ -186,7 +194,10 @@ class DiffuGRPO(NonFiniteGuardMixin, PlainHparamsMixin, pl.LightningModule):
         return torch.Generator(device=self.device).manual_seed(self.settings["seed"] * 1_000_003 + self.global_step + offset)
 
     def _score(self, texts: list[str], answers: list[str]) -> Tensor:
-        return torch.tensor(correctness_rewards(texts, answers, correct=1.0), device=self.device) > 0
+        scores, metrics = correctness_rewards_with_deadline(texts, answers, timeout_s=self.settings["reward_timeout_s"])
+        for key, value in metrics.items():  # summed over the step's scoring calls; restarts is a running total
+            self._score_metrics[key] = value if key.startswith("perf/") else self._score_metrics.get(key, 0.0) + value
+        return torch.tensor(scores, device=self.device) > 0
 
     def collect(self, rows: list[dict[str, str]]) -> dict[str, Tensor | float]:
         """Steps 1-3: rollouts, correctness, IGPO hinted regeneration and replacement."""
@@ -196,6 +207,7 @@ class DiffuGRPO(NonFiniteGuardMixin, PlainHparamsMixin, pl.LightningModule):
         answers = [r["answer"] for r in rows for _ in range(group)]
         group_ids = torch.arange(len(rows), device=self.device).repeat_interleave(group)
         generator = self._generator()
+        self._score_metrics: dict[str, float] = {}
         self.model.eval()
         out = rollout(self.model, self.tokenizer, problems, self.sampler, generator=generator)
         correct = self._score(out.texts, answers)
@@ -255,6 +267,7 @@ class DiffuGRPO(NonFiniteGuardMixin, PlainHparamsMixin, pl.LightningModule):
                 "igpo/hinted_accuracy": hinted_correct_total / hinted_total if hinted_total else 0.0,
                 "igpo/hint_token_frac": float(hint_mask.float().mean()),
                 **format_metrics,
+                **self._score_metrics,
             },
         }
 

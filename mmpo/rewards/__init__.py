@@ -2,6 +2,7 @@
 
 ``fn(completions: list[str], rows: list[Row]) -> Tensor (N,) float32``; register new
 ones with ``@register_reward(name)``. Built-ins: ``accuracy``, ``format``, ``length``.
+With a deadline, ``compute_rewards`` runs them in a worker process (``mmpo.rewards.worker``).
 """
 
 from mmpo.rewards.registry import REWARDS, RewardFn, get_reward, register_reward
@@ -9,6 +10,7 @@ from mmpo.rewards import builtin  # noqa: F401  (registers the built-in rewards)
 from mmpo.rewards.answers import answers_match, extract_answer
 from mmpo.rewards.builtin import accuracy_reward, format_reward, is_think_answer_format, length_reward
 from mmpo.rewards.compute import DEFAULT_REWARD_WEIGHTS, compute_rewards
+from mmpo.rewards.worker import shutdown_reward_worker
 
 __all__ = [
     "DEFAULT_REWARD_WEIGHTS",
@@ -23,4 +25,5 @@ __all__ = [
     "is_think_answer_format",
     "length_reward",
     "register_reward",
+    "shutdown_reward_worker",
 ]

@@ -6,37 +6,83 @@ wins), else the last ``\\boxed{...}``, else the line after R1-VL's
 word answers ("left", "red") are checked by string only, because math-verify would
 read them as products of symbols ("left" == "felt"); everything else goes through
 math-verify ``parse``/``verify``.
+
+Model output is hostile input: every scan here is linear in the text's length (one pass
+or ``str.find`` loops, no regex that re-scans the rest of the text from each match
+start), and an answer longer than :data:`MAX_ANSWER_CHARS` is never handed to math-verify.
 """
 
 from __future__ import annotations
 
+import logging
 import re
 import threading
+from collections.abc import Iterator
 
 from math_verify import parse, verify
 
-_ANSWER_RE = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
+from mmpo.rewards.log_text import MAX_LOGGED_CHARS, TruncatingFilter
+
+_ANSWER_OPEN, _ANSWER_CLOSE = "<answer>", "</answer>"
+_BOXED_START_RE = re.compile(r"\\(?:boxed|fbox)\s*\{")
 _FINAL_HEADER = "### The final answer is:"
 _WORD_RE = re.compile(r"^[a-z][a-z \-']*$")
 _TEXT_WRAP_RE = re.compile(r"\\(?:text|textbf|mathrm|mbox)\{([^{}]*)\}")
+# Greedy group then one closing bracket: a single linear pass (a lazy group followed by
+# ``\s*`` would retry the trailing spaces from every position).
+_BRACKETED_RE = re.compile(r"[(\[]\s*([a-z][a-z \-']*)[)\]]")
 
 MATH_VERIFY_TIMEOUT_S = 5
-"""math-verify's own (signal-based) timeout, used only on the main thread."""
+"""math-verify's own (signal-based) timeout per parse / verify, used on a main thread only.
+
+Reward functions run in the reward worker process's main thread (``mmpo.rewards.worker``),
+so this timeout is live there; it scores a slow answer 0 and the rest of the batch normally.
+The worker's per-call deadline (``compute_rewards``' ``timeout_s``) is the backstop for
+anything it cannot interrupt."""
+
+MAX_ANSWER_CHARS = 1000
+"""Longest extracted answer that is checked. A longer "answer" is scored wrong without being
+parsed: no gold answer is that long, and math-verify's parse time grows with the length."""
+
+# math-verify logs the whole unparsed answer on a parse timeout; keep the log readable.
+for _name in ("math_verify.parser", "math_verify.grader"):
+    logging.getLogger(_name).addFilter(TruncatingFilter(MAX_LOGGED_CHARS))
 
 
 def last_boxed(text: str) -> str | None:
-    """Content of the last ``\\boxed{...}`` (or ``\\fbox{...}``) with balanced braces, else None."""
-    starts = [m.end() for m in re.finditer(r"\\(?:boxed|fbox)\s*\{", text)]
+    """Content of the last ``\\boxed{...}`` (or ``\\fbox{...}``) with balanced braces, else None.
+
+    Linear in ``len(text)``: one pass pairs every ``{`` with the ``}`` that closes it (a stack
+    of open positions), then the last ``\\boxed{`` whose brace is closed wins.
+    """
+    starts = [m.end() for m in _BOXED_START_RE.finditer(text)]
+    if not starts:
+        return None
+    closing: dict[int, int] = {}  # position of "{" -> position of its "}"
+    open_positions: list[int] = []
+    for pos, char in enumerate(text):
+        if char == "{":
+            open_positions.append(pos)
+        elif char == "}" and open_positions:
+            closing[open_positions.pop()] = pos
     for start in reversed(starts):
-        depth = 1
-        for pos in range(start, len(text)):
-            if text[pos] == "{":
-                depth += 1
-            elif text[pos] == "}":
-                depth -= 1
-                if depth == 0:
-                    return text[start:pos]
+        end = closing.get(start - 1)
+        if end is not None:
+            return text[start:end]
     return None
+
+
+def tag_blocks(text: str, open_tag: str, close_tag: str) -> Iterator[str]:
+    """Contents of the ``open_tag...close_tag`` blocks, read left to right without overlap (as
+    ``re.findall(open + "(.*?)" + close)`` would). Linear: each ``find`` moves on; the regex
+    re-scans to the end of the text from every unclosed ``open_tag``."""
+    pos = 0
+    while (start := text.find(open_tag, pos)) >= 0:
+        end = text.find(close_tag, start + len(open_tag))
+        if end < 0:
+            return
+        yield text[start + len(open_tag):end]
+        pos = end + len(close_tag)
 
 
 def extract_answer(completion: str) -> str | None:
@@ -45,9 +91,11 @@ def extract_answer(completion: str) -> str | None:
     Example: ``"<think>..</think><answer>3</answer>"`` -> ``"3"``;
     ``"so \\boxed{\\frac{1}{2}}"`` -> ``"\\frac{1}{2}"``.
     """
-    blocks = _ANSWER_RE.findall(completion)
-    if blocks:
-        content = blocks[-1].strip()
+    block = None
+    for block in tag_blocks(completion, _ANSWER_OPEN, _ANSWER_CLOSE):
+        pass  # keep the last one
+    if block is not None:
+        content = block.strip()
         boxed = last_boxed(content)
         content = boxed.strip() if boxed is not None else content
         return content or None
@@ -67,8 +115,8 @@ def normalize_text(answer: str) -> str:
     text = text.replace("$", "").strip().lower()
     text = re.sub(r"\s+", " ", text).rstrip(".").strip()
     # A choice letter or word in brackets: "(A)" -> "a".
-    bracketed = re.fullmatch(r"[(\[]\s*([a-z][a-z \-']*?)\s*[)\]]", text)
-    return bracketed.group(1) if bracketed else text
+    bracketed = _BRACKETED_RE.fullmatch(text)
+    return bracketed.group(1).rstrip() if bracketed else text
 
 
 def is_word_answer(answer: str) -> bool:
@@ -88,11 +136,11 @@ def _parse(text: str, timeout: int | None) -> list:
 def answers_match(predicted: str | None, gold: str) -> bool:
     """Whether ``predicted`` (an extracted answer) equals ``gold``.
 
-    math-verify's internal timeouts use ``signal.alarm``, which only works on the main
-    thread; off the main thread they are disabled and the caller bounds the time
-    (``compute_rewards`` runs reward functions in a worker thread with a deadline).
+    A ``predicted`` longer than :data:`MAX_ANSWER_CHARS` is wrong. math-verify's internal
+    timeouts use ``signal.alarm``, which only works on a main thread: they are on there
+    (including in the reward worker process) and off elsewhere, where the caller bounds the time.
     """
-    if predicted is None or not predicted.strip():
+    if predicted is None or not predicted.strip() or len(predicted) > MAX_ANSWER_CHARS:
         return False
     if normalize_text(predicted) == normalize_text(gold):
         return True

@@ -6,7 +6,6 @@ arXiv 2507.06448; see ALGORITHMS.md section 2).
 
 from __future__ import annotations
 
-import re
 from typing import Any
 
 import torch
@@ -15,7 +14,7 @@ from mmpo.data.solution import render_solution
 from mmpo.rewards.answers import answers_match, extract_answer
 from mmpo.rewards.registry import register_reward
 
-_THINK_ANSWER_RE = re.compile(r"^\s*<think>(?P<think>.*?)</think>\s*<answer>(?P<answer>.*?)</answer>\s*$", re.DOTALL)
+_FORMAT_TAGS = ("<think>", "</think>", "<answer>", "</answer>")
 
 
 def _check_lengths(completions: list[str], rows: list[dict[str, Any]]) -> None:
@@ -41,12 +40,20 @@ def accuracy_reward(completions: list[str], rows: list[dict[str, Any]]) -> torch
 
 def is_think_answer_format(completion: str) -> bool:
     """True if the completion is exactly ``<think>...</think><answer>...</answer>``
-    (whitespace around the blocks allowed; one block each; non-empty answer)."""
-    match = _THINK_ANSWER_RE.match(completion)
-    if match is None or not match.group("answer").strip():
+    (whitespace around the blocks allowed; one block each; non-empty answer).
+
+    Checked with tag counts and positions, linear in the length (the equivalent regex with two
+    lazy groups re-scans the rest of the text from every candidate ``</think>``).
+    """
+    text = completion.strip()
+    if not (text.startswith("<think>") and text.endswith("</answer>")):
         return False
-    inner = match.group("think") + match.group("answer")
-    return not any(tag in inner for tag in ("<think>", "</think>", "<answer>", "</answer>"))
+    if any(text.count(tag) != 1 for tag in _FORMAT_TAGS):
+        return False
+    think_end, answer_start = text.index("</think>"), text.index("<answer>")
+    if answer_start < think_end or text[think_end + len("</think>"):answer_start].strip():
+        return False
+    return bool(text[answer_start + len("<answer>"):-len("</answer>")].strip())
 
 
 @register_reward("format")

@@ -1,12 +1,19 @@
-"""Weighted sum of reward functions, each run with a deadline.
+"""Weighted sum of reward functions, each run with a deadline that really stops it.
 
-Each function runs in its own daemon thread; the caller waits at most
-``timeout_s`` seconds. A function that raises, hangs, or returns a malformed
-tensor contributes zeros for that call, logs a warning and increments
-``rewards/<name>/errors``: a bad reward never kills a long run. A hung thread
-cannot be killed in Python; it is left to finish in the background (daemon, so
-it never blocks interpreter exit), and while it runs, further calls of the same
-reward fail at once (zeros, counted) instead of starting more stuck threads.
+With a deadline (``timeout_s``), reward functions run in the reward worker process
+(``mmpo.rewards.worker``): a call that misses it kills the worker, and the next call gets a
+fresh one. A function that raises, hangs, or returns a malformed tensor contributes zeros for
+that call, logs a warning (completion text shortened) and increments ``rewards/<name>/errors``
+(and ``rewards/<name>/timeouts`` for a missed deadline): a bad reward never kills or hangs a
+long run.
+
+Which functions run in the worker: those it can load by reference, i.e. defined at module level
+(or a ``functools.partial`` of such a function) in a module the worker can import; the built-ins
+and any ``@register_reward`` function in your own module qualify. Others (a lambda, a closure,
+a function of ``__main__``) run in this process on a daemon thread, as a warning says once per
+reward: that deadline only stops the waiting, not the function; while a timed-out call still
+runs, later calls of the same reward fail at once instead of piling up stuck threads.
+``timeout_s=None`` runs every function inline, without a deadline.
 """
 
 from __future__ import annotations
@@ -17,32 +24,35 @@ from typing import Any
 
 import torch
 
-from mmpo.rewards.registry import get_reward
+from mmpo.rewards.log_text import shorten
+from mmpo.rewards.registry import RewardFn, get_reward
+from mmpo.rewards.worker import CallOutcome, WorkerUnavailable, get_reward_worker
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_REWARD_WEIGHTS: dict[str, float] = {"accuracy": 0.9, "format": 0.1}
-"""0.9 x accuracy + 0.1 x format (PAPO / EasyR1 default, arXiv 2507.06448)."""
+"""0.9 x accuracy + 0.1 x format (PAPO / EasyR1, arXiv 2507.06448)."""
 
 
 class RewardCallError(RuntimeError):
     """A reward function raised, timed out, or returned a malformed tensor."""
 
 
-_HUNG_WORKERS: dict[str, threading.Thread] = {}
-"""Per reward name, the worker thread of a call that timed out and may still be running."""
+_HUNG_THREADS: dict[str, threading.Thread] = {}
+"""Per reward name, the thread of an in-process call that timed out and may still be running."""
+
+_RUNS_IN_CALLER: dict[str, RewardFn] = {}
+"""Rewards the worker cannot load, by name (the function object, so a re-registered name is retried)."""
 
 
-def _call_with_deadline(name: str, fn, completions: list[str], rows: list[dict[str, Any]],
-                        timeout_s: float | None) -> torch.Tensor:
-    if timeout_s is None:
-        return fn(completions, rows)
-    stuck = _HUNG_WORKERS.get(name)
+def _call_in_thread(name: str, fn: RewardFn, completions: list[str], rows: list[dict[str, Any]],
+                    timeout_s: float) -> CallOutcome:
+    stuck = _HUNG_THREADS.get(name)
     if stuck is not None:
         if stuck.is_alive():
             # Do not pile up a new stuck thread on every step while the old one still runs.
-            raise RewardCallError(f"reward {name!r} is still running from an earlier call that timed out")
-        del _HUNG_WORKERS[name]
+            return CallOutcome(error="is still running from an earlier call that timed out", timed_out=True)
+        del _HUNG_THREADS[name]
     result: dict[str, Any] = {}
 
     def target() -> None:
@@ -51,16 +61,50 @@ def _call_with_deadline(name: str, fn, completions: list[str], rows: list[dict[s
         except BaseException as exc:  # noqa: BLE001 - reported to the caller below
             result["error"] = exc
 
-    worker = threading.Thread(target=target, name=f"reward-{name}", daemon=True)
-    worker.start()
-    worker.join(timeout_s)
-    if worker.is_alive():
-        _HUNG_WORKERS[name] = worker
-        raise RewardCallError(f"reward {name!r} did not finish within {timeout_s} s")
+    thread = threading.Thread(target=target, name=f"reward-{name}", daemon=True)
+    thread.start()
+    thread.join(timeout_s)
+    if thread.is_alive():
+        _HUNG_THREADS[name] = thread
+        return CallOutcome(error=f"did not finish within {timeout_s} s", timed_out=True)
     if "error" in result:
         exc = result["error"]
-        raise RewardCallError(f"reward {name!r} raised {type(exc).__name__}: {exc}") from exc
-    return result["value"]
+        return CallOutcome(error=f"raised {type(exc).__name__}: {exc}")
+    return CallOutcome(value=result["value"])
+
+
+def _run_inline(fn: RewardFn, completions: list[str], rows: list[dict[str, Any]]) -> CallOutcome:
+    try:
+        return CallOutcome(value=fn(completions, rows))
+    except Exception as exc:  # noqa: BLE001 - any failure of a user reward becomes zeros
+        return CallOutcome(error=f"raised {type(exc).__name__}: {exc}")
+
+
+def _run_rewards(fns: dict[str, RewardFn], completions: list[str], rows: list[dict[str, Any]],
+                 timeout_s: float | None) -> dict[str, CallOutcome]:
+    """name -> outcome of ``fn(completions, rows)``, in the worker where possible (module docstring)."""
+    if timeout_s is None:
+        return {name: _run_inline(fn, completions, rows) for name, fn in fns.items()}
+    for_worker = [(name, fn) for name, fn in fns.items() if _RUNS_IN_CALLER.get(name) is not fn]
+    outcomes: dict[str, CallOutcome] = {}
+    if for_worker:
+        try:
+            outcomes = get_reward_worker().run(for_worker, (completions, rows), timeout_s)
+        except WorkerUnavailable as exc:
+            logger.warning("rewards run in this process this time, where a deadline cannot stop them: %s",
+                           shorten(str(exc)))
+    for name, fn in fns.items():
+        outcome = outcomes.get(name)
+        if outcome is not None and not outcome.unloadable:
+            continue
+        if outcome is not None:
+            _RUNS_IN_CALLER[name] = fn
+            logger.warning(
+                "reward %r runs in the training process, where its deadline cannot stop a hang (%s); "
+                "define it at module level in an importable module to run it in the reward worker",
+                name, shorten(outcome.error or ""))
+        outcomes[name] = _call_in_thread(name, fn, completions, rows, timeout_s)
+    return outcomes
 
 
 def _as_reward_vector(name: str, value: Any, n: int) -> torch.Tensor:
@@ -86,33 +130,41 @@ def compute_rewards(
         names_and_weights: reward name -> weight; None means ``DEFAULT_REWARD_WEIGHTS``.
         completions: N completion texts.
         rows: N Rows (``rows[i]`` belongs to ``completions[i]``).
-        timeout_s: deadline per function call in seconds; None runs inline without one.
+        timeout_s: deadline per function call in seconds (the function runs in the reward worker
+            process, killed when it is missed); None runs inline without one.
 
     Returns:
         total: (N,) float32, sum of weight x reward.
         per_fn: name -> (N,) float32 unweighted rewards (zeros for a failed call).
-        metrics: ``rewards/<name>/mean``, ``rewards/<name>/errors`` (0 or 1 per call)
-        and ``rewards/total/mean``.
+        metrics: ``rewards/<name>/mean``, ``rewards/<name>/errors`` and ``rewards/<name>/timeouts``
+        (0 or 1 per call), ``rewards/total/mean`` and ``perf/reward_worker_restarts`` (reward
+        workers killed or found dead so far in this process).
     """
     weights = DEFAULT_REWARD_WEIGHTS if names_and_weights is None else names_and_weights
     if len(completions) != len(rows):
         raise ValueError(f"got {len(completions)} completions but {len(rows)} rows; pass one row per completion")
     n = len(completions)
     fns = {name: get_reward(name) for name in weights}  # unknown names fail before any work
+    outcomes = _run_rewards(fns, completions, rows, timeout_s)
     total = torch.zeros(n, dtype=torch.float32)
     per_fn: dict[str, torch.Tensor] = {}
     metrics: dict[str, float] = {}
     for name, weight in weights.items():
+        outcome = outcomes[name]
         errors = 0
         try:
-            values = _as_reward_vector(name, _call_with_deadline(name, fns[name], completions, rows, timeout_s), n)
+            if outcome.error is not None:
+                raise RewardCallError(f"reward {name!r} {outcome.error}")
+            values = _as_reward_vector(name, outcome.value, n)
         except Exception as exc:  # noqa: BLE001 - any failure of a user reward becomes zeros
-            logger.warning("reward %r failed, using zeros for this batch: %s", name, exc)
+            logger.warning("reward %r failed, using zeros for this batch: %s", name, shorten(str(exc)))
             values = torch.zeros(n, dtype=torch.float32)
             errors = 1
         per_fn[name] = values
         total += float(weight) * values
         metrics[f"rewards/{name}/mean"] = float(values.mean()) if n else 0.0
         metrics[f"rewards/{name}/errors"] = float(errors)
+        metrics[f"rewards/{name}/timeouts"] = float(outcome.timed_out)
     metrics["rewards/total/mean"] = float(total.mean()) if n else 0.0
+    metrics["perf/reward_worker_restarts"] = float(get_reward_worker().restarts)
     return total, per_fn, metrics

@@ -29,15 +29,15 @@ from torch import Tensor
 
 from mmpo.core.groups import build_group_index
 from mmpo.rewards import register_reward
+from mmpo.rewards.answers import tag_blocks
 
-AUX_BLOCK = re.compile(r"<auxiliary>(.*?)</auxiliary>", re.DOTALL)
 
 AuxDetector = Callable[[str], bool]
 
 
 def detect_auxiliary_tag(completion: str) -> bool:
     """True when the completion has a non-empty ``<auxiliary>...</auxiliary>`` block."""
-    return any(body.strip() for body in AUX_BLOCK.findall(completion))
+    return any(body.strip() for body in tag_blocks(completion, "<auxiliary>", "</auxiliary>"))
 
 
 def detect_auxiliary_keywords(completion: str) -> bool:

@@ -35,15 +35,39 @@ DESCRIPTION_HEADER = "### Image Description:"
 RATIONALES_HEADER = "### Rationales:"
 FINAL_ANSWER_HEADER = "### The final answer is:"
 STEP_HEADER = re.compile(r"### Step (\d+):")
-# A Step section runs from its header to the next "###" header at a line start, or the end.
-STEP_SECTION = re.compile(r"### Step \d+:(.*?)(?=\n\s*###|\Z)", re.DOTALL)
 
 KEY_STEP_MISSING_POLICIES = ("error", "skip")
 
 
+def _section_end(text: str, start: int) -> int:
+    """Position of the next ``###`` at or after ``start`` that begins a line (only whitespace, with a
+    newline, between it and ``start`` or the previous text), else ``len(text)``.
+
+    Linear overall: the whitespace walked back over before each ``###`` is a different stretch.
+    """
+    header = text.find("###", start)
+    while header >= 0:
+        pos = header - 1
+        while pos >= start and text[pos].isspace():
+            if text[pos] == "\n":
+                return header
+            pos -= 1
+        header = text.find("###", header + 1)
+    return len(text)
+
+
 def step_sections_text(completion: str) -> str:
-    """Concatenated, lower-cased text of all ``### Step N:`` sections (the only text StepRAR searches)."""
-    return "\n".join(body.strip() for body in STEP_SECTION.findall(completion)).lower()
+    """Concatenated, lower-cased text of all ``### Step N:`` sections (the only text StepRAR searches).
+
+    A section runs from its header to the next ``###`` header at a line start, or the end.
+    """
+    bodies = []
+    pos = 0
+    while (header := STEP_HEADER.search(completion, pos)) is not None:
+        end = _section_end(completion, header.end())
+        bodies.append(completion[header.end():end].strip())
+        pos = end
+    return "\n".join(bodies).lower()
 
 
 def extract_final_answer(completion: str) -> str | None:
@@ -136,7 +160,8 @@ def is_valid_step_format(completion: str) -> bool:
     if not all(header in completion for header in required):
         return False
     step_matches = list(STEP_HEADER.finditer(completion))
-    numbers = [int(m.group(1)) for m in step_matches]
+    # int() refuses numbers over 4300 digits, which a model can write: such a step number is wrong.
+    numbers = [int(m.group(1)) if len(m.group(1)) <= 18 else -1 for m in step_matches]
     if numbers != list(range(1, len(numbers) + 1)):
         return False
     return completion.rfind(FINAL_ANSWER_HEADER) > step_matches[-1].start()

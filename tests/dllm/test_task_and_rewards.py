@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from dllm.rewards import correctness_rewards, extract_answer, is_correct
+from dllm.rewards import correctness_rewards, correctness_rewards_with_deadline, extract_answer, is_correct
 from dllm.task import ArithmeticTaskConfig, make_problem, make_train_and_test, solve
 
 
@@ -43,6 +43,40 @@ def test_answer_extraction_and_correctness():
     assert correctness_rewards(["A:1", "A:2", "junk"], ["1", "1", "1"], correct=3.0) == [3.0, 0.0, 0.0]
     with pytest.raises(ValueError, match="completions"):
         correctness_rewards(["A:1"], ["1", "2"])
+
+
+def test_huge_integer_answers_are_compared_without_int_conversion():
+    # int() refuses strings over 4300 digits: that used to raise out of the reward and kill the run.
+    assert is_correct("A:" + "1" * 5000, "1" * 5000)
+    assert not is_correct("A:" + "1" * 5000, "1" * 4999)
+    assert is_correct("A:-0", "0") and is_correct("A:-007", "-7")
+
+
+@pytest.mark.timeout(60)
+def test_scoring_with_a_deadline_runs_in_the_worker_and_survives_a_slow_answer():
+    scores, metrics = correctness_rewards_with_deadline(
+        ["A:3", "A:0003", "junk", "\\boxed{0.5}"], ["3", "3", "3", "1/2"], correct=3.0, timeout_s=30.0)
+    assert scores == [3.0, 3.0, 0.0, 3.0]
+    assert metrics["rewards/correct/errors"] == 0.0 and metrics["rewards/correct/verify_errors"] == 0.0
+    restarts = metrics["perf/reward_worker_restarts"]
+    # math-verify needs its full 5 s timeout on this one: the 1 s deadline kills the worker.
+    scores, metrics = correctness_rewards_with_deadline(["\\boxed{10^(10^10)}", "A:3"], ["3", "3"], timeout_s=1.0)
+    assert scores == [0.0, 0.0]
+    assert metrics["rewards/correct/errors"] == 1.0 and metrics["rewards/correct/timeouts"] == 1.0
+    assert metrics["perf/reward_worker_restarts"] == restarts + 1
+
+
+def test_math_verify_failures_are_counted(monkeypatch):
+    import math_verify
+
+    def broken_parse(*args, **kwargs):
+        raise RuntimeError("parser crashed")
+
+    monkeypatch.setattr(math_verify, "parse", broken_parse)
+    scores, metrics = correctness_rewards_with_deadline(["\\boxed{0.5}", "A:3", "\\boxed{x}"], ["1/2", "3", "2"],
+                                                        timeout_s=None)
+    assert scores == [0.0, 1.0, 0.0]
+    assert metrics["rewards/correct/verify_errors"] == 2.0 and metrics["rewards/correct/errors"] == 0.0
 
 
 def test_bad_task_settings_fail_clearly():

@@ -62,7 +62,9 @@ def test_raising_reward_gives_zeros_a_warning_and_an_error_count(temporary_rewar
     assert any("unit_broken" in r.getMessage() and "boom" in r.getMessage() for r in caplog.records)
 
 
-def test_hanging_reward_times_out(temporary_reward, caplog):
+def test_unpicklable_hanging_reward_times_out_on_a_thread(temporary_reward, caplog):
+    # A closure cannot go to the reward worker process; it runs on a daemon thread, whose deadline
+    # stops the waiting only (tests/reliability/test_reward_deadlines.py covers the worker).
     release = threading.Event()
 
     def hangs(completions, rows):
@@ -81,6 +83,7 @@ def test_hanging_reward_times_out(temporary_reward, caplog):
         assert total.tolist() == [1.0, 0.0]
         assert metrics["rewards/unit_hangs/errors"] == 1.0
         assert any("did not finish within 0.5 s" in r.getMessage() for r in caplog.records)
+        assert any("deadline cannot stop a hang" in r.getMessage() for r in caplog.records)
         # While the first call is still stuck, the next one fails at once without a new thread.
         start = time.monotonic()
         _, per_fn, metrics = compute_rewards({"unit_hangs": 1.0}, COMPLETIONS, ROWS, timeout_s=0.5)
@@ -91,7 +94,7 @@ def test_hanging_reward_times_out(temporary_reward, caplog):
     # Once the stuck call has finished, the reward works again.
     from mmpo.rewards import compute as compute_module
 
-    compute_module._HUNG_WORKERS["unit_hangs"].join(5)
+    compute_module._HUNG_THREADS["unit_hangs"].join(5)
     _, per_fn, metrics = compute_rewards({"unit_hangs": 1.0}, COMPLETIONS, ROWS, timeout_s=5)
     assert per_fn["unit_hangs"].tolist() == [1.0, 1.0] and metrics["rewards/unit_hangs/errors"] == 0.0
 
