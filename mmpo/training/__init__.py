@@ -1,0 +1,1 @@
+"""Lightning-level reliability helpers shared by every family (one module per guard)."""
