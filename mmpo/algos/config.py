@@ -14,6 +14,8 @@ from typing import Any, Iterable
 import numpy as np
 import torch
 
+from mmpo.training.export_guard import CHECKPOINT_KEY, check_export_target, new_run_id, write_run_marker
+
 SCHEDULES = ("constant", "linear", "cosine")
 
 
@@ -117,22 +119,44 @@ class VLMCheckpointHooks:
     """Checkpoint hooks shared by the VLM Lightning modules (mixed in before LightningModule).
 
     Lightning checkpoints carry the python/numpy/torch RNG streams (so a resumed run samples the
-    same rollouts), and the policy is also exported in HF format (``save_pretrained``) so the
-    next stage and ``mmpo eval`` can load it with ``load_vlm``. Expects ``self.model``,
-    ``self.processor`` and hparams ``output_dir`` / ``save_hf_on_checkpoint``.
+    same rollouts) and the run id, and the policy is also exported in HF format (``save_pretrained``)
+    so the next stage and ``mmpo eval`` can load it with ``load_vlm``. An export directory belongs
+    to one run (``mmpo.training.export_guard``): another run's export is refused before training
+    starts unless ``overwrite_output``. Expects ``self.model``, ``self.processor`` and hparams
+    ``output_dir`` / ``save_hf_on_checkpoint`` / ``overwrite_output``.
     """
+
+    @property
+    def run_id(self) -> str:
+        """This run's id: new for a fresh run, the checkpoint's after a resume."""
+        if getattr(self, "_run_id", None) is None:
+            self._run_id = new_run_id()
+        return self._run_id
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         checkpoint["mmpo_rng"] = rng_state()
+        checkpoint[CHECKPOINT_KEY] = self.run_id
         if self.hparams.save_hf_on_checkpoint:
             self.save_hf()
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         if "mmpo_rng" in checkpoint:
             set_rng_state(checkpoint["mmpo_rng"])
+        if CHECKPOINT_KEY in checkpoint:
+            self._run_id = checkpoint[CHECKPOINT_KEY]
+
+    def on_train_start(self) -> None:
+        # after a resume has restored the run id, before the first step: fail now, not at the export
+        self._check_export_target(self.hparams.output_dir)
 
     def on_fit_end(self) -> None:
         self.save_hf()
+
+    def _check_export_target(self, output_dir: str | Path | None) -> None:
+        if output_dir is None or (self._trainer is not None and not self.trainer.is_global_zero):
+            return
+        check_export_target(output_dir, self.run_id, overwrite=bool(self.hparams.get("overwrite_output", False)),
+                            setting="model.init_args.overwrite_output")
 
     def save_hf(self, output_dir: str | Path | None = None) -> Path | None:
         """Write model + processor in HF format (global rank 0 only) so ``load_vlm`` can read them."""
@@ -143,4 +167,7 @@ class VLMCheckpointHooks:
             return None
         if self._trainer is not None and not self.trainer.is_global_zero:
             return None
-        return save_vlm(self.model, self.processor, output_dir)
+        self._check_export_target(output_dir)
+        path = save_vlm(self.model, self.processor, output_dir)
+        write_run_marker(path, self.run_id)
+        return path

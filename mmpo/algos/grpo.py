@@ -108,6 +108,7 @@ class GRPOModule(VLMCheckpointHooks, L.LightningModule):
         system_prompt: "default" = mmpo.data.SYSTEM_PROMPT; empty = none.
         output_dir: where HF weights (model + processor) are written at the end of fit; None = not saved.
         save_hf_on_checkpoint: also write HF weights to output_dir whenever a Lightning checkpoint is saved.
+        overwrite_output: allow exporting into an output_dir that holds another run's export (refused otherwise).
         seed: seeds sampling (per step and rank) and minibatch shuffling.
     """
 
@@ -151,6 +152,7 @@ class GRPOModule(VLMCheckpointHooks, L.LightningModule):
         system_prompt: str | None = "default",
         output_dir: str | None = None,
         save_hf_on_checkpoint: bool = False,
+        overwrite_output: bool = False,
         seed: int = 0,
     ) -> None:
         super().__init__()

@@ -44,6 +44,7 @@ class SFTModule(VLMCheckpointHooks, L.LightningModule):
         system_prompt: "default" = the system prompt of ``style``; empty = none.
         output_dir: where HF weights (model + processor) are written; None = not saved.
         save_hf_on_checkpoint: also write HF weights to output_dir whenever a Lightning checkpoint is saved.
+        overwrite_output: allow exporting into an output_dir that holds another run's export (refused otherwise).
         reward_timeout_s: per reward-function call deadline during validation.
     """
 
@@ -66,6 +67,7 @@ class SFTModule(VLMCheckpointHooks, L.LightningModule):
         system_prompt: str | None = "default",
         output_dir: str | None = None,
         save_hf_on_checkpoint: bool = True,
+        overwrite_output: bool = False,
         reward_timeout_s: float = 10.0,
     ) -> None:
         super().__init__()

@@ -148,7 +148,10 @@ class ConfigErrorsMixin:
         try:
             super().parse_arguments(parser, args)  # type: ignore[misc]
         except ArgumentError as exc:
-            fail(subcommand, describe_parse_error(str(exc)))
+            cause = describe_parse_error(str(exc))
+            if subcommand and cause.startswith(f"{subcommand}."):
+                cause = cause[len(subcommand) + 1:]  # keys as typed: "data", not "fit.data"
+            fail(subcommand, cause)
 
     def instantiate_classes(self) -> None:
         try:
