@@ -46,9 +46,10 @@ from dllm.rollout import greedy_accuracy, rollout
 from dllm.sampler import SamplerConfig
 from mmpo.core import compute_advantages_with_metrics
 from mmpo.core.aggregate import AggregationMode
+from mmpo.training.export_guard import ExportOwnershipMixin
 
 
-class DiffuGRPO(PlainHparamsMixin, pl.LightningModule):
+class DiffuGRPO(ExportOwnershipMixin, PlainHparamsMixin, pl.LightningModule):
     """diffu-GRPO with optional IGPO inpainting (``igpo: true``) for masked-diffusion LMs.
 
     Args:
@@ -93,6 +94,7 @@ class DiffuGRPO(PlainHparamsMixin, pl.LightningModule):
             with a frozen copy of the starting weights as reference.
         logprob_chunk_size: rows per chunk of the log-softmax.
         seed: rollout RNG seed (step s uses seed * 1_000_003 + s, so resumes reproduce).
+        overwrite_output: allow exporting into a save_dir that holds another run's export (refused otherwise).
     """
 
     def __init__(
@@ -128,6 +130,7 @@ class DiffuGRPO(PlainHparamsMixin, pl.LightningModule):
         lora: LoraSettings | None = None,
         logprob_chunk_size: int = 1024,
         seed: int = 0,
+        overwrite_output: bool = False,
     ) -> None:
         super().__init__()
         self.save_hyperparameters()
@@ -352,10 +355,15 @@ class DiffuGRPO(PlainHparamsMixin, pl.LightningModule):
         """Write the policy with ``save_pretrained`` (only from global rank 0)."""
         if self.trainer is not None and self.trainer.global_rank != 0:
             return
+        self.claim_export_dir(path or self.save_dir)
         save_mask_predictor(
             self.model, self.tokenizer, path or self.save_dir,
             generation=generation_dict(sampler=replace(self.sampler, temperature=0.0)),
         )
+        self.mark_export_dir(path or self.save_dir)
+
+    def export_dir(self) -> str:
+        return self.save_dir
 
     def configure_optimizers(self):
         h = self.hparams

@@ -14,7 +14,7 @@ from typing import Any, Iterable
 import numpy as np
 import torch
 
-from mmpo.training.export_guard import CHECKPOINT_KEY, check_export_target, new_run_id, write_run_marker
+from mmpo.training.export_guard import ExportOwnershipMixin
 
 SCHEDULES = ("constant", "linear", "cosine")
 
@@ -115,7 +115,7 @@ def greedy_validation_metrics(engine: Any, rows: list, *, max_new_tokens: int, t
     return {"val/accuracy": float(per_fn["accuracy"].mean()), "val/format": float(per_fn["format"].mean())}
 
 
-class VLMCheckpointHooks:
+class VLMCheckpointHooks(ExportOwnershipMixin):
     """Checkpoint hooks shared by the VLM Lightning modules (mixed in before LightningModule).
 
     Lightning checkpoints carry the python/numpy/torch RNG streams (so a resumed run samples the
@@ -126,37 +126,22 @@ class VLMCheckpointHooks:
     ``output_dir`` / ``save_hf_on_checkpoint`` / ``overwrite_output``.
     """
 
-    @property
-    def run_id(self) -> str:
-        """This run's id: new for a fresh run, the checkpoint's after a resume."""
-        if getattr(self, "_run_id", None) is None:
-            self._run_id = new_run_id()
-        return self._run_id
+    def export_dir(self) -> str | None:
+        return self.hparams.output_dir
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         checkpoint["mmpo_rng"] = rng_state()
-        checkpoint[CHECKPOINT_KEY] = self.run_id
+        super().on_save_checkpoint(checkpoint)
         if self.hparams.save_hf_on_checkpoint:
             self.save_hf()
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         if "mmpo_rng" in checkpoint:
             set_rng_state(checkpoint["mmpo_rng"])
-        if CHECKPOINT_KEY in checkpoint:
-            self._run_id = checkpoint[CHECKPOINT_KEY]
-
-    def on_train_start(self) -> None:
-        # after a resume has restored the run id, before the first step: fail now, not at the export
-        self._check_export_target(self.hparams.output_dir)
+        super().on_load_checkpoint(checkpoint)
 
     def on_fit_end(self) -> None:
         self.save_hf()
-
-    def _check_export_target(self, output_dir: str | Path | None) -> None:
-        if output_dir is None or (self._trainer is not None and not self.trainer.is_global_zero):
-            return
-        check_export_target(output_dir, self.run_id, overwrite=bool(self.hparams.get("overwrite_output", False)),
-                            setting="model.init_args.overwrite_output")
 
     def save_hf(self, output_dir: str | Path | None = None) -> Path | None:
         """Write model + processor in HF format (global rank 0 only) so ``load_vlm`` can read them."""
@@ -167,7 +152,7 @@ class VLMCheckpointHooks:
             return None
         if self._trainer is not None and not self.trainer.is_global_zero:
             return None
-        self._check_export_target(output_dir)
+        self.claim_export_dir(output_dir)
         path = save_vlm(self.model, self.processor, output_dir)
-        write_run_marker(path, self.run_id)
+        self.mark_export_dir(path)
         return path

@@ -68,3 +68,50 @@ def write_run_marker(output_dir: str | Path, run_id: str) -> Path:
         Path(tmp).unlink(missing_ok=True)
         raise
     return path / MARKER_NAME
+
+
+class ExportOwnershipMixin:
+    """LightningModule mixin (before LightningModule in the bases): the run's id travels in its
+    checkpoints, and its export directory is claimed before training and at every export.
+
+    The host provides ``export_dir()`` (None: no export) and may have an ``overwrite_output``
+    hyperparameter. Hooks call ``super()`` so other mixins' checkpoint hooks still run.
+    """
+
+    overwrite_setting = "model.init_args.overwrite_output"
+
+    def export_dir(self) -> str | Path | None:
+        raise TypeError(f"{type(self).__name__} must define export_dir() to use ExportOwnershipMixin")
+
+    @property
+    def run_id(self) -> str:
+        """This run's id: new for a fresh run, the checkpoint's after a resume."""
+        if getattr(self, "_run_id", None) is None:
+            self._run_id = new_run_id()
+        return self._run_id
+
+    def on_save_checkpoint(self, checkpoint: dict) -> None:
+        checkpoint[CHECKPOINT_KEY] = self.run_id
+        super().on_save_checkpoint(checkpoint)  # type: ignore[misc]
+
+    def on_load_checkpoint(self, checkpoint: dict) -> None:
+        if CHECKPOINT_KEY in checkpoint:
+            self._run_id = checkpoint[CHECKPOINT_KEY]
+        super().on_load_checkpoint(checkpoint)  # type: ignore[misc]
+
+    def on_train_start(self) -> None:
+        # after a resume has restored the run id, before the first step: fail now, not at the export
+        self.claim_export_dir(self.export_dir())
+        super().on_train_start()  # type: ignore[misc]
+
+    def claim_export_dir(self, output_dir: str | Path | None) -> None:
+        """Refuse ``output_dir`` if it holds another run's files (global rank 0 decides; it writes)."""
+        trainer = getattr(self, "_trainer", None)
+        if output_dir is None or (trainer is not None and not trainer.is_global_zero):
+            return
+        hparams = getattr(self, "hparams", {})
+        check_export_target(output_dir, self.run_id, overwrite=bool(hparams.get("overwrite_output", False)),
+                            setting=self.overwrite_setting)
+
+    def mark_export_dir(self, output_dir: str | Path) -> None:
+        write_run_marker(output_dir, self.run_id)
