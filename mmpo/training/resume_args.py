@@ -198,7 +198,10 @@ class ResumeArgsMixin:
         if model_config is None or not getattr(model_config, "class_path", None):
             super()._parse_ckpt_path()  # type: ignore[misc]  # nothing configured: the checkpoint's hparams
             return
-        checkpoint = read_checkpoint(ckpt_path)
+        try:
+            checkpoint = read_checkpoint(ckpt_path)
+        except Exception:  # noqa: BLE001 - unreadable: Lightning's own load reports it (with the checkpoint checks)
+            return
         current = yaml.safe_load(self.parser.dump(self.config, skip_link_targets=False, skip_none=False,
                                                   format="yaml"))[subcommand]
         differences, conflicts = [], []
