@@ -155,7 +155,7 @@ class MaskedDiffusionSFT(ExportOwnershipMixin, PlainHparamsMixin, pl.LightningMo
 
     def export(self, path: str | Path | None = None) -> None:
         """Write the model and tokenizer with ``save_pretrained`` (only from global rank 0)."""
-        if self.trainer is not None and self.trainer.global_rank != 0:
+        if self._trainer is not None and self.trainer.global_rank != 0:  # export() also works unattached
             return
         self.claim_export_dir(path or self.save_dir)
         save_mask_predictor(self.model, self.tokenizer, path or self.save_dir, generation=generation_dict(sampler=self.sampler))

@@ -178,3 +178,27 @@ def test_differences_and_resume_conflicts_per_key():
     # a subclass inherits its base's fixed arguments; a class change always conflicts
     assert fixed_args_for("mmpo.algos.papo.PAPOModule") >= {"model_path", "num_generations"}
     assert resume_conflicts(differences, {"model_path"}) == differences[:1]
+
+
+def test_dllm_export_refuses_another_runs_save_dir(tmp_path):
+    """The masked-diffusion modules claim ``save_dir`` the same way (shared ExportOwnershipMixin)."""
+    from dllm.modeling import TinyMaskPredictorConfig, build_tiny_mask_predictor, save_mask_predictor
+    from dllm.rl import DiffuGRPO
+    from dllm.task import ArithmeticTaskConfig, corpus
+    from dllm.tokenizer import train_char_tokenizer
+
+    tokenizer = train_char_tokenizer(corpus(ArithmeticTaskConfig(), size=50))
+    model = build_tiny_mask_predictor(tokenizer, TinyMaskPredictorConfig(hidden_size=16, num_layers=1, num_heads=2,
+                                                                         intermediate_size=32, max_positions=64))
+    save_mask_predictor(model, tokenizer, tmp_path / "start")
+    first = DiffuGRPO(model_path=str(tmp_path / "start"), warmup_config=None, save_dir=str(tmp_path / "out"))
+    first.export()
+    owner = (tmp_path / "out" / MARKER_NAME).read_text()
+    first.export()  # its own directory: fine
+    second = DiffuGRPO(model_path=str(tmp_path / "start"), warmup_config=None, save_dir=str(tmp_path / "out"))
+    with pytest.raises(OutputDirInUseError, match="holds the export of another run"):
+        second.export()
+    assert (tmp_path / "out" / MARKER_NAME).read_text() == owner
+    DiffuGRPO(model_path=str(tmp_path / "start"), warmup_config=None, save_dir=str(tmp_path / "out"),
+              overwrite_output=True).export()
+    assert (tmp_path / "out" / MARKER_NAME).read_text() != owner
