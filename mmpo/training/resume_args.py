@@ -211,7 +211,9 @@ class ResumeArgsMixin:
                 continue
             found = hparam_differences(saved, now, section)
             differences += found
-            conflicts += resume_conflicts(found, fixed_args_for(now.get("class_path")))
+            # validate/test only read the weights (the shape check below); the training contract matters to fit
+            fixed = fixed_args_for(now.get("class_path")) if subcommand == "fit" else set()
+            conflicts += resume_conflicts(found, fixed)
         if differences:
             _print(f"resuming from {ckpt_path}: settings that differ from the checkpoint's "
                    "(the config and command line win):")
