@@ -49,9 +49,10 @@ from dllm.sampler import SamplerConfig
 from mmpo.core import compute_advantages_with_metrics
 from mmpo.core.aggregate import AggregationMode
 from mmpo.training.nonfinite import DEFAULT_MAX_CONSECUTIVE_SKIPS, NonFiniteGuard, NonFiniteGuardMixin, gradient_norm
+from mmpo.training.export_guard import ExportOwnershipMixin
 
 
-class DiffuGRPO(NonFiniteGuardMixin, PlainHparamsMixin, pl.LightningModule):
+class DiffuGRPO(NonFiniteGuardMixin, ExportOwnershipMixin, PlainHparamsMixin, pl.LightningModule):
     """diffu-GRPO with optional IGPO inpainting (``igpo: true``) for masked-diffusion LMs.
 
     Args:
@@ -102,6 +103,7 @@ class DiffuGRPO(NonFiniteGuardMixin, PlainHparamsMixin, pl.LightningModule):
         max_consecutive_skips: optimizer steps with a non-finite loss or gradient norm are skipped (weights and
             optimizer state untouched, counted as perf/skipped_steps); this many in a row stop the run with
             NonFiniteTrainingError (mmpo.training.nonfinite).
+        overwrite_output: allow exporting into a save_dir that holds another run's export (refused otherwise).
     """
 
     def __init__(
@@ -139,6 +141,7 @@ class DiffuGRPO(NonFiniteGuardMixin, PlainHparamsMixin, pl.LightningModule):
         logprob_chunk_size: int = 1024,
         seed: int = 0,
         max_consecutive_skips: int = DEFAULT_MAX_CONSECUTIVE_SKIPS,
+        overwrite_output: bool = False,
     ) -> None:
         super().__init__()
         self.save_hyperparameters()
@@ -373,12 +376,17 @@ class DiffuGRPO(NonFiniteGuardMixin, PlainHparamsMixin, pl.LightningModule):
 
     def export(self, path: str | Path | None = None) -> None:
         """Write the policy with ``save_pretrained`` (only from global rank 0)."""
-        if self.trainer is not None and self.trainer.global_rank != 0:
+        if self._trainer is not None and self.trainer.global_rank != 0:  # export() also works unattached
             return
+        self.claim_export_dir(path or self.save_dir)
         save_mask_predictor(
             self.model, self.tokenizer, path or self.save_dir,
             generation=generation_dict(sampler=replace(self.sampler, temperature=0.0)),
         )
+        self.mark_export_dir(path or self.save_dir)
+
+    def export_dir(self) -> str:
+        return self.save_dir
 
     def configure_optimizers(self):
         h = self.hparams

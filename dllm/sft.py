@@ -38,6 +38,7 @@ from dllm.rollout import greedy_accuracy
 from dllm.sampler import SamplerConfig
 from dllm.task import ArithmeticTaskConfig, corpus
 from dllm.tokenizer import train_char_tokenizer
+from mmpo.training.export_guard import ExportOwnershipMixin
 
 
 def sft_forward_process(
@@ -74,7 +75,7 @@ def llada_sft_loss(answer_logits: Tensor, answers: Tensor, masked: Tensor, p_mas
     return per_row.mean()
 
 
-class MaskedDiffusionSFT(NonFiniteGuardMixin, PlainHparamsMixin, pl.LightningModule):
+class MaskedDiffusionSFT(NonFiniteGuardMixin, ExportOwnershipMixin, PlainHparamsMixin, pl.LightningModule):
     """SFT warm-up of a masked-diffusion LM on reference traces (LLaDA SFT loss).
 
     Args:
@@ -92,6 +93,7 @@ class MaskedDiffusionSFT(NonFiniteGuardMixin, PlainHparamsMixin, pl.LightningMod
         max_consecutive_skips: optimizer steps with a non-finite loss or gradient norm are skipped (weights and
             optimizer state untouched, counted as perf/skipped_steps); this many in a row stop the run with
             NonFiniteTrainingError (mmpo.training.nonfinite).
+        overwrite_output: allow exporting into a save_dir that holds another run's export (refused otherwise).
     """
 
     def __init__(
@@ -108,6 +110,7 @@ class MaskedDiffusionSFT(NonFiniteGuardMixin, PlainHparamsMixin, pl.LightningMod
         mask_eps: float = 1e-3,
         seed: int = 0,
         max_consecutive_skips: int = DEFAULT_MAX_CONSECUTIVE_SKIPS,
+        overwrite_output: bool = False,
     ) -> None:
         super().__init__()
         self.save_hyperparameters()
@@ -143,6 +146,7 @@ class MaskedDiffusionSFT(NonFiniteGuardMixin, PlainHparamsMixin, pl.LightningMod
     def on_load_checkpoint(self, checkpoint: dict) -> None:
         if "mask_generator_state" in checkpoint:
             self.generator.set_state(checkpoint["mask_generator_state"])
+        super().on_load_checkpoint(checkpoint)  # the run id
 
     def validation_step(self, batch: list[dict[str, str]], batch_idx: int) -> None:
         accuracy = greedy_accuracy(self.model, self.tokenizer, batch, self.sampler, batch_size=len(batch))
@@ -157,9 +161,14 @@ class MaskedDiffusionSFT(NonFiniteGuardMixin, PlainHparamsMixin, pl.LightningMod
 
     def export(self, path: str | Path | None = None) -> None:
         """Write the model and tokenizer with ``save_pretrained`` (only from global rank 0)."""
-        if self.trainer is not None and self.trainer.global_rank != 0:
+        if self._trainer is not None and self.trainer.global_rank != 0:  # export() also works unattached
             return
+        self.claim_export_dir(path or self.save_dir)
         save_mask_predictor(self.model, self.tokenizer, path or self.save_dir, generation=generation_dict(sampler=self.sampler))
+        self.mark_export_dir(path or self.save_dir)
+
+    def export_dir(self) -> str:
+        return self.save_dir
 
     def configure_optimizers(self):
         optimizer = torch.optim.AdamW(self.model.parameters(), lr=self.lr, weight_decay=self.weight_decay)

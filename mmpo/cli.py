@@ -30,12 +30,27 @@ def _load(target: str) -> Callable[[Sequence[str]], int | None]:
 
 
 def lightning_main(argv: Sequence[str]) -> None:
-    """Run LightningCLI with model/data classes chosen by the config's ``class_path``."""
+    """Run LightningCLI with model/data classes chosen by the config's ``class_path``.
+
+    ``MMPOCli`` adds: ``--ckpt_path`` keeps the config's and command line's arguments (differences
+    from the checkpoint printed, resume-breaking ones refused; mmpo.training.resume_args), and
+    config mistakes end in one ``mmpo <cmd>: error: key: ...`` line with exit code 2
+    (mmpo.training.cli_errors).
+    """
+    import warnings
+
     from lightning.pytorch import LightningDataModule, LightningModule
 
+    from mmpo.training.cli_errors import ConfigErrorsMixin
     from mmpo.training.cli_support import MMPOLightningCLI
+    from mmpo.training.resume_args import ResumeArgsMixin
 
-    MMPOLightningCLI(
+    class MMPOCli(ResumeArgsMixin, ConfigErrorsMixin, MMPOLightningCLI):
+        pass
+
+    # `mmpo` passes its own argv on purpose; Lightning's "args and sys.argv both given" warning is noise here
+    warnings.filterwarnings("ignore", message="LightningCLI's args parameter is intended")
+    MMPOCli(
         LightningModule,
         LightningDataModule,
         subclass_mode_model=True,

@@ -14,6 +14,8 @@ from typing import Any, Iterable
 import numpy as np
 import torch
 
+from mmpo.training.export_guard import ExportOwnershipMixin
+
 SCHEDULES = ("constant", "linear", "cosine")
 
 
@@ -113,23 +115,30 @@ def greedy_validation_metrics(engine: Any, rows: list, *, max_new_tokens: int, t
     return {"val/accuracy": float(per_fn["accuracy"].mean()), "val/format": float(per_fn["format"].mean())}
 
 
-class VLMCheckpointHooks:
+class VLMCheckpointHooks(ExportOwnershipMixin):
     """Checkpoint hooks shared by the VLM Lightning modules (mixed in before LightningModule).
 
     Lightning checkpoints carry the python/numpy/torch RNG streams (so a resumed run samples the
-    same rollouts), and the policy is also exported in HF format (``save_pretrained``) so the
-    next stage and ``mmpo eval`` can load it with ``load_vlm``. Expects ``self.model``,
-    ``self.processor`` and hparams ``output_dir`` / ``save_hf_on_checkpoint``.
+    same rollouts) and the run id, and the policy is also exported in HF format (``save_pretrained``)
+    so the next stage and ``mmpo eval`` can load it with ``load_vlm``. An export directory belongs
+    to one run (``mmpo.training.export_guard``): another run's export is refused before training
+    starts unless ``overwrite_output``. Expects ``self.model``, ``self.processor`` and hparams
+    ``output_dir`` / ``save_hf_on_checkpoint`` / ``overwrite_output``.
     """
+
+    def export_dir(self) -> str | None:
+        return self.hparams.output_dir
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         checkpoint["mmpo_rng"] = rng_state()
+        super().on_save_checkpoint(checkpoint)
         if self.hparams.save_hf_on_checkpoint:
             self.save_hf()
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         if "mmpo_rng" in checkpoint:
             set_rng_state(checkpoint["mmpo_rng"])
+        super().on_load_checkpoint(checkpoint)
 
     def on_fit_end(self) -> None:
         self.save_hf()
@@ -143,4 +152,7 @@ class VLMCheckpointHooks:
             return None
         if self._trainer is not None and not self.trainer.is_global_zero:
             return None
-        return save_vlm(self.model, self.processor, output_dir)
+        self.claim_export_dir(output_dir)
+        path = save_vlm(self.model, self.processor, output_dir)
+        self.mark_export_dir(path)
+        return path

@@ -111,6 +111,7 @@ class GRPOModule(NonFiniteGuardMixin, VLMCheckpointHooks, L.LightningModule):
         system_prompt: "default" = mmpo.data.SYSTEM_PROMPT; empty = none.
         output_dir: where HF weights (model + processor) are written at the end of fit; None = not saved.
         save_hf_on_checkpoint: also write HF weights to output_dir whenever a Lightning checkpoint is saved.
+        overwrite_output: allow exporting into an output_dir that holds another run's export (refused otherwise).
         seed: seeds sampling (per step and rank) and minibatch shuffling.
         max_consecutive_skips: optimizer steps with a non-finite loss or gradient norm are skipped (weights and
             optimizer state untouched, counted as perf/skipped_steps); this many in a row stop the run with
@@ -158,6 +159,7 @@ class GRPOModule(NonFiniteGuardMixin, VLMCheckpointHooks, L.LightningModule):
         system_prompt: str | None = "default",
         output_dir: str | None = None,
         save_hf_on_checkpoint: bool = False,
+        overwrite_output: bool = False,
         seed: int = 0,
         max_consecutive_skips: int = DEFAULT_MAX_CONSECUTIVE_SKIPS,
     ) -> None:

@@ -45,6 +45,7 @@ class SFTModule(NonFiniteGuardMixin, VLMCheckpointHooks, L.LightningModule):
         system_prompt: "default" = the system prompt of ``style``; empty = none.
         output_dir: where HF weights (model + processor) are written; None = not saved.
         save_hf_on_checkpoint: also write HF weights to output_dir whenever a Lightning checkpoint is saved.
+        overwrite_output: allow exporting into an output_dir that holds another run's export (refused otherwise).
         reward_timeout_s: per reward-function call deadline during validation.
         max_consecutive_skips: optimizer steps with a non-finite loss or gradient norm are skipped (weights and
             optimizer state untouched, counted as perf/skipped_steps); this many in a row stop the run with
@@ -70,6 +71,7 @@ class SFTModule(NonFiniteGuardMixin, VLMCheckpointHooks, L.LightningModule):
         system_prompt: str | None = "default",
         output_dir: str | None = None,
         save_hf_on_checkpoint: bool = True,
+        overwrite_output: bool = False,
         reward_timeout_s: float = 10.0,
         max_consecutive_skips: int = DEFAULT_MAX_CONSECUTIVE_SKIPS,
     ) -> None:

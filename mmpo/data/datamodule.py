@@ -61,6 +61,9 @@ class PromptDataModule(ResumableTrainData, pl.LightningDataModule):
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
         self.tasks = list(VISUAL_TASKS) if tasks is None else list(tasks)
+        for name, path in (("data_path", data_path), ("val_data_path", val_data_path)):
+            if path is not None and not str(path).strip():  # Path("") would silently mean the current folder
+                raise ValueError(f"{name} is empty ({path!r}); give a dataset path or null for none")
         if not self.tasks and data_path is None:
             raise ValueError("no data: give synthetic tasks and/or data_path")
         self.train_size, self.val_size, self.test_size = train_size, val_size, test_size
@@ -94,6 +97,11 @@ class PromptDataModule(ResumableTrainData, pl.LightningDataModule):
         self.load_stats[key] = stats
         if stats["skipped"]:
             logger.warning("%s: skipped %d bad rows of %d", path, stats["skipped"], stats["total"])
+        if not rows:
+            # not an error while synthetic tasks still supply rows, but never silent: the user asked for this data
+            logger.warning("%s (%s): no rows loaded (%d in the file, %d skipped); %s", path, key, stats["total"],
+                           stats["skipped"], f"using the synthetic tasks {self.tasks} only" if self.tasks
+                           else "no other rows")
         return rows
 
     def build(self) -> None:

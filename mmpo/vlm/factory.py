@@ -94,6 +94,8 @@ def load_vlm(
     """
     from transformers import AutoConfig, AutoProcessor
 
+    if not str(path).strip():  # Path("") is the current directory: name the real mistake
+        raise ValueError(f"model path is empty ({str(path)!r}): give a saved HF model directory")
     path = Path(path)
     if not (path / "config.json").is_file():
         raise FileNotFoundError(f"load_vlm: no config.json in {path} (expected a saved HF model directory)")

@@ -78,10 +78,14 @@ def test_sft_then_grpo_through_the_cli(tiny_path, tmp_path):
         assert key in logged, key
 
 
-def test_cli_reports_bad_settings(tiny_path, tmp_path):
-    with pytest.raises(ValueError, match="num_generations must be >= 2"):
+def test_cli_reports_bad_settings(tiny_path, tmp_path, capsys):
+    # a constructor's validation error is one final line naming the class (mmpo.training.cli_errors), exit 2
+    with pytest.raises(SystemExit) as exit_info:
         main(["fit", "-c", str(CONFIGS / "grpo_tiny.yaml"), *_common(tmp_path, "bad"),
               f"--model.init_args.model_path={tiny_path}", "--model.init_args.num_generations=1"])
+    assert exit_info.value.code == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1].startswith(
+        "mmpo fit: error: model (mmpo.algos.grpo.GRPOModule): num_generations must be >= 2")
 
 
 @pytest.mark.parametrize("name", ["sft_tiny", "grpo_tiny", "grpo_qwen2_5_vl_3b", "grpo_qwen2_5_vl_7b"])
