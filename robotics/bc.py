@@ -78,7 +78,7 @@ class ChunkDataModule(pl.LightningDataModule):
         if self.train_set is not None:
             return
         from robotics.data import ChunkDataset
-        from robotics.envs import Normalizer
+        from robotics.envs import Normalizer, stats_path_for
 
         if not Path(self.dataset_path).exists():
             raise FileNotFoundError(
@@ -90,6 +90,9 @@ class ChunkDataModule(pl.LightningDataModule):
                 f"normaliser stats {self.normalizer_path!r} not found (written by `mmpo demos` beside the dataset)"
             )
         normalizer = Normalizer.load(self.normalizer_path)
+        if Path(self.normalizer_path) == stats_path_for(self.dataset_path):
+            # the stats file beside the data must describe that data (not a previous dataset's)
+            normalizer.check_belongs_to(self.dataset_path, self.normalizer_path)
         dataset = ChunkDataset(self.dataset_path, horizon=self.horizon, normalizer=normalizer)
         if len(dataset) == 0:
             raise ValueError(f"demo dataset {self.dataset_path!r} holds no chunks")
