@@ -16,8 +16,10 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
-from torch.utils.data import DataLoader, Dataset, random_split
+from torch.utils.data import DataLoader, Dataset, default_collate, random_split
 
+from mmpo.algos.config import step_seed
+from mmpo.data.resumable import ResumableSampler, ResumableTrainData
 from robotics.policy import DiffusionPolicy
 from robotics.policy.io import save_policy_safetensors
 
@@ -38,8 +40,12 @@ def make_ema(model: torch.nn.Module, decay: float) -> AveragedModel:
     return ema
 
 
-class ChunkDataModule(pl.LightningDataModule):
+class ChunkDataModule(ResumableTrainData, pl.LightningDataModule):
     """(observation, action chunk) batches from a demo HDF5 through ``robotics.data.ChunkDataset``.
+
+    The training order is a per-epoch permutation seeded by ``seed + epoch`` and the data position
+    is saved in checkpoints (``mmpo.data.resumable``), so a resumed fit sees the same batches as
+    an uninterrupted one.
 
     Args:
         dataset_path: demo file in robomimic's HDF5 layout (ours or robomimic's low_dim.hdf5).
@@ -48,8 +54,10 @@ class ChunkDataModule(pl.LightningDataModule):
         val_fraction: share of chunks held out for the validation loss (0 = no validation).
         normalizer_path: min-max stats json; default ``<dataset_path>.stats.json``.
         num_workers: DataLoader workers (0 on shared CPUs).
-        seed: split seed.
+        seed: seed of the train/validation split and of the per-epoch shuffle.
     """
+
+    train_collate_fn = staticmethod(default_collate)
 
     def __init__(
         self,
@@ -71,8 +79,11 @@ class ChunkDataModule(pl.LightningDataModule):
         self.num_workers = num_workers
         self.seed = seed
         self.normalizer_path = normalizer_path or f"{dataset_path}.stats.json"
+        self.drop_last = False
         self.train_set: Dataset | None = None
         self.val_set: Dataset | None = None
+        self._train_sampler: ResumableSampler | None = None
+        self._pending_position: tuple[int, int] | None = None
 
     def setup(self, stage: str | None = None) -> None:
         if self.train_set is not None:
@@ -103,9 +114,15 @@ class ChunkDataModule(pl.LightningDataModule):
         else:
             self.train_set = dataset
 
-    def train_dataloader(self) -> DataLoader:
-        return DataLoader(self.train_set, batch_size=self.batch_size, shuffle=True, drop_last=False,
-                          num_workers=self.num_workers)
+    def _training_rows(self) -> Dataset:
+        self.setup()
+        return self.train_set
+
+    def _num_train_rows(self) -> int | None:
+        return None if self.train_set is None else len(self.train_set)
+
+    def _train_dataset(self) -> Dataset:
+        return self._training_rows()
 
     def val_dataloader(self) -> DataLoader | list:
         if self.val_set is None:
@@ -134,6 +151,7 @@ class BCModule(pl.LightningModule):
             DPPO fine-tuning and ``mmpo rollout``.
         normalizer_path: stats json stored in the checkpoint (default: the datamodule's).
         export_safetensors: also write the EMA policy as ``<log_dir>/policy.safetensors`` at the end.
+        seed: seed of each batch's timesteps and noise (mixed with the batch index and rank).
     """
 
     def __init__(
@@ -158,6 +176,7 @@ class BCModule(pl.LightningModule):
         max_episode_steps: int | None = None,
         normalizer_path: str | None = None,
         export_safetensors: bool = True,
+        seed: int = 0,
     ) -> None:
         super().__init__()
         self.save_hyperparameters()
@@ -182,11 +201,22 @@ class BCModule(pl.LightningModule):
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         obs, actions = _unpack_batch(batch)
-        loss = self.policy.bc_loss(obs, actions)
+        loss = self.policy.bc_loss(obs, actions, generator=self._batch_generator())
         self.log("losses/bc", loss, prog_bar=True, on_step=True, on_epoch=True, batch_size=obs.shape[0])
         return loss
 
-    def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
+    def _batch_generator(self) -> torch.Generator | None:
+        """A generator seeded by (seed, batch index, rank): a resumed fit draws the same timesteps and
+        noise as an uninterrupted one (the global RNG also feeds DataLoader start-up, which differs)."""
+        if self._trainer is None:
+            return None
+        index = self.trainer.fit_loop.total_batch_idx
+        return torch.Generator(device=self.device).manual_seed(step_seed(self.hparams.seed, index, self.global_rank))
+
+    def optimizer_step(self, *args: Any, **kwargs: Any) -> None:
+        super().optimizer_step(*args, **kwargs)
+        # Here rather than in on_train_batch_end: Lightning runs the checkpoint callback's
+        # on_train_batch_end first, so a checkpoint written there would miss this step's EMA update.
         self.ema_policy.update_parameters(self.policy)
 
     def validation_step(self, batch: Any, batch_idx: int) -> torch.Tensor:

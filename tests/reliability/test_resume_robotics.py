@@ -1,0 +1,102 @@
+"""BC and DPPO resume bit-exactly: N + M steps uninterrupted == N steps, checkpoint, a fresh module and
+Trainer (or a process killed with SIGKILL and `mmpo fit --ckpt_path`), M more steps. Every tensor of
+the final checkpoint (weights, EMA and its n_averaged, optimizer and scheduler state) must be equal."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import numpy as np
+import pytest
+import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
+
+from robotics.bc import BCModule, ChunkDataModule
+from robotics.demos import RobomimicHDF5Writer
+from robotics.envs import Normalizer
+from robotics.envs.normalizer import DATA_HASH_KEY
+from robotics.files import file_sha256
+
+REPO = Path(__file__).resolve().parents[2]
+OBS_KEYS = {"robot0_eef_pos": 3, "robot0_eef_quat": 4, "robot0_gripper_qpos": 2, "object": 10}  # obs_dim 19
+
+
+def write_tiny_demos(path: Path, num_demos: int = 3, length: int = 20) -> Path:
+    """Random Lift-shaped demos (obs 19, action 7) in robomimic's layout, with stats beside them."""
+    rng = np.random.default_rng(0)
+    obs_all, actions_all = [], []
+    with RobomimicHDF5Writer(path, {"env_name": "Lift", "type": 1, "env_kwargs": {}}) as writer:
+        for _ in range(num_demos):
+            obs = {key: rng.normal(size=(length, dim)) for key, dim in OBS_KEYS.items()}
+            actions = rng.uniform(-1, 1, size=(length, 7))
+            writer.add_demo(obs, obs, actions, np.zeros(length), np.zeros(length, np.int64), np.zeros((length, 3)))
+            obs_all.append(np.concatenate(list(obs.values()), axis=1))
+            actions_all.append(actions)
+    stats = Normalizer.from_data(np.concatenate(obs_all), np.concatenate(actions_all), **{DATA_HASH_KEY: file_sha256(path)})
+    stats.save(f"{path}.stats.json")
+    return path
+
+
+def assert_same_tensors(expected: Any, actual: Any, where: str = "checkpoint") -> int:
+    """torch.equal on every tensor of two nested dict/list structures; returns how many were compared."""
+    if isinstance(expected, torch.Tensor):
+        assert isinstance(actual, torch.Tensor) and torch.equal(expected, actual), f"{where} differs"
+        return 1
+    if isinstance(expected, dict):
+        assert expected.keys() == actual.keys(), f"{where}: keys {sorted(expected)} != {sorted(actual)}"
+        return sum(assert_same_tensors(expected[k], actual[k], f"{where}[{k!r}]") for k in expected)
+    if isinstance(expected, (list, tuple)):
+        assert len(expected) == len(actual), f"{where}: lengths differ"
+        return sum(assert_same_tensors(e, a, f"{where}[{i}]") for i, (e, a) in enumerate(zip(expected, actual)))
+    assert expected == actual, f"{where}: {expected!r} != {actual!r}"
+    return 0
+
+
+def training_state(path: Path) -> dict[str, Any]:
+    checkpoint = torch.load(path, map_location="cpu", weights_only=True)
+    return {key: checkpoint[key] for key in ("state_dict", "optimizer_states", "lr_schedulers", "global_step",
+                                             "epoch", "dppo_state") if key in checkpoint}
+
+
+# ---------------------------------------------------------------------------------------------- BC
+@pytest.fixture(scope="module")
+def demos(tmp_path_factory) -> Path:
+    return write_tiny_demos(tmp_path_factory.mktemp("demos") / "lift.hdf5")
+
+
+def _bc_fit(demos: Path, root: Path, ckpt_path: Path | None = None) -> Path:
+    """2 epochs x 8 batches (60 chunks, batch 8, the last one partial); a checkpoint after every step."""
+    torch.manual_seed(0)
+    module = BCModule(obs_dim=19, action_dim=7, horizon=4, act_steps=4, denoising_steps=5, hidden_dims=[32, 32, 32],
+                      lr=1e-2, lr_min=1e-3, warmup_steps=3, ema_decay=0.9, export_safetensors=False, seed=7)
+    data = ChunkDataModule(str(demos), horizon=4, batch_size=8, seed=3)
+    checkpoints = ModelCheckpoint(dirpath=root, filename="{step}", every_n_train_steps=1, save_top_k=-1)
+    trainer = pl.Trainer(max_epochs=2, logger=False, enable_progress_bar=False, enable_model_summary=False,
+                         callbacks=[checkpoints], default_root_dir=root)
+    trainer.fit(module, data, ckpt_path=ckpt_path)
+    assert trainer.global_step == 16
+    return root / "step=16.ckpt"
+
+
+@pytest.fixture(scope="module")
+def bc_uninterrupted(demos, tmp_path_factory) -> Path:
+    return _bc_fit(demos, tmp_path_factory.mktemp("bc_full"))
+
+
+@pytest.mark.parametrize("resume_step", [5, 8, 11])  # mid-epoch, at the epoch boundary, in the second epoch
+def test_bc_resume_is_bit_exact(demos, bc_uninterrupted, tmp_path, resume_step):
+    resumed = _bc_fit(demos, tmp_path, ckpt_path=bc_uninterrupted.parent / f"step={resume_step}.ckpt")
+    expected, actual = training_state(bc_uninterrupted), training_state(resumed)
+    compared = assert_same_tensors(expected, actual)
+    # weights + EMA copy + n_averaged, and AdamW's (step, exp_avg, exp_avg_sq) of every policy parameter
+    num_params = len(list(BCModule(obs_dim=19, action_dim=7, denoising_steps=5, hidden_dims=[32, 32, 32],
+                                   export_safetensors=False).policy.parameters()))
+    assert compared == len(expected["state_dict"]) + 3 * num_params, compared
+    assert int(actual["state_dict"]["ema_policy.n_averaged"]) == 17  # the initial copy + one update per step
