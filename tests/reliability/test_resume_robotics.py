@@ -100,3 +100,44 @@ def test_bc_resume_is_bit_exact(demos, bc_uninterrupted, tmp_path, resume_step):
                                    export_safetensors=False).policy.parameters()))
     assert compared == len(expected["state_dict"]) + 3 * num_params, compared
     assert int(actual["state_dict"]["ema_policy.n_averaged"]) == 17  # the initial copy + one update per step
+
+
+def _bc_cli_args(demos: Path, root: Path, every_n_steps: int) -> list[str]:
+    """`mmpo fit -c configs/robotics/bc_lift.yaml` at a tiny size: 20 epochs x 8 batches."""
+    return [
+        "fit", "-c", str(REPO / "configs" / "robotics" / "bc_lift.yaml"),
+        "--data.init_args.dataset_path", str(demos), "--data.init_args.batch_size", "8",
+        "--model.init_args.hidden_dims", "[16, 16, 16]", "--model.init_args.denoising_steps", "5",
+        "--model.init_args.export_safetensors", "false", "--trainer.max_epochs", "20",
+        "--trainer.default_root_dir", str(root), "--trainer.logger", "false", "--trainer.enable_progress_bar", "false",
+        "--trainer.callbacks.init_args.dirpath", str(root / "checkpoints"),
+        "--trainer.callbacks.init_args.filename", "{step}", "--trainer.callbacks.init_args.every_n_epochs", "0",
+        "--trainer.callbacks.init_args.every_n_train_steps", str(every_n_steps),
+    ]
+
+
+@pytest.mark.slow
+def test_bc_fit_killed_with_sigkill_resumes_bit_exactly(demos, tmp_path):
+    from mmpo.cli import main
+
+    killed_root = tmp_path / "killed"
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
+    process = subprocess.Popen([sys.executable, "-m", "mmpo.cli", *_bc_cli_args(demos, killed_root, every_n_steps=1)], env=env,
+                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    resume_from = killed_root / "checkpoints" / "step=10.ckpt"
+    written_after = killed_root / "checkpoints" / "step=11.ckpt"  # so step 10's file is complete
+    deadline = time.monotonic() + 240
+    while not written_after.exists() and process.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.01)
+    os.kill(process.pid, signal.SIGKILL)
+    _, stderr = process.communicate()
+    assert process.returncode == -signal.SIGKILL, stderr.decode()[-2000:]
+    assert not (killed_root / "checkpoints" / "step=160.ckpt").exists()  # it really died mid-run
+
+    # the resumed and the reference run go in-process (one interpreter start-up is the test's main cost)
+    main([*_bc_cli_args(demos, tmp_path / "resumed", every_n_steps=160), "--ckpt_path", str(resume_from)])
+    main(_bc_cli_args(demos, tmp_path / "uninterrupted", every_n_steps=160))
+    expected = training_state(tmp_path / "uninterrupted" / "checkpoints" / "step=160.ckpt")
+    actual = training_state(tmp_path / "resumed" / "checkpoints" / "step=160.ckpt")
+    assert expected["global_step"] == 160
+    assert assert_same_tensors(expected, actual) > len(expected["state_dict"])
