@@ -32,6 +32,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset
 
+from mmpo.algos.config import rng_state, set_rng_state
 from mmpo.core import gae, policy_loss
 from robotics.evaluate import EpisodeTracker, check_same_step_autoreset, evaluate_policy, final_observations
 from robotics.policy import CriticMLP, DiffusionPolicy
@@ -82,13 +83,19 @@ class _IterationIndices(Dataset):
         return index
 
 
+def iteration_loader(num_iterations: int) -> DataLoader:
+    """One dummy item per iteration. The loader gets its own generator: starting an iterator draws a
+    seed from it, and from torch's global RNG without one, which would then differ after a resume."""
+    return DataLoader(_IterationIndices(num_iterations), batch_size=None, shuffle=False,
+                      generator=torch.Generator().manual_seed(0))
+
+
 class OnPolicyDataModule(pl.LightningDataModule):
     """The data side of an on-policy run: rollouts are collected by the module itself, so this only
     hands Lightning one item per DPPO iteration (``mmpo fit`` configs need a ``data`` entry)."""
 
     def train_dataloader(self) -> DataLoader:
-        module = self.trainer.lightning_module
-        return DataLoader(_IterationIndices(module.hparams.num_iterations), batch_size=None, shuffle=False)
+        return iteration_loader(self.trainer.lightning_module.hparams.num_iterations)
 
 
 class DPPOModule(pl.LightningModule):
@@ -226,7 +233,7 @@ class DPPOModule(pl.LightningModule):
             self.envs = None
 
     def train_dataloader(self) -> DataLoader:
-        return DataLoader(_IterationIndices(self.hparams.num_iterations), batch_size=None, shuffle=False)
+        return iteration_loader(self.hparams.num_iterations)
 
     def configure_optimizers(self) -> list[torch.optim.Optimizer]:
         hp = self.hparams
@@ -397,10 +404,14 @@ class DPPOModule(pl.LightningModule):
 
     # ------------------------------------------------------------------ Lightning loop
     def evaluate(self, num_episodes: int | None = None) -> dict[str, float]:
-        """Deterministic evaluation with the fine-tuned network on the last K' steps (the training chain)."""
+        """Deterministic evaluation with the fine-tuned network on the last K' steps (the training chain).
+
+        Envs and the chains' initial noise are seeded by the iteration, so a resumed run evaluates alike."""
+        seed = self.hparams.seed + 10_000 + self.iteration
         result = evaluate_policy(
             self.policy, self.envs, num_episodes or self.hparams.eval_episodes, deterministic=True,
-            seed=self.hparams.seed + 10_000 + self.iteration, deterministic_sampler=self.hparams.eval_sampler,
+            seed=seed, deterministic_sampler=self.hparams.eval_sampler,
+            generator=torch.Generator(device=self.device).manual_seed(seed),
         )
         self._obs = None  # evaluation consumed the envs' episodes: the next rollout resets them
         return result
@@ -452,8 +463,17 @@ class DPPOModule(pl.LightningModule):
         }
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        # Everything a resumed run needs to continue bit-exactly at the next iteration (weights and
+        # both optimizers are Lightning's part). Envs need no state: each iteration resets them
+        # with a seed derived from the iteration (reset_at_iteration; see docs/dppo.md otherwise).
         checkpoint["robotics"] = self.robotics_metadata()
-        checkpoint["dppo_state"] = {"iteration": self.iteration}
+        checkpoint["dppo_state"] = {
+            "iteration": self.iteration,
+            "generator": self._generator.get_state(),
+            "rng": rng_state(),
+            "env_steps": self.train_tracker.env_steps,
+            "faults": self.train_tracker.faults,
+        }
         if self.reward_scaler is not None:
             scaler = self.reward_scaler
             checkpoint["dppo_state"].update(
@@ -464,6 +484,11 @@ class DPPOModule(pl.LightningModule):
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         state = checkpoint.get("dppo_state", {})
         self.iteration = int(state.get("iteration", 0))
+        if "generator" in state:
+            self._generator.set_state(state["generator"])
+            set_rng_state(state["rng"])
+            self.train_tracker.env_steps = int(state["env_steps"])
+            self.train_tracker.faults = int(state["faults"])
         if self.reward_scaler is not None and "reward_scale_var" in state:
             self.reward_scaler.mean = float(state["reward_scale_mean"])
             self.reward_scaler.var = float(state["reward_scale_var"])

@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import gymnasium as gym
 import lightning.pytorch as pl
 import numpy as np
 import pytest
@@ -20,7 +21,8 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 
 from robotics.bc import BCModule, ChunkDataModule
 from robotics.demos import RobomimicHDF5Writer
-from robotics.envs import Normalizer
+from robotics.dppo import DPPOModule
+from robotics.envs import ActionChunkWrapper, Normalizer
 from robotics.envs.normalizer import DATA_HASH_KEY
 from robotics.files import file_sha256
 
@@ -141,3 +143,64 @@ def test_bc_fit_killed_with_sigkill_resumes_bit_exactly(demos, tmp_path):
     actual = training_state(tmp_path / "resumed" / "checkpoints" / "step=160.ckpt")
     assert expected["global_step"] == 160
     assert assert_same_tensors(expected, actual) > len(expected["state_dict"])
+
+
+# -------------------------------------------------------------------------------------------- DPPO
+def _pendulum_envs(num_envs: int, seed: int, act_steps: int) -> gym.vector.SyncVectorEnv:
+    """Cheap in-process chunk envs (classic-control Pendulum, 12-step episodes), SAME_STEP autoreset."""
+    make = lambda: ActionChunkWrapper(gym.wrappers.TimeLimit(gym.make("Pendulum-v1").unwrapped, 12), act_steps)  # noqa: E731
+    return gym.vector.SyncVectorEnv([make] * num_envs, autoreset_mode=gym.vector.AutoresetMode.SAME_STEP)
+
+
+@pytest.fixture(scope="module")
+def pendulum_bc_checkpoint(tmp_path_factory) -> Path:
+    torch.manual_seed(0)
+    bc = BCModule(obs_dim=3, action_dim=1, horizon=2, act_steps=2, denoising_steps=5, hidden_dims=[16, 16, 16],
+                  export_safetensors=False, task="pendulum")
+    path = tmp_path_factory.mktemp("bc") / "bc.ckpt"
+    torch.save({"state_dict": bc.state_dict(), "robotics": bc.robotics_metadata()}, path)
+    return path
+
+
+class _SaveAfterIterations(pl.Callback):
+    """Checkpoint after the given DPPO iterations (global_step counts optimizer steps, not iterations)."""
+
+    def __init__(self, root: Path, iterations: set[int]) -> None:
+        self.root, self.iterations = root, iterations
+
+    def on_train_batch_end(self, trainer: pl.Trainer, module: pl.LightningModule, *args: Any) -> None:
+        if module.iteration in self.iterations:
+            trainer.save_checkpoint(self.root / f"iteration={module.iteration}.ckpt")
+
+
+def _dppo_fit(bc_checkpoint: Path, root: Path, ckpt_path: Path | None = None) -> DPPOModule:
+    """4 iterations: critic warm-up, then actor + critic; evaluation at iterations 0, 2 and 3."""
+    torch.manual_seed(0)
+    module = DPPOModule(str(bc_checkpoint), num_iterations=4, num_envs=3, n_steps=6, ft_steps=3, batch_size=12,
+                        update_epochs=2, n_critic_warmup_itr=1, eval_every=2, eval_episodes=3, gamma=0.99,
+                        critic_hidden_dims=[16, 16], actor_lr=1e-3, target_kl=None, seed=5, env_factory=_pendulum_envs)
+    trainer = pl.Trainer(max_epochs=1, logger=False, enable_progress_bar=False, enable_model_summary=False,
+                         enable_checkpointing=False, callbacks=[_SaveAfterIterations(root, {2, 4})],
+                         default_root_dir=root)
+    trainer.fit(module, ckpt_path=ckpt_path)
+    assert module.iteration == 4
+    return module
+
+
+def test_dppo_resume_is_bit_exact(pendulum_bc_checkpoint, tmp_path):
+    full = _dppo_fit(pendulum_bc_checkpoint, tmp_path / "full")
+    resumed = _dppo_fit(pendulum_bc_checkpoint, tmp_path / "resumed", tmp_path / "full" / "iteration=2.ckpt")
+    expected = training_state(tmp_path / "full" / "iteration=4.ckpt")
+    actual = training_state(tmp_path / "resumed" / "iteration=4.ckpt")
+    # policy (frozen base + fine-tuned copy) and critic, both AdamW states, the generator and RNG streams,
+    # the reward scaler's statistics
+    assert assert_same_tensors(expected, actual) > len(expected["state_dict"]) + 10
+    assert actual["dppo_state"]["iteration"] == 4 and actual["dppo_state"]["env_steps"] == 4 * 3 * 6 * 2
+    assert len(expected["optimizer_states"]) == 2
+    # the metrics of the last iteration (rollout returns, losses, evaluation) agree too
+    assert full.last_metrics.keys() == resumed.last_metrics.keys()
+    assert "eval/return" in full.last_metrics
+    for key, value in full.last_metrics.items():
+        if key.startswith("perf/env_steps_per_s"):
+            continue
+        assert value == resumed.last_metrics[key] or (np.isnan(value) and np.isnan(resumed.last_metrics[key])), key
