@@ -18,7 +18,7 @@ steps, a trainable copy (initialised from it) the last K'. One ``training_step``
 
 Metrics: ``charts/return``, ``charts/success_rate`` (finished training episodes),
 ``eval/return``, ``eval/success_rate``, ``losses/policy``, ``losses/value``, ``policy/clipfrac``,
-``policy/approx_kl``, ``perf/env_steps_per_s``, ``perf/faults``.
+``policy/approx_kl``, ``perf/env_steps_per_s``, ``perf/faults``, ``perf/env_worker_restarts``.
 """
 
 from __future__ import annotations
@@ -130,6 +130,9 @@ class DPPOModule(pl.LightningModule):
         env_factory: callable ``(num_envs=..., seed=..., act_steps=...) -> VectorEnv`` (SAME_STEP
             autoreset) replacing ``robotics.envs.make_vector_env`` (used by tests).
         asynchronous: subprocess envs (True) or in-process (False).
+        max_env_worker_restarts: env worker processes that may die and be restarted during the fit
+            (their episodes end as faults; logged as ``perf/env_worker_restarts``) before the run stops
+            with an error naming the worker and its env.
     """
 
     def __init__(
@@ -174,6 +177,7 @@ class DPPOModule(pl.LightningModule):
         seed: int = 0,
         env_factory: EnvFactory | None = None,
         asynchronous: bool = True,
+        max_env_worker_restarts: int = 3,
     ) -> None:
         super().__init__()
         self.save_hyperparameters(ignore=["env_factory"])
@@ -216,7 +220,7 @@ class DPPOModule(pl.LightningModule):
             envs = make_vector_env(
                 self.task, hp.num_envs, seed=hp.seed, act_steps=self.act_steps,
                 normalizer_path=self.normalizer_path, max_episode_steps=self.max_episode_steps,
-                asynchronous=hp.asynchronous,
+                asynchronous=hp.asynchronous, max_worker_restarts=hp.max_env_worker_restarts,
             )
         check_same_step_autoreset(envs)
         if envs.num_envs != hp.num_envs:
@@ -438,6 +442,7 @@ class DPPOModule(pl.LightningModule):
             "perf/env_steps_per_s": env_steps / max(rollout_seconds, 1e-9),
             "perf/env_steps_total": float(self.train_tracker.env_steps),
             "perf/faults": float(self.train_tracker.faults),
+            "perf/env_worker_restarts": float(getattr(self.envs, "worker_restarts", 0)),
             "charts/iteration": float(self.iteration),
         })
         if hp.eval_every and (self.iteration % hp.eval_every == 0 or self.iteration == hp.num_iterations - 1):
