@@ -201,17 +201,17 @@ class BCModule(pl.LightningModule):
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         obs, actions = _unpack_batch(batch)
-        loss = self.policy.bc_loss(obs, actions, generator=self._batch_generator())
+        generator = self._noise_generator(self.trainer.fit_loop.total_batch_idx) if self._trainer is not None else None
+        loss = self.policy.bc_loss(obs, actions, generator=generator)
         self.log("losses/bc", loss, prog_bar=True, on_step=True, on_epoch=True, batch_size=obs.shape[0])
         return loss
 
-    def _batch_generator(self) -> torch.Generator | None:
-        """A generator seeded by (seed, batch index, rank): a resumed fit draws the same timesteps and
-        noise as an uninterrupted one (the global RNG also feeds DataLoader start-up, which differs)."""
-        if self._trainer is None:
-            return None
-        index = self.trainer.fit_loop.total_batch_idx
-        return torch.Generator(device=self.device).manual_seed(step_seed(self.hparams.seed, index, self.global_rank))
+    def _noise_generator(self, batch_index: int, stream: int = 0) -> torch.Generator:
+        """Timesteps and noise of one batch, seeded by (seed + stream, batch index, rank): a resumed fit
+        draws what an uninterrupted one would (torch's global RNG also feeds DataLoader start-up, which
+        differs after a resume), and every validation uses the same noise (stream 1)."""
+        seed = step_seed(self.hparams.seed + stream, batch_index, self.global_rank)
+        return torch.Generator(device=self.device).manual_seed(seed)
 
     def optimizer_step(self, *args: Any, **kwargs: Any) -> None:
         super().optimizer_step(*args, **kwargs)
@@ -221,7 +221,7 @@ class BCModule(pl.LightningModule):
 
     def validation_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         obs, actions = _unpack_batch(batch)
-        loss = self.ema_policy.module.bc_loss(obs, actions)
+        loss = self.ema_policy.module.bc_loss(obs, actions, generator=self._noise_generator(batch_idx, stream=1))
         self.log("losses/bc_val_ema", loss, prog_bar=True, batch_size=obs.shape[0])
         return loss
 
