@@ -217,3 +217,53 @@ def test_bc_validation_noise_does_not_depend_on_the_global_rng(demos, tmp_path):
         torch.manual_seed(seed)
         losses.append(trainer.validate(module, data, verbose=False)[0]["losses/bc_val_ema"])
     assert losses[0] == losses[1]
+
+
+def _dppo_cli_args(bc_checkpoint: Path, root: Path) -> list[str]:
+    """`mmpo fit -c configs/robotics/dppo_lift.yaml` on Hopper (in-process envs), 6 tiny iterations,
+    a checkpoint after each (one per iteration: every optimizer step count is a multiple of 1)."""
+    return [
+        "fit", "-c", str(REPO / "configs" / "robotics" / "dppo_lift.yaml"),
+        "--model.init_args.bc_checkpoint", str(bc_checkpoint), "--model.init_args.task", "hopper",
+        "--model.init_args.num_iterations", "6", "--model.init_args.num_envs", "2", "--model.init_args.n_steps", "3",
+        "--model.init_args.max_episode_steps", "8", "--model.init_args.ft_steps", "2",
+        "--model.init_args.batch_size", "6", "--model.init_args.update_epochs", "1",
+        "--model.init_args.n_critic_warmup_itr", "1", "--model.init_args.eval_every", "3",
+        "--model.init_args.eval_episodes", "2", "--model.init_args.critic_hidden_dims", "[8]",
+        "--model.init_args.asynchronous", "false",
+        "--trainer.default_root_dir", str(root), "--trainer.logger", "false", "--trainer.enable_progress_bar", "false",
+        "--trainer.callbacks.init_args.dirpath", str(root / "checkpoints"),
+        "--trainer.callbacks.init_args.filename", "{step}", "--trainer.callbacks.init_args.every_n_train_steps", "1",
+    ]
+
+
+@pytest.mark.slow
+def test_dppo_fit_killed_with_sigkill_resumes_bit_exactly(tmp_path):
+    from mmpo.cli import main
+
+    torch.manual_seed(0)
+    bc = BCModule(obs_dim=11, action_dim=3, horizon=2, act_steps=2, denoising_steps=3, hidden_dims=[8, 8, 8],
+                  export_safetensors=False, task="hopper")
+    bc_checkpoint = tmp_path / "bc.ckpt"
+    torch.save({"state_dict": bc.state_dict(), "robotics": bc.robotics_metadata()}, bc_checkpoint)
+    killed = tmp_path / "killed" / "checkpoints"
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
+    process = subprocess.Popen([sys.executable, "-m", "mmpo.cli", *_dppo_cli_args(bc_checkpoint, tmp_path / "killed")],
+                               env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    deadline = time.monotonic() + 240
+    while len(list(killed.glob("step=*.ckpt"))) < 3 and process.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.01)
+    os.kill(process.pid, signal.SIGKILL)
+    _, stderr = process.communicate()
+    assert process.returncode == -signal.SIGKILL, stderr.decode()[-2000:]
+    written = sorted(killed.glob("step=*.ckpt"), key=lambda path: int(path.stem.split("=")[1]))
+    resume_from = written[-2]  # the newest may have been cut mid-write
+    iteration = torch.load(resume_from, weights_only=True)["dppo_state"]["iteration"]
+    assert 1 <= iteration < 6
+
+    main([*_dppo_cli_args(bc_checkpoint, tmp_path / "resumed"), "--ckpt_path", str(resume_from)])
+    main(_dppo_cli_args(bc_checkpoint, tmp_path / "uninterrupted"))
+    expected = training_state(tmp_path / "uninterrupted" / "checkpoints" / "last.ckpt")
+    actual = training_state(tmp_path / "resumed" / "checkpoints" / "last.ckpt")
+    assert expected["dppo_state"]["iteration"] == 6
+    assert assert_same_tensors(expected, actual) > len(expected["state_dict"])
