@@ -105,12 +105,13 @@ def test_bc_resume_is_bit_exact(demos, bc_uninterrupted, tmp_path, resume_step):
 
 
 def _bc_cli_args(demos: Path, root: Path, every_n_steps: int) -> list[str]:
-    """`mmpo fit -c configs/robotics/bc_lift.yaml` at a tiny size: 20 epochs x 8 batches."""
+    """`mmpo fit -c configs/robotics/bc_lift.yaml` at a tiny size: 40 epochs x 8 batches (long enough that
+    the killed run is still going when the test sees its step-11 checkpoint)."""
     return [
         "fit", "-c", str(REPO / "configs" / "robotics" / "bc_lift.yaml"),
         "--data.init_args.dataset_path", str(demos), "--data.init_args.batch_size", "8",
         "--model.init_args.hidden_dims", "[16, 16, 16]", "--model.init_args.denoising_steps", "5",
-        "--model.init_args.export_safetensors", "false", "--trainer.max_epochs", "20",
+        "--model.init_args.export_safetensors", "false", "--trainer.max_epochs", "40",
         "--trainer.default_root_dir", str(root), "--trainer.logger", "false", "--trainer.enable_progress_bar", "false",
         "--trainer.callbacks.init_args.dirpath", str(root / "checkpoints"),
         "--trainer.callbacks.init_args.filename", "{step}", "--trainer.callbacks.init_args.every_n_epochs", "0",
@@ -134,14 +135,14 @@ def test_bc_fit_killed_with_sigkill_resumes_bit_exactly(demos, tmp_path):
     os.kill(process.pid, signal.SIGKILL)
     _, stderr = process.communicate()
     assert process.returncode == -signal.SIGKILL, stderr.decode()[-2000:]
-    assert not (killed_root / "checkpoints" / "step=160.ckpt").exists()  # it really died mid-run
+    assert not (killed_root / "checkpoints" / "step=320.ckpt").exists()  # it really died mid-run
 
     # the resumed and the reference run go in-process (one interpreter start-up is the test's main cost)
-    main([*_bc_cli_args(demos, tmp_path / "resumed", every_n_steps=160), "--ckpt_path", str(resume_from)])
-    main(_bc_cli_args(demos, tmp_path / "uninterrupted", every_n_steps=160))
-    expected = training_state(tmp_path / "uninterrupted" / "checkpoints" / "step=160.ckpt")
-    actual = training_state(tmp_path / "resumed" / "checkpoints" / "step=160.ckpt")
-    assert expected["global_step"] == 160
+    main([*_bc_cli_args(demos, tmp_path / "resumed", every_n_steps=320), "--ckpt_path", str(resume_from)])
+    main(_bc_cli_args(demos, tmp_path / "uninterrupted", every_n_steps=320))
+    expected = training_state(tmp_path / "uninterrupted" / "checkpoints" / "step=320.ckpt")
+    actual = training_state(tmp_path / "resumed" / "checkpoints" / "step=320.ckpt")
+    assert expected["global_step"] == 320
     assert assert_same_tensors(expected, actual) > len(expected["state_dict"])
 
 
@@ -220,12 +221,12 @@ def test_bc_validation_noise_does_not_depend_on_the_global_rng(demos, tmp_path):
 
 
 def _dppo_cli_args(bc_checkpoint: Path, root: Path) -> list[str]:
-    """`mmpo fit -c configs/robotics/dppo_lift.yaml` on Hopper (in-process envs), 6 tiny iterations,
+    """`mmpo fit -c configs/robotics/dppo_lift.yaml` on Hopper (in-process envs), 12 tiny iterations,
     a checkpoint after each (one per iteration: every optimizer step count is a multiple of 1)."""
     return [
         "fit", "-c", str(REPO / "configs" / "robotics" / "dppo_lift.yaml"),
         "--model.init_args.bc_checkpoint", str(bc_checkpoint), "--model.init_args.task", "hopper",
-        "--model.init_args.num_iterations", "6", "--model.init_args.num_envs", "2", "--model.init_args.n_steps", "3",
+        "--model.init_args.num_iterations", "12", "--model.init_args.num_envs", "2", "--model.init_args.n_steps", "3",
         "--model.init_args.max_episode_steps", "8", "--model.init_args.ft_steps", "2",
         "--model.init_args.batch_size", "6", "--model.init_args.update_epochs", "1",
         "--model.init_args.n_critic_warmup_itr", "1", "--model.init_args.eval_every", "3",
@@ -259,11 +260,11 @@ def test_dppo_fit_killed_with_sigkill_resumes_bit_exactly(tmp_path):
     written = sorted(killed.glob("step=*.ckpt"), key=lambda path: int(path.stem.split("=")[1]))
     resume_from = written[-2]  # the newest may have been cut mid-write
     iteration = torch.load(resume_from, weights_only=True)["dppo_state"]["iteration"]
-    assert 1 <= iteration < 6
+    assert 1 <= iteration < 12
 
     main([*_dppo_cli_args(bc_checkpoint, tmp_path / "resumed"), "--ckpt_path", str(resume_from)])
     main(_dppo_cli_args(bc_checkpoint, tmp_path / "uninterrupted"))
     expected = training_state(tmp_path / "uninterrupted" / "checkpoints" / "last.ckpt")
     actual = training_state(tmp_path / "resumed" / "checkpoints" / "last.ckpt")
-    assert expected["dppo_state"]["iteration"] == 6
+    assert expected["dppo_state"]["iteration"] == 12
     assert assert_same_tensors(expected, actual) > len(expected["state_dict"])
