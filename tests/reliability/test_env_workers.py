@@ -61,16 +61,14 @@ def test_reset_after_a_worker_death_is_exactly_the_requested_reset():
 
 def test_dppo_run_survives_a_killed_worker_and_logs_the_restart(tmp_path):
     import lightning.pytorch as pl
-    import torch
 
-    from robotics.bc import BCModule
     from robotics.dppo import DPPOModule
+    from robotics.policy import DiffusionPolicy
+    from robotics.policy.io import save_policy_safetensors
 
-    torch.manual_seed(0)
-    bc = BCModule(obs_dim=11, action_dim=3, horizon=2, act_steps=2, denoising_steps=3, hidden_dims=[8, 8, 8],
-                  export_safetensors=False, task="hopper")
-    checkpoint = tmp_path / "bc.ckpt"
-    torch.save({"state_dict": bc.state_dict(), "robotics": bc.robotics_metadata()}, checkpoint)
+    policy = DiffusionPolicy(11, 3, 2, denoising_steps=3, hidden_dims=[8, 8, 8])  # Hopper: obs 11, action 3
+    checkpoint = save_policy_safetensors(policy, {"kind": "bc", "task": "hopper", "act_steps": 2},
+                                         tmp_path / "policy.safetensors")
     module = DPPOModule(str(checkpoint), num_iterations=2, num_envs=2, n_steps=3, ft_steps=2, batch_size=12,
                         update_epochs=1, eval_every=0, critic_hidden_dims=[8], max_episode_steps=20,
                         max_env_worker_restarts=1)
