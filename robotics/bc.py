@@ -16,8 +16,10 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
-from torch.utils.data import DataLoader, Dataset, random_split
+from torch.utils.data import DataLoader, Dataset, default_collate, random_split
 
+from mmpo.algos.config import step_seed
+from mmpo.data.resumable import ResumableSampler, ResumableTrainData
 from mmpo.training.nonfinite import DEFAULT_MAX_CONSECUTIVE_SKIPS, NonFiniteGuard, NonFiniteGuardMixin
 from robotics.policy import DiffusionPolicy
 from robotics.policy.io import save_policy_safetensors
@@ -39,8 +41,12 @@ def make_ema(model: torch.nn.Module, decay: float) -> AveragedModel:
     return ema
 
 
-class ChunkDataModule(pl.LightningDataModule):
+class ChunkDataModule(ResumableTrainData, pl.LightningDataModule):
     """(observation, action chunk) batches from a demo HDF5 through ``robotics.data.ChunkDataset``.
+
+    The training order is a per-epoch permutation seeded by ``seed + epoch`` and the data position
+    is saved in checkpoints (``mmpo.data.resumable``), so a resumed fit sees the same batches as
+    an uninterrupted one.
 
     Args:
         dataset_path: demo file in robomimic's HDF5 layout (ours or robomimic's low_dim.hdf5).
@@ -49,10 +55,12 @@ class ChunkDataModule(pl.LightningDataModule):
         val_fraction: share of chunks held out for the validation loss (0 = no validation).
         normalizer_path: min-max stats json; default ``<dataset_path>.stats.json``.
         num_workers: DataLoader workers (0 on shared CPUs).
-        seed: split seed.
+        seed: seed of the train/validation split and of the per-epoch shuffle.
         on_nonfinite: a demo with a NaN/inf observation or action is an error naming it ("error") or is
             skipped with a warning ("skip"; the count is ``skipped_demos``).
     """
+
+    train_collate_fn = staticmethod(default_collate)
 
     def __init__(
         self,
@@ -76,14 +84,17 @@ class ChunkDataModule(pl.LightningDataModule):
         self.seed = seed
         self.on_nonfinite = on_nonfinite
         self.normalizer_path = normalizer_path or f"{dataset_path}.stats.json"
+        self.drop_last = False
         self.train_set: Dataset | None = None
         self.val_set: Dataset | None = None
+        self._train_sampler: ResumableSampler | None = None
+        self._pending_position: tuple[int, int] | None = None
 
     def setup(self, stage: str | None = None) -> None:
         if self.train_set is not None:
             return
         from robotics.data import ChunkDataset
-        from robotics.envs import Normalizer
+        from robotics.envs import Normalizer, stats_path_for
 
         if not Path(self.dataset_path).exists():
             raise FileNotFoundError(
@@ -95,6 +106,9 @@ class ChunkDataModule(pl.LightningDataModule):
                 f"normaliser stats {self.normalizer_path!r} not found (written by `mmpo demos` beside the dataset)"
             )
         normalizer = Normalizer.load(self.normalizer_path)
+        if Path(self.normalizer_path) == stats_path_for(self.dataset_path):
+            # the stats file beside the data must describe that data (not a previous dataset's)
+            normalizer.check_belongs_to(self.dataset_path, self.normalizer_path)
         dataset = ChunkDataset(self.dataset_path, horizon=self.horizon, normalizer=normalizer,
                                on_nonfinite=self.on_nonfinite)
         if len(dataset) == 0:
@@ -106,9 +120,15 @@ class ChunkDataModule(pl.LightningDataModule):
         else:
             self.train_set = dataset
 
-    def train_dataloader(self) -> DataLoader:
-        return DataLoader(self.train_set, batch_size=self.batch_size, shuffle=True, drop_last=False,
-                          num_workers=self.num_workers)
+    def _training_rows(self) -> Dataset:
+        self.setup()
+        return self.train_set
+
+    def _num_train_rows(self) -> int | None:
+        return None if self.train_set is None else len(self.train_set)
+
+    def _train_dataset(self) -> Dataset:
+        return self._training_rows()
 
     def val_dataloader(self) -> DataLoader | list:
         if self.val_set is None:
@@ -137,6 +157,7 @@ class BCModule(NonFiniteGuardMixin, pl.LightningModule):
             DPPO fine-tuning and ``mmpo rollout``.
         normalizer_path: stats json stored in the checkpoint (default: the datamodule's).
         export_safetensors: also write the EMA policy as ``<log_dir>/policy.safetensors`` at the end.
+        seed: seed of each batch's timesteps and noise (mixed with the batch index and rank).
         max_consecutive_skips: optimizer steps with a non-finite loss or gradient norm are skipped (weights, EMA
             and optimizer state untouched, counted as perf/skipped_steps); this many in a row stop the run with
             NonFiniteTrainingError (mmpo.training.nonfinite).
@@ -164,6 +185,7 @@ class BCModule(NonFiniteGuardMixin, pl.LightningModule):
         max_episode_steps: int | None = None,
         normalizer_path: str | None = None,
         export_safetensors: bool = True,
+        seed: int = 0,
         max_consecutive_skips: int = DEFAULT_MAX_CONSECUTIVE_SKIPS,
     ) -> None:
         super().__init__()
@@ -190,17 +212,28 @@ class BCModule(NonFiniteGuardMixin, pl.LightningModule):
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         obs, actions = _unpack_batch(batch)
-        loss = self.policy.bc_loss(obs, actions)
+        generator = self._noise_generator(self.trainer.fit_loop.total_batch_idx) if self._trainer is not None else None
+        loss = self.policy.bc_loss(obs, actions, generator=generator)
         self.log("losses/bc", loss, prog_bar=True, on_step=True, on_epoch=True, batch_size=obs.shape[0])
         return loss
 
-    def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
+    def _noise_generator(self, batch_index: int, stream: int = 0) -> torch.Generator:
+        """Timesteps and noise of one batch, seeded by (seed + stream, batch index, rank): a resumed fit
+        draws what an uninterrupted one would (torch's global RNG also feeds DataLoader start-up, which
+        differs after a resume), and every validation uses the same noise (stream 1)."""
+        seed = step_seed(self.hparams.seed + stream, batch_index, self.global_rank)
+        return torch.Generator(device=self.device).manual_seed(seed)
+
+    def optimizer_step(self, *args: Any, **kwargs: Any) -> None:
+        super().optimizer_step(*args, **kwargs)
+        # Here rather than in on_train_batch_end: Lightning runs the checkpoint callback's
+        # on_train_batch_end first, so a checkpoint written there would miss this step's EMA update.
         if not self.nonfinite.skipping:  # a skipped (non-finite) step leaves the EMA as it was too
             self.ema_policy.update_parameters(self.policy)
 
     def validation_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         obs, actions = _unpack_batch(batch)
-        loss = self.ema_policy.module.bc_loss(obs, actions)
+        loss = self.ema_policy.module.bc_loss(obs, actions, generator=self._noise_generator(batch_idx, stream=1))
         self.log("losses/bc_val_ema", loss, prog_bar=True, batch_size=obs.shape[0])
         return loss
 

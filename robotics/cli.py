@@ -29,6 +29,9 @@ def _demos_parser() -> argparse.ArgumentParser:
     parser.add_argument("--max-steps", type=int, default=None, help="episode cap (default: task limit, 300)")
     parser.add_argument("--keep-failures", action="store_true", help="also write failed attempts")
     parser.add_argument("--no-progress", action="store_true", help="hide the progress bar")
+    parser.add_argument("--overwrite", action="store_true",
+                        help="replace an existing --out file and its stats (they are replaced only once the new "
+                        "ones are complete)")
     return parser
 
 
@@ -40,6 +43,11 @@ def demos_main(argv: Sequence[str] | None = None) -> int:
         return 2
     if args.noise < 0:
         print(f"error: --noise must be >= 0, got {args.noise}", file=sys.stderr)
+        return 2
+    existing = [path for path in (args.out, f"{args.out}.stats.json") if os.path.exists(path)]
+    if existing and not args.overwrite:
+        print(f"error: {' and '.join(existing)} already exist; pass --overwrite to replace them "
+              "(or choose another --out)", file=sys.stderr)
         return 2
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     from robotics.demos import generate_demos
@@ -53,6 +61,7 @@ def demos_main(argv: Sequence[str] | None = None) -> int:
         max_steps=args.max_steps,
         keep_failures=args.keep_failures,
         progress=not args.no_progress,
+        overwrite=args.overwrite,
     )
     print(
         f"{args.task}: expert success rate {stats['success_rate']:.3f} "

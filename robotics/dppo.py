@@ -18,7 +18,7 @@ steps, a trainable copy (initialised from it) the last K'. One ``training_step``
 
 Metrics: ``charts/return``, ``charts/success_rate`` (finished training episodes),
 ``eval/return``, ``eval/success_rate``, ``losses/policy``, ``losses/value``, ``policy/clipfrac``,
-``policy/approx_kl``, ``perf/env_steps_per_s``, ``perf/faults``.
+``policy/approx_kl``, ``perf/env_steps_per_s``, ``perf/faults``, ``perf/env_worker_restarts``.
 """
 
 from __future__ import annotations
@@ -32,6 +32,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset
 
+from mmpo.algos.config import rng_state, set_rng_state
 from mmpo.core import gae, policy_loss
 from mmpo.training.nonfinite import DEFAULT_MAX_CONSECUTIVE_SKIPS, NonFiniteGuard, NonFiniteGuardMixin, gradient_norm
 from robotics.evaluate import EpisodeTracker, check_same_step_autoreset, evaluate_policy, final_observations
@@ -83,13 +84,19 @@ class _IterationIndices(Dataset):
         return index
 
 
+def iteration_loader(num_iterations: int) -> DataLoader:
+    """One dummy item per iteration. The loader gets its own generator: starting an iterator draws a
+    seed from it, and from torch's global RNG without one, which would then differ after a resume."""
+    return DataLoader(_IterationIndices(num_iterations), batch_size=None, shuffle=False,
+                      generator=torch.Generator().manual_seed(0))
+
+
 class OnPolicyDataModule(pl.LightningDataModule):
     """The data side of an on-policy run: rollouts are collected by the module itself, so this only
     hands Lightning one item per DPPO iteration (``mmpo fit`` configs need a ``data`` entry)."""
 
     def train_dataloader(self) -> DataLoader:
-        module = self.trainer.lightning_module
-        return DataLoader(_IterationIndices(module.hparams.num_iterations), batch_size=None, shuffle=False)
+        return iteration_loader(self.trainer.lightning_module.hparams.num_iterations)
 
 
 class DPPOModule(NonFiniteGuardMixin, pl.LightningModule):
@@ -127,6 +134,9 @@ class DPPOModule(NonFiniteGuardMixin, pl.LightningModule):
         max_consecutive_skips: minibatch steps with a non-finite loss or gradient norm are skipped (actor, critic
             and optimizer states untouched, counted as perf/skipped_steps); this many in a row stop the run with
             NonFiniteTrainingError (mmpo.training.nonfinite).
+        max_env_worker_restarts: env worker processes that may die and be restarted during the fit
+            (their episodes end as faults; logged as ``perf/env_worker_restarts``) before the run stops
+            with an error naming the worker and its env.
     """
 
     def __init__(
@@ -172,6 +182,7 @@ class DPPOModule(NonFiniteGuardMixin, pl.LightningModule):
         env_factory: EnvFactory | None = None,
         asynchronous: bool = True,
         max_consecutive_skips: int = DEFAULT_MAX_CONSECUTIVE_SKIPS,
+        max_env_worker_restarts: int = 3,
     ) -> None:
         super().__init__()
         self.save_hyperparameters(ignore=["env_factory"])
@@ -215,7 +226,7 @@ class DPPOModule(NonFiniteGuardMixin, pl.LightningModule):
             envs = make_vector_env(
                 self.task, hp.num_envs, seed=hp.seed, act_steps=self.act_steps,
                 normalizer_path=self.normalizer_path, max_episode_steps=self.max_episode_steps,
-                asynchronous=hp.asynchronous,
+                asynchronous=hp.asynchronous, max_worker_restarts=hp.max_env_worker_restarts,
             )
         check_same_step_autoreset(envs)
         if envs.num_envs != hp.num_envs:
@@ -232,7 +243,7 @@ class DPPOModule(NonFiniteGuardMixin, pl.LightningModule):
             self.envs = None
 
     def train_dataloader(self) -> DataLoader:
-        return DataLoader(_IterationIndices(self.hparams.num_iterations), batch_size=None, shuffle=False)
+        return iteration_loader(self.hparams.num_iterations)
 
     def configure_optimizers(self) -> list[torch.optim.Optimizer]:
         hp = self.hparams
@@ -406,10 +417,14 @@ class DPPOModule(NonFiniteGuardMixin, pl.LightningModule):
 
     # ------------------------------------------------------------------ Lightning loop
     def evaluate(self, num_episodes: int | None = None) -> dict[str, float]:
-        """Deterministic evaluation with the fine-tuned network on the last K' steps (the training chain)."""
+        """Deterministic evaluation with the fine-tuned network on the last K' steps (the training chain).
+
+        Envs and the chains' initial noise are seeded by the iteration, so a resumed run evaluates alike."""
+        seed = self.hparams.seed + 10_000 + self.iteration
         result = evaluate_policy(
             self.policy, self.envs, num_episodes or self.hparams.eval_episodes, deterministic=True,
-            seed=self.hparams.seed + 10_000 + self.iteration, deterministic_sampler=self.hparams.eval_sampler,
+            seed=seed, deterministic_sampler=self.hparams.eval_sampler,
+            generator=torch.Generator(device=self.device).manual_seed(seed),
         )
         self._obs = None  # evaluation consumed the envs' episodes: the next rollout resets them
         return result
@@ -437,6 +452,7 @@ class DPPOModule(NonFiniteGuardMixin, pl.LightningModule):
             "perf/env_steps_total": float(self.train_tracker.env_steps),
             "perf/faults": float(self.train_tracker.faults),
             "perf/skipped_steps": float(self.nonfinite.skipped_steps),
+            "perf/env_worker_restarts": float(getattr(self.envs, "worker_restarts", 0)),
             "charts/iteration": float(self.iteration),
         })
         if hp.eval_every and (self.iteration % hp.eval_every == 0 or self.iteration == hp.num_iterations - 1):
@@ -462,8 +478,17 @@ class DPPOModule(NonFiniteGuardMixin, pl.LightningModule):
         }
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        # Everything a resumed run needs to continue bit-exactly at the next iteration (weights and
+        # both optimizers are Lightning's part). Envs need no state: each iteration resets them
+        # with a seed derived from the iteration (reset_at_iteration; see docs/dppo.md otherwise).
         checkpoint["robotics"] = self.robotics_metadata()
-        checkpoint["dppo_state"] = {"iteration": self.iteration}
+        checkpoint["dppo_state"] = {
+            "iteration": self.iteration,
+            "generator": self._generator.get_state(),
+            "rng": rng_state(),
+            "env_steps": self.train_tracker.env_steps,
+            "faults": self.train_tracker.faults,
+        }
         if self.reward_scaler is not None:
             scaler = self.reward_scaler
             checkpoint["dppo_state"].update(
@@ -474,6 +499,11 @@ class DPPOModule(NonFiniteGuardMixin, pl.LightningModule):
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         state = checkpoint.get("dppo_state", {})
         self.iteration = int(state.get("iteration", 0))
+        if "generator" in state:
+            self._generator.set_state(state["generator"])
+            set_rng_state(state["rng"])
+            self.train_tracker.env_steps = int(state["env_steps"])
+            self.train_tracker.faults = int(state["faults"])
         if self.reward_scaler is not None and "reward_scale_var" in state:
             self.reward_scaler.mean = float(state["reward_scale_mean"])
             self.reward_scaler.var = float(state["reward_scale_var"])

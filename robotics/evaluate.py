@@ -133,6 +133,7 @@ def evaluate_policy(
     max_chunk_steps: int = 100_000,
     progress: bool = False,
     deterministic_sampler: str | None = None,
+    generator: torch.Generator | None = None,
 ) -> dict[str, float]:
     """Roll out ``policy`` for ``num_episodes`` episodes on a SAME_STEP-autoreset vector chunk env.
 
@@ -145,6 +146,8 @@ def evaluate_policy(
         max_chunk_steps: safety cap on chunk steps (clear error if reached).
         deterministic_sampler: None (the policy's own chain: DDPM means) or "ddim" (eta = 0, same
             timesteps and networks); see :meth:`DiffusionPolicy.sample`.
+        generator: source of the chains' initial (and, stochastic, step) noise, on the policy's
+            device; None = torch's global RNG.
 
     Returns:
         dict with ``return``, ``success_rate`` (NaN for tasks without success), ``episodes``,
@@ -164,7 +167,7 @@ def evaluate_policy(
         obs_tensor = torch.as_tensor(np.asarray(obs), dtype=torch.float32, device=device)
         actions = policy.sample(
             obs_tensor, deterministic=deterministic, min_sampling_std=min_sampling_std, noise_clip=noise_clip,
-            deterministic_sampler=deterministic_sampler,
+            deterministic_sampler=deterministic_sampler, generator=generator,
         ).actions
         before = len(tracker.returns)
         obs, rewards, terminated, truncated, infos = envs.step(actions.cpu().numpy())

@@ -11,13 +11,14 @@ count is one ahead when a checkpoint is written. Under a Trainer the consumed co
 from the fit loop's batch progress (``processed`` batches of the current epoch); outside a
 Trainer it is the number of batches yielded.
 
-Used by ``mmpo.data.PromptDataModule`` (VLM prompts) and the dLLM data modules.
+Used by ``mmpo.data.PromptDataModule`` (VLM prompts), the dLLM data modules and the robotics
+BC ``ChunkDataModule`` (which indexes its own dataset and collates tensors).
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -124,8 +125,16 @@ class ResumableTrainData:
             return torch.distributed.get_world_size(), torch.distributed.get_rank()
         return 1, 0
 
+    #: batch collation of the training loader (default: a batch is the list of its rows); a plain
+    #: function, not a method, so worker processes do not pickle the datamodule
+    train_collate_fn: Callable[[list[Any]], Any] = staticmethod(collate_rows)
+
+    def _train_dataset(self) -> Dataset:
+        """The map-style dataset the sampler indexes (default: the training rows as a list)."""
+        return RowDataset(self._training_rows())
+
     def train_dataloader(self) -> DataLoader:
-        rows = RowDataset(self._training_rows())
+        rows = self._train_dataset()
         world, rank = self._world()
         sampler = ResumableSampler(rows, seed=self.seed, shuffle=True, num_replicas=world, rank=rank)
         if self.drop_last and len(sampler) < self.batch_size:
@@ -137,7 +146,7 @@ class ResumableTrainData:
         if self._pending_position is not None:
             self._resume_sampler(*self._pending_position)
             self._pending_position = None
-        loader = ResumableDataLoader(rows, batch_size=self.batch_size, sampler=sampler, collate_fn=collate_rows,
+        loader = ResumableDataLoader(rows, batch_size=self.batch_size, sampler=sampler, collate_fn=self.train_collate_fn,
                                      num_workers=self.num_workers, drop_last=self.drop_last)
         loader.datamodule = self
         return loader

@@ -73,6 +73,7 @@ class ChunkDataset(Dataset):
             result = Normalizer.load(normalizer)
         elif stats_path_for(self.hdf5_path).exists():
             result = Normalizer.load(stats_path_for(self.hdf5_path))
+            result.check_belongs_to(self.hdf5_path, stats_path_for(self.hdf5_path))
         else:
             result = Normalizer.from_data(
                 np.concatenate([d.obs for d in self.demos]),

@@ -11,9 +11,10 @@ from tqdm.auto import tqdm
 from robotics.demos.experts import CanExpert, ScriptedExpert, make_expert
 from robotics.demos.hdf5_writer import RobomimicHDF5Writer
 from robotics.envs.make import make_env
-from robotics.envs.normalizer import Normalizer, stats_path_for
+from robotics.envs.normalizer import DATA_HASH_KEY, Normalizer, stats_path_for
 from robotics.envs.robosuite_env import RobosuiteGymEnv, flatten_obs, robomimic_obs_dict
 from robotics.envs.tasks import get_task
+from robotics.files import atomic_outputs, file_sha256
 
 #: steps kept after the first success so the demo shows the goal being held (robomimic
 #: PH demos also end shortly after success).
@@ -89,6 +90,7 @@ def generate_demos(
     steps_after_success: int = DEFAULT_STEPS_AFTER_SUCCESS,
     store_model_file: bool = True,
     progress: bool = True,
+    overwrite: bool = False,
 ) -> dict[str, Any]:
     """Scripted-expert demos for "lift" / "can" in robomimic's HDF5 layout.
 
@@ -104,6 +106,11 @@ def generate_demos(
         steps_after_success: steps recorded after the first success.
         store_model_file: store the MJCF XML per demo (robomimic's ``model_file`` attr).
         progress: show a tqdm bar.
+        overwrite: replace an existing ``out_path`` (otherwise ``FileExistsError``).
+
+    Both files are written under temp names beside ``out_path`` and moved into place only when
+    generation has finished (data first, then stats carrying the data's SHA-256), so an
+    interrupted run leaves any previous dataset and its stats untouched.
 
     Returns:
         dict with ``path``, ``stats_path``, ``num_demos`` (written), ``attempts``,
@@ -118,13 +125,29 @@ def generate_demos(
     limit = int(max_steps or spec.max_episode_steps)
     attempts_allowed = int(max_attempts or 3 * num_demos + 10)
     out_path = Path(out_path)
+    stats_path = stats_path_for(out_path)
+    existing = [str(path) for path in (out_path, stats_path) if path.exists()]
+    if existing and not overwrite:
+        raise FileExistsError(f"{' and '.join(existing)} already exist; pass overwrite=True (--overwrite) to replace")
+    with atomic_outputs(out_path, stats_path) as (partial_data, partial_stats):
+        stats = _generate_into(task, spec, num_demos, partial_data, partial_stats, noise=noise, seed=seed, limit=limit,
+                               keep_failures=keep_failures, attempts_allowed=attempts_allowed,
+                               steps_after_success=steps_after_success, store_model_file=store_model_file,
+                               progress=progress)
+    return {"path": str(out_path), "stats_path": str(stats_path), **stats}
+
+
+def _generate_into(task: str, spec: Any, num_demos: int, data_path: Path, stats_path: Path, *, noise: float,
+                   seed: int, limit: int, keep_failures: bool, attempts_allowed: int, steps_after_success: int,
+                   store_model_file: bool, progress: bool) -> dict[str, Any]:
+    """Roll out and write the demos to ``data_path`` and their stats (with the data's hash) to ``stats_path``."""
     env = make_env(task, seed=seed, max_episode_steps=limit)
     expert = make_expert(task, noise=noise, rng=np.random.default_rng(seed + 1))
     attempts = successes = faults = 0
     flat_obs, all_actions, lengths = [], [], []
     bar = tqdm(total=num_demos, desc=f"{task} demos", disable=not progress, unit="demo")
     try:
-        with RobomimicHDF5Writer(out_path, robomimic_env_args(env.unwrapped)) as writer:
+        with RobomimicHDF5Writer(data_path, robomimic_env_args(env.unwrapped)) as writer:
             while len(lengths) < num_demos and attempts < attempts_allowed:
                 episode = _episode(env, expert, limit, steps_after_success)
                 attempts += 1
@@ -155,12 +178,11 @@ def generate_demos(
     if not lengths:
         raise RuntimeError(f"no demo written for {task!r} after {attempts} attempts (noise={noise})")
     normalizer = Normalizer.from_data(
-        np.concatenate(flat_obs), np.concatenate(all_actions), obs_keys=list(spec.obs_keys), task=spec.name
+        np.concatenate(flat_obs), np.concatenate(all_actions), obs_keys=list(spec.obs_keys), task=spec.name,
+        **{DATA_HASH_KEY: file_sha256(data_path)},
     )
-    stats_path = normalizer.save(stats_path_for(out_path))
+    normalizer.save(stats_path)
     return {
-        "path": str(out_path),
-        "stats_path": str(stats_path),
         "num_demos": len(lengths),
         "attempts": attempts,
         "successes": successes,

@@ -4,20 +4,26 @@ DPPO (arXiv 2409.00588; ``script/dataset/process_robomimic_dataset.py``) maps ev
 obs/action dimension x to ``2 (x - min) / (max - min + 1e-6) - 1`` with per-dimension
 min/max over the whole dataset, and the env wrapper maps policy actions back. No
 library ships this exact convention (robomimic normalises with mean/std), so it is here.
-Stats live in a small JSON file beside the dataset: ``<dataset>.stats.json``.
+Stats live in a small JSON file beside the dataset: ``<dataset>.stats.json``; ``mmpo demos``
+records the dataset's SHA-256 in it (``data_sha256``) so stats are never used with other data.
 """
 
 from __future__ import annotations
 
 import json
+import warnings
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from robotics.files import atomic_write_text, file_sha256
+
 #: DPPO adds this to (max - min) so constant dimensions do not divide by zero.
 RANGE_EPSILON = 1e-6
 _REQUIRED = ("obs_min", "obs_max", "action_min", "action_max")
+#: metadata key holding the SHA-256 of the dataset file the stats were computed from
+DATA_HASH_KEY = "data_sha256"
 
 
 def stats_path_for(dataset_path: str | Path) -> Path:
@@ -74,11 +80,29 @@ class Normalizer:
             return cls(json.load(handle))
 
     def save(self, path: str | Path) -> Path:
-        path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with open(path, "w") as handle:
-            json.dump(self.to_dict(), handle, indent=1)
-        return path
+        """Write the stats JSON atomically (a reader never sees a half-written file)."""
+        return atomic_write_text(path, json.dumps(self.to_dict(), indent=1))
+
+    def check_belongs_to(self, dataset_path: str | Path, stats_path: str | Path) -> None:
+        """Raise if these stats (read from ``stats_path``) were computed from another file than
+        ``dataset_path`` (their recorded ``data_sha256`` differs from the file's). Stats without
+        a recorded hash (written by hand or by older versions) are accepted with a warning."""
+        recorded = self.metadata.get(DATA_HASH_KEY)
+        if recorded is None:
+            warnings.warn(
+                f"normaliser stats {stats_path} record no {DATA_HASH_KEY}; cannot check that they belong to "
+                f"{dataset_path} (regenerate with `mmpo demos` to record it)",
+                stacklevel=2,
+            )
+            return
+        actual = file_sha256(dataset_path)
+        if actual != recorded:
+            raise ValueError(
+                f"normaliser stats {stats_path} do not belong to the dataset {dataset_path}: the stats were "
+                f"computed from a file with sha256 {recorded[:12]}..., the dataset's is {actual[:12]}... "
+                "(an interrupted or overwritten `mmpo demos` run, or a dataset edited after its stats were "
+                f"written); regenerate both with `mmpo demos ... --out {dataset_path} --overwrite`"
+            )
 
     def to_dict(self) -> dict[str, Any]:
         return {

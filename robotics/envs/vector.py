@@ -25,11 +25,12 @@ from typing import Any, Iterator
 
 import gymnasium as gym
 import numpy as np
-from gymnasium.vector import AsyncVectorEnv, AutoresetMode, SyncVectorEnv
+from gymnasium.vector import AutoresetMode, SyncVectorEnv
 
 from robotics.envs.chunking import ActionChunkWrapper
 from robotics.envs.make import make_env
 from robotics.envs.normalizer import Normalizer
+from robotics.envs.workers import RestartingAsyncVectorEnv
 
 #: thread pools each worker would otherwise open; workers inherit these at start.
 _SINGLE_THREAD_ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1"}
@@ -93,6 +94,7 @@ def make_vector_env(
     asynchronous: bool = True,
     terminate_on_success: bool = False,
     context: str | None = None,
+    max_worker_restarts: int = 3,
 ) -> gym.vector.VectorEnv:
     """``num_envs`` chunk envs; env i is seeded with ``seed + i``.
 
@@ -106,6 +108,8 @@ def make_vector_env(
         asynchronous: subprocess ``AsyncVectorEnv`` (True) or in-process ``SyncVectorEnv``.
         terminate_on_success: see :func:`robotics.envs.make_env`.
         context: multiprocessing start method (default :func:`default_context`).
+        max_worker_restarts: dead worker processes restarted before an ``EnvWorkerError`` (see
+            :mod:`robotics.envs.workers`; the count is ``vec.worker_restarts``).
 
     Returns:
         VectorEnv with ``single_action_space`` (act_steps, action_dim) and autoreset mode
@@ -134,7 +138,9 @@ def make_vector_env(
     with _single_threaded_children():
         if context == "forkserver":
             _preload_forkserver(task)
-        return AsyncVectorEnv(env_fns, context=context, autoreset_mode=AutoresetMode.SAME_STEP)
+        names = [f"{task}, seed {int(seed) + index}" for index in range(num_envs)]
+        return RestartingAsyncVectorEnv(env_fns, context=context, autoreset_mode=AutoresetMode.SAME_STEP,
+                                        max_restarts=max_worker_restarts, env_names=names)
 
 
 def merged_info(infos: dict[str, Any], key: str, default: Any = False) -> np.ndarray:

@@ -123,12 +123,19 @@ class DiffusionPolicy(nn.Module):
         return self.network
 
     # ------------------------------------------------------------------ BC
-    def bc_loss(self, obs: torch.Tensor, actions: torch.Tensor) -> torch.Tensor:
-        """Epsilon-prediction MSE (DDPM simple loss). obs (B, obs_dim), actions (B, Ta, Da) -> scalar."""
+    def bc_loss(
+        self, obs: torch.Tensor, actions: torch.Tensor, generator: torch.Generator | None = None
+    ) -> torch.Tensor:
+        """Epsilon-prediction MSE (DDPM simple loss). obs (B, obs_dim), actions (B, Ta, Da) -> scalar.
+
+        Timesteps and noise come from ``generator`` (on ``actions``' device) or torch's global RNG.
+        """
         self._check_inputs(obs, actions)
         batch = actions.shape[0]
-        timesteps = torch.randint(0, self.schedule.num_train_steps, (batch,), device=actions.device)
-        noise = torch.randn_like(actions)
+        timesteps = torch.randint(
+            0, self.schedule.num_train_steps, (batch,), device=actions.device, generator=generator
+        )
+        noise = torch.randn(actions.shape, dtype=actions.dtype, device=actions.device, generator=generator)
         noisy = self.schedule.add_noise(actions, noise, timesteps)
         return F.mse_loss(self.network(noisy, timesteps, obs), noise)
 

@@ -9,10 +9,12 @@ Rebuilding both networks with the same K' is what the official DPPO eval got wro
 from __future__ import annotations
 
 import json
+import pickle
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from robotics.policy.diffusion import DiffusionPolicy
@@ -20,6 +22,29 @@ from robotics.policy.diffusion import DiffusionPolicy
 
 def _sidecar(path: Path) -> Path:
     return path.with_suffix(path.suffix + ".json")
+
+
+class CorruptCheckpointError(ValueError):
+    """A checkpoint file exists but cannot be read (truncated by a crash, or bytes damaged)."""
+
+
+def _read_checkpoint(path: Path, read: Callable[[Path], Any]) -> Any:
+    """``read(path)``, turning the readers' low-level failures into one error that names the file.
+
+    A truncated zip makes ``torch.load`` raise ``OSError: [Errno 22]`` or ``EOFError``, a damaged
+    one ``RuntimeError`` or an unpickling error; safetensors raises its own ``SafetensorError``.
+    """
+    try:
+        return read(path)
+    except (OSError, EOFError, RuntimeError, pickle.UnpicklingError, SafetensorError) as error:
+        if isinstance(error, FileNotFoundError):
+            raise
+        size = path.stat().st_size
+        detail = f"{type(error).__name__}: {error}".rstrip(": ")
+        raise CorruptCheckpointError(
+            f"checkpoint {path} ({size} bytes) is truncated or corrupt and cannot be loaded ({detail}); "
+            "use an earlier checkpoint of the run"
+        ) from error
 
 
 def build_policy(metadata: dict[str, Any], state_dict: dict[str, torch.Tensor]) -> DiffusionPolicy:
@@ -41,8 +66,8 @@ def load_policy(path: str | Path) -> tuple[DiffusionPolicy, dict[str, Any]]:
         if not sidecar.exists():
             raise FileNotFoundError(f"{path} needs its metadata file {sidecar}")
         metadata = json.loads(sidecar.read_text())
-        return build_policy(metadata, load_file(str(path))), metadata
-    checkpoint = torch.load(path, map_location="cpu", weights_only=True)
+        return build_policy(metadata, _read_checkpoint(path, lambda p: load_file(str(p)))), metadata
+    checkpoint = _read_checkpoint(path, lambda p: torch.load(p, map_location="cpu", weights_only=True))
     if "robotics" not in checkpoint:
         raise ValueError(f"{path} is not a robotics policy checkpoint (no 'robotics' metadata entry)")
     metadata = dict(checkpoint["robotics"])
