@@ -30,3 +30,25 @@ def _fit(config: str, model: Path, root: Path, *overrides: str) -> list[dict[str
 def fit_vlm_config() -> Callable[..., list[dict[str, str]]]:
     """``fit_vlm_config(config_name, model_path, root, *overrides) -> metric rows``."""
     return _fit
+
+
+SCRIPTED_REWARD = "scripted"
+
+
+@pytest.fixture
+def scripted_reward(monkeypatch) -> Callable[[list[float]], dict[str, float]]:
+    """``scripted_reward(pattern) -> reward_weights``: registers a reward that ignores the text and
+    gives completion i of each batch ``pattern[i % len(pattern)]``, so the rewards of a sampled
+    smoke run (and every value derived from them) are known in advance."""
+    import torch
+
+    from mmpo.rewards.registry import REWARDS
+
+    def install(pattern: list[float]) -> dict[str, float]:
+        def scripted(completions, rows):
+            return torch.tensor([pattern[i % len(pattern)] for i in range(len(completions))], dtype=torch.float32)
+
+        monkeypatch.setitem(REWARDS, SCRIPTED_REWARD, scripted)
+        return {SCRIPTED_REWARD: 1.0}
+
+    return install
