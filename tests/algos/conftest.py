@@ -52,3 +52,18 @@ def scripted_reward(monkeypatch) -> Callable[[list[float]], dict[str, float]]:
         return {SCRIPTED_REWARD: 1.0}
 
     return install
+
+
+def _hand_grpo_advantages(rewards, group_size: int, eps: float = 1e-6):
+    """(r - group mean) / (unbiased group std + eps) for contiguous groups, written out
+    independently of mmpo.core so tests can check the modules against it."""
+    groups = rewards.view(-1, group_size)
+    centred = groups - groups.mean(-1, keepdim=True)
+    std = (centred.pow(2).sum(-1, keepdim=True) / (group_size - 1)).sqrt()
+    return (centred / (std + eps)).flatten()
+
+
+@pytest.fixture
+def hand_grpo_advantages() -> Callable:
+    """``hand_grpo_advantages(rewards (N,), group_size, eps=1e-6) -> (N,)``."""
+    return _hand_grpo_advantages

@@ -21,15 +21,7 @@ def tiny_model(tmp_path_factory) -> Path:
     return build_tiny_vlm(tmp_path_factory.mktemp("ahpo_model"), corpus=corpus)
 
 
-def _hand_grpo_advantages(rewards: torch.Tensor, group_size: int, eps: float = 1e-6) -> torch.Tensor:
-    """(r - group mean) / (unbiased group std + eps), written out here independently of mmpo.core."""
-    groups = rewards.view(-1, group_size)
-    centred = groups - groups.mean(-1, keepdim=True)
-    std = (centred.pow(2).sum(-1, keepdim=True) / (group_size - 1)).sqrt()
-    return (centred / (std + eps)).flatten()
-
-
-def test_gate_and_update_equal_the_hand_computed_hybrid_loss(tiny_model):
+def test_gate_and_update_equal_the_hand_computed_hybrid_loss(tiny_model, hand_grpo_advantages):
     """One real training step on a fixed rollout with SGD(lr=1): the weight change must be minus the
     gradient of Eq. 5 written out here, (sum_on -A_i log pi + sum_{gated y*} -log pi(y*)) / (N_on + |y*|),
     and the logged loss its value (ratio 1 on-policy, so the on-policy part is -sum A_i / Z)."""
@@ -72,7 +64,7 @@ def test_gate_and_update_equal_the_hand_computed_hybrid_loss(tiny_model):
     policy, processor = load_vlm(tiny_model)
     policy.train()
     mask = rollout.completion_mask.float()
-    adv = _hand_grpo_advantages(rewards, 3)[:, None].expand_as(mask)
+    adv = hand_grpo_advantages(rewards, 3)[:, None].expand_as(mask)
     log_probs, _ = completion_log_probs(policy, rollout.prompt_inputs, rollout.completion_ids, rollout.completion_mask)
     prompts = encode_prompts(processor, rows[:1], system_prompt=module.engine.system_prompt)
     ids, expert_mask = encode_completions(processor, [rows[0]["expert_trace"]])

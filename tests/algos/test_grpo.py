@@ -161,15 +161,7 @@ def test_kl_to_identical_reference_is_zero_with_zero_gradient(tiny_path, fixed):
         torch.testing.assert_close(with_kl[name], without[name], atol=1e-7, rtol=1e-6, msg=name)
 
 
-def _hand_grpo_advantages(rewards, group_size, eps=1e-6):
-    """(r - group mean) / (unbiased group std + eps), written out here independently of mmpo.core."""
-    groups = rewards.view(-1, group_size)
-    centred = groups - groups.mean(-1, keepdim=True)
-    std = (centred.pow(2).sum(-1, keepdim=True) / (group_size - 1)).sqrt()
-    return (centred / (std + eps)).flatten()
-
-
-def test_inner_epochs_use_old_log_probs_and_clip(tiny_path, fixed):
+def test_inner_epochs_use_old_log_probs_and_clip(tiny_path, fixed, hand_grpo_advantages):
     """mu = 2 over the whole rollout with SGD(lr=1). Epoch 1 is on the old policy (ratio 1,
     nothing clipped). Epoch 2 sees ratio = pi_1 / pi_old, where pi_1 is one SGD step away: the
     step is large, so ratios leave [1 - 0.2, 1 + 0.28] on some tokens. The logged metrics (means
@@ -184,7 +176,7 @@ def test_inner_epochs_use_old_log_probs_and_clip(tiny_path, fixed):
     policy = GRPOModule(tiny_path, num_generations=3, beta=0.0).model
     policy.train()
     mask = rollout.completion_mask.float()
-    adv = _hand_grpo_advantages(rewards, 3)[:, None].expand_as(mask)
+    adv = hand_grpo_advantages(rewards, 3)[:, None].expand_as(mask)
     old, _ = completion_log_probs(policy, rollout.prompt_inputs, rollout.completion_ids, rollout.completion_mask)
     (-(adv * old * mask).sum() / mask.sum()).backward()
     with torch.no_grad():

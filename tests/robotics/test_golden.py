@@ -1,28 +1,14 @@
 """Backward-compatibility of DPPO: the minibatch loss (per-denoising-step clip schedule, denoising
 discount, value loss), ratios and gradients on a fixed tiny batch (float64) against committed values.
-
-Regenerate the artifact with ``python tests/robotics/golden/make_golden.py`` only when a formula is
-meant to change.
+Regenerate: ``python tests/robotics/golden/make_golden.py`` (only for an intended formula change).
 """
 
-import importlib.util
-import json
 from pathlib import Path
 
 import pytest
+from golden_support import assert_step_matches, load_golden
 
-GOLDEN_DIR = Path(__file__).parent / "golden"
-
-
-def _load_generator():
-    spec = importlib.util.spec_from_file_location("robotics_make_golden", GOLDEN_DIR / "make_golden.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-GENERATOR = _load_generator()
-GOLDEN = json.loads((GOLDEN_DIR / "dppo_golden.json").read_text())
+GENERATOR, GOLDEN = load_golden(Path(__file__).parent / "golden", "dppo_golden.json")
 
 
 @pytest.fixture(scope="module")
@@ -39,12 +25,5 @@ def test_values_match_golden(current, key):
     assert current[key] == pytest.approx(GOLDEN[key], rel=1e-9, abs=1e-12)
 
 
-def test_metrics_match_golden(current):
-    for key, value in GOLDEN["metrics"].items():
-        assert current["metrics"][key] == pytest.approx(value, rel=1e-7, abs=1e-10), key
-
-
-def test_gradients_match_golden(current):
-    assert sorted(current["grad"]) == sorted(GOLDEN["grad"])
-    for param, fingerprint in GOLDEN["grad"].items():
-        assert current["grad"][param] == pytest.approx(fingerprint, rel=1e-8, abs=1e-12), param
+def test_metrics_and_gradients_match_golden(current):
+    assert_step_matches(current, GOLDEN, metric_rel=1e-7, grad_rel=1e-8)

@@ -16,6 +16,7 @@ intended change of a formula, and say so in the commit message:
 from __future__ import annotations
 
 import json
+import sys
 import tempfile
 from pathlib import Path
 from typing import Any, Callable
@@ -34,6 +35,9 @@ from mmpo.data.synthetic import make_items
 from mmpo.vlm.factory import build_tiny_vlm
 
 HERE = Path(__file__).parent
+sys.path.insert(0, str(HERE.parents[1]))  # tests/: golden_support
+from golden_support import gradient_fingerprint  # noqa: E402
+
 GOLDEN_PATH = HERE / "algos_golden.json"
 # Timings and the learning rate say nothing about the math.
 UNCHECKED_PREFIXES = ("perf/", "lr")
@@ -104,13 +108,6 @@ ALGORITHMS: dict[str, tuple[type, dict[str, Any], str, dict[str, Any]]] = {
 }
 
 
-def _fingerprint(delta: torch.Tensor, name: str) -> list[float]:
-    generator = torch.Generator().manual_seed(sum(map(ord, name)))
-    direction = torch.randn(delta.shape, generator=generator, dtype=torch.float64)
-    delta = delta.to(torch.float64)
-    return [float(delta.sum()), float(delta.pow(2).sum()), float((delta * direction).sum())]
-
-
 def run(name: str, model_path: Path) -> dict[str, Any]:
     """One training step of algorithm ``name``: {"metrics": {...}, "grad": {param: [sum, sumsq, proj]}}."""
     cls, settings, task, script = ALGORITHMS[name]
@@ -122,7 +119,7 @@ def run(name: str, model_path: Path) -> dict[str, Any]:
                         enable_progress_bar=False, enable_model_summary=False)
     trainer.fit(module, DataLoader([rows], batch_size=None, collate_fn=lambda x: x))
     metrics = {k: float(v) for k, v in module.last_metrics.items() if not k.startswith(UNCHECKED_PREFIXES)}
-    grads = {n: _fingerprint(before[n] - p.detach(), n) for n, p in module.model.named_parameters()}
+    grads = {n: gradient_fingerprint(before[n] - p.detach(), n) for n, p in module.model.named_parameters()}
     return {"metrics": dict(sorted(metrics.items())), "grad": grads}
 
 

@@ -16,6 +16,7 @@ commit message:
 from __future__ import annotations
 
 import json
+import sys
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -33,6 +34,9 @@ from dllm.task import ArithmeticTaskConfig, corpus
 from dllm.tokenizer import train_char_tokenizer
 
 HERE = Path(__file__).parent
+sys.path.insert(0, str(HERE.parents[1]))  # tests/: golden_support
+from golden_support import gradient_fingerprint  # noqa: E402
+
 GOLDEN_PATH = HERE / "dllm_golden.json"
 GEN = 8
 ROWS = [{"problem": "1+2", "trace": "1+2=3\nA:3", "answer": "3"},
@@ -82,13 +86,6 @@ class ScriptedIGPO(rl.DiffuGRPO):
         return torch.optim.SGD(self.model.parameters(), lr=1.0)
 
 
-def _fingerprint(delta: torch.Tensor, name: str) -> list[float]:
-    generator = torch.Generator().manual_seed(sum(map(ord, name)))
-    direction = torch.randn(delta.shape, generator=generator, dtype=torch.float64)
-    delta = delta.to(torch.float64)
-    return [float(delta.sum()), float(delta.pow(2).sum()), float((delta * direction).sum())]
-
-
 def run(name: str, model_path: Path, save_dir: Path) -> dict[str, Any]:
     """One training step of configuration ``name``: {"metrics": {...}, "grad": {param: [sum, sumsq, proj]}}."""
     settings = dict(model_path=str(model_path), warmup_config=None, save_dir=str(save_dir), dtype="float64",
@@ -107,7 +104,7 @@ def run(name: str, model_path: Path, save_dir: Path) -> dict[str, Any]:
     finally:
         rl.rollout = original
     metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}
-    grads = {n: _fingerprint(before[n] - p.detach(), n) for n, p in module.model.named_parameters()}
+    grads = {n: gradient_fingerprint(before[n] - p.detach(), n) for n, p in module.model.named_parameters()}
     return {"metrics": dict(sorted(metrics.items())), "grad": grads}
 
 

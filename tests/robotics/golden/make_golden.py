@@ -16,6 +16,7 @@ of a formula, and say so in the commit message:
 from __future__ import annotations
 
 import json
+import sys
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -29,6 +30,9 @@ from robotics.dppo import DPPOModule
 from robotics.policy.dppo_math import reduce_step_log_prob
 
 HERE = Path(__file__).parent
+sys.path.insert(0, str(HERE.parents[1]))  # tests/: golden_support
+from golden_support import gradient_fingerprint  # noqa: E402
+
 GOLDEN_PATH = HERE / "dppo_golden.json"
 FT_STEPS, ACT_STEPS, PAIRS = 5, 2, 20
 SETTINGS = dict(ft_steps=FT_STEPS, clip_base=0.1, clip_final=0.2, clip_rate=3.0, gamma_denoise=0.99, vf_coef=0.5,
@@ -49,13 +53,6 @@ def build_checkpoint(root: Path) -> Path:
     path = root / "bc.ckpt"
     trainer.save_checkpoint(path)
     return path
-
-
-def _fingerprint(grad: torch.Tensor | None, shape: torch.Size, name: str) -> list[float]:
-    grad = torch.zeros(shape, dtype=torch.float64) if grad is None else grad.to(torch.float64)
-    generator = torch.Generator().manual_seed(sum(map(ord, name)))
-    direction = torch.randn(shape, generator=generator, dtype=torch.float64)
-    return [float(grad.sum()), float(grad.pow(2).sum()), float((grad * direction).sum())]
 
 
 def compute(checkpoint: Path) -> dict[str, Any]:
@@ -81,7 +78,7 @@ def compute(checkpoint: Path) -> dict[str, Any]:
         "losses/policy": pg_loss.item(), "losses/value": value_loss.item(), "ratio": ratio.tolist(),
         "metrics": {k: float(v) for k, v in sorted(metrics.items())},
         "clip_ranges": module.clip_ranges.tolist(),
-        "grad": {n: _fingerprint(p.grad, p.shape, n) for n, p in params.items()},
+        "grad": {n: gradient_fingerprint(p.grad, n, p.shape) for n, p in params.items()},
     }
 
 
