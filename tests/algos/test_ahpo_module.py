@@ -96,6 +96,12 @@ def test_ahpo_fit_smoke_static(tiny_model, tmp_path, fit_vlm_config):
     rows = fit_vlm_config("ahpo_tiny.yaml", tiny_model, tmp_path, "--model.init_args.static=true",
                           "--model.init_args.num_generations=2")
     gate = [float(r["ahpo/gate_on_frac"]) for r in rows if r.get("ahpo/gate_on_frac")]
-    share = [float(r["ahpo/off_policy_token_share"]) for r in rows if r.get("ahpo/off_policy_token_share")]
+    logged = [r for r in rows if r.get("ahpo/off_policy_token_share")]
     assert gate == [1.0, 1.0]  # static: always on (every synthetic row has a trace)
-    assert all(0.0 < s < 1.0 for s in share)
+    assert len(logged) == 2
+    for r in logged:
+        # share = expert tokens / (rollout tokens + expert tokens), rollout tokens = 2 prompts x G 2 x mean length:
+        # the expert token count it implies is a whole number of tokens (>= 1 per gated prompt)
+        share, on_tokens = float(r["ahpo/off_policy_token_share"]), 4 * float(r["response/length_mean"])
+        off_tokens = share * on_tokens / (1.0 - share)
+        assert off_tokens == pytest.approx(round(off_tokens), abs=1e-3) and round(off_tokens) >= 2
