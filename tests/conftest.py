@@ -2,6 +2,8 @@
 no hub access (everything is built locally), headless rendering."""
 
 import os
+import sys
+from pathlib import Path
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("MKL_NUM_THREADS", "1")
@@ -12,5 +14,8 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("MPLBACKEND", "Agg")
 
 import torch  # noqa: E402
+
+# tests/ on the path: shared test helpers (golden_support) import by name under --import-mode=importlib
+sys.path.insert(0, str(Path(__file__).parent))
 
 torch.set_num_threads(1)

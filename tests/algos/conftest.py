@@ -30,3 +30,40 @@ def _fit(config: str, model: Path, root: Path, *overrides: str) -> list[dict[str
 def fit_vlm_config() -> Callable[..., list[dict[str, str]]]:
     """``fit_vlm_config(config_name, model_path, root, *overrides) -> metric rows``."""
     return _fit
+
+
+SCRIPTED_REWARD = "scripted"
+
+
+@pytest.fixture
+def scripted_reward(monkeypatch) -> Callable[[list[float]], dict[str, float]]:
+    """``scripted_reward(pattern) -> reward_weights``: registers a reward that ignores the text and
+    gives completion i of each batch ``pattern[i % len(pattern)]``, so the rewards of a sampled
+    smoke run (and every value derived from them) are known in advance."""
+    import torch
+
+    from mmpo.rewards.registry import REWARDS
+
+    def install(pattern: list[float]) -> dict[str, float]:
+        def scripted(completions, rows):
+            return torch.tensor([pattern[i % len(pattern)] for i in range(len(completions))], dtype=torch.float32)
+
+        monkeypatch.setitem(REWARDS, SCRIPTED_REWARD, scripted)
+        return {SCRIPTED_REWARD: 1.0}
+
+    return install
+
+
+def _hand_grpo_advantages(rewards, group_size: int, eps: float = 1e-6):
+    """(r - group mean) / (unbiased group std + eps) for contiguous groups, written out
+    independently of mmpo.core so tests can check the modules against it."""
+    groups = rewards.view(-1, group_size)
+    centred = groups - groups.mean(-1, keepdim=True)
+    std = (centred.pow(2).sum(-1, keepdim=True) / (group_size - 1)).sqrt()
+    return (centred / (std + eps)).flatten()
+
+
+@pytest.fixture
+def hand_grpo_advantages() -> Callable:
+    """``hand_grpo_advantages(rewards (N,), group_size, eps=1e-6) -> (N,)``."""
+    return _hand_grpo_advantages

@@ -58,5 +58,15 @@ def test_module_rewards_with_contrastive_mask_hand_computed(tiny_model):
 
 def test_gcpo_fit_smoke(tiny_model, tmp_path, fit_vlm_config):
     rows = fit_vlm_config("gcpo_tiny.yaml", tiny_model, tmp_path, "--model.init_args.num_generations=2")
-    fractions = [[float(r[f"gcpo/mask_{k}_frac"]) for k in ("pos", "neg", "zero")] for r in rows if r.get("gcpo/mask_pos_frac")]
-    assert len(fractions) == 2 and all(sum(f) == pytest.approx(1.0) for f in fractions)
+    logged = [{k: float(v) for k, v in r.items() if v not in (None, "")} for r in rows if r.get("gcpo/mask_pos_frac")]
+    assert len(logged) == 2
+    for m in logged:
+        # R_len = 0.5 min(T, 900) / 900 and T <= max_new_tokens (6) < 900: its mean follows the mean length
+        assert m["rewards/gcpo_length/mean"] == pytest.approx(0.5 * m["response/length_mean"] / 900, rel=1e-5)
+        # R = 1.0 acc + 0.5 fmt + M R_aux + R_len, so the means add up with the config's weights
+        expected = (m["rewards/accuracy/mean"] + 0.5 * m["rewards/format/mean"] + m["rewards/gcpo_aux_masked/mean"]
+                    + m["rewards/gcpo_length/mean"])
+        assert m["rewards/total/mean"] == pytest.approx(expected, rel=1e-5, abs=1e-7)
+        # two prompts per step: each mask fraction counts prompts (0, 1/2 or 1), never rollouts
+        for key in ("pos", "neg", "zero"):
+            assert m[f"gcpo/mask_{key}_frac"] in (0.0, 0.5, 1.0), key

@@ -161,15 +161,50 @@ def test_kl_to_identical_reference_is_zero_with_zero_gradient(tiny_path, fixed):
         torch.testing.assert_close(with_kl[name], without[name], atol=1e-7, rtol=1e-6, msg=name)
 
 
-def test_inner_epochs_use_old_log_probs_and_clip(tiny_path, fixed):
-    module, _ = _run(tiny_path, fixed, mu=2, minibatch_size=3, clip_low=0.2, clip_high=0.28)
+def test_inner_epochs_use_old_log_probs_and_clip(tiny_path, fixed, hand_grpo_advantages):
+    """mu = 2 over the whole rollout with SGD(lr=1). Epoch 1 is on the old policy (ratio 1,
+    nothing clipped). Epoch 2 sees ratio = pi_1 / pi_old, where pi_1 is one SGD step away: the
+    step is large, so ratios leave [1 - 0.2, 1 + 0.28] on some tokens. The logged metrics (means
+    over the two optimizer steps) must equal the values computed here from log-probs recorded
+    before and after a hand-made first step."""
+    rows, rollout, rewards = fixed
+    clip_low, clip_high = 0.2, 0.28
+    module, _ = _run(tiny_path, fixed, mu=2, clip_low=clip_low, clip_high=clip_high)
     metrics = module.last_metrics
-    for key in ("policy/clipfrac", "policy/clipfrac_low", "policy/clipfrac_high", "policy/approx_kl",
-                "losses/policy", "losses/entropy", "entropy", "policy/grad_norm", "response/length_mean",
-                "perf/tokens_per_s", "rewards/frac_zero_std"):
-        assert key in metrics, key
-    # four SGD(lr=1) steps on a random model move the policy: the later ratios are not 1
-    assert metrics["policy/approx_kl"] > 0
+
+    # by hand: the old log-probs, the first (on-policy) SGD step, the log-probs after it
+    policy = GRPOModule(tiny_path, num_generations=3, beta=0.0).model
+    policy.train()
+    mask = rollout.completion_mask.float()
+    adv = hand_grpo_advantages(rewards, 3)[:, None].expand_as(mask)
+    old, _ = completion_log_probs(policy, rollout.prompt_inputs, rollout.completion_ids, rollout.completion_mask)
+    (-(adv * old * mask).sum() / mask.sum()).backward()
+    with torch.no_grad():
+        for p in policy.parameters():
+            if p.grad is not None:
+                p -= p.grad
+        new, _ = completion_log_probs(policy, rollout.prompt_inputs, rollout.completion_ids, rollout.completion_mask)
+    old = old.detach()
+    real = mask > 0
+    ratio = torch.exp(new - old)
+    high = (adv > 0) & (ratio > 1 + clip_high) & real
+    low = (adv < 0) & (ratio < 1 - clip_low) & real
+    tokens = float(mask.sum())
+    # the batch was built to clip, in both directions, but not everywhere; and no ratio sits so
+    # close to a bound that float noise between the two computations could flip a token
+    assert 0 < int(high.sum()) and 0 < int(low.sum()) and int((high | low).sum()) < tokens
+    for bound in (1 - clip_low, 1 + clip_high):
+        assert ((ratio[real] - bound).abs() > 1e-4).all()
+
+    # step 1 contributes ratio 1 and no clipping; step 2 the values above
+    assert metrics["policy/clipfrac_high"] == pytest.approx(int(high.sum()) / tokens / 2, abs=1e-6)
+    assert metrics["policy/clipfrac_low"] == pytest.approx(int(low.sum()) / tokens / 2, abs=1e-6)
+    assert metrics["policy/clipfrac"] == pytest.approx(int((high | low).sum()) / tokens / 2, abs=1e-6)
+    ratio_mean = float((ratio * mask).sum()) / tokens
+    assert metrics["policy/ratio_mean"] == pytest.approx((1.0 + ratio_mean) / 2, rel=1e-4)
+    log_ratio = new - old
+    approx_kl = float(((torch.expm1(log_ratio) - log_ratio) * mask).sum()) / tokens
+    assert metrics["policy/approx_kl"] == pytest.approx(approx_kl / 2, rel=1e-3)
 
 
 def test_dynamic_sampling_masks_constant_groups(tiny_path, fixed):

@@ -3,6 +3,7 @@ the logged lambda / fallback metrics, and an `mmpo fit` smoke run."""
 
 from __future__ import annotations
 
+import json
 import math
 from pathlib import Path
 
@@ -89,7 +90,15 @@ def test_rejects_non_mapo_estimator(tiny_model):
         MAPOModule(str(tiny_model), advantage="grpo")
 
 
-def test_mapo_fit_smoke(tiny_model, tmp_path, fit_vlm_config):
-    rows = fit_vlm_config("mapo_tiny.yaml", tiny_model, tmp_path, "--model.init_args.num_generations=2")
-    lambdas = [float(r["mapo/lambda_mean"]) for r in rows if r.get("mapo/lambda_mean")]
-    assert len(lambdas) == 2 and all(0.0 <= v <= 1.0 for v in lambdas)
+def test_mapo_fit_smoke(tiny_model, tmp_path, fit_vlm_config, scripted_reward):
+    # G = 4 and rewards [1, 0, 0, 0] per prompt: p = 1/4, lambda = 1 - 4 * 1/4 * 3/4 = 1/4 in every group
+    weights = scripted_reward([1.0, 0.0, 0.0, 0.0])
+    rows = fit_vlm_config("mapo_tiny.yaml", tiny_model, tmp_path, "--model.init_args.num_generations=4",
+                          f"--model.init_args.reward_weights={json.dumps(weights)}")
+    logged = [r for r in rows if r.get("mapo/lambda_mean")]
+    assert len(logged) == 2
+    for row in logged:
+        for key in ("mapo/lambda_mean", "mapo/lambda_min", "mapo/lambda_max", "mapo/success_frac",
+                    "rewards/total/mean"):
+            assert float(row[key]) == pytest.approx(0.25), key
+        assert float(row["mapo/fallback_groups"]) == 0.0

@@ -3,6 +3,7 @@ with-gradient option, and `mmpo fit` smoke runs of PAPO-G and PAPO-D."""
 
 from __future__ import annotations
 
+import json
 import math
 from pathlib import Path
 
@@ -29,7 +30,7 @@ def test_papo_g_fit_smoke_logs_perception_metrics(tiny_model, tmp_path, fit_vlm_
     for key in ("papo/kl_prcp", "papo/entropy_orig", "papo/entropy_masked", "policy/clipfrac_high"):
         values = _values(rows, key)
         assert len(values) == 2 and all(math.isfinite(v) for v in values), key
-    assert all(v >= 0 for v in _values(rows, "papo/kl_prcp"))
+    assert all(v > 0 for v in _values(rows, "papo/kl_prcp"))  # k3 >= 0, and 0 only if the image did not matter
     assert all(v > 0 for v in _values(rows, "papo/entropy_orig"))
     assert _values(rows, "papo/gamma") == pytest.approx([0.02, 0.02])
 
@@ -43,11 +44,15 @@ def test_papo_g_fit_smoke_with_grad_and_annealing(tiny_model, tmp_path, fit_vlm_
     assert all(math.isfinite(v) for v in _values(rows, "papo/kl_prcp"))
 
 
-def test_papo_d_fit_smoke(tiny_model, tmp_path, fit_vlm_config):
-    # DAPO settings: no reference model, clip-higher, dynamic sampling (an untrained model may
-    # score every group alike, then all groups are dropped and counted; the run still finishes)
-    rows = fit_vlm_config("papo_d_tiny.yaml", tiny_model, tmp_path, "--model.init_args.num_generations=2")
-    assert _values(rows, "rewards/dropped_groups")
+def test_papo_d_fit_smoke(tiny_model, tmp_path, fit_vlm_config, scripted_reward):
+    # DAPO settings: no reference model, clip-higher, dynamic sampling. Scripted rewards per step
+    # (2 prompts x G 2): [1, 0] varies, [1, 1] is constant -> exactly one group dropped each step
+    weights = scripted_reward([1.0, 0.0, 1.0, 1.0])
+    rows = fit_vlm_config("papo_d_tiny.yaml", tiny_model, tmp_path, "--model.init_args.num_generations=2",
+                          f"--model.init_args.reward_weights={json.dumps(weights)}")
+    assert _values(rows, "rewards/dropped_groups") == [1.0, 1.0]
+    assert _values(rows, "rewards/total/mean") == pytest.approx([0.75, 0.75])
+    assert _values(rows, "rewards/frac_zero_std") == pytest.approx([0.5, 0.5])
 
 
 def test_masked_log_probs_once_per_step_and_same_mask_when_recomputed(tiny_model):

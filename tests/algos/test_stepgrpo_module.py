@@ -65,7 +65,28 @@ def test_missing_key_steps_error_or_counted_skip(tiny_model):
     assert metrics["stepgrpo/missing_key_steps"] == 1.0
 
 
-def test_stepgrpo_fit_smoke(tiny_model, tmp_path, fit_vlm_config):
+def test_stepgrpo_fit_smoke(tiny_model, tmp_path, fit_vlm_config, monkeypatch):
+    """The sampled texts are swapped for known ones before scoring: even completions are the row's
+    reference solution in the steps style (StepRAR 1 + 0.1 x 1, StepRVR 1), odd ones a bare line
+    (0 and 0), so every logged reward mean is known: (2.1 + 0) / 2 per step."""
+    from mmpo.algos.stepgrpo import StepGRPOModule
+    from mmpo.data import render_solution
+
+    sample = StepGRPOModule.build_rollout
+
+    def scripted_texts(self, rows):
+        rollout = sample(self, rows)
+        rollout.texts = [render_solution(row, "steps") if i % 2 == 0 else "no steps here"
+                         for i, row in enumerate(rollout.rows)]
+        return rollout
+
+    monkeypatch.setattr(StepGRPOModule, "build_rollout", scripted_texts)
     rows = fit_vlm_config("stepgrpo_tiny.yaml", tiny_model, tmp_path, "--model.init_args.num_generations=2")
-    assert len([r for r in rows if r.get("rewards/step_rvr/mean")]) == 2
-    assert len([r for r in rows if r.get("stepgrpo/key_step_frac")]) == 2
+    logged = [{k: float(v) for k, v in r.items() if v not in (None, "")} for r in rows if r.get("rewards/step_rvr/mean")]
+    assert len(logged) == 2
+    for m in logged:
+        assert m["rewards/step_rar/mean"] == pytest.approx((1.0 + 0.1) / 2)
+        assert m["rewards/step_rvr/mean"] == pytest.approx(0.5)
+        assert m["rewards/total/mean"] == pytest.approx(2.1 / 2)  # weights 1 and 1 (paper)
+        assert m["stepgrpo/key_step_frac"] == pytest.approx(0.5)
+        assert m["stepgrpo/missing_key_steps"] == 0.0  # every synthetic row carries key steps

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import yaml
 
 from mmpo.cli import main
 from mmpo.data import SYSTEM_PROMPT
@@ -88,11 +89,21 @@ def test_cli_reports_bad_settings(tiny_path, tmp_path, capsys):
         "mmpo fit: error: model (mmpo.algos.grpo.GRPOModule): num_generations must be >= 2")
 
 
-@pytest.mark.parametrize("name", ["sft_tiny", "grpo_tiny", "grpo_qwen2_5_vl_3b", "grpo_qwen2_5_vl_7b"])
-def test_every_vlm_config_parses(name, capsys):
-    """The real-scale configs are not run here, but every key must be a valid init arg."""
+@pytest.mark.parametrize(("name", "class_path", "num_generations"), [
+    ("sft_tiny", "mmpo.algos.sft.SFTModule", None),
+    ("grpo_tiny", "mmpo.algos.grpo.GRPOModule", 8),
+    ("grpo_qwen2_5_vl_3b", "mmpo.algos.grpo.GRPOModule", 5),
+    ("grpo_qwen2_5_vl_7b", "mmpo.algos.grpo.GRPOModule", 5),
+])
+def test_every_vlm_config_parses(name, class_path, num_generations, capsys):
+    """The real-scale configs are not run here, but every key must be a valid init arg, and the
+    printed (parsed) config must keep the module class and G that the YAML file states."""
     with pytest.raises(SystemExit) as exit_info:
         main(["fit", "-c", str(CONFIGS / f"{name}.yaml"), "--print_config"])
     assert exit_info.value.code == 0
-    printed = capsys.readouterr().out
-    assert "class_path: mmpo.algos." in printed and "num_generations" in printed or name == "sft_tiny"
+    model = yaml.safe_load(capsys.readouterr().out)["model"]
+    assert model["class_path"] == class_path
+    if num_generations is None:  # SFT has no rollout group
+        assert "num_generations" not in model["init_args"]
+    else:
+        assert model["init_args"]["num_generations"] == num_generations

@@ -16,8 +16,23 @@ def test_quickstart_tiny_smoke(tmp_path, capsys):
     assert list(summary["accuracy"]) == list(STAGES)
     for stage in STAGES:
         assert set(summary["accuracy"][stage]) == {*tiny.tasks, "mean"}
-        assert all(0.0 <= value <= 1.0 for value in summary["accuracy"][stage].values())
-    assert isinstance(summary["grpo_improved_over_sft"], bool)
+        # each stage's accuracies are the ones its eval wrote, out of eval_size items per task,
+        # and "mean" is their mean over tasks
+        stage_dir = out / "eval" / stage.lower().replace(" ", "_")
+        results = json.loads((stage_dir / "results.json").read_text())
+        accuracy = summary["accuracy"][stage]
+        for task in tiny.tasks:
+            assert accuracy[task] == results["benchmarks"][f"synth/{task}"]["accuracy"]
+            lines = (stage_dir / "predictions" / f"synth_{task}.jsonl").read_text().splitlines()
+            items = [json.loads(line) for line in lines]
+            assert len(items) == tiny.eval_size
+            for item in items:  # a completion without an <answer> block cannot be graded correct
+                for text, correct in zip(item["completions"], item["correct"]):
+                    assert correct is False or "<answer>" in text, item["id"]
+            assert accuracy[task] == sum(item["correct"][0] for item in items) / len(items)
+        assert accuracy["mean"] == sum(accuracy[task] for task in tiny.tasks) / len(tiny.tasks)
+    assert summary["grpo_improved_over_sft"] is (summary["accuracy"]["after GRPO"]["mean"]
+                                                 > summary["accuracy"]["after SFT"]["mean"])
     # every stage's artefacts are under --out
     for name in ("model_init/config.json", "sft/hf/config.json", "grpo/hf/config.json",
                  "grpo/logs/version_0/metrics.csv", "sft/checkpoints/last.ckpt", "grpo/checkpoints/last.ckpt",

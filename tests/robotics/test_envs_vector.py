@@ -1,6 +1,7 @@
 """Subprocess vector envs: per-env seeds, chunk steps, SAME_STEP autoreset, fault counters."""
 
 import numpy as np
+import pytest
 
 from robotics.envs import Normalizer, make_vector_env, measure_steps_per_s, merged_info
 
@@ -42,11 +43,21 @@ def test_merged_info_prefers_final_info():
     np.testing.assert_array_equal(merged_info(infos, "success"), [True, False, True])
 
 
-def test_measure_steps_per_s_reports_both_rates():
-    result = measure_steps_per_s("hopper", num_envs=1, steps=8, act_steps=4)
-    assert result["raw_steps_per_s"] > 0 and result["vector_steps_per_s"] > 0 and result["raw_cpu_s_per_step"] > 0
-    assert result["speedup"] == result["vector_steps_per_s"] / result["raw_steps_per_s"]
-    assert (result["num_envs"], result["act_steps"], result["steps"]) == (1.0, 4.0, 8.0)
+def test_measure_steps_per_s_reports_both_rates(monkeypatch):
+    import types
+
+    import robotics.envs.vector as vector
+
+    # a scripted clock: the raw loop takes 2 s (1 s of CPU), the vector loop 4 s
+    wall, cpu = iter([100.0, 102.0, 200.0, 204.0]), iter([10.0, 11.0])
+    monkeypatch.setattr(vector, "time", types.SimpleNamespace(perf_counter=lambda: next(wall),
+                                                              process_time=lambda: next(cpu)))
+    result = measure_steps_per_s("hopper", num_envs=1, steps=6, act_steps=4)
+    # raw: 6 steps / 2 s; vector: 6 steps rounded up to 2 chunks of 4 = 8 steps / 4 s
+    assert result["raw_steps_per_s"] == 3.0 and result["vector_steps_per_s"] == 2.0
+    assert result["speedup"] == pytest.approx(2.0 / 3.0)
+    assert result["raw_cpu_s_per_step"] == pytest.approx(1.0 / 6.0)
+    assert (result["num_envs"], result["act_steps"], result["steps"]) == (1.0, 4.0, 6.0)
 
 
 def test_fault_in_one_env_is_counted_and_the_run_goes_on():

@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import csv
 import json
 from pathlib import Path
 
@@ -81,6 +82,17 @@ def test_dppo_fit_from_config_logs_metrics_and_checkpoints(dppo_checkpoint):
     for key in ("charts/return", "charts/success_rate", "losses/policy", "losses/value", "policy/clipfrac",
                 "policy/approx_kl", "perf/env_steps_per_s", "eval/success_rate"):
         assert key in header, key
+    rows = [{k: float(v) for k, v in r.items() if v} for r in csv.DictReader(metrics_files[0].open())]
+    # 2 iterations x 2 envs x 3 chunk steps x 4 actions; each 12-step episode ends with its iteration
+    assert [r["charts/iteration"] for r in rows] == [0.0, 1.0]
+    assert [r["perf/env_steps_total"] for r in rows] == [24.0, 48.0]
+    assert [r["charts/episodes"] for r in rows] == [2.0, 2.0]
+    assert [(r["eval/episodes"], r["eval/episode_length"], r["eval/env_steps"]) for r in rows] == [(2.0, 12.0, 24.0)] * 2
+    assert [r["perf/faults"] for r in rows] == [0.0, 0.0]
+    # iteration 0 is the critic warm-up: the actor does not move, so every ratio stays 1
+    assert rows[0]["policy/approx_kl"] == pytest.approx(0.0, abs=1e-12) and rows[0]["policy/clipfrac"] == 0.0
+    # every iteration's first minibatch is scored before any actor step of that iteration: ratio 1
+    assert all(r["policy/ratio_first_minibatch_maxdev"] < 1e-5 for r in rows)
 
 
 def test_rollout_cli_records_a_video(dppo_checkpoint, tmp_path, capsys):
