@@ -36,9 +36,10 @@ def test_killed_worker_is_restarted_counted_and_its_episode_ends_as_a_fault():
         np.testing.assert_array_equal(obs[1], first_obs[1])
         assert envs.processes[1].is_alive()
         envs.step(actions)  # the run goes on
-        # a worker that dies while a reset is pending is restarted too, and the reset is redone with its seed
-        envs.reset_async(seed=4)
+        # a worker found dead when a reset is sent is restarted too (here: beyond the limit). Killed before
+        # the send, not after: a worker that answered before its kill would leave a good reply in the pipe.
         _kill(envs, 0)
+        envs.reset_async(seed=4)
         with pytest.raises(EnvWorkerError, match=r"env worker 0 \(hopper, seed 4, pid \d+\) died \(exit code -9\) "
                                                  r"during 'reset'; 1 worker restart\(s\) already, the limit is "
                                                  r"max_worker_restarts=1"):
