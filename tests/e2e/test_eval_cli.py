@@ -83,7 +83,11 @@ def test_eval_greedy_with_k_is_refused(tiny_model, tmp_path):
 
 def test_eval_list(capsys):
     assert eval_main(["--list"]) == 0
-    assert "synth/all" in capsys.readouterr().out.splitlines()
+    lines = capsys.readouterr().out.splitlines()
+    assert "synth/all" in lines
+    # named benchmarks come with the files they expect
+    mathvista = next(index for index, line in enumerate(lines) if line.startswith("mathvista_testmini  [vlm]"))
+    assert lines[mathvista + 1].startswith("    files: <data-dir>/MathVista/ holding AI4Math/MathVista split 'testmini'")
 
 
 def test_evaluate_api_greedy_is_deterministic(tiny_model):

@@ -231,6 +231,19 @@ def test_gsm8k_and_math500_text_benchmarks(tmp_path):
     assert [judge(text, row) for text in ["#### 1234", long_reasoning, "\\boxed{1233}", "no numbers"]] == [
         ("1234", 1.0), ("1,234", 1.0), ("1233", 0.0), ("no numbers", 0.0)]
 
+    # through the harness as a dLLM checkpoint would run it: the benchmark's rule scores, records hold it
+    from mmpo.eval.harness import evaluate_checkpoint
+
+    class ScriptedDiffusionAnswerer:
+        def answer(self, rows, num_samples, greedy):
+            return [["so #### 1,234", "\\boxed{99}"] for _ in rows]
+
+    results = evaluate_checkpoint(tmp_path / "ckpt", ["gsm8k_test"], data_dir=tmp_path, num_samples=2, greedy=False,
+                                  model=("dllm", ScriptedDiffusionAnswerer()), out_dir=tmp_path / "out", progress=False)
+    assert results["benchmarks"]["gsm8k_test"]["accuracy"] == 0.5
+    record = json.loads((tmp_path / "out" / "predictions" / "gsm8k_test.jsonl").read_text())
+    assert record["extracted"] == ["1,234", "99"] and record["scores"] == [1.0, 0.0] and record["answer"] == "1234"
+
     (tmp_path / "MATH-500").mkdir()
     (tmp_path / "MATH-500" / "test.jsonl").write_text(json.dumps({
         "problem": "Compute $\\sin 60^\\circ$.", "solution": "... $\\boxed{\\frac{\\sqrt{3}}{2}}$",
