@@ -31,7 +31,8 @@ def build_parser() -> argparse.ArgumentParser:
                              "such as mathvista_testmini (`--list` shows them and the files each expects)")
     parser.add_argument("--data-dir", default=None,
                         help="folder holding the named benchmarks' files in their publishers' layouts, e.g. "
-                             "DIR/MathVista/data/testmini-*.parquet (`--list` shows each one's layout)")
+                             "DIR/MathVista/data/testmini-*.parquet (`--list` shows each one's layout); or a YAML "
+                             "file mapping benchmark names to their folders")
     parser.add_argument("--num-samples", "--k", dest="num_samples", type=int, default=1,
                         help="answers sampled per item (k of avg@k / pass@k); >1 needs --temperature (default 1)")
     decoding = parser.add_mutually_exclusive_group()

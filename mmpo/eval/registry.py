@@ -195,7 +195,8 @@ def resolve_benchmark(
         synth_size: items per synthetic task (test split).
         synth_seed: seed of the synthetic test split.
         skip_bad_rows: for ``file:`` benchmarks, skip and count malformed rows instead of failing.
-        data_dir: folder holding the local-file benchmarks' files (``<data_dir>/<Benchmark>/...``).
+        data_dir: folder holding the local-file benchmarks' files (``<data_dir>/<Benchmark>/...``), or a
+            YAML file mapping benchmark names to their folders.
 
     Raises:
         UnknownBenchmarkError: naming ``name`` and listing the valid names.
@@ -210,7 +211,7 @@ def resolve_benchmark(
 
         local = LOCAL_BENCHMARKS[name]
         local.check_files(data_dir)  # fails now, before any model loads
-        return Benchmark(name=name, loader=functools.partial(local.load, Path(data_dir)), modality=local.modality,
+        return Benchmark(name=name, loader=functools.partial(local.load, data_dir), modality=local.modality,
                          description=local.description, judge=judge, expects=local.expects())
     if name.startswith(SYNTH_PREFIX):
         task = name[len(SYNTH_PREFIX):]

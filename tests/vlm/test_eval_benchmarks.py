@@ -289,3 +289,28 @@ def test_list_shows_every_benchmark_with_its_files():
     assert "files: <data-dir>/MMMU/ holding MMMU/MMMU" in listing
     assert "files: <data-dir>/MATH-500/ holding HuggingFaceH4/MATH-500 split 'test'" in listing
 
+
+
+def test_data_dir_yaml_names_each_benchmarks_folder(tmp_path):
+    mathvista_dir(tmp_path / "elsewhere")
+    (tmp_path / "paths.yaml").write_text("mathvista_testmini: elsewhere/MathVista\nChartQA: /nonexistent/chartqa\n")
+    rows = load("mathvista_testmini", tmp_path / "paths.yaml")
+    assert len(rows) == 4 and rows[0]["image_root"] == str(tmp_path / "elsewhere" / "MathVista")
+    with pytest.raises(BenchmarkFilesError, match=r"'chartqa_test'.*/nonexistent/chartqa.*test-\*\.parquet"):
+        resolve_benchmark("chartqa_test", data_dir=tmp_path / "paths.yaml")
+    with pytest.raises(BenchmarkFilesError, match=r"has no entry 'mmmu_val' \(or 'MMMU'\)"):
+        resolve_benchmark("mmmu_val", data_dir=tmp_path / "paths.yaml")
+
+
+def test_extraction_is_linear_on_hostile_completions():
+    import time
+
+    rules = [{"rule": "math", "gold": "5"}, {"rule": "number", "gold": "5"}, {"rule": "relaxed", "gold": "5"},
+             {"rule": "choice", "choices": ["1", "2"], "gold": "A"},
+             {"rule": "mathvista", "question_type": "free_form", "answer_type": "float", "precision": 1, "gold": "5"}]
+    for text in ["5 " + "a" * 20000 + "1", "5" + " a" * 20000 + "!", "<answer>" + "(" * 5000 + "</answer>",
+                 "answer: " + "9" * 50000, "\\boxed{" + "1 a" * 3000 + "}"]:
+        started = time.perf_counter()
+        for rule in rules:
+            judge(text, {"id": "x", "scoring": rule})
+        assert time.perf_counter() - started < 2.0, text[:20]

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
-from mmpo.eval.benchmarks.files import BenchmarkFilesError, Layout, decode_image, find_files, image_source, read_records
+from mmpo.eval.benchmarks.files import Layout, decode_image, image_source, locate_files, read_records
 
 Row = dict[str, Any]
 RowBuilder = Callable[[Mapping[str, Any], int], "Row | None"]
@@ -36,13 +36,7 @@ class LocalBenchmark:
 
     def check_files(self, data_dir: str | Path | None) -> None:
         """Fail now (before a model loads) when the files are absent; names benchmark, path and layout."""
-        if data_dir is None:
-            raise BenchmarkFilesError(f"benchmark {self.name!r} reads local files: pass --data-dir DIR; "
-                                      f"expected {self.expects()}")
-        root = Path(data_dir).expanduser() / self.layout.dir_name
-        if not find_files(root, self.layout.split)[1]:
-            raise BenchmarkFilesError(f"benchmark {self.name!r}: no '{self.layout.split}' files found under "
-                                      f"{root}; expected {self.expects()}")
+        locate_files(self.name, data_dir, self.layout)
 
     def load(self, data_dir: str | Path) -> list[Row]:
         """Every kept record as a Row (images still undecoded, see :func:`decode_row_images`)."""

@@ -9,6 +9,8 @@ A benchmark named ``B`` with folder ``D`` and split ``S`` reads ``DATA_DIR/D`` h
 * arrow files as ``load_dataset`` caches them: ``**/*-S.arrow`` or ``**/*-S-*.arrow``;
 * a jsonl file: ``**/S.jsonl`` (MATH-500 ships ``test.jsonl``).
 
+``DATA_DIR`` may instead be a YAML file naming each benchmark's folder (:func:`benchmark_root`).
+
 Images stay undecoded here (``{"bytes", "path"}`` dicts or path strings) and are decoded per
 batch by :func:`decode_image`, so a 4,000-item benchmark does not sit in RAM as bitmaps.
 """
@@ -114,18 +116,54 @@ def _undecoded(data: Any) -> Any:
     return data
 
 
+def benchmark_root(benchmark: str, data_dir: str | Path | None, layout: Layout) -> Path:
+    """The folder holding ``benchmark``'s files.
+
+    ``data_dir`` is either a folder (the benchmark's files are under ``data_dir/<layout.dir_name>``) or a
+    YAML file mapping benchmark names (or folder names) to their folders, relative paths being read from
+    the YAML file's folder: ``{mathvista_testmini: /data/MathVista, ChartQA: chartqa_copy}``.
+    """
+    if data_dir is None:
+        raise BenchmarkFilesError(f"benchmark {benchmark!r} reads local files: pass --data-dir DIR; "
+                                  f"expected {layout.expects()}")
+    path = Path(data_dir).expanduser()
+    if path.suffix not in (".yaml", ".yml"):
+        return path / layout.dir_name
+    import yaml
+
+    if not path.is_file():
+        raise BenchmarkFilesError(f"benchmark {benchmark!r}: data-dir YAML {path} does not exist")
+    mapping = yaml.safe_load(path.read_text()) or {}
+    if not isinstance(mapping, dict):
+        raise BenchmarkFilesError(f"{path}: expected a mapping of benchmark name -> folder, got "
+                                  f"{type(mapping).__name__}")
+    folder = mapping.get(benchmark, mapping.get(layout.dir_name))
+    if folder is None:
+        raise BenchmarkFilesError(f"benchmark {benchmark!r}: {path} has no entry {benchmark!r} (or "
+                                  f"{layout.dir_name!r}); expected its folder holding {layout.expects()}")
+    folder = Path(str(folder)).expanduser()
+    return folder if folder.is_absolute() else path.parent / folder
+
+
+def locate_files(benchmark: str, data_dir: str | Path | None, layout: Layout) -> tuple[Path, str, list[Path]]:
+    """``(root, format, files)`` of ``benchmark``; raises :class:`BenchmarkFilesError` naming the
+    benchmark, the path tried and the expected layout when there are none."""
+    root = benchmark_root(benchmark, data_dir, layout)
+    kind, files = find_files(root, layout.split)
+    if not files:
+        raise BenchmarkFilesError(f"benchmark {benchmark!r}: no '{layout.split}' files found under {root}; "
+                                  f"expected {layout.expects()}")
+    return root, kind, files
+
+
 def read_records(benchmark: str, data_dir: str | Path, layout: Layout) -> tuple[Path, Iterator[dict[str, Any]]]:
-    """``(benchmark root folder, records)`` of ``layout`` under ``data_dir``.
+    """``(benchmark root folder, records)`` of ``layout`` for ``data_dir`` (see :func:`benchmark_root`).
 
     Raises:
         BenchmarkFilesError: no file of the split there, or a required column missing; the message
             names the benchmark, the path tried and the expected layout.
     """
-    root = Path(data_dir).expanduser() / layout.dir_name
-    kind, files = find_files(root, layout.split)
-    if not files:
-        raise BenchmarkFilesError(f"benchmark {benchmark!r}: no '{layout.split}' files found under {root}; "
-                                  f"expected {layout.expects()}")
+    root, kind, files = locate_files(benchmark, data_dir, layout)
     data = _undecoded(_open_dataset(kind, files, layout.split))
     missing = [column for column in layout.columns if column not in data.column_names]
     if missing:

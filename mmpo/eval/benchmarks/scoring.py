@@ -38,7 +38,9 @@ _MARKERS = ("####", "final answer:", "final answer is", "answer:", "answer is")
 _LETTER_RE = re.compile(r"\(?\s*(?:option\s+)?([A-Za-z])\s*\)?(?:\s*[.:)]\s*(.*))?", re.IGNORECASE | re.DOTALL)
 _NUMBER_RE = re.compile(r"-?\d[\d,]*(?:\.\d+)?|-?\.\d+")
 # "5 cm", "12.5 m^2", "3 square units": a number followed by unit words only.
-_NUMBER_WITH_UNITS_RE = re.compile(r"(-?\d[\d,]*(?:\.\d+)?)(?:\s*[a-zA-Z]+(?:\^\{?\d\}?)?)+")
+# Unit words after the first must be space-separated: "(\s*[a-z]+)+" would backtrack exponentially.
+_NUMBER_WITH_UNITS_RE = re.compile(
+    r"(-?\d[\d,]*(?:\.\d+)?)\s*[a-zA-Z]+(?:\^\{?\d\}?)?(?:\s+[a-zA-Z]+(?:\^\{?\d\}?)?)*")
 _DEGREE_RE = re.compile(r"\^\s*\{?\\circ\}?|°|\\degree|\\circ")
 _TEXT_WRAP_RE = re.compile(r"\\(?:text|mathrm|mbox)\{([^{}]*)\}")
 
