@@ -124,12 +124,17 @@ def test_mathvision_options_letter_text_and_latex(tmp_path):
                 "answer": S, "solution": S, "level": datasets.Value("int64"), "subject": S}
     columns = {"id": ["1", "2"], "question": ["<image1>\nWhich number is hidden?", "<image1>What fraction is shaded?"],
                "options": [["1", "2", "3", "4", "5"], []], "image": ["images/1.jpg", "images/2.jpg"],
-               "decoded_image": [png(), png()], "answer": ["C", "\\frac{1}{2}"], "solution": ["", ""],
+               "decoded_image": [png(), None], "answer": ["C", "\\frac{1}{2}"], "solution": ["", ""],
                "level": [1, 3], "subject": ["arithmetic", "metric geometry - area"]}
     write_parquet(columns, features, tmp_path / "MathVision" / "data" / "test-00000-of-00001.parquet")
     write_parquet(columns, features, tmp_path / "MathVision" / "data" / "testmini-00000-of-00001.parquet")
+    # item 2 has no embedded image: its `image` path, relative to the benchmark folder, is read instead
+    (tmp_path / "MathVision" / "images").mkdir()
+    Image.new("RGB", (10, 6), (1, 2, 3)).save(tmp_path / "MathVision" / "images" / "2.jpg")
     rows = load("mathvision", tmp_path)
     assert len(rows) == 2  # test only, not testmini
+    assert rows[1]["image_sources"] == ["images/2.jpg"]
+    assert decode_row_images(rows[1])["images"][0].size == (10, 6)
     assert "<image1>" not in rows[0]["problem"]
     assert "Choices:\n(A) 1\n(B) 2\n(C) 3\n(D) 4\n(E) 5" in rows[0]["problem"] and "\\boxed{}" in rows[0]["problem"]
     got = scores(rows, {"1": ["\\boxed{C}", "\\boxed{3}", "\\boxed{4}"],
