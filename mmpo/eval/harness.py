@@ -32,6 +32,10 @@ CORRECT_THRESHOLD = 0.5
 DEFAULT_MAX_NEW_TOKENS = 128
 
 
+Judge = Callable[[str, Row], tuple["str | None", float]]
+"""A benchmark's own rule: ``fn(completion, row) -> (extracted answer or None, score in [0, 1])``."""
+
+
 class NotAModelError(ValueError):
     """A path that is neither a saved HF model directory nor a dLLM checkpoint."""
 
@@ -100,9 +104,6 @@ def _default_scores(completions: list[str], rows: list[Row]) -> tuple[torch.Tens
         accuracy[index], formats[index] = single["accuracy"][0], single["format"][0]
         failed += int(bool(single_metrics.get("rewards/accuracy/errors")))
     return accuracy, formats, failed
-
-
-Judge = Callable[[str, Row], tuple["str | None", float]]
 
 
 def judge_completions(
@@ -464,6 +465,8 @@ def evaluate_checkpoint(
                      "limit": limit, "seed": seed},
         "benchmarks": {},
     }
+    if data_dir is not None:
+        results["data_dir"] = str(data_dir)
     predictions: dict[str, list[dict[str, Any]]] = {}
     for benchmark in resolved:
         rows = load_benchmark_rows(benchmark, limit=limit)

@@ -198,7 +198,9 @@ def test_eval_mathvista_from_publisher_files_end_to_end(tiny_model, tmp_path, ca
                       str(data_dir), "--max-new-tokens", "4", "--batch-size", "2", "--out", str(out),
                       "--no-progress"])
     assert code == 0
-    metrics = json.loads((out / "results.json").read_text())["benchmarks"]["mathvista_testmini"]
+    results = json.loads((out / "results.json").read_text())
+    assert results["data_dir"] == str(data_dir)
+    metrics = results["benchmarks"]["mathvista_testmini"]
     assert metrics["num_items"] == 4 and set(metrics["by_task"]) == {
         "geometry problem solving", "figure question answering", "textbook question answering"}
     lines = (out / "predictions" / "mathvista_testmini.jsonl").read_text().splitlines()

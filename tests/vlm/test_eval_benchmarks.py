@@ -268,6 +268,8 @@ def test_extraction_and_choice_matching_rules():
     assert final_answer_text("a long explanation\nwithout any final answer marker in it at all") is None
     assert match_choice("(B)", ["3", "4"]) == 1 and match_choice("b", ["3", "4"]) == 1
     assert match_choice("4", ["3", "4"]) == 1 and match_choice("\\frac{1}{2}", ["0.5", "2"]) == 0
+    assert match_choice("\\text{B}", ["3", "4"]) == 1 and match_choice("$\\textbf{(A)}$", ["3", "4"]) == 0
+    assert final_answer_text("**Answer:** (B) 4\n") == "(B) 4" and match_choice("(B) 4", ["3", "4"]) == 1
     assert match_choice("E", ["3", "4"]) is None and match_choice(None, ["3"]) is None
 
 

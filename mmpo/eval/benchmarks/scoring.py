@@ -42,7 +42,7 @@ _NUMBER_RE = re.compile(r"-?\d[\d,]*(?:\.\d+)?|-?\.\d+")
 _NUMBER_WITH_UNITS_RE = re.compile(
     r"(-?\d[\d,]*(?:\.\d+)?)\s*[a-zA-Z]+(?:\^\{?\d\}?)?(?:\s+[a-zA-Z]+(?:\^\{?\d\}?)?)*")
 _DEGREE_RE = re.compile(r"\^\s*\{?\\circ\}?|°|\\degree|\\circ")
-_TEXT_WRAP_RE = re.compile(r"\\(?:text|mathrm|mbox)\{([^{}]*)\}")
+_TEXT_WRAP_RE = re.compile(r"\\(?:text|textbf|mathrm|mathbf|mbox)\{([^{}]*)\}")
 
 
 def _after_last_marker(completion: str) -> str | None:
@@ -97,7 +97,7 @@ def match_choice(answer: str | None, choices: Sequence[str]) -> int | None:
     for index, choice in enumerate(choices):
         if plain == _plain(str(choice)):
             return index
-    letter_match = _LETTER_RE.fullmatch(answer.strip())
+    letter_match = _LETTER_RE.fullmatch(_TEXT_WRAP_RE.sub(r"\1", answer).replace("$", "").strip())
     if letter_match:
         index = LETTERS.index(letter_match.group(1).upper())
         if not choices or index < len(choices):
