@@ -288,6 +288,30 @@ def test_missing_files_name_the_benchmark_path_and_layout(tmp_path):
         load("chartqa_test", tmp_path)
 
 
+def test_arrow_cache_files_and_wrong_splits(tmp_path):
+    """load_dataset's cached ``<name>-test.arrow`` is read; a DatasetDict without the split is named."""
+    saved = tmp_path / "saved"
+    datasets.Dataset.from_dict({"question": ["1+1?"], "answer": ["#### 2"]}).save_to_disk(str(saved))
+    (tmp_path / "gsm8k").mkdir()
+    next(saved.glob("*.arrow")).rename(tmp_path / "gsm8k" / "gsm8k-test.arrow")
+    (row,) = load("gsm8k_test", tmp_path)
+    assert row["answer"] == "2"
+
+    chartqa = datasets.Dataset.from_dict({"image": [png()], "query": ["q"], "label": [["1"]]},
+                                         features=datasets.Features({"image": datasets.Image(), "query": S,
+                                                                     "label": datasets.List(S)}))
+    datasets.DatasetDict({"train": chartqa}).save_to_disk(str(tmp_path / "ChartQA"))
+    with pytest.raises(BenchmarkFilesError, match=r"'chartqa_test'.*splits \['train'\], no 'test'"):
+        load("chartqa_test", tmp_path)
+
+
+def test_a_corrupt_image_names_its_item(tmp_path):
+    rows = load("mathvista_testmini", mathvista_dir(tmp_path))
+    broken = {**rows[0], "images": [{"bytes": b"not a png", "path": None}]}
+    with pytest.raises(ValueError, match="item '1': cannot read its image"):
+        decode_row_images(broken)
+
+
 def test_list_shows_every_benchmark_with_its_files():
     listing = describe_benchmarks()
     for name in ["mathvista_testmini", "mathverse_testmini", "mathverse_testmini/vision_only", "mathvision",

@@ -87,14 +87,16 @@ def find_files(root: Path, split: str) -> tuple[str, list[Path]]:
     return "", []
 
 
-def _open_dataset(kind: str, files: list[Path], split: str) -> Any:
+def _open_dataset(benchmark: str, kind: str, files: list[Path], layout: Layout) -> Any:
     import datasets  # heavy; only needed here
 
+    split = layout.split
     if kind == "disk":
         data = datasets.load_from_disk(str(files[0]))
         if isinstance(data, datasets.DatasetDict):
             if split not in data:
-                raise BenchmarkFilesError(f"{files[0]}: a DatasetDict with splits {list(data)}, no '{split}'")
+                raise BenchmarkFilesError(f"benchmark {benchmark!r}: {files[0]} is a DatasetDict with splits "
+                                          f"{list(data)}, no '{split}'; expected {layout.expects()}")
             data = data[split]
         return data
     if kind == "parquet":
@@ -164,7 +166,7 @@ def read_records(benchmark: str, data_dir: str | Path, layout: Layout) -> tuple[
             names the benchmark, the path tried and the expected layout.
     """
     root, kind, files = locate_files(benchmark, data_dir, layout)
-    data = _undecoded(_open_dataset(kind, files, layout.split))
+    data = _undecoded(_open_dataset(benchmark, kind, files, layout))
     missing = [column for column in layout.columns if column not in data.column_names]
     if missing:
         raise BenchmarkFilesError(f"benchmark {benchmark!r}: {files[0]} lacks column(s) {missing} "
