@@ -17,6 +17,9 @@ returns ``(extracted answer, score)`` for one completion. Rules:
 * ``number``: GSM8K: the numeric value equals the gold number (commas, ``$`` stripped); when no
   marked answer exists, the last number in the completion (lm-eval's "flexible-extract").
 
+With no marked answer (:func:`final_answer_text`), multiple choice and MathVista's numeric questions
+fall back to :func:`answer_at_the_end` (their prompts ask for the answer at the end).
+
 A completion with no answer found scores 0 (no random guess, unlike MMMU's official parser).
 """
 
@@ -242,10 +245,29 @@ RULES: dict[str, Callable[..., tuple[str | None, float]]] = {
 }
 
 
+_TRAILING_LETTER_RE = re.compile(r"(?:^|[\s(])([A-Z])\)?[.!]?\s*$")
+
+
+def answer_at_the_end(completion: str, params: Mapping[str, Any]) -> str | None:
+    """For prompts that ask for the answer "at the end" (MathVista, MathVerse, MMMU): the last line's
+    trailing option letter (``Therefore, B.``) for multiple choice, or its last number otherwise."""
+    lines = [line for line in completion.strip().splitlines() if line.strip()]
+    if not lines:
+        return None
+    last = lines[-1][-MAX_ANSWER_CHARS:]
+    if params["rule"] == "choice" or params.get("question_type") == "multi_choice":
+        letter = _TRAILING_LETTER_RE.search(last)
+        return letter.group(1) if letter else None
+    if params["rule"] == "mathvista" and params.get("answer_type") in ("integer", "float"):
+        numbers = _NUMBER_RE.findall(last)
+        return numbers[-1] if numbers else None
+    return None
+
+
 def judge(completion: str, row: Mapping[str, Any]) -> tuple[str | None, float]:
     """``(extracted answer, score in {0, 1})`` of ``completion`` under ``row["scoring"]``."""
     params = row["scoring"]
-    answer = final_answer_text(completion)
+    answer = final_answer_text(completion) or answer_at_the_end(completion, params)
     if params["rule"] == "number":
         return score_number(answer, params, completion)
     if params["rule"] not in RULES:
