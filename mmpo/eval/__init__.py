@@ -5,10 +5,13 @@
 """
 
 from mmpo.eval.metrics import pass_at_k, summarize_correctness
-from mmpo.eval.registry import BENCHMARKS, Benchmark, UnknownBenchmarkError, register_benchmark, resolve_benchmark
+from mmpo.eval.registry import (
+    BENCHMARKS, Benchmark, UnknownBenchmarkError, register_benchmark, register_local_benchmark, resolve_benchmark,
+)
 
 __all__ = [
-    "BENCHMARKS", "Benchmark", "UnknownBenchmarkError", "register_benchmark", "resolve_benchmark",
+    "BENCHMARKS", "Benchmark", "UnknownBenchmarkError", "register_benchmark", "register_local_benchmark",
+    "resolve_benchmark",
     "pass_at_k", "summarize_correctness", "evaluate", "evaluate_checkpoint",
 ]
 

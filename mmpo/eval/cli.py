@@ -5,6 +5,8 @@ Example::
     mmpo eval --model runs/quickstart/grpo/hf --benchmarks synth/all --limit 40 --out runs/eval
     mmpo eval --model CKPT --benchmarks synth/count_shapes,file:data/geo3k.jsonl \\
         --num-samples 8 --temperature 0.7 --out runs/eval_k8
+    mmpo eval --model CKPT --benchmarks mathvista_testmini,chartqa_test --data-dir ~/benchmarks --out runs/eval_mv
+    mmpo eval --list     # every benchmark name, and the files each local benchmark expects
 """
 
 from __future__ import annotations
@@ -26,7 +28,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--model", required=True, help="checkpoint: a save_pretrained directory or a dLLM checkpoint")
     parser.add_argument("--benchmarks", required=True,
                         help="comma-separated names: synth/all, synth/<task>, file:<path>, or a registered name "
-                             "(`--list` shows them)")
+                             "such as mathvista_testmini (`--list` shows them and the files each expects)")
+    parser.add_argument("--data-dir", default=None,
+                        help="folder holding the named benchmarks' files in their publishers' layouts, e.g. "
+                             "DIR/MathVista/data/testmini-*.parquet (`--list` shows each one's layout); or a YAML "
+                             "file mapping benchmark names to their folders")
     parser.add_argument("--num-samples", "--k", dest="num_samples", type=int, default=1,
                         help="answers sampled per item (k of avg@k / pass@k); >1 needs --temperature (default 1)")
     decoding = parser.add_mutually_exclusive_group()
@@ -56,9 +62,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``mmpo eval``; returns the process exit code."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if "--list" in argv:
-        from mmpo.eval.registry import available_benchmarks
+        from mmpo.eval.registry import describe_benchmarks
 
-        print("\n".join(available_benchmarks()))
+        print(describe_benchmarks())
         return 0
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -87,7 +93,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             top_p=args.top_p, max_new_tokens=args.max_new_tokens, batch_size=args.batch_size, limit=args.limit,
             synth_size=args.synth_size, synth_seed=args.synth_seed, seed=args.seed, out_dir=args.out,
             progress=not args.no_progress, device=args.device, dtype=args.dtype,
-            system_prompt=system_prompt_for(args.prompt_style),
+            system_prompt=system_prompt_for(args.prompt_style), data_dir=args.data_dir,
         )
     except (UnknownBenchmarkError, NotAModelError, FileNotFoundError, ValueError) as error:
         print(f"mmpo eval: error: {error}", file=sys.stderr)

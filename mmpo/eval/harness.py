@@ -24,11 +24,16 @@ from typing import Any, Callable, Mapping, Sequence
 import torch
 from tqdm.auto import tqdm
 
+from mmpo.eval.benchmarks.base import decode_row_images
 from mmpo.eval.metrics import summarize_correctness
 from mmpo.eval.registry import Row, load_benchmark_rows, resolve_benchmark
 
 CORRECT_THRESHOLD = 0.5
 DEFAULT_MAX_NEW_TOKENS = 128
+
+
+Judge = Callable[[str, Row], tuple["str | None", float]]
+"""A benchmark's own rule: ``fn(completion, row) -> (extracted answer or None, score in [0, 1])``."""
 
 
 class NotAModelError(ValueError):
@@ -101,16 +106,45 @@ def _default_scores(completions: list[str], rows: list[Row]) -> tuple[torch.Tens
     return accuracy, formats, failed
 
 
+def judge_completions(
+    completions: Sequence[Sequence[str]], rows: Sequence[Row], judge: Judge,
+) -> tuple[list[list[bool]], list[list[float]], list[list[str | None]]]:
+    """Score with a benchmark's own rule: (correct, scores, extracted answers), each (num_items, num_samples)."""
+    if len(completions) != len(rows):
+        raise ValueError(f"{len(completions)} completion lists for {len(rows)} rows")
+    judged = [[judge(text, row) for text in samples] for samples, row in zip(completions, rows)]
+    scores = [[float(score) for _answer, score in item] for item in judged]
+    correct = [[score > CORRECT_THRESHOLD for score in item] for item in scores]
+    return correct, scores, [[answer for answer, _score in item] for item in judged]
+
+
+def item_record(row: Row, samples: Sequence[str], flags: Sequence[bool], scores: Sequence[float],
+                extracted: Sequence[str | None]) -> dict[str, Any]:
+    """One line of ``predictions/<benchmark>.jsonl``: the prompt, its images, the k completions, the
+    extracted answers, the gold answer and each completion's score and correctness."""
+    images = row.get("image_sources")
+    if images is None:
+        images = [f"<image {index}: {getattr(image, 'size', '?')}>" for index, image in enumerate(row.get("images") or [])]
+    return {"id": row["id"], "task": row.get("task"), "prompt": row.get("problem"), "images": list(images),
+            "answer": row.get("answer"), "completions": list(samples), "extracted": list(extracted),
+            "scores": [float(score) for score in scores], "correct": list(flags)}
+
+
 def summarize(
     rows: Sequence[Row],
     completions: Sequence[Sequence[str]],
     correct: Sequence[Sequence[bool]],
     extra: Mapping[str, float] | None = None,
+    scores: Sequence[Sequence[float]] | None = None,
+    extracted: Sequence[Sequence[str | None]] | None = None,
 ) -> dict[str, Any]:
-    """Metrics overall and per task, plus per-item predictions (``predictions`` key).
+    """Metrics overall and per task, plus per-item records (``predictions`` key, see :func:`item_record`).
 
     ``extra`` holds counters summed over batches (``format_sum`` becomes ``format_rate``).
+    ``scores`` / ``extracted`` default to the correctness flags and the RL reward's extraction.
     """
+    from mmpo.rewards.answers import extract_answer
+
     results: dict[str, Any] = summarize_correctness(correct)
     counters = dict(extra or {})
     if "format_sum" in counters:
@@ -122,10 +156,11 @@ def summarize(
     results["by_task"] = {
         task: summarize_correctness([correct[i] for i in indices]) for task, indices in by_task_indices.items()
     }
+    scores = scores if scores is not None else [[float(flag) for flag in flags] for flags in correct]
+    extracted = extracted if extracted is not None else [[extract_answer(text) for text in samples]
+                                                         for samples in completions]
     results["predictions"] = [
-        {"id": row["id"], "task": row.get("task"), "answer": row.get("answer"),
-         "completions": list(samples), "correct": list(flags)}
-        for row, samples, flags in zip(rows, completions, correct)
+        item_record(*item) for item in zip(rows, completions, correct, scores, extracted)
     ]
     return results
 
@@ -134,19 +169,28 @@ def _score_batch(
     batch_completions: list[list[str]],
     batch: list[Row],
     scorer: Callable[[list[str], list[Row]], torch.Tensor] | None,
-    completions: list[list[str]],
-    correct: list[list[bool]],
+    judged: dict[str, list],
     counters: dict[str, float],
+    judge: Judge | None = None,
 ) -> None:
-    """Score one batch and append to the running ``completions`` / ``correct`` / ``counters``."""
-    batch_correct, _scores, batch_counters = score_completions(batch_completions, batch, scorer=scorer)
-    completions += batch_completions
-    correct += batch_correct
-    for key, value in batch_counters.items():
-        counters[key] = counters.get(key, 0.0) + value
+    """Score one batch and append to the running ``judged`` lists (completions, correct, scores,
+    extracted) and ``counters``."""
+    if judge is not None:
+        batch_correct, batch_scores, batch_extracted = judge_completions(batch_completions, batch, judge)
+    else:
+        from mmpo.rewards.answers import extract_answer
+
+        batch_correct, batch_scores, batch_counters = score_completions(batch_completions, batch, scorer=scorer)
+        batch_extracted = [[extract_answer(text) for text in samples] for samples in batch_completions]
+        for key, value in batch_counters.items():
+            counters[key] = counters.get(key, 0.0) + value
+    for key, values in (("completions", batch_completions), ("correct", batch_correct),
+                        ("scores", batch_scores), ("extracted", batch_extracted)):
+        judged.setdefault(key, []).extend(values)
 
 
-def _running_accuracy(correct: list[list[bool]]) -> float:
+def _running_accuracy(judged: dict[str, list]) -> float:
+    correct = judged.get("correct", [])
     total = sum(len(flags) for flags in correct)
     return sum(sum(flags) for flags in correct) / total if total else 0.0
 
@@ -200,6 +244,7 @@ def evaluate(
     progress: bool = True,
     description: str = "eval",
     system_prompt: str | None = "default",
+    judge: Judge | None = None,
 ) -> dict[str, Any]:
     """Evaluate a loaded VLM on ``rows``.
 
@@ -210,6 +255,7 @@ def evaluate(
         greedy: deterministic argmax decoding; otherwise sampling at ``temperature``/``top_p``.
         batch_size: prompts per ``generate`` call.
         scorer: see :func:`score_completions`.
+        judge: a benchmark's own ``fn(completion, row) -> (extracted, score)`` (replaces ``scorer``).
         seed: torch seed for sampling, inside a forked RNG so the caller's RNG state is
             untouched (``None``: use the current RNG).
         system_prompt: ``"default"`` = ``mmpo.data.SYSTEM_PROMPT`` (what SFT teaches); ``None`` = none.
@@ -228,14 +274,14 @@ def evaluate(
     was_training = model.training
     model.eval()
     engine = HFGenerateEngine(model, processor, system_prompt=system_prompt)
-    completions: list[list[str]] = []
-    correct: list[list[bool]] = []
+    judged: dict[str, list] = {}
     counters: dict[str, float] = {}
     try:
         with _seeded(seed), tqdm(total=len(rows), desc=description, unit="item", disable=not progress) as bar:
             for batch in _batches(rows, batch_size):
                 rollout = engine.generate(
-                    batch,
+                    # local-file benchmarks keep images encoded until their batch runs
+                    [decode_row_images(row) for row in batch],
                     num_samples=num_samples,
                     max_new_tokens=max_new_tokens,
                     temperature=temperature if not greedy else 1.0,
@@ -248,12 +294,12 @@ def evaluate(
                 # The engine groups samples of one prompt contiguously.
                 batch_completions = [texts[i * num_samples:(i + 1) * num_samples] for i in range(len(batch))]
                 # Scored per batch: the reward timeout applies to one call, and progress shows accuracy.
-                _score_batch(batch_completions, batch, scorer, completions, correct, counters)
+                _score_batch(batch_completions, batch, scorer, judged, counters, judge)
                 bar.update(len(batch))
-                bar.set_postfix(accuracy=f"{_running_accuracy(correct):.3f}")
+                bar.set_postfix(accuracy=f"{_running_accuracy(judged):.3f}")
     finally:
         model.train(was_training)
-    return summarize(rows, completions, correct, counters)
+    return summarize(rows, judged["completions"], judged["correct"], counters, judged["scores"], judged["extracted"])
 
 
 def evaluate_answerer(
@@ -267,6 +313,7 @@ def evaluate_answerer(
     seed: int | None = 0,
     progress: bool = True,
     description: str = "eval",
+    judge: Judge | None = None,
 ) -> dict[str, Any]:
     """Evaluate an object with ``.answer(rows, num_samples, greedy) -> list[list[str]]`` (dLLM checkpoints).
 
@@ -276,8 +323,7 @@ def evaluate_answerer(
     rows = list(rows)
     if not rows:
         raise ValueError("evaluate_answerer needs at least one row")
-    completions: list[list[str]] = []
-    correct: list[list[bool]] = []
+    judged: dict[str, list] = {}
     counters: dict[str, float] = {}
     with _seeded(seed), tqdm(total=len(rows), desc=description, unit="item", disable=not progress) as bar:
         for batch in _batches(rows, batch_size):
@@ -285,10 +331,10 @@ def evaluate_answerer(
             if len(answers) != len(batch) or any(len(samples) != num_samples for samples in answers):
                 raise RuntimeError(f"{type(answerer).__name__}.answer returned the wrong shape for "
                                    f"{len(batch)} rows x {num_samples} samples (first row {batch[0]['id']!r})")
-            _score_batch([list(samples) for samples in answers], batch, scorer, completions, correct, counters)
+            _score_batch([list(samples) for samples in answers], batch, scorer, judged, counters, judge)
             bar.update(len(batch))
-            bar.set_postfix(accuracy=f"{_running_accuracy(correct):.3f}")
-    return summarize(rows, completions, correct, counters)
+            bar.set_postfix(accuracy=f"{_running_accuracy(judged):.3f}")
+    return summarize(rows, judged["completions"], judged["correct"], counters, judged["scores"], judged["extracted"])
 
 
 # ----------------------------------------------------------------------------- checkpoints
@@ -380,6 +426,7 @@ def evaluate_checkpoint(
     device: str | None = None,
     dtype: str = "float32",
     system_prompt: str | None = "default",
+    data_dir: str | Path | None = None,
 ) -> dict[str, Any]:
     """Evaluate a saved checkpoint on named benchmarks (see :mod:`mmpo.eval.registry`).
 
@@ -393,6 +440,7 @@ def evaluate_checkpoint(
         model: an already loaded ``("vlm", (model, processor))`` / ``("dllm", answerer)`` pair
             from :func:`load_model_for_eval` (skips loading).
         device, dtype: where and in which precision a VLM runs (default: GPU if visible, float32).
+        data_dir: folder with the local-file benchmarks' files (``mmpo.eval.benchmarks``).
 
     Returns:
         The results dict described in :mod:`mmpo.eval.reports` (without per-item predictions).
@@ -406,7 +454,7 @@ def evaluate_checkpoint(
     if synth_seed is not None:
         resolve_kwargs["synth_seed"] = synth_seed
     # Resolve every name before loading anything, so a typo fails fast.
-    resolved = [resolve_benchmark(name, **resolve_kwargs) for name in benchmarks]
+    resolved = [resolve_benchmark(name, data_dir=data_dir, **resolve_kwargs) for name in benchmarks]
     model_type, loaded = model if model is not None else load_model_for_eval(
         model_path, device=device, dtype=dtype, max_new_tokens=max_new_tokens, temperature=temperature)
     results: dict[str, Any] = {
@@ -417,12 +465,14 @@ def evaluate_checkpoint(
                      "limit": limit, "seed": seed},
         "benchmarks": {},
     }
+    if data_dir is not None:
+        results["data_dir"] = str(data_dir)
     predictions: dict[str, list[dict[str, Any]]] = {}
     for benchmark in resolved:
         rows = load_benchmark_rows(benchmark, limit=limit)
         started = time.perf_counter()
         common = dict(num_samples=num_samples, greedy=greedy, batch_size=batch_size, scorer=benchmark.scorer,
-                      seed=seed, progress=progress, description=benchmark.name)
+                      judge=benchmark.judge, seed=seed, progress=progress, description=benchmark.name)
         if model_type == "dllm":
             with_images = next((row for row in rows if row.get("images")), None)
             if with_images is not None:

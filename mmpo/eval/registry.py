@@ -1,8 +1,11 @@
 """Benchmark registry: a name -> a loader of rows (the contract's Row dicts).
 
-Three kinds of names resolve here:
+Four kinds of names resolve here:
 
 * registered names (``register_benchmark``), e.g. the dLLM agent's text suites;
+* local-file benchmarks (``register_local_benchmark``; ``mmpo.eval.benchmarks``: MathVista,
+  MathVerse, MathVision, Geometry3K, GeoQA, ChartQA, MMMU, GSM8K, MATH-500) read from the
+  publisher's files under a data folder (``mmpo eval --data-dir DIR``);
 * ``synth/<task>`` (the held-out test split of one synthetic task) and
   ``synth/all`` (every task), generated on the fly from
   ``mmpo.data.synthetic`` so tasks added later with ``register_task`` appear too;
@@ -14,9 +17,11 @@ registries: no silent fallbacks).
 
 from __future__ import annotations
 
+import functools
 import importlib
 from dataclasses import dataclass
-from typing import Any, Callable
+from pathlib import Path
+from typing import Any, Callable, Protocol
 
 Row = dict[str, Any]
 
@@ -28,7 +33,7 @@ DEFAULT_SYNTH_SEED = 1234
 
 # Modules that register benchmarks when imported (owned by other agents).
 # Imported lazily by `available_benchmarks` / `resolve_benchmark`.
-PLUGIN_MODULES = ("dllm.eval",)
+PLUGIN_MODULES = ("mmpo.eval.benchmarks", "dllm.eval")
 
 
 @dataclass(frozen=True)
@@ -36,7 +41,9 @@ class Benchmark:
     """One benchmark: a name, a zero-argument loader of rows and the model family it targets.
 
     ``scorer`` is an optional ``fn(completions, rows) -> Tensor (N,)`` reward in
-    [0, 1]; ``None`` means the shared ``accuracy`` reward (math-verify).
+    [0, 1]; ``None`` means the shared ``accuracy`` reward (math-verify). ``judge`` (local-file
+    benchmarks) is ``fn(completion, row) -> (extracted answer, score)`` and replaces both;
+    ``expects`` describes the files a local-file benchmark reads.
     """
 
     name: str
@@ -44,9 +51,24 @@ class Benchmark:
     modality: str = "vlm"
     scorer: Callable[..., Any] | None = None
     description: str = ""
+    judge: Callable[[str, Row], tuple[str | None, float]] | None = None
+    expects: str = ""
+
+
+class LocalFileBenchmark(Protocol):
+    """What ``register_local_benchmark`` needs (``mmpo.eval.benchmarks.base.LocalBenchmark``)."""
+
+    name: str
+    modality: str
+    description: str
+
+    def expects(self) -> str: ...
+    def check_files(self, data_dir: str | Path | None) -> None: ...
+    def load(self, data_dir: str | Path) -> list[Row]: ...
 
 
 BENCHMARKS: dict[str, Benchmark] = {}
+LOCAL_BENCHMARKS: dict[str, LocalFileBenchmark] = {}
 
 
 class UnknownBenchmarkError(KeyError):
@@ -91,6 +113,19 @@ def register_benchmark(
     return benchmark
 
 
+def register_local_benchmark(benchmark: LocalFileBenchmark, *, overwrite: bool = False) -> LocalFileBenchmark:
+    """Register a benchmark read from local files under ``--data-dir`` (see ``mmpo.eval.benchmarks``)."""
+    name = benchmark.name
+    if benchmark.modality not in MODALITIES:
+        raise ValueError(f"benchmark {name!r}: modality must be one of {MODALITIES}, got {benchmark.modality!r}")
+    if name.startswith(SYNTH_PREFIX) or name.startswith(FILE_PREFIX):
+        raise ValueError(f"benchmark {name!r}: names starting with {SYNTH_PREFIX!r} or {FILE_PREFIX!r} are reserved")
+    if (name in BENCHMARKS or name in LOCAL_BENCHMARKS) and not overwrite:
+        raise ValueError(f"benchmark {name!r} is already registered (pass overwrite=True to replace it)")
+    LOCAL_BENCHMARKS[name] = benchmark
+    return benchmark
+
+
 def _load_plugins() -> None:
     """Import modules that register their own benchmarks; a missing module is simply absent."""
     for module_name in PLUGIN_MODULES:
@@ -112,10 +147,25 @@ def synthetic_tasks() -> list[str]:
 def available_benchmarks() -> list[str]:
     """Every valid name: registered ones, ``synth/all``, ``synth/<task>`` and the ``file:<path>`` form."""
     _load_plugins()
-    names = sorted(BENCHMARKS)
+    names = sorted({*BENCHMARKS, *LOCAL_BENCHMARKS})
     names += [f"{SYNTH_PREFIX}all"] + [f"{SYNTH_PREFIX}{task}" for task in synthetic_tasks()]
     names.append(f"{FILE_PREFIX}<path>")
     return names
+
+
+def describe_benchmarks() -> str:
+    """What ``mmpo eval --list`` prints: every name with its modality, description and expected files."""
+    _load_plugins()
+    lines = []
+    for name in available_benchmarks():
+        if name in LOCAL_BENCHMARKS:
+            local = LOCAL_BENCHMARKS[name]
+            lines += [f"{name}  [{local.modality}]  {local.description}", f"    files: {local.expects()}"]
+        elif name in BENCHMARKS:
+            lines.append(f"{name}  [{BENCHMARKS[name].modality}]  {BENCHMARKS[name].description}".rstrip())
+        else:
+            lines.append(name)
+    return "\n".join(lines)
 
 
 def synthetic_rows(tasks: list[str], *, size: int, seed: int) -> list[Row]:
@@ -136,6 +186,7 @@ def resolve_benchmark(
     synth_size: int = DEFAULT_SYNTH_SIZE,
     synth_seed: int = DEFAULT_SYNTH_SEED,
     skip_bad_rows: bool = False,
+    data_dir: str | Path | None = None,
 ) -> Benchmark:
     """The :class:`Benchmark` for ``name``.
 
@@ -144,14 +195,24 @@ def resolve_benchmark(
         synth_size: items per synthetic task (test split).
         synth_seed: seed of the synthetic test split.
         skip_bad_rows: for ``file:`` benchmarks, skip and count malformed rows instead of failing.
+        data_dir: folder holding the local-file benchmarks' files (``<data_dir>/<Benchmark>/...``), or a
+            YAML file mapping benchmark names to their folders.
 
     Raises:
         UnknownBenchmarkError: naming ``name`` and listing the valid names.
-        FileNotFoundError: for ``file:<path>`` when the path does not exist.
+        FileNotFoundError: for ``file:<path>`` when the path does not exist, or a local-file
+            benchmark's files are missing (naming the benchmark, the path tried and the layout).
     """
     _load_plugins()
     if name in BENCHMARKS:
         return BENCHMARKS[name]
+    if name in LOCAL_BENCHMARKS:
+        from mmpo.eval.benchmarks.scoring import judge
+
+        local = LOCAL_BENCHMARKS[name]
+        local.check_files(data_dir)  # fails now, before any model loads
+        return Benchmark(name=name, loader=functools.partial(local.load, data_dir), modality=local.modality,
+                         description=local.description, judge=judge, expects=local.expects())
     if name.startswith(SYNTH_PREFIX):
         task = name[len(SYNTH_PREFIX):]
         tasks = synthetic_tasks()
@@ -173,8 +234,6 @@ def resolve_benchmark(
             description=f"synthetic test split, {synth_size} items per task, seed {synth_seed}",
         )
     if name.startswith(FILE_PREFIX):
-        from pathlib import Path
-
         path = Path(name[len(FILE_PREFIX):]).expanduser()
         if not path.exists():
             raise FileNotFoundError(f"benchmark {name!r}: no such file or directory: {path}")

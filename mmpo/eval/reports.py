@@ -5,6 +5,7 @@ The results dict (what ``mmpo.eval.harness.evaluate_checkpoint`` returns and
 
     {
       "model": str, "model_type": "vlm" | "dllm",
+      "data_dir": str,   # only when named benchmarks were read from --data-dir
       "decoding": {"greedy": bool, "temperature": float, "num_samples": int, ...},
       "benchmarks": {
         name: {"num_items": int, "num_samples": int, "accuracy": float,

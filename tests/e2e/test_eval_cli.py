@@ -83,7 +83,11 @@ def test_eval_greedy_with_k_is_refused(tiny_model, tmp_path):
 
 def test_eval_list(capsys):
     assert eval_main(["--list"]) == 0
-    assert "synth/all" in capsys.readouterr().out.splitlines()
+    lines = capsys.readouterr().out.splitlines()
+    assert "synth/all" in lines
+    # named benchmarks come with the files they expect
+    mathvista = next(index for index, line in enumerate(lines) if line.startswith("mathvista_testmini  [vlm]"))
+    assert lines[mathvista + 1].startswith("    files: <data-dir>/MathVista/ holding AI4Math/MathVista split 'testmini'")
 
 
 def test_evaluate_api_greedy_is_deterministic(tiny_model):
@@ -179,3 +183,39 @@ def test_eval_prompt_style_selects_the_system_prompt(tiny_model, tmp_path, monke
                           "--out", str(tmp_path / style), "--no-progress"])
         assert code == 0
     assert seen == [STEPS_SYSTEM_PROMPT, SYSTEM_PROMPT]
+
+
+def test_eval_mathvista_from_publisher_files_end_to_end(tiny_model, tmp_path, capsys):
+    """`mmpo eval --benchmarks mathvista_testmini --data-dir DIR`: the publisher's parquet, the benchmark's
+    prompt and scoring, per-item records; a missing benchmark folder fails before the model loads."""
+    from benchmark_fixtures import mathvista_dir
+    from mmpo.eval.benchmarks import judge
+    from mmpo.eval.registry import load_benchmark_rows, resolve_benchmark
+
+    data_dir = mathvista_dir(tmp_path / "data")
+    out = tmp_path / "eval"
+    code = mmpo_main(["eval", "--model", str(tiny_model), "--benchmarks", "mathvista_testmini", "--data-dir",
+                      str(data_dir), "--max-new-tokens", "4", "--batch-size", "2", "--out", str(out),
+                      "--no-progress"])
+    assert code == 0
+    results = json.loads((out / "results.json").read_text())
+    assert results["data_dir"] == str(data_dir)
+    metrics = results["benchmarks"]["mathvista_testmini"]
+    assert metrics["num_items"] == 4 and set(metrics["by_task"]) == {
+        "geometry problem solving", "figure question answering", "textbook question answering"}
+    lines = (out / "predictions" / "mathvista_testmini.jsonl").read_text().splitlines()
+    records = [json.loads(line) for line in lines]
+    assert [record["id"] for record in records] == ["1", "2", "3", "4"]
+    first = records[0]
+    assert first["prompt"].endswith("(A) 3\n(B) 4\n(C) 5") and first["images"] == ["<embedded image 0>"]
+    assert first["answer"] == "4" and len(first["completions"]) == len(first["extracted"]) == len(first["scores"]) == 1
+    # each record holds what the benchmark's rule gives its completion, and accuracy is their mean
+    rows = {row["id"]: row for row in load_benchmark_rows(resolve_benchmark("mathvista_testmini", data_dir=data_dir))}
+    for record in records:
+        assert (record["extracted"][0], record["scores"][0]) == judge(record["completions"][0], rows[record["id"]])
+    assert metrics["accuracy"] == pytest.approx(sum(record["scores"][0] for record in records) / 4)
+
+    code = eval_main(["--model", str(tmp_path / "not_loaded"), "--benchmarks", "chartqa_test", "--data-dir",
+                      str(data_dir), "--out", str(tmp_path / "eval2")])
+    err = capsys.readouterr().err
+    assert code == 2 and "'chartqa_test'" in err and str(data_dir / "ChartQA") in err and "test-*.parquet" in err

@@ -64,8 +64,11 @@ def test_evaluate_answerer_hand_computed():
     assert results["pass@4"] == pytest.approx(2 / 3)
     assert results["by_task"]["add"]["accuracy"] == pytest.approx(2 / 8)
     assert results["by_task"]["mul"]["pass@1"] == pytest.approx(1.0)
-    assert results["predictions"][0] == {"id": "a0", "task": "add", "answer": "2",
+    assert results["predictions"][0] == {"id": "a0", "task": "add", "prompt": "1+1?", "images": [], "answer": "2",
                                          "completions": ["2", "3", "2", "5"],
+                                         # no <answer>/\boxed{} in these completions: nothing extracted
+                                         "extracted": [None, None, None, None],
+                                         "scores": [1.0, 0.0, 1.0, 0.0],
                                          "correct": [True, False, True, False]}
     # batches of 2 then 1, each asked for 4 sampled answers
     assert answerer.calls == [(2, 4, False), (1, 4, False)]
