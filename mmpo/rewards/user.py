@@ -96,7 +96,7 @@ def parse_reward_spec(text: str) -> RewardSpec:
 _FILE_MODULES: dict[Path, ModuleType] = {}
 """Files loaded by path in this process (each loaded once, like an import)."""
 
-_LOAD_LOCK = threading.Lock()
+_LOAD_LOCK = threading.RLock()  # a reward file may itself resolve another reward
 
 
 def _module_name_for(path: Path) -> str:
