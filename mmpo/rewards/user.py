@@ -31,7 +31,7 @@ import numbers
 import os
 import sys
 import threading
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
@@ -158,8 +158,9 @@ def _function_of(spec: RewardSpec, module: ModuleType) -> Callable:
     return value
 
 
-def _accepted_names(spec: RewardSpec, fn: Callable) -> frozenset[str] | None:
-    """The keyword names ``fn`` accepts (None: it takes ``**kwargs``, i.e. every column).
+def _accepted_names(spec: RewardSpec, fn: Callable) -> tuple[frozenset[str] | None, tuple[str, ...]]:
+    """The keyword names ``fn`` accepts (None: it takes ``**kwargs``, i.e. every column), and the
+    columns it requires (named, no default).
 
     Raises:
         RewardSpecError: ``prompts`` or ``completions`` cannot be passed by keyword, or a
@@ -168,7 +169,7 @@ def _accepted_names(spec: RewardSpec, fn: Callable) -> frozenset[str] | None:
     try:
         signature = inspect.signature(fn)
     except (TypeError, ValueError):  # some C callables have no signature: called as they are
-        return None
+        return None, ()
     params = list(signature.parameters.values())
     takes_kwargs = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params)
     by_keyword = {p.name for p in params if p.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD,
@@ -181,7 +182,9 @@ def _accepted_names(spec: RewardSpec, fn: Callable) -> frozenset[str] | None:
                    else f"has positional-only parameter(s) {positional_only}")
         raise RewardSpecError(f"reward {spec.text!r}: bad signature {spec.attribute}{signature}: it {problem}; "
                               f"expected TRL's {TRL_SIGNATURE} (named columns, or **kwargs for all of them)")
-    return None if takes_kwargs else frozenset(by_keyword)
+    required = tuple(p.name for p in params if p.name in by_keyword and p.name not in _ARGUMENTS
+                     and p.default is inspect.Parameter.empty)
+    return (None if takes_kwargs else frozenset(by_keyword)), required
 
 
 def _scores(value: Any, n: int) -> list[float | None]:
@@ -218,12 +221,7 @@ class UserReward:
         module = _load_file(spec) if spec.file is not None else _import_module(spec)
         self.spec = spec
         self.function = _function_of(spec, module)
-        self.accepted = _accepted_names(spec, self.function)
-
-    @property
-    def label(self) -> str:
-        """Metric name part: ``rewards/<label>/mean`` (the function's own name)."""
-        return self.spec.attribute.rsplit(".", 1)[-1]
+        self.accepted, self.required_columns = _accepted_names(spec, self.function)
 
     def __reduce__(self) -> tuple[Callable, tuple[str]]:
         return _user_reward_for_canonical_spec, (self.spec.canonical,)
@@ -239,21 +237,15 @@ class UserReward:
             for key in row:
                 if key not in _ARGUMENTS and key not in columns:
                     columns[key] = [other.get(key) for other in rows]
-        if self.accepted is not None:
-            columns = {key: values for key, values in columns.items() if key in self.accepted}
-            self._check_required_columns(columns, rows)
-        prompts = [str(row.get("problem", "")) for row in rows]
-        return _scores(self.function(prompts=prompts, completions=list(completions), **columns),
-                       len(completions))
-
-    def _check_required_columns(self, columns: Mapping[str, list], rows: Sequence[Mapping[str, Any]]) -> None:
-        params = inspect.signature(self.function).parameters.values()
-        needed = [p.name for p in params if p.default is inspect.Parameter.empty and p.name not in _ARGUMENTS
-                  and p.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)]
-        absent = [name for name in needed if name not in columns]
+        absent = [name for name in self.required_columns if name not in columns]
         if absent:
             available = sorted({key for row in rows for key in row})
             raise LookupError(f"needs column(s) {absent} that the rows do not have; their columns: {available}")
+        if self.accepted is not None:
+            columns = {key: values for key, values in columns.items() if key in self.accepted}
+        prompts = [str(row.get("problem", "")) for row in rows]
+        return _scores(self.function(prompts=prompts, completions=list(completions), **columns),
+                       len(completions))
 
 
 _USER_REWARDS: dict[str, UserReward] = {}

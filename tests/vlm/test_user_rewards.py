@@ -10,12 +10,10 @@ import os
 import pickle
 import re
 import sys
-import textwrap
 import threading
 from pathlib import Path
 
 import pytest
-import torch
 
 from mmpo.rewards import UserReward, compute_rewards, resolve_reward, validate_reward_weights
 from mmpo.rewards.worker import get_reward_worker
@@ -48,6 +46,11 @@ def worker_pid(prompts, completions, **kwargs):
 def spins_forever(prompts, completions, **kwargs):
     while True:  # pure Python, holds no lock: only killing its process stops it
         pass
+
+
+def as_tensor(prompts, completions, **kwargs):
+    import torch
+    return torch.arange(len(completions), dtype=torch.float64) / 2
 
 
 def wrong_length(prompts, completions, **kwargs):
@@ -129,6 +132,11 @@ def test_columns_are_passed_by_name(user_file):
     # **columns gets every field of the row: problem, answer, unit -> 300 + len(prompt)
     assert per_fn[spec(user_file, "prompt_length_and_columns")].tolist() == [303.0, 304.0, 303.0]
     assert metrics["rewards/exact_with_unit/errors"] == 0.0
+
+
+def test_a_tensor_result_is_read_as_floats(user_file):
+    total, _, _ = compute_rewards({spec(user_file, "as_tensor"): 2.0}, COMPLETIONS, ROWS, timeout_s=None)
+    assert total.tolist() == [0.0, 1.0, 2.0]  # 2 x (0, 0.5, 1)
 
 
 def test_a_file_function_runs_in_the_worker_process(user_file):
@@ -259,4 +267,3 @@ def test_the_example_rewards_follow_their_docstrings():
     brevity = resolve(str(REPO / "examples/rewards.py:brevity_when_easy"))
     assert mentioned(completions, rows) == [1.0, 1.0, 0.0]
     assert brevity(completions, rows) == [1 / 5, None, 1 / 4]  # 4 words, not applicable, 3 words
-    assert torch.tensor(mentioned(completions, rows)).sum() == 2
