@@ -166,6 +166,20 @@ def test_a_hung_function_from_a_file_is_stopped_by_the_deadline(user_file):
     assert metrics["rewards/spins_forever/timeouts"] == 1.0 and worker.restarts == restarts + 2
 
 
+def test_a_slow_import_is_not_timed_by_the_call_deadline(tmp_path):
+    path = tmp_path / "slow_import.py"
+    path.write_text("import os, time\ntime.sleep(1.5)\n\n"  # 1 outside this test's process (in the worker)
+                    f"def quick(prompts, completions, **kw):\n    return [float(os.getpid() != {os.getpid()})] * "
+                    "len(completions)\n")
+    worker = get_reward_worker()
+    compute_rewards({"format": 1.0}, COMPLETIONS, ROWS, timeout_s=60.0)  # the worker is up
+    restarts = worker.restarts
+    total, _, metrics = compute_rewards({f"{path}:quick": 1.0}, COMPLETIONS, ROWS, timeout_s=1.0)
+    # the worker spent 1.5 s loading the file, outside the 1 s deadline of the call itself
+    assert total.tolist() == [1.0, 1.0, 1.0] and metrics["rewards/quick/timeouts"] == 0.0
+    assert worker.restarts == restarts
+
+
 @pytest.mark.parametrize(("function", "message"), [
     ("wrong_length", "returned 1 values for 3 completions"),
     ("nan_values", "non-finite values"),
