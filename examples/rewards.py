@@ -18,19 +18,21 @@ The functions run in mmpo's reward worker process, stopped by ``reward_timeout_s
 
 from __future__ import annotations
 
+import re
 from typing import Any
+
+_TOKEN = re.compile(r"-?\d+(?:\.\d+)?|[^\W\d_]+")
+"""A number (optional sign and decimals) or a run of letters."""
 
 
 def answer_mentioned(prompts: list[str], completions: list[str], answer: list[str], **kwargs: Any) -> list[float]:
-    """1.0 when the gold ``answer`` column appears among the completion's words, else 0.0.
+    """1.0 when the gold ``answer`` column is one of the completion's tokens, else 0.0.
 
-    A lenient accuracy: ``The answer is 7.`` scores for answer ``7``; no answer tags needed.
+    Tokens are numbers (``7``, ``-2``, ``3.5``) and words; tags and punctuation between them are
+    ignored, so ``The answer is 7.`` and ``<answer>7</answer>`` both score for answer ``7``: a
+    lenient accuracy that needs no answer format.
     """
-    scores = []
-    for completion, gold in zip(completions, answer):
-        words = {word.strip(".,:;!?()[]<>\"'") for word in completion.split()}
-        scores.append(float(str(gold) in words))
-    return scores
+    return [float(str(gold).strip() in _TOKEN.findall(completion)) for completion, gold in zip(completions, answer)]
 
 
 def brevity_when_easy(prompts: list[str], completions: list[str], difficulty: list[int],

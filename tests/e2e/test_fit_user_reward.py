@@ -5,6 +5,7 @@ logs exactly what those functions give the sampled completions."""
 from __future__ import annotations
 
 import csv
+import importlib.util
 import math
 from pathlib import Path
 
@@ -21,15 +22,24 @@ CONFIG = REPO / "configs" / "vlm" / "grpo_tiny_user_reward.yaml"
 WEIGHTS = {"accuracy": 0.8, "format": 0.1, "answer_mentioned": 0.3, "brevity_when_easy": 0.2}  # as in CONFIG
 
 
-def _hand_rewards(text: str, row: dict) -> dict[str, float | None]:
-    """The four rewards of CONFIG for one completion, the two user ones written out from their docstrings."""
-    words = {word.strip(".,:;!?()[]<>\"'") for word in text.split()}
-    return {
+def _expected_rewards(texts: list[str], rows: list[dict]) -> list[dict[str, float | None]]:
+    """The four rewards of CONFIG per completion: the example's answer_mentioned called directly with
+    TRL's convention and the `answer` column, brevity_when_easy written out from its docstring."""
+    mentioned = _example_module().answer_mentioned(
+        prompts=[row["problem"] for row in rows], completions=texts, answer=[row["answer"] for row in rows])
+    return [{
         "accuracy": float(accuracy_reward([text], [row])[0]),
         "format": float(format_reward([text], [row])[0]),
-        "answer_mentioned": float(row["answer"] in words),
+        "answer_mentioned": score,
         "brevity_when_easy": 1.0 / (1 + len(text.split())) if row["difficulty"] == 1 else None,
-    }
+    } for text, row, score in zip(texts, rows, mentioned)]
+
+
+def _example_module():
+    spec = importlib.util.spec_from_file_location("examples_rewards_under_test", REPO / "examples" / "rewards.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def test_grpo_trains_with_user_rewards_from_examples(tmp_path, monkeypatch):
@@ -61,7 +71,7 @@ def test_grpo_trains_with_user_rewards_from_examples(tmp_path, monkeypatch):
     assert len(seen) == len(logged) == 2  # one rollout per optimizer step
     applicable = skipped = 0
     for (texts, rows), metrics in zip(seen, logged):
-        hand = [_hand_rewards(text, row) for text, row in zip(texts, rows)]
+        hand = _expected_rewards(texts, rows)
         totals = [sum(WEIGHTS[name] * value for name, value in h.items() if value is not None) for h in hand]
         assert float(metrics["rewards/total/mean"]) == pytest.approx(sum(totals) / len(totals), abs=1e-6)
         for name in ("answer_mentioned", "brevity_when_easy"):

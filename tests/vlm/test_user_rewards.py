@@ -272,12 +272,10 @@ def test_the_cli_refuses_a_bad_reward_path_before_loading_the_model(monkeypatch,
 
 
 def test_the_example_rewards_follow_their_docstrings():
-    from mmpo.rewards.user import resolve_reward as resolve
-
     rows = [{"problem": "q", "answer": "7", "difficulty": 1}, {"problem": "q", "answer": "7", "difficulty": 2},
-            {"problem": "q", "answer": "17", "difficulty": 1}]
-    completions = ["The answer is 7.", "I think 7", "about 7 really"]
-    mentioned = resolve(str(REPO / "examples/rewards.py:answer_mentioned"))
-    brevity = resolve(str(REPO / "examples/rewards.py:brevity_when_easy"))
-    assert mentioned(completions, rows) == [1.0, 1.0, 0.0]
-    assert brevity(completions, rows) == [1 / 5, None, 1 / 4]  # 4 words, not applicable, 3 words
+            {"problem": "q", "answer": "7", "difficulty": 1}, {"problem": "q", "answer": "-2.5", "difficulty": 3}]
+    completions = ["The answer is 7.", "<think>so</think><answer>7</answer>", "about 17 really", "x=-2.5, done"]
+    mentioned = resolve_reward(str(REPO / "examples/rewards.py:answer_mentioned"))
+    brevity = resolve_reward(str(REPO / "examples/rewards.py:brevity_when_easy"))
+    assert mentioned(completions, rows) == [1.0, 1.0, 0.0, 1.0]  # 17 is not 7
+    assert brevity(completions, rows) == [1 / 5, None, 1 / 4, None]  # 4 words, n/a, 3 words, n/a
