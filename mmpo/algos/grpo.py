@@ -95,7 +95,9 @@ class GRPOModule(NonFiniteGuardMixin, VLMCheckpointHooks, L.LightningModule):
         mu: inner PPO epochs over each rollout batch.
         minibatch_size: completions per optimizer step (must divide prompts x G); None = the whole rollout.
         micro_batch_size: completions per forward/backward (gradient accumulation); None = minibatch_size.
-        reward_weights: reward function name -> weight (default accuracy 0.9, format 0.1).
+        reward_weights: reward -> weight (default accuracy 0.9, format 0.1); a reward is a registered name or a
+            function of your own, ``path/to/file.py:fn`` or ``package.module:fn`` with TRL's signature
+            ``fn(prompts, completions, **columns) -> list[float | None]`` (docs/grpo.md, "Your own reward functions").
         reward_timeout_s: per reward-function call deadline in seconds (a hang gives zeros); None = inline, no deadline.
         max_grad_norm: gradient clipping norm; 0 disables clipping.
         entropy_coef: entropy bonus coefficient (0 = off, as the GRPO paper).
@@ -207,6 +209,10 @@ class GRPOModule(NonFiniteGuardMixin, VLMCheckpointHooks, L.LightningModule):
         require(h.entropy_coef >= 0, f"entropy_coef must be >= 0, got {h.entropy_coef}")
         require(h.reward_timeout_s is None or h.reward_timeout_s > 0,
                 f"reward_timeout_s must be > 0, got {h.reward_timeout_s}")
+        # imports user reward files and checks their signatures: a bad spec fails before load_vlm
+        from mmpo.rewards.user import validate_reward_weights
+
+        validate_reward_weights(h.reward_weights)
         for name in ("minibatch_size", "micro_batch_size"):
             value = getattr(h, name)
             require(value is None or value >= 1, f"{name} must be >= 1 or None, got {value}")

@@ -9,7 +9,9 @@ long run.
 
 Which functions run in the worker: those it can load by reference, i.e. defined at module level
 (or a ``functools.partial`` of such a function) in a module the worker can import; the built-ins
-and any ``@register_reward`` function in your own module qualify. Others (a lambda, a closure,
+and any ``@register_reward`` function in your own module qualify, and so do user functions given
+as ``path/to/file.py:fn`` or ``package.module:fn`` (``mmpo.rewards.user``: the worker loads the
+file by path itself). Others (a lambda, a closure,
 a function of ``__main__``) run in this process on a daemon thread, as a warning says once per
 reward: that deadline only stops the waiting, not the function; while a timed-out call still
 runs, later calls of the same reward fail at once instead of piling up stuck threads.
@@ -25,7 +27,8 @@ from typing import Any
 import torch
 
 from mmpo.rewards.log_text import shorten
-from mmpo.rewards.registry import RewardFn, get_reward
+from mmpo.rewards.registry import RewardFn
+from mmpo.rewards.user import is_user_reward_spec, resolve_reward, reward_label
 from mmpo.rewards.worker import CallOutcome, WorkerUnavailable, get_reward_worker
 
 logger = logging.getLogger(__name__)
@@ -107,14 +110,22 @@ def _run_rewards(fns: dict[str, RewardFn], completions: list[str], rows: list[di
     return outcomes
 
 
-def _as_reward_vector(name: str, value: Any, n: int) -> torch.Tensor:
-    tensor = torch.as_tensor(value, dtype=torch.float32).reshape(-1) if not isinstance(value, torch.Tensor) \
-        else value.detach().to(torch.float32).reshape(-1).cpu()
+def _as_reward_vector(name: str, value: Any, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(values (N,) float32 with NaN where not applicable, applicable (N,) bool) from a reward's result:
+    a tensor, or a list of numbers and None (None = not applicable; user rewards, ``mmpo.rewards.user``)."""
+    if isinstance(value, torch.Tensor):
+        tensor = value.detach().to(torch.float32).reshape(-1).cpu()
+        applicable = torch.ones(tensor.shape, dtype=torch.bool)
+    else:
+        items = list(value)
+        applicable = torch.tensor([item is not None for item in items], dtype=torch.bool)
+        tensor = torch.as_tensor([float("nan") if item is None else item for item in items],
+                                 dtype=torch.float32).reshape(-1)
     if tensor.numel() != n:
         raise RewardCallError(f"reward {name!r} returned {tensor.numel()} values for {n} completions")
-    if not torch.isfinite(tensor).all():
-        raise RewardCallError(f"reward {name!r} returned non-finite values")
-    return tensor
+    if not torch.isfinite(tensor[applicable]).all():
+        raise RewardCallError(f"reward {name!r} returned non-finite values (return None for 'not applicable')")
+    return tensor, applicable
 
 
 def compute_rewards(
@@ -124,29 +135,40 @@ def compute_rewards(
     *,
     timeout_s: float | None = 10.0,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor], dict[str, float]]:
-    """Weighted sum of registered rewards.
+    """Weighted sum of reward functions: registered names and user specs (``file.py:fn``, ``module:fn``).
+
+    ``total[i] = sum of weight_f * r_f[i]`` over the functions f whose ``r_f[i]`` is not None: a
+    user function's None ("not applicable") is skipped for that completion, like TRL's nansum over
+    functions; a completion that every function skips gets 0 (a warning says how many).
 
     Args:
-        names_and_weights: reward name -> weight; None means ``DEFAULT_REWARD_WEIGHTS``.
+        names_and_weights: reward name or user spec -> weight; None means ``DEFAULT_REWARD_WEIGHTS``.
         completions: N completion texts.
         rows: N Rows (``rows[i]`` belongs to ``completions[i]``).
         timeout_s: deadline per function call in seconds (the function runs in the reward worker
             process, killed when it is missed); None runs inline without one.
 
     Returns:
-        total: (N,) float32, sum of weight x reward.
-        per_fn: name -> (N,) float32 unweighted rewards (zeros for a failed call).
-        metrics: ``rewards/<name>/mean``, ``rewards/<name>/errors`` and ``rewards/<name>/timeouts``
-        (0 or 1 per call), ``rewards/total/mean`` and ``perf/reward_worker_restarts`` (reward
-        workers killed or found dead so far in this process).
+        total: (N,) float32, the weighted sum above.
+        per_fn: name -> (N,) float32 unweighted rewards (NaN where a user function returned None;
+        zeros for a failed call).
+        metrics: ``rewards/<label>/mean`` (over the completions the function applies to; NaN if
+        none), ``rewards/<label>/errors`` and ``rewards/<label>/timeouts`` (0 or 1 per call), for
+        user functions ``rewards/<label>/none_frac`` (share of None), ``rewards/total/mean`` and
+        ``perf/reward_worker_restarts`` (reward workers killed or found dead so far in this
+        process). ``<label>`` is the registered name or the user function's own name.
+
+    Raises:
+        ValueError: an unknown name or unusable spec (before any function runs).
     """
     weights = DEFAULT_REWARD_WEIGHTS if names_and_weights is None else names_and_weights
     if len(completions) != len(rows):
         raise ValueError(f"got {len(completions)} completions but {len(rows)} rows; pass one row per completion")
     n = len(completions)
-    fns = {name: get_reward(name) for name in weights}  # unknown names fail before any work
+    fns = {name: resolve_reward(name) for name in weights}  # unknown names fail before any work
     outcomes = _run_rewards(fns, completions, rows, timeout_s)
     total = torch.zeros(n, dtype=torch.float32)
+    scored = torch.zeros(n, dtype=torch.bool)
     per_fn: dict[str, torch.Tensor] = {}
     metrics: dict[str, float] = {}
     for name, weight in weights.items():
@@ -155,16 +177,26 @@ def compute_rewards(
         try:
             if outcome.error is not None:
                 raise RewardCallError(f"reward {name!r} {outcome.error}")
-            values = _as_reward_vector(name, outcome.value, n)
+            values, applicable = _as_reward_vector(name, outcome.value, n)
         except Exception as exc:  # noqa: BLE001 - any failure of a user reward becomes zeros
             logger.warning("reward %r failed, using zeros for this batch: %s", name, shorten(str(exc)))
-            values = torch.zeros(n, dtype=torch.float32)
+            values, applicable = torch.zeros(n, dtype=torch.float32), torch.ones(n, dtype=torch.bool)
             errors = 1
         per_fn[name] = values
-        total += float(weight) * values
-        metrics[f"rewards/{name}/mean"] = float(values.mean()) if n else 0.0
-        metrics[f"rewards/{name}/errors"] = float(errors)
-        metrics[f"rewards/{name}/timeouts"] = float(outcome.timed_out)
+        total += torch.where(applicable, float(weight) * values, 0.0)
+        scored |= applicable
+        label = reward_label(name)
+        if n == 0:
+            metrics[f"rewards/{label}/mean"] = 0.0
+        else:
+            metrics[f"rewards/{label}/mean"] = float(values[applicable].mean()) if applicable.any() else float("nan")
+        metrics[f"rewards/{label}/errors"] = float(errors)
+        metrics[f"rewards/{label}/timeouts"] = float(outcome.timed_out)
+        if is_user_reward_spec(name):
+            metrics[f"rewards/{label}/none_frac"] = float((~applicable).float().mean()) if n else 0.0
+    if n and not scored.all():
+        logger.warning("%d of %d completions got None from every reward function; their total reward is 0",
+                       int((~scored).sum()), n)
     metrics["rewards/total/mean"] = float(total.mean()) if n else 0.0
     metrics["perf/reward_worker_restarts"] = float(get_reward_worker().restarts)
     return total, per_fn, metrics

@@ -20,7 +20,9 @@ worker start 2-6 s, once; 16 completions, ``accuracy`` + ``format``: 7.6 ms inli
 the worker (median), 15.8 ms when each of the 4 prompts carries a 448x448 image.
 
 What runs in the worker: functions that pickle (by reference: a module-level function, or a
-``functools.partial`` of one) and that the worker can import. Messages use plain ``pickle``, so
+``functools.partial`` of one) and that the worker can import. A user's ``path/file.py:fn``
+reward pickles as its spec (``mmpo.rewards.user.UserReward``): the worker loads that file by
+its absolute path while loading the call's functions, before the deadline starts. Messages use plain ``pickle``, so
 tensors are copied, never shared through file descriptors a killed worker would leave behind.
 The worker ignores Ctrl-C (the trainer handles it), exits when the trainer closes its end (at
 exit, or when the trainer dies while the worker is idle) and, on Linux, is killed by the kernel

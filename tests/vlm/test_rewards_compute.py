@@ -124,7 +124,7 @@ def test_no_timeout_runs_inline_on_main_thread():
 
 
 def test_bad_arguments_fail_loudly():
-    with pytest.raises(KeyError, match="unknown reward"):
+    with pytest.raises(ValueError, match="unknown reward .nope.; registered: "):
         compute_rewards({"nope": 1.0}, COMPLETIONS, ROWS)
     with pytest.raises(ValueError, match="2 completions but 1 rows"):
         compute_rewards(None, COMPLETIONS, ROWS[:1])

@@ -1,0 +1,317 @@
+"""Reward functions from the user's own code, called the way TRL calls them.
+
+A reward setting (``reward_weights`` key) is either a registered name (``accuracy``) or a
+spec of a function of your own:
+
+- ``path/to/file.py:function``: the file is loaded by path (``importlib.util.spec_from_file_location``;
+  a relative path is resolved from the working directory when the setting is validated);
+- ``package.module:function``: imported with ``importlib.import_module`` (it must be on ``sys.path``).
+
+The function has TRL's signature ``fn(prompts, completions, **columns) -> list[float | None]``:
+``prompts[i]`` is the question text (the row's ``problem``) that completion ``i`` answers,
+``completions[i]`` the completion text, and every other field of the rows is passed by name as a
+list with one entry per completion (``answer=[...]``, ``images=[...]``, any custom column). A
+function without ``**kwargs`` gets only the columns it names. ``None`` means "not applicable":
+that completion's weighted sum skips this function (``mmpo.rewards.compute``).
+
+:func:`validate_reward_weights` imports every function and checks its signature, so a bad
+spec fails when the config is read, before a model loads. :class:`UserReward` adapts such a
+function to the internal ``fn(completions, rows)`` signature; it pickles as its spec, so the
+reward worker process loads the same file by path and a missed deadline can really stop it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib
+import importlib.util
+import inspect
+import math
+import numbers
+import os
+import sys
+import threading
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import torch
+
+from mmpo.rewards.registry import REWARDS, RewardFn, get_reward
+
+SPEC_SEPARATOR = ":"
+"""Separates the file or module from the function name in a user reward spec."""
+
+TRL_SIGNATURE = "fn(prompts, completions, **columns) -> list[float | None]"
+
+_ARGUMENTS = ("prompts", "completions")
+
+
+class RewardSpecError(ValueError):
+    """A reward setting that names no usable function; the message names the spec and the problem."""
+
+
+def is_user_reward_spec(name: str) -> bool:
+    """True for ``file.py:fn`` / ``module:fn`` specs, False for registered names (no ``:``)."""
+    return SPEC_SEPARATOR in name
+
+
+@dataclass(frozen=True)
+class RewardSpec:
+    """A parsed user reward spec: exactly one of ``file`` (absolute) and ``module`` is set."""
+
+    text: str
+    """The spec as the user wrote it (used in error messages)."""
+    attribute: str
+    file: Path | None = None
+    module: str | None = None
+
+    @property
+    def canonical(self) -> str:
+        """The spec with an absolute file path: the same function from any working directory."""
+        return f"{self.file if self.file is not None else self.module}{SPEC_SEPARATOR}{self.attribute}"
+
+
+def parse_reward_spec(text: str) -> RewardSpec:
+    """Split ``file.py:fn`` or ``package.module:fn`` (a path is made absolute from the working directory).
+
+    Raises:
+        RewardSpecError: an empty file/module or function part, or a module name that is not dotted identifiers.
+    """
+    source, _, attribute = text.rpartition(SPEC_SEPARATOR)
+    if not source or not attribute:
+        raise RewardSpecError(f"reward {text!r}: expected 'path/to/file.py:function' or 'package.module:function'")
+    if not all(part.isidentifier() for part in attribute.split(".")):
+        raise RewardSpecError(f"reward {text!r}: {attribute!r} is not a function name")
+    if source.endswith(".py") or "/" in source or os.sep in source:
+        return RewardSpec(text, attribute, file=Path(source).expanduser().resolve())
+    if not all(part.isidentifier() for part in source.split(".")):
+        raise RewardSpecError(
+            f"reward {text!r}: {source!r} is neither a .py file nor a dotted module name")
+    return RewardSpec(text, attribute, module=source)
+
+
+_FILE_MODULES: dict[Path, ModuleType] = {}
+"""Files loaded by path in this process (each loaded once, like an import)."""
+
+_LOAD_LOCK = threading.RLock()  # a reward file may itself resolve another reward
+
+
+def _module_name_for(path: Path) -> str:
+    # Unique per absolute path (two rewards.py files do not clash) and the same in the worker.
+    digest = hashlib.sha1(str(path).encode()).hexdigest()[:12]
+    stem = "".join(ch if ch.isalnum() else "_" for ch in path.stem)
+    return f"mmpo_user_reward_{stem}_{digest}"
+
+
+def _load_file(spec: RewardSpec) -> ModuleType:
+    path = spec.file
+    assert path is not None
+    with _LOAD_LOCK:
+        if path in _FILE_MODULES:
+            return _FILE_MODULES[path]
+        if not path.is_file():
+            raise RewardSpecError(f"reward {spec.text!r}: file {str(path)!r} not found "
+                                  f"(a relative path is read from the working directory {os.getcwd()!r})")
+        name = _module_name_for(path)
+        import_spec = importlib.util.spec_from_file_location(name, path)
+        if import_spec is None or import_spec.loader is None:
+            raise RewardSpecError(f"reward {spec.text!r}: {str(path)!r} cannot be loaded as a Python file")
+        module = importlib.util.module_from_spec(import_spec)
+        sys.modules[name] = module  # dataclasses, pickling and typing inside the file look it up here
+        try:
+            import_spec.loader.exec_module(module)
+        except BaseException as exc:
+            del sys.modules[name]
+            raise RewardSpecError(
+                f"reward {spec.text!r}: loading {str(path)!r} failed: {type(exc).__name__}: {exc}") from exc
+        _FILE_MODULES[path] = module
+        return module
+
+
+def _import_module(spec: RewardSpec) -> ModuleType:
+    assert spec.module is not None
+    try:
+        return importlib.import_module(spec.module)
+    except ModuleNotFoundError as exc:
+        raise RewardSpecError(f"reward {spec.text!r}: no module {exc.name!r} "
+                              f"(is it installed or on PYTHONPATH? a file is given as 'path/to/file.py:function')") from exc
+    except BaseException as exc:
+        raise RewardSpecError(
+            f"reward {spec.text!r}: importing {spec.module!r} failed: {type(exc).__name__}: {exc}") from exc
+
+
+def _function_of(spec: RewardSpec, module: ModuleType) -> Callable:
+    value: Any = module
+    for part in spec.attribute.split("."):
+        if not hasattr(value, part):
+            defined = sorted(k for k, v in vars(module).items() if callable(v) and not k.startswith("_")
+                             and getattr(v, "__module__", None) == module.__name__)
+            where = spec.file.name if spec.file is not None else spec.module
+            raise RewardSpecError(f"reward {spec.text!r}: {where} has no {spec.attribute!r}; "
+                                  f"functions defined there: {defined}")
+        value = getattr(value, part)
+    if not callable(value):
+        raise RewardSpecError(f"reward {spec.text!r}: {spec.attribute!r} is a {type(value).__name__}, not a function")
+    return value
+
+
+def _accepted_names(spec: RewardSpec, fn: Callable) -> tuple[frozenset[str] | None, tuple[str, ...]]:
+    """The keyword names ``fn`` accepts (None: it takes ``**kwargs``, i.e. every column), and the
+    columns it requires (named, no default).
+
+    Raises:
+        RewardSpecError: ``prompts`` or ``completions`` cannot be passed by keyword, or a
+        parameter without default can only be passed by position.
+    """
+    try:
+        signature = inspect.signature(fn)
+    except (TypeError, ValueError):  # some C callables have no signature: called as they are
+        return None, ()
+    params = list(signature.parameters.values())
+    takes_kwargs = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params)
+    by_keyword = {p.name for p in params if p.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD,
+                                                       inspect.Parameter.KEYWORD_ONLY)}
+    positional_only = [p.name for p in params if p.kind is inspect.Parameter.POSITIONAL_ONLY
+                       and p.default is inspect.Parameter.empty]
+    missing = [name for name in _ARGUMENTS if name not in by_keyword and not takes_kwargs]
+    if missing or positional_only:
+        problem = (f"does not accept {' and '.join(missing)} by keyword" if missing
+                   else f"has positional-only parameter(s) {positional_only}")
+        raise RewardSpecError(f"reward {spec.text!r}: bad signature {spec.attribute}{signature}: it {problem}; "
+                              f"expected TRL's {TRL_SIGNATURE} (named columns, or **kwargs for all of them)")
+    required = tuple(p.name for p in params if p.name in by_keyword and p.name not in _ARGUMENTS
+                     and p.default is inspect.Parameter.empty)
+    return (None if takes_kwargs else frozenset(by_keyword)), required
+
+
+def _scores(value: Any, n: int) -> list[float | None]:
+    """The function's result as N floats or None (not applicable); malformed results raise."""
+    if isinstance(value, torch.Tensor):
+        value = value.detach().reshape(-1).tolist()
+    if isinstance(value, (str, bytes, Mapping)) or not isinstance(value, Iterable):
+        raise TypeError(f"returned a {type(value).__name__}; expected a list of float or None")
+    items = list(value)
+    if len(items) != n:
+        raise ValueError(f"returned {len(items)} values for {n} completions")
+    scores: list[float | None] = []
+    for index, item in enumerate(items):
+        if item is None:
+            scores.append(None)
+        elif isinstance(item, numbers.Real):
+            scores.append(float(item))
+        elif isinstance(item, torch.Tensor) and item.numel() == 1:
+            scores.append(float(item))
+        else:
+            raise TypeError(f"returned a {type(item).__name__} for completion {index}; "
+                            f"expected a float or None")
+    return scores
+
+
+class UserReward:
+    """A user function with TRL's signature, called as a registered reward ``fn(completions, rows)``.
+
+    Returns N floats or None from a call (``None`` = not applicable). Pickles as its canonical
+    spec: the reward worker loads the function itself (by file path or module import).
+    """
+
+    def __init__(self, spec: RewardSpec) -> None:
+        module = _load_file(spec) if spec.file is not None else _import_module(spec)
+        self.spec = spec
+        self.function = _function_of(spec, module)
+        self.accepted, self.required_columns = _accepted_names(spec, self.function)
+
+    def __reduce__(self) -> tuple[Callable, tuple[str]]:
+        return _user_reward_for_canonical_spec, (self.spec.canonical,)
+
+    def __repr__(self) -> str:
+        return f"UserReward({self.spec.text!r})"
+
+    def __call__(self, completions: list[str], rows: list[Mapping[str, Any]]) -> list[float | None]:
+        if len(completions) != len(rows):
+            raise ValueError(f"got {len(completions)} completions but {len(rows)} rows; pass one row per completion")
+        columns: dict[str, list[Any]] = {}
+        for row in rows:
+            for key in row:
+                if key not in _ARGUMENTS and key not in columns:
+                    columns[key] = [other.get(key) for other in rows]
+        absent = [name for name in self.required_columns if name not in columns]
+        if absent:
+            available = sorted({key for row in rows for key in row})
+            raise LookupError(f"needs column(s) {absent} that the rows do not have; their columns: {available}")
+        if self.accepted is not None:
+            columns = {key: values for key, values in columns.items() if key in self.accepted}
+        prompts = [str(row.get("problem", "")) for row in rows]
+        return _scores(self.function(prompts=prompts, completions=list(completions), **columns),
+                       len(completions))
+
+
+_USER_REWARDS: dict[str, UserReward] = {}
+"""Loaded user rewards by canonical spec (one object per function: stable identity for compute's caches)."""
+
+
+def _user_reward(spec: RewardSpec) -> UserReward:
+    reward = _USER_REWARDS.get(spec.canonical)
+    if reward is None:
+        reward = _USER_REWARDS.setdefault(spec.canonical, UserReward(spec))
+    return reward
+
+
+def _user_reward_for_canonical_spec(canonical: str) -> UserReward:
+    """Unpickling a :class:`UserReward` (in the reward worker) loads its function here."""
+    return _user_reward(parse_reward_spec(canonical))
+
+
+def resolve_reward(name: str) -> RewardFn:
+    """The reward ``fn(completions, rows)`` for a registered name or a user spec (loaded once).
+
+    Raises:
+        RewardSpecError: an unknown registered name (listing the valid ones) or an unusable spec
+        (file not found, import failed, no such function, not callable, bad signature).
+    """
+    if not is_user_reward_spec(name):
+        try:
+            return get_reward(name)
+        except KeyError:
+            raise RewardSpecError(
+                f"unknown reward {name!r}; registered: {sorted(REWARDS)}; a function of your own is given "
+                f"as 'path/to/file.py:function' or 'package.module:function'") from None
+    return _user_reward(parse_reward_spec(name))
+
+
+def reward_label(name: str) -> str:
+    """The ``<name>`` of ``rewards/<name>/*`` metrics: the registered name, or a user function's own name."""
+    return parse_reward_spec(name).attribute.rsplit(".", 1)[-1] if is_user_reward_spec(name) else name
+
+
+def validate_reward_weights(weights: Mapping[str, Any] | None, setting: str = "reward_weights") -> None:
+    """Check a ``name or spec -> weight`` mapping before anything expensive runs.
+
+    Every user function is imported and its signature checked; registered names must exist;
+    weights must be finite numbers; two rewards may not log under the same ``rewards/<name>``.
+
+    Raises:
+        ValueError: naming ``setting``, the reward and what is wrong.
+    """
+    if weights is None:
+        return
+    if not isinstance(weights, Mapping) or not weights:
+        raise ValueError(f"{setting} must be a non-empty mapping of reward name or 'file.py:function' to weight, "
+                         f"got {weights!r}")
+    labels: dict[str, str] = {}
+    for name, weight in weights.items():
+        if not isinstance(name, str):
+            raise ValueError(f"{setting}: reward names are strings, got {name!r}")
+        if isinstance(weight, bool) or not isinstance(weight, numbers.Real) or not math.isfinite(weight):
+            raise ValueError(f"{setting}: the weight of {name!r} must be a finite number, got {weight!r}")
+        try:
+            resolve_reward(name)
+        except RewardSpecError as exc:
+            raise RewardSpecError(f"{setting}: {exc}") from exc
+        label = reward_label(name)
+        if label in labels:
+            raise ValueError(f"{setting}: {labels[label]!r} and {name!r} would both log as rewards/{label}/*; "
+                             f"give the functions distinct names")
+        labels[label] = name
