@@ -513,15 +513,16 @@ class GRPOModule(NonFiniteGuardMixin, VLMCheckpointHooks, L.LightningModule):
             }
             extra, extra_metrics = self.extra_loss_terms(part, outputs)
             extra = as_loss_parts(extra)
-            parts.update_from(extra)
-            loss = parts.total()
+            named = LossParts().update_from(parts).update_from(extra)  # refuses a clash of names
+            # the one place the loss is summed: the trainer's parts, then the algorithm's own
+            loss = parts.total() + extra.total() if len(extra) else parts.total()
             self.manual_backward(loss * self._world_size)
 
             # metrics: loss parts are shares of the global value (sum them); ratios are
             # token-weighted means of this rank's micro-batches
             weight = float(part_mask.sum()) / max(local_tokens, 1.0)
-            logged = {key: _item(value) for key, value in parts.metrics().items()}
-            logged.setdefault("losses/extra", sum(_item(extra.weighted(name)) for name in extra))
+            logged = {key: _item(value) for key, value in named.metrics().items()}
+            logged.setdefault("losses/extra", _item(extra.total()) if len(extra) else 0.0)
             logged["losses/total"] = _item(loss)
             for key, value in logged.items():
                 _add(sums, key, value)

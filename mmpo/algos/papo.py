@@ -215,21 +215,17 @@ def papo_extra_loss(
         **aggregate_kwargs: its global normalisers (``global_tokens``, ``global_seqs``, ``norm_len``).
 
     Returns:
-        ``(parts, metrics)``: :class:`~mmpo.core.LossParts` ``papo/kl_prcp`` (coefficient -gamma),
-        ``papo/entropy_orig`` (eta1), ``papo/entropy_masked`` (eta2), whose ``total()`` is the
+        ``(parts, metrics)``: :class:`~mmpo.core.LossParts` ``papo/kl_prcp`` (coefficient -gamma)
+        and ``papo/double_entropy`` (eta1 H(orig) + eta2 H(masked)), whose ``total()`` is the
         term; metrics ``papo/kl_prcp``, ``papo/entropy_orig``, ``papo/entropy_masked`` (detached).
     """
     kl_prcp, _ = perception_kl(log_probs, masked_log_probs, mask, aggregation=aggregation, **aggregate_kwargs)
-    # the entropies are token means (PAPO's NLL estimate), normalised by the global token count
-    _, entropies = double_entropy(log_probs, masked_log_probs, mask, eta_orig=eta_orig, eta_masked=eta_masked,
-                                  global_tokens=aggregate_kwargs.get("global_tokens"))
-    parts = (
-        LossParts()
-        .add("papo/kl_prcp", kl_prcp, -gamma)
-        .add("papo/entropy_orig", entropies["entropy_orig"], eta_orig)
-        .add("papo/entropy_masked", entropies["entropy_masked"], eta_masked)
-    )
-    return parts, {name: value.detach() for name, value in parts.items()}
+    # the double-entropy regulariser is one term of PAPO's Eq. 2 (token means, global token count)
+    entropy_term, entropies = double_entropy(log_probs, masked_log_probs, mask, eta_orig=eta_orig,
+                                             eta_masked=eta_masked, global_tokens=aggregate_kwargs.get("global_tokens"))
+    parts = LossParts().add("papo/kl_prcp", kl_prcp, -gamma).add("papo/double_entropy", entropy_term)
+    metrics = {"papo/kl_prcp": kl_prcp.detach(), **{f"papo/{k}": v.detach() for k, v in entropies.items()}}
+    return parts, metrics
 
 
 # --------------------------------------------------------------------------------------------
