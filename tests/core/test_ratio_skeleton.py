@@ -49,7 +49,7 @@ def test_a_tensor_bound_filled_with_one_value_equals_the_float(name):
     gen = torch.Generator().manual_seed(3)
     old = -torch.rand(3, 4, generator=gen, dtype=torch.float64) - 0.5
     base = old + 0.6 * torch.randn(3, 4, generator=gen, dtype=torch.float64)
-    adv = torch.tensor([1.0, -0.5, 0.25], dtype=torch.float64)
+    adv = torch.tensor([-1.0, 0.5, -0.25], dtype=torch.float64)
     mask = torch.tensor([[1, 1, 1, 0], [1, 1, 0, 0], [1, 1, 1, 1]], dtype=torch.float64)
     low, high = 0.02, 0.03
     results = []
