@@ -192,7 +192,7 @@ def annealed_coefficient(
     return start + (end - start) * fraction
 
 
-def papo_extra_loss(
+def papo_loss_parts(
     log_probs: Tensor,
     masked_log_probs: Tensor,
     mask: Tensor,
@@ -203,7 +203,7 @@ def papo_extra_loss(
     aggregation: str = "token-mean",
     **aggregate_kwargs,
 ) -> tuple[LossParts, dict[str, Tensor]]:
-    """The terms PAPO adds to the policy loss: -gamma KL_prcp + eta1 H(orig) + eta2 H(masked).
+    """The terms PAPO adds to the policy loss, as named parts: -gamma KL_prcp + eta1 H(orig) + eta2 H(masked).
 
     Args:
         log_probs: ``(batch, time)`` original-image log-probs (with grad).
@@ -226,6 +226,14 @@ def papo_extra_loss(
     parts = LossParts().add("papo/kl_prcp", kl_prcp, -gamma).add("papo/double_entropy", entropy_term)
     metrics = {"papo/kl_prcp": kl_prcp.detach(), **{f"papo/{k}": v.detach() for k, v in entropies.items()}}
     return parts, metrics
+
+
+def papo_extra_loss(
+    log_probs: Tensor, masked_log_probs: Tensor, mask: Tensor, **settings: Any
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """:func:`papo_loss_parts` summed: ``(-gamma KL_prcp + eta1 H(orig) + eta2 H(masked), metrics)``."""
+    parts, metrics = papo_loss_parts(log_probs, masked_log_probs, mask, **settings)
+    return parts.total(), metrics
 
 
 # --------------------------------------------------------------------------------------------
@@ -349,7 +357,7 @@ class PAPOModule(GRPOModule):
         gamma, eta_orig, eta_masked = self.coefficients()
         # the step's aggregation mode and global normalisers, exactly as the policy loss uses them
         agg = outputs["aggregation"]
-        parts, _ = papo_extra_loss(log_probs, masked_log_probs, mask, gamma=gamma, eta_orig=eta_orig,
+        parts, _ = papo_loss_parts(log_probs, masked_log_probs, mask, gamma=gamma, eta_orig=eta_orig,
                                    eta_masked=eta_masked, aggregation=agg.mode, global_tokens=agg.global_tokens,
                                    global_seqs=agg.global_seqs, norm_len=agg.norm_len)
         # metrics: this micro-batch's token means (the trainer token-weights them across micro-batches)

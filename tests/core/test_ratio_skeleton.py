@@ -36,7 +36,8 @@ def test_ppo_per_row_tensor_clip_bounds_hand_computed():
 def test_per_token_bounds_equal_the_same_tokens_as_rows():
     lp_rows, old_rows, adv_rows, _ = _rows([1.2, 1.2, 0.85, 0.85], [1.0, 1.0, -1.0, -1.0])
     eps_rows = torch.tensor([[0.1], [0.3], [0.1], [0.3]], dtype=torch.float64)
-    by_rows, _ = policy_loss("ppo", lp_rows, old_rows, adv_rows, torch.ones(4, 1), clip_low=eps_rows, clip_high=eps_rows)
+    by_rows, _ = policy_loss("ppo", lp_rows, old_rows, adv_rows, torch.ones(4, 1),
+                             clip_low=eps_rows, clip_high=eps_rows)
     # the same four tokens as a (2, 2) batch with a (2, 2) bound tensor
     lp = lp_rows.detach().view(2, 2).requires_grad_(True)
     by_tokens, _ = policy_loss("ppo", lp, old_rows.view(2, 2), adv_rows.view(2, 2), torch.ones(2, 2),
