@@ -53,10 +53,13 @@ class LossParts(Mapping[str, Tensor]):
 
     def total(self) -> Tensor:
         """Sum of coef * term in insertion order. Parts with coefficient 0 are left out, so a
-        switched-off term (e.g. entropy_coef 0) can neither change nor poison (NaN) the loss."""
+        switched-off term (e.g. entropy_coef 0) can neither change nor poison (NaN) the loss;
+        when every part is switched off the total is 0. No parts at all raise ValueError."""
+        if not self._terms:
+            raise ValueError("no loss parts to sum")
         active = [name for name, (_, coef) in self._terms.items() if coef != 0.0]
         if not active:
-            raise ValueError(f"no active loss part to sum; parts: {list(self._terms)} (all coefficients 0)")
+            return torch.zeros_like(next(iter(self._terms.values()))[0])
         total = self.weighted(active[0])
         for name in active[1:]:
             total = total + self.weighted(name)

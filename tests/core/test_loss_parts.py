@@ -34,8 +34,9 @@ def test_names_are_unique_and_terms_scalar():
         LossParts().add("policy", 0.0).update_from(parts)
     with pytest.raises(ValueError, match="must be a 0-d tensor"):
         parts.add("kl", torch.ones(2))
-    with pytest.raises(ValueError, match="no active loss part"):
-        LossParts().add("kl", 1.0, 0.0).total()
+    with pytest.raises(ValueError, match="no loss parts"):
+        LossParts().total()
+    assert LossParts().add("kl", float("inf"), 0.0).total().item() == 0.0  # all switched off
 
 
 def test_hook_results_become_parts():
