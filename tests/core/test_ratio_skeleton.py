@@ -109,3 +109,25 @@ def test_igpo_sequence_default_ratio_over_the_loss_mask_and_clip():
     assert metrics["policy/clipfrac_high"].item() == 1.0
     loss.backward()
     assert lp.grad.abs().sum().item() == 0.0
+
+
+def test_per_row_bounds_equal_one_call_per_clip_group_reweighted():
+    # DPPO's former loop: each denoising step's pairs in their own call, re-weighted by their share
+    gen = torch.Generator().manual_seed(5)
+    old = -torch.rand(12, 1, generator=gen, dtype=torch.float64)
+    lp = old + 0.2 * torch.randn(12, 1, generator=gen, dtype=torch.float64)
+    adv = torch.randn(12, generator=gen, dtype=torch.float64)
+    step = torch.tensor([0, 1, 2, 0, 1, 2, 2, 2, 1, 0, 0, 0])
+    schedule = torch.tensor([0.01, 0.05, 0.1], dtype=torch.float64)
+    one_call, metrics = policy_loss("ppo", lp, old, adv, torch.ones_like(lp),
+                                    clip_low=schedule[step].unsqueeze(1), clip_high=schedule[step].unsqueeze(1))
+    looped, clipfrac = 0.0, 0.0
+    for i, eps in enumerate(schedule.tolist()):
+        rows = step == i
+        loss_i, metrics_i = policy_loss("ppo", lp[rows], old[rows], adv[rows], torch.ones_like(lp[rows]),
+                                        clip_low=eps, clip_high=eps)
+        looped += float(rows.sum()) / 12 * loss_i.item()
+        clipfrac += float(rows.sum()) / 12 * metrics_i["policy/clipfrac"].item()
+    assert 0 < clipfrac < 1
+    assert one_call.item() == pytest.approx(looped, rel=1e-12)
+    assert metrics["policy/clipfrac"].item() == pytest.approx(clipfrac, rel=1e-12)
