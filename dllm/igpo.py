@@ -24,11 +24,7 @@ import math
 import torch
 from torch import Tensor
 
-from mmpo.core import aggregate, kl_penalty, policy_loss
-# The core's own clip / metric helpers, so this loss clips and reports exactly like core ``ppo`` / ``gspo``.
-from mmpo.core.policy_loss import _log_ratio as core_log_ratio
-from mmpo.core.policy_loss import _metrics as policy_metrics
-from mmpo.core.policy_loss import _ppo_clip_tokens as ppo_clip_tokens
+from mmpo.core import LossParts, aggregate, kl_penalty, policy_loss
 
 
 def all_wrong_groups(correct: Tensor, group_ids: Tensor) -> Tensor:
@@ -100,25 +96,8 @@ def hint_entropy_filter(hint_mask: Tensor, entropy: Tensor, keep_fraction: float
 
 
 RATIO_LEVELS = ("token", "sequence", "sequence_masked")
-LOG_RATIO_CLAMP = 20.0  # the core losses' default clamp
-
-
-def official_sequence_ratio_loss(
-    log_probs: Tensor, old_log_probs: Tensor, advantages: Tensor, loss_mask: Tensor, *,
-    clip_low: float, clip_high: float, agg: str,
-) -> tuple[Tensor, dict[str, Tensor]]:
-    """IGPO's ``use_gspo`` loss (``trainer_igpo.py compute_loss``), assembled from the core's
-    clip and metric helpers because its two masks differ, which the core losses do not model:
-    s_i = exp(mean over all L of (l - l_old)), per-token loss
-    -min(s_i A_i, clip(s_i, 1 - clip_low, 1 + clip_high) A_i) aggregated over ``loss_mask``, with
-    the gradient taken through s_i (so it reaches every position of the sequence)."""
-    log_ratio = core_log_ratio(log_probs, old_log_probs, LOG_RATIO_CLAMP)
-    ratio = torch.exp(log_ratio.mean(dim=-1, keepdim=True)).expand_as(log_probs)
-    adv = advantages.reshape(-1, 1).to(log_probs.dtype).expand_as(log_probs)
-    per_token, clipped_low, clipped_high = ppo_clip_tokens(ratio, adv, 1.0 - clip_low, 1.0 + clip_high)
-    mask = loss_mask.to(log_probs.dtype)
-    metrics = policy_metrics(log_ratio, ratio, mask, clipped_low, clipped_high)
-    return aggregate(per_token, mask, agg), metrics
+# ratio_level -> the core policy loss that implements it
+CORE_LOSS = {"token": "ppo", "sequence": "igpo_sequence", "sequence_masked": "gspo"}
 
 
 def igpo_loss(
@@ -138,8 +117,9 @@ def igpo_loss(
 
     ``ratio_level="token"``: r_t = exp(l_t - l_old_t) (core ``ppo``).
     ``ratio_level="sequence"``: the official run's s_i = exp(mean over all L positions of
-    (l_t - l_old_t)), differentiated through s_i (``official_sequence_ratio_loss``): hint tokens
-    dropped by the entropy filter still get gradient, the filter only reweights (digest 1.4.5).
+    (l_t - l_old_t)), differentiated through s_i (core ``igpo_sequence`` with ``ratio_mask`` all
+    positions): hint tokens dropped by the entropy filter still get gradient, the filter only
+    reweights (digest 1.4.5).
     ``ratio_level="sequence_masked"``: GSPO-token (core ``gspo``) with s_i averaged over the
     loss mask only: dropped tokens get no gradient.
 
@@ -149,26 +129,20 @@ def igpo_loss(
         advantages: ``(batch,)``.
         loss_mask: ``(batch, L)``.
     Returns:
-        ``(loss, metrics)`` with ``losses/policy``, ``losses/kl`` and the core's ``policy/*``.
+        ``(loss, metrics)``: the sum of the named parts ``policy`` and ``kl`` (coefficient beta),
+        logged as ``losses/policy``, ``losses/kl``, plus the core's ``policy/*``.
     """
     if ratio_level not in RATIO_LEVELS:
         raise ValueError(f"ratio_level must be one of {RATIO_LEVELS}, got {ratio_level!r}")
-    if ratio_level == "sequence":
-        pg_loss, metrics = official_sequence_ratio_loss(
-            log_probs, old_log_probs, advantages, loss_mask, clip_low=clip_low, clip_high=clip_high, agg=agg
-        )
-    else:
-        pg_loss, metrics = policy_loss(
-            {"token": "ppo", "sequence_masked": "gspo"}[ratio_level], log_probs, old_log_probs, advantages,
-            loss_mask, agg=agg, clip_low=clip_low, clip_high=clip_high,
-        )
-    metrics = dict(metrics)
-    metrics["losses/policy"] = pg_loss.detach()
-    loss = pg_loss
+    settings = {"ratio_mask": torch.ones_like(log_probs)} if ratio_level == "sequence" else {}
+    pg_loss, metrics = policy_loss(
+        CORE_LOSS[ratio_level], log_probs, old_log_probs, advantages, loss_mask, agg=agg,
+        clip_low=clip_low, clip_high=clip_high, **settings,
+    )
+    parts = LossParts().add("policy", pg_loss)
     if beta > 0:
         if ref_log_probs is None:
             raise ValueError("beta > 0 needs ref_log_probs")
         kl = aggregate(kl_penalty(log_probs, ref_log_probs.detach(), "k3"), loss_mask.to(log_probs.dtype), agg)
-        metrics["losses/kl"] = kl.detach()
-        loss = loss + beta * kl
-    return loss, metrics
+        parts.add("kl", kl, coef=beta)
+    return parts.total(), {**metrics, **parts.metrics()}

@@ -340,26 +340,17 @@ class DPPOModule(NonFiniteGuardMixin, pl.LightningModule):
         )
         new_log_probs = reduce_step_log_prob(elementwise, self.act_steps, hp.logprob_min, hp.logprob_max)
         adv = normalize_advantages(advantages) * denoising_discount(ft_index, self.policy.ft_steps, hp.gamma_denoise).to(advantages.device)
-        batch = obs.shape[0]
-        pg_loss = torch.zeros((), device=obs.device)
-        sums: dict[str, torch.Tensor] = {}
-        # The clip range differs per denoising step; the core's PPO loss takes one range, so each
-        # step's pairs go through it separately and are re-weighted into the minibatch mean.
-        for step in torch.unique(ft_index).tolist():
-            rows = ft_index == step
-            weight = rows.sum() / batch
-            clip = float(self.clip_ranges[step])
-            loss_i, metrics_i = policy_loss(
-                "ppo", new_log_probs[rows].unsqueeze(1), old_log_probs[rows].unsqueeze(1), adv[rows],
-                torch.ones(int(rows.sum()), 1, device=obs.device), agg="token-mean", clip_low=clip, clip_high=clip,
-            )
-            pg_loss = pg_loss + weight * loss_i
-            for key in ("policy/clipfrac", "policy/approx_kl"):
-                sums[key] = sums.get(key, torch.zeros((), device=obs.device)) + weight * metrics_i[key]
+        # one core call: each pair's PPO clip range is its denoising step's (a (B, 1) tensor bound)
+        clip = self.clip_ranges[ft_index].unsqueeze(1)
+        pg_loss, core_metrics = policy_loss(
+            "ppo", new_log_probs.unsqueeze(1), old_log_probs.unsqueeze(1), adv, torch.ones_like(clip),
+            agg="token-mean", clip_low=clip, clip_high=clip,
+        )
+        metrics = {key: core_metrics[key] for key in ("policy/clipfrac", "policy/approx_kl")}
         values = self.critic(obs)
         value_loss = 0.5 * ((values - returns) ** 2).mean()
         ratio = torch.exp((new_log_probs - old_log_probs).detach())
-        return pg_loss, value_loss, ratio, sums
+        return pg_loss, value_loss, ratio, metrics
 
     def ppo_update(self, rollout: Rollout, train_actor: bool) -> dict[str, float]:
         """``update_epochs`` passes over shuffled (env step, denoising step) pairs."""

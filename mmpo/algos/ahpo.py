@@ -24,7 +24,7 @@ from torch import Tensor
 
 from mmpo.algos.config import require
 from mmpo.algos.grpo import GRPOModule
-from mmpo.core import policy_loss
+from mmpo.core import LossParts
 from mmpo.core.groups import build_group_index
 from mmpo.vlm.logprobs import completion_log_probs
 from mmpo.vlm.processing import encode_completions, encode_prompts
@@ -191,20 +191,16 @@ class AHPOModule(GRPOModule):
 
     # -- step 3: expert NLL in the loss, one token-mean over on- and off-policy tokens ----------
 
-    def extra_loss_terms(self, minibatch: Rollout, outputs: Mapping[str, Any]) -> tuple[Tensor | float, dict[str, Any]]:
+    def extra_loss_terms(self, minibatch: Rollout, outputs: Mapping[str, Any]) -> tuple[LossParts, dict[str, Any]]:
+        parts = LossParts()
         off_total = self._off_policy_tokens.to(self.device)
         if float(off_total) == 0:
-            return 0.0, {}  # no gate open anywhere: Z = on-policy tokens, plain GRPO
+            return parts, {}  # no gate open anywhere: Z = on-policy tokens, plain GRPO
         h = self.hparams
-        agg = outputs["aggregate"].keywords
-        on_total = agg["global_tokens"]
+        on_total = outputs["aggregation"].global_tokens  # token-mean (checked): the policy loss is sum_on / N_on
         z = on_total + off_total
-        # The trainer's policy loss is sum_on / N_on; rescale it to sum_on / Z (same graph).
-        pg_loss, _ = policy_loss(
-            h.loss, outputs["log_probs"], outputs["old_log_probs"], outputs["advantages"], outputs["mask"],
-            agg=h.agg, global_tokens=on_total, global_seqs=agg["global_seqs"], **self._loss_settings(),
-        )
-        term = pg_loss * (on_total / z - 1.0)
+        # rescale the trainer's policy part from sum_on / N_on to sum_on / Z (same graph, no second loss)
+        parts.add("ahpo/policy_rescale", outputs["losses"]["policy"] * (on_total / z - 1.0))
         shares = minibatch.extras[TRACE_SHARE].to(self.device)
         metrics: dict[str, Any] = {}
         if bool((shares > 0).any()):
@@ -227,6 +223,6 @@ class AHPOModule(GRPOModule):
             weights = torch.tensor(list(weight_by_row.values()), device=self.device)
             mask_f = mask.to(self.device, expert_lp.dtype)
             nll_sum = (-(expert_lp * mask_f).sum(-1) * weights).sum()
-            term = term + nll_sum / z
+            parts.add("ahpo/expert_nll", nll_sum / z)
             metrics["ahpo/expert_nll"] = float(nll_sum.detach() / (mask_f.sum(-1) * weights).sum().clamp(min=1e-9))
-        return term, metrics
+        return parts, metrics

@@ -27,7 +27,6 @@ import inspect
 import logging
 import time
 from contextlib import contextmanager
-from functools import partial
 from typing import Any, Iterator, Mapping, Sequence
 
 import lightning as L
@@ -47,7 +46,9 @@ from mmpo.core import (
     AGGREGATION_MODES,
     KL_KINDS,
     POLICY_LOSSES,
-    aggregate,
+    Aggregation,
+    LossParts,
+    as_loss_parts,
     compute_advantages_with_metrics,
     dynamic_sampling_filter,
     kl_penalty,
@@ -283,15 +284,22 @@ class GRPOModule(NonFiniteGuardMixin, VLMCheckpointHooks, L.LightningModule):
             settings["eps"] = h.advantage_eps
         return compute_advantages_with_metrics(h.advantage, rewards, group_ids, **settings)
 
-    def extra_loss_terms(self, minibatch: Rollout, outputs: Mapping[str, Any]) -> tuple[Tensor | float, dict[str, Any]]:
-        """Additional loss added to the micro-batch loss (hook: PAPO's perception KL, AHPO's SFT term).
+    def extra_loss_terms(
+        self, minibatch: Rollout, outputs: Mapping[str, Any]
+    ) -> tuple[LossParts | Mapping[str, Tensor | float] | Tensor | float, dict[str, Any]]:
+        """Algorithm-specific loss terms (hook: PAPO's perception KL, AHPO's SFT term).
 
         ``outputs`` holds this micro-batch's ``log_probs``, ``old_log_probs``, ``ref_log_probs``,
-        ``entropy`` (N, T), ``mask`` (N, T), ``advantages``, and ``aggregate`` (a function
-        ``aggregate(values, mask)`` with this step's mode and global normalisers, so extra terms
-        are normalised exactly like the policy loss). Return ``(loss, metrics)``.
+        ``entropy`` (N, T), ``mask`` (N, T), ``advantages``; ``aggregation``, an
+        :class:`~mmpo.core.Aggregation` with this step's ``mode``, ``global_tokens``,
+        ``global_seqs`` (summed over micro-batches and ranks) and ``norm_len`` (call it as
+        ``aggregation(values, mask)`` to normalise a term exactly like the policy loss); and
+        ``losses``, the :class:`~mmpo.core.LossParts` so far (``policy``, ``kl``, ``entropy``; read them,
+        do not add to them). Return ``(terms, metrics)``: :class:`~mmpo.core.LossParts` (or a
+        mapping name -> 0-d term, coefficient 1), or one tensor / number (the part ``extra``).
+        Each part is summed into the loss once, by the trainer, and logged as ``losses/<name>``.
         """
-        return 0.0, {}
+        return LossParts(), {}
 
     # ------------------------------------------------------------------ helpers
 
@@ -481,7 +489,7 @@ class GRPOModule(NonFiniteGuardMixin, VLMCheckpointHooks, L.LightningModule):
         # Dr.GRPO's L is a constant (max_new_tokens unless norm_len says otherwise), never this
         # minibatch's padded width; the KL, entropy and extra terms share the policy loss's normaliser.
         norm_len = h.norm_len or h.max_new_tokens
-        agg = partial(aggregate, mode=h.agg, global_tokens=global_tokens, global_seqs=global_seqs, norm_len=norm_len)
+        aggregation = Aggregation(h.agg, global_tokens, global_seqs, norm_len)
         loss_settings = self._loss_settings()
 
         sums: dict[str, float] = {}
@@ -496,31 +504,34 @@ class GRPOModule(NonFiniteGuardMixin, VLMCheckpointHooks, L.LightningModule):
                 h.loss, log_probs, old, part_adv, part_mask, agg=h.agg,
                 global_tokens=global_tokens, global_seqs=global_seqs, norm_len=norm_len, **loss_settings,
             )
-            loss = pg_loss
-            kl_loss = torch.zeros((), device=self.device)
+            # named parts, summed once by parts.total(); without a reference the KL part is 0 with
+            # coefficient 0 (logged, never summed), as is the entropy part when entropy_coef is 0
+            parts = LossParts().add("policy", pg_loss)
             if ref_log_probs is not None:
-                kl_loss = agg(kl_penalty(log_probs, ref_log_probs[micro], h.kl_kind), part_mask)
-                loss = loss + h.beta * kl_loss
-            entropy_loss = agg(entropy, part_mask)
-            if h.entropy_coef:
-                loss = loss - h.entropy_coef * entropy_loss
+                parts.add("kl", aggregation(kl_penalty(log_probs, ref_log_probs[micro], h.kl_kind), part_mask), h.beta)
+            else:
+                parts.add("kl", torch.zeros((), device=self.device), 0.0)
+            parts.add("entropy", aggregation(entropy, part_mask), -h.entropy_coef)
             outputs = {
                 "log_probs": log_probs, "old_log_probs": old, "entropy": entropy, "mask": part_mask,
                 "ref_log_probs": None if ref_log_probs is None else ref_log_probs[micro],
-                "advantages": part_adv, "aggregate": agg,
+                "advantages": part_adv, "aggregation": aggregation, "losses": parts,
             }
-            extra_loss, extra_metrics = self.extra_loss_terms(part, outputs)
-            loss = loss + extra_loss
+            extra, extra_metrics = self.extra_loss_terms(part, outputs)
+            extra = as_loss_parts(extra)
+            named = LossParts().update_from(parts).update_from(extra)  # refuses a clash of names
+            # the one place the loss is summed: the trainer's parts, then the algorithm's own
+            loss = parts.total() + extra.total() if len(extra) else parts.total()
             self.manual_backward(loss * self._world_size)
 
             # metrics: loss parts are shares of the global value (sum them); ratios are
             # token-weighted means of this rank's micro-batches
             weight = float(part_mask.sum()) / max(local_tokens, 1.0)
-            _add(sums, "losses/policy", _item(pg_loss))
-            _add(sums, "losses/kl", _item(kl_loss))
-            _add(sums, "losses/entropy", _item(entropy_loss))
-            _add(sums, "losses/extra", _item(extra_loss))
-            _add(sums, "losses/total", _item(loss))
+            logged = {key: _item(value) for key, value in named.metrics().items()}
+            logged.setdefault("losses/extra", _item(extra.total()) if len(extra) else 0.0)
+            logged["losses/total"] = _item(loss)
+            for key, value in logged.items():
+                _add(sums, key, value)
             for key, value in pg_metrics.items():
                 if key.startswith("policy/ratio_m") and key != "policy/ratio_mean":
                     continue

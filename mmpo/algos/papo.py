@@ -34,6 +34,7 @@ from torch import Tensor
 
 from mmpo.algos.config import require
 from mmpo.algos.grpo import GRPOModule
+from mmpo.core import LossParts
 from mmpo.core.aggregate import aggregate
 from mmpo.core.kl import kl_penalty
 from mmpo.vlm.processing import encode_prompts, repeat_rows
@@ -191,7 +192,7 @@ def annealed_coefficient(
     return start + (end - start) * fraction
 
 
-def papo_extra_loss(
+def papo_loss_parts(
     log_probs: Tensor,
     masked_log_probs: Tensor,
     mask: Tensor,
@@ -201,8 +202,8 @@ def papo_extra_loss(
     eta_masked: float,
     aggregation: str = "token-mean",
     **aggregate_kwargs,
-) -> tuple[Tensor, dict[str, Tensor]]:
-    """The terms PAPO adds to the policy loss: -gamma KL_prcp + eta1 H(orig) + eta2 H(masked).
+) -> tuple[LossParts, dict[str, Tensor]]:
+    """The terms PAPO adds to the policy loss, as named parts: -gamma KL_prcp + eta1 H(orig) + eta2 H(masked).
 
     Args:
         log_probs: ``(batch, time)`` original-image log-probs (with grad).
@@ -211,27 +212,28 @@ def papo_extra_loss(
         gamma: perception KL coefficient (paper 0.02 PAPO-G, 0.01 PAPO-D).
         eta_orig, eta_masked: double-entropy coefficients (0.05 7B PAPO-G, 0.03 PAPO-D).
         aggregation: the policy loss's aggregation mode (used for KL_prcp).
+        **aggregate_kwargs: its global normalisers (``global_tokens``, ``global_seqs``, ``norm_len``).
 
     Returns:
-        ``(loss_term, metrics)`` with metrics ``papo/kl_prcp``, ``papo/entropy_orig``,
-        ``papo/entropy_masked`` (detached).
+        ``(parts, metrics)``: :class:`~mmpo.core.LossParts` ``papo/kl_prcp`` (coefficient -gamma)
+        and ``papo/double_entropy`` (eta1 H(orig) + eta2 H(masked)), whose ``total()`` is the
+        term; metrics ``papo/kl_prcp``, ``papo/entropy_orig``, ``papo/entropy_masked`` (detached).
     """
     kl_prcp, _ = perception_kl(log_probs, masked_log_probs, mask, aggregation=aggregation, **aggregate_kwargs)
-    entropy_term, entropies = double_entropy(
-        log_probs,
-        masked_log_probs,
-        mask,
-        eta_orig=eta_orig,
-        eta_masked=eta_masked,
-        global_tokens=aggregate_kwargs.get("global_tokens"),
-    )
-    term = -gamma * kl_prcp + entropy_term
-    metrics = {
-        "papo/kl_prcp": kl_prcp.detach(),
-        "papo/entropy_orig": entropies["entropy_orig"].detach(),
-        "papo/entropy_masked": entropies["entropy_masked"].detach(),
-    }
-    return term, metrics
+    # the double-entropy regulariser is one term of PAPO's Eq. 2 (token means, global token count)
+    entropy_term, entropies = double_entropy(log_probs, masked_log_probs, mask, eta_orig=eta_orig,
+                                             eta_masked=eta_masked, global_tokens=aggregate_kwargs.get("global_tokens"))
+    parts = LossParts().add("papo/kl_prcp", kl_prcp, -gamma).add("papo/double_entropy", entropy_term)
+    metrics = {"papo/kl_prcp": kl_prcp.detach(), **{f"papo/{k}": v.detach() for k, v in entropies.items()}}
+    return parts, metrics
+
+
+def papo_extra_loss(
+    log_probs: Tensor, masked_log_probs: Tensor, mask: Tensor, **settings: Any
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """:func:`papo_loss_parts` summed: ``(-gamma KL_prcp + eta1 H(orig) + eta2 H(masked), metrics)``."""
+    parts, metrics = papo_loss_parts(log_probs, masked_log_probs, mask, **settings)
+    return parts.total(), metrics
 
 
 # --------------------------------------------------------------------------------------------
@@ -349,15 +351,15 @@ class PAPOModule(GRPOModule):
         discount = gamma / h.gamma
         return gamma, h.eta_orig * discount, h.eta_masked * discount
 
-    def extra_loss_terms(self, minibatch: Rollout, outputs: Mapping[str, Any]) -> tuple[Tensor, dict[str, Any]]:
+    def extra_loss_terms(self, minibatch: Rollout, outputs: Mapping[str, Any]) -> tuple[LossParts, dict[str, Any]]:
         log_probs, mask = outputs["log_probs"], outputs["mask"]
         masked_log_probs = self._masked_log_probs(minibatch)
         gamma, eta_orig, eta_masked = self.coefficients()
         # the step's aggregation mode and global normalisers, exactly as the policy loss uses them
-        agg_settings = dict(outputs["aggregate"].keywords)
-        mode = agg_settings.pop("mode")
-        term, _ = papo_extra_loss(log_probs, masked_log_probs, mask, gamma=gamma, eta_orig=eta_orig,
-                                  eta_masked=eta_masked, aggregation=mode, **agg_settings)
+        agg = outputs["aggregation"]
+        parts, _ = papo_loss_parts(log_probs, masked_log_probs, mask, gamma=gamma, eta_orig=eta_orig,
+                                   eta_masked=eta_masked, aggregation=agg.mode, global_tokens=agg.global_tokens,
+                                   global_seqs=agg.global_seqs, norm_len=agg.norm_len)
         # metrics: this micro-batch's token means (the trainer token-weights them across micro-batches)
         with torch.no_grad():
             kl_local, _ = perception_kl(log_probs.detach(), masked_log_probs.detach(), mask)
@@ -367,4 +369,4 @@ class PAPOModule(GRPOModule):
                 "papo/entropy_masked": float(sequence_nll_entropy(masked_log_probs.detach(), mask)),
                 "papo/gamma": gamma,
             }
-        return term, metrics
+        return parts, metrics

@@ -5,7 +5,9 @@ Pieces (each a pure function behind a name registry where there are variants):
 - advantages: :func:`compute_advantages` (``grpo``, ``drgrpo``, ``rloo``, ``mapo``,
   ``mapo_apd``, ``mapo_random_lambda``), :func:`gae`.
 - policy losses: :func:`policy_loss` (``ppo``, ``gspo``, ``gmpo``, ``gppo``, ``dcpo``,
-  ``aspo``, ``cispo``) returning ``(loss, metrics)``.
+  ``aspo``, ``cispo``, ``igpo_sequence``) returning ``(loss, metrics)``; new ones state only
+  their ratio / clip rule (:func:`register_ratio_loss`). :class:`LossParts`: named loss terms
+  summed in one place.
 - :func:`aggregate` (``token-mean``, ``seq-mean-token-mean``, ``seq-mean-token-sum``,
   ``seq-mean-token-sum-norm``), :func:`kl_penalty` (``k1``, ``k2``, ``k3``).
 - memory-efficient :func:`token_log_probs`, :func:`entropy_from_logits`,
@@ -26,15 +28,21 @@ from mmpo.core.aggregate import AGGREGATION_MODES, AggregationMode, aggregate
 from mmpo.core.filters import FilterResult, GFPOMetric, dynamic_sampling_filter, gfpo_filter
 from mmpo.core.groups import GroupIndex, build_group_index
 from mmpo.core.kl import KL_KINDS, KLKind, kl_penalty
+from mmpo.core.loss_parts import LossParts, as_loss_parts
 from mmpo.core.logprobs import entropy_from_logits, token_log_probs, token_log_probs_from_hidden
 from mmpo.core.masked import masked_mean, masked_sum, masked_var, masked_whiten
 from mmpo.core.policy_loss import (
     POLICY_LOSSES,
     Aggregation,
     PolicyLoss,
+    RatioInputs,
+    TokenLoss,
+    check_clip_range,
     dcpo_ratio_bounds,
     policy_loss,
+    ppo_clip,
     register_policy_loss,
+    register_ratio_loss,
 )
 from mmpo.core.registry import Registry
 from mmpo.core.shaping import DitherDistribution, dither_rewards, overlong_soft_punishment
@@ -51,11 +59,16 @@ __all__ = [
     "GroupIndex",
     "KLKind",
     "KL_KINDS",
+    "LossParts",
     "POLICY_LOSSES",
     "PolicyLoss",
+    "RatioInputs",
     "Registry",
+    "TokenLoss",
+    "as_loss_parts",
     "aggregate",
     "build_group_index",
+    "check_clip_range",
     "compute_advantages",
     "compute_advantages_with_metrics",
     "dcpo_ratio_bounds",
@@ -71,8 +84,10 @@ __all__ = [
     "masked_whiten",
     "overlong_soft_punishment",
     "policy_loss",
+    "ppo_clip",
     "register_advantage_estimator",
     "register_policy_loss",
+    "register_ratio_loss",
     "token_log_probs",
     "token_log_probs_from_hidden",
 ]

@@ -8,6 +8,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from mmpo.algos.grpo import GRPOModule
+from mmpo.core import LossParts
 from mmpo.data import SYSTEM_PROMPT
 from mmpo.data.synthetic import make_items
 from mmpo.vlm.factory import build_tiny_vlm
@@ -243,7 +244,7 @@ def test_extra_loss_terms_hook_is_added_with_the_same_normaliser(tiny_path, fixe
         def extra_loss_terms(self, minibatch, outputs):
             calls.append(len(minibatch))
             # aggregate(ones) over this micro-batch's mask is its share of the global token count
-            share = outputs["aggregate"](torch.ones_like(outputs["mask"]), outputs["mask"])
+            share = outputs["aggregation"](torch.ones_like(outputs["mask"]), outputs["mask"])
             return 2.0 * share, {"extra/share": share.detach()}
 
     rows, rollout, rewards = fixed
@@ -254,6 +255,36 @@ def test_extra_loss_terms_hook_is_added_with_the_same_normaliser(tiny_path, fixe
     # the shares of all micro-batches sum to 1, so the extra loss adds exactly 2.0
     assert module.last_metrics["losses/extra"] == pytest.approx(2.0, abs=1e-6)
     assert module.last_metrics["losses/total"] == pytest.approx(module.last_metrics["losses/policy"] + 2.0, abs=1e-5)
+
+
+def test_extra_loss_terms_named_parts_are_logged_and_summed_once(tiny_path, fixed):
+    seen = {}
+
+    class WithParts(FixedRolloutGRPO):
+        def extra_loss_terms(self, minibatch, outputs):
+            agg = outputs["aggregation"]
+            seen.update(mode=agg.mode, tokens=float(agg.global_tokens), seqs=float(agg.global_seqs),
+                        norm_len=agg.norm_len, parts=list(outputs["losses"]))
+            share = agg(torch.ones_like(outputs["mask"]), outputs["mask"])
+            # 3 x share (coefficient 3) and -0.5 x share: together + 2.5 over the step
+            return LossParts().add("test/three", share, 3.0).add("test/half", -0.5 * share), {}
+
+    rows, rollout, rewards = fixed
+    module = WithParts(tiny_path, num_generations=3, beta=0.0, micro_batch_size=2, entropy_coef=0.1)
+    module.fixed_rollout, module.fixed_rewards = rollout, rewards
+    _fit_one_step(module, rows)
+    tokens = float(rollout.completion_mask.sum())
+    assert seen == {"mode": "token-mean", "tokens": tokens, "seqs": 6.0, "norm_len": module.hparams.max_new_tokens,
+                    "parts": ["policy", "kl", "entropy"]}
+    m = module.last_metrics
+    # each part is logged unweighted; the shares of the micro-batches sum to 1
+    assert m["losses/test/three"] == pytest.approx(1.0, abs=1e-6)
+    assert m["losses/test/half"] == pytest.approx(-0.5, abs=1e-6)
+    assert m["losses/extra"] == pytest.approx(2.5, abs=1e-6)
+    assert m["losses/kl"] == 0.0
+    # total = policy - entropy_coef * entropy + 3 * 1 - 0.5
+    expected = m["losses/policy"] - 0.1 * m["losses/entropy"] + 2.5
+    assert m["losses/total"] == pytest.approx(expected, abs=1e-5)
 
 
 # ----------------------------------------------------------------------------- learning

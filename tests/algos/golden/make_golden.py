@@ -10,7 +10,8 @@ sum of squares and a fixed random projection of the weight change). ``tests/algo
 recomputes everything and compares, so a silent formula change fails. Regenerate only for an
 intended change of a formula, and say so in the commit message:
 
-    python tests/algos/golden/make_golden.py
+    python tests/algos/golden/make_golden.py            # every algorithm
+    python tests/algos/golden/make_golden.py ahpo       # only these entries; the others are kept
 """
 
 from __future__ import annotations
@@ -129,7 +130,18 @@ def compute(model_path: Path) -> dict[str, Any]:
 
 if __name__ == "__main__":
     torch.set_num_threads(1)
+    only = sys.argv[1:]
+    unknown = sorted(set(only) - set(ALGORITHMS))
+    if unknown:
+        raise SystemExit(f"unknown algorithm(s) {unknown}; valid: {sorted(ALGORITHMS)}")
     with tempfile.TemporaryDirectory() as tmp:
-        payload = compute(build_model(Path(tmp) / "tiny"))
-    GOLDEN_PATH.write_text(json.dumps(payload, indent=1) + "\n")
+        model_path = build_model(Path(tmp) / "tiny")
+        if only:
+            payload = json.loads(GOLDEN_PATH.read_text())
+            payload.update({name: run(name, model_path) for name in only})
+        else:
+            payload = compute(model_path)
+    tmp_path = GOLDEN_PATH.with_suffix(".json.tmp")
+    tmp_path.write_text(json.dumps(payload, indent=1) + "\n")
+    tmp_path.replace(GOLDEN_PATH)  # atomic: a failed run leaves the committed artifact intact
     print(f"wrote {GOLDEN_PATH}")

@@ -1,15 +1,19 @@
 """Regenerate core_golden.json: inputs, advantages, losses and gradients on a fixed tiny batch.
 
 The test ``tests/core/test_golden.py`` recomputes everything from the stored inputs and
-compares, so a refactor cannot silently change the math. Regenerate only for an intended
-change of a formula, and say so in the commit message:
+compares, so a refactor cannot silently change the math. A plain run only ADDS entries for
+names the artifact lacks (a newly registered estimator or loss), keeping every stored value;
+rewrite everything (inputs included) only for an intended change of a formula, and say so in
+the commit message:
 
-    python tests/core/golden/make_golden.py
+    python tests/core/golden/make_golden.py          # add missing entries
+    python tests/core/golden/make_golden.py --all    # regenerate everything
 """
 
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 import torch
@@ -55,8 +59,28 @@ def compute(inputs: dict) -> dict:
     return out
 
 
+def add_missing(payload: dict) -> list[str]:
+    """Add the entries ``payload`` lacks, computed from its stored inputs; stored entries are kept."""
+    fresh = compute(payload["inputs"])
+    added = []
+    for section, entries in fresh.items():
+        stored = payload["outputs"].setdefault(section, {})
+        for key, value in entries.items():
+            if key not in stored:
+                stored[key] = value
+                added.append(f"{section}/{key}")
+    return added
+
+
 if __name__ == "__main__":
-    inputs = make_inputs()
-    payload = {"inputs": inputs, "outputs": compute(inputs)}
-    (HERE / "core_golden.json").write_text(json.dumps(payload, indent=1) + "\n")
-    print(f"wrote {HERE / 'core_golden.json'}")
+    path = HERE / "core_golden.json"
+    if "--all" in sys.argv[1:] or not path.exists():
+        inputs = make_inputs()
+        payload = {"inputs": inputs, "outputs": compute(inputs)}
+    else:
+        payload = json.loads(path.read_text())
+        print("added:", add_missing(payload) or "nothing")
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(payload, indent=1) + "\n")
+    tmp.replace(path)  # atomic: a failed run leaves the committed artifact intact
+    print(f"wrote {path}")
