@@ -50,6 +50,7 @@ from mmpo.core import compute_advantages_with_metrics
 from mmpo.core.aggregate import AggregationMode
 from mmpo.training.nonfinite import DEFAULT_MAX_CONSECUTIVE_SKIPS, NonFiniteGuard, NonFiniteGuardMixin, gradient_norm
 from mmpo.training.export_guard import ExportOwnershipMixin
+from mmpo.training.lr_schedule import SCHEDULES, warmup_schedule
 
 
 class DiffuGRPO(NonFiniteGuardMixin, ExportOwnershipMixin, PlainHparamsMixin, pl.LightningModule):
@@ -68,7 +69,10 @@ class DiffuGRPO(NonFiniteGuardMixin, ExportOwnershipMixin, PlainHparamsMixin, pl
         lr: AdamW learning rate (IGPO: 5e-7 on 8B with LoRA).
         weight_decay: AdamW weight decay (IGPO / d1: 0.1).
         betas: AdamW betas (IGPO / d1: 0.9, 0.99).
-        warmup_steps: linear learning-rate warm-up (IGPO: 50).
+        warmup_steps: linear learning-rate warm-up, in optimizer steps (IGPO: 50).
+        lr_schedule: after warm-up: 'constant' (d1's constant_with_warmup; default), 'linear' (decay to 0 at
+            trainer.max_steps; the official IGPO run's TRL default) or 'cosine'. Stepped once per optimizer
+            step (inner update), like trainer.max_steps.
         max_grad_norm: gradient clipping (IGPO / d1: 0.2).
         beta: k3 KL coefficient against the starting model (IGPO: 0.01; d1: 0.04).
         clip_low: PPO lower clip (IGPO: 0.2).
@@ -120,6 +124,7 @@ class DiffuGRPO(NonFiniteGuardMixin, ExportOwnershipMixin, PlainHparamsMixin, pl
         weight_decay: float = 0.1,
         betas: tuple[float, float] = (0.9, 0.99),
         warmup_steps: int = 50,
+        lr_schedule: str = "constant",
         max_grad_norm: float = 0.2,
         beta: float = 0.01,
         clip_low: float = 0.2,
@@ -159,6 +164,8 @@ class DiffuGRPO(NonFiniteGuardMixin, ExportOwnershipMixin, PlainHparamsMixin, pl
             raise ValueError(f"unknown format_reward {format_reward!r}; valid: {sorted(FORMAT_REWARDS)} or None")
         if reward_timeout_s is not None and reward_timeout_s <= 0:
             raise ValueError(f"reward_timeout_s must be > 0 or None, got {reward_timeout_s}")
+        if lr_schedule not in SCHEDULES:
+            raise ValueError(f"unknown lr_schedule {lr_schedule!r}; valid: {list(SCHEDULES)}")
         if masking not in ("full", "structured"):
             raise ValueError(f"masking must be 'full' or 'structured', got {masking!r}")
         if masking == "structured" and not 1 <= min_timestep <= diffusion_steps - 2:
@@ -329,6 +336,7 @@ class DiffuGRPO(NonFiniteGuardMixin, ExportOwnershipMixin, PlainHparamsMixin, pl
             old = {key: self._log_probs(self.model, batch, key, with_entropy=True) for key in unique_keys}
             ref = self._reference_log_probs(batch, unique_keys) if s["beta"] > 0 else {}
         optimizer = self.optimizers()
+        scheduler = self.lr_schedulers()
         self.model.train()
         metrics_sum: dict[str, float] = {}
         loss_masks = {key: self._loss_mask(batch, old[key][1], key) for key in unique_keys}
@@ -345,11 +353,10 @@ class DiffuGRPO(NonFiniteGuardMixin, ExportOwnershipMixin, PlainHparamsMixin, pl
             if self.nonfinite_step_ok(loss, gradient_norm(trainable), optimizer):
                 self.clip_gradients(optimizer, gradient_clip_val=self.hparams.max_grad_norm, gradient_clip_algorithm="norm")
             optimizer.step()
+            if scheduler is not None:  # per optimizer step, like trainer.max_steps and warmup_steps
+                scheduler.step()
             for name, value in metrics.items():
                 metrics_sum[name] = metrics_sum.get(name, 0.0) + float(value) / len(keys)
-        scheduler = self.lr_schedulers()
-        if scheduler is not None:
-            scheduler.step()
         batch_size = len(rows)
         metrics_sum["perf/skipped_steps"] = float(self.nonfinite.skipped_steps)
         self.log_dict({**batch["metrics"], **adv_metrics, **metrics_sum}, batch_size=batch_size)
@@ -392,7 +399,6 @@ class DiffuGRPO(NonFiniteGuardMixin, ExportOwnershipMixin, PlainHparamsMixin, pl
         h = self.hparams
         trainable = [p for p in self.model.parameters() if p.requires_grad]  # only the adapter under LoRA
         optimizer = torch.optim.AdamW(trainable, lr=h.lr, weight_decay=h.weight_decay, betas=tuple(h.betas))
-        warmup = max(1, h.warmup_steps)
-        # Linear warm-up then constant (d1's constant_with_warmup); stepped once per batch of rollouts.
-        schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / warmup))
-        return {"optimizer": optimizer, "lr_scheduler": schedule}
+        total = self.trainer.max_steps if self._trainer is not None and self.trainer.max_steps > 0 else None
+        schedule = warmup_schedule(optimizer, warmup_steps=h.warmup_steps, schedule=h.lr_schedule, total_steps=total)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}

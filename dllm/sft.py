@@ -39,6 +39,7 @@ from dllm.sampler import SamplerConfig
 from dllm.task import ArithmeticTaskConfig, corpus
 from dllm.tokenizer import train_char_tokenizer
 from mmpo.training.export_guard import ExportOwnershipMixin
+from mmpo.training.lr_schedule import warmup_schedule
 
 
 def sft_forward_process(
@@ -172,6 +173,5 @@ class MaskedDiffusionSFT(NonFiniteGuardMixin, ExportOwnershipMixin, PlainHparams
 
     def configure_optimizers(self):
         optimizer = torch.optim.AdamW(self.model.parameters(), lr=self.lr, weight_decay=self.weight_decay)
-        warmup = max(1, self.warmup_steps)
-        schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / warmup))
+        schedule = warmup_schedule(optimizer, warmup_steps=self.warmup_steps)  # linear warm-up, then constant
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}
