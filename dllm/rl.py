@@ -17,14 +17,14 @@ with ``igpo: false`` it is the diffu-GRPO baseline of d1, arXiv 2504.12216, as i
 6. IGPO only: keep only the top ``entropy_keep`` fraction of hint tokens by old entropy;
 7. ``inner_updates`` (mu) optimizer steps on the clipped loss + beta * k3 KL.
 
-Metrics (CleanRL names): ``rewards/correct/mean`` (sampled rollouts), ``rewards/mean``
-(after replacement, format reward included), ``rewards/format/mean`` (with a format reward),
+Metrics (the shared vocabulary of docs/core.md): ``rewards/correct/mean`` (sampled rollouts),
+``rewards/total/mean`` (after replacement, format reward included), ``rewards/format/mean`` (with a format reward),
 ``igpo/frac_all_wrong_sampled`` (groups all wrong before hints),
 ``igpo/frac_all_wrong`` (after replacement: groups that give no learning signal),
 ``igpo/num_replaced``, ``igpo/hinted_accuracy``, ``rewards/correct/errors``, ``/timeouts`` and
 ``/verify_errors`` (scoring calls that failed or missed ``reward_timeout_s``; answers math-verify
 raised on), ``perf/reward_worker_restarts``, ``losses/policy``, ``losses/kl``,
-``policy/*`` from the core, ``val/accuracy`` (greedy, held out).
+``policy/*`` from the core, ``perf/skipped_steps``, ``lr``, ``val/accuracy`` (greedy, held out).
 """
 
 from __future__ import annotations
@@ -270,7 +270,7 @@ class DiffuGRPO(NonFiniteGuardMixin, ExportOwnershipMixin, PlainHparamsMixin, pl
             "group_ids": group_ids,
             "metrics": {
                 "rewards/correct/mean": float(sampled_correct.float().mean()),
-                "rewards/mean": float(rewards.mean()),
+                "rewards/total/mean": float(rewards.mean()),
                 "igpo/frac_all_wrong_sampled": len(wrong_groups) / len(rows),
                 "igpo/frac_all_wrong": final_wrong.numel() / len(rows),
                 "igpo/num_replaced": float(num_replaced),
@@ -359,8 +359,11 @@ class DiffuGRPO(NonFiniteGuardMixin, ExportOwnershipMixin, PlainHparamsMixin, pl
                 metrics_sum[name] = metrics_sum.get(name, 0.0) + float(value) / len(keys)
         batch_size = len(rows)
         metrics_sum["perf/skipped_steps"] = float(self.nonfinite.skipped_steps)
-        self.log_dict({**batch["metrics"], **adv_metrics, **metrics_sum}, batch_size=batch_size)
-        self.log("train/frac_all_wrong", batch["metrics"]["igpo/frac_all_wrong"], prog_bar=True, batch_size=batch_size)
+        metrics_sum["lr"] = optimizer.param_groups[0]["lr"]  # for the next step, as the VLM modules log it
+        logged = {**batch["metrics"], **adv_metrics, **metrics_sum}
+        shown = {"rewards/total/mean", "igpo/frac_all_wrong"}  # the progress bar's
+        self.log_dict({k: v for k, v in logged.items() if k in shown}, prog_bar=True, batch_size=batch_size)
+        self.log_dict({k: v for k, v in logged.items() if k not in shown}, batch_size=batch_size)
         return loss.detach()
 
     def on_fit_start(self) -> None:

@@ -455,6 +455,7 @@ class DPPOModule(NonFiniteGuardMixin, pl.LightningModule):
         self.train_tracker.successes.clear()
         self.train_tracker.lengths.clear()
         metrics.update({
+            "rewards/total/mean": float(rollout.rewards.mean()),  # per chunk step, x reward_scale_const, unscaled
             "charts/return": summary["return"],
             "charts/success_rate": summary["success_rate"],
             "charts/episodes": summary["episodes"],
