@@ -38,22 +38,22 @@ import torch
 from torch import Tensor
 
 from dllm.checkpoint_hparams import PlainHparamsMixin, as_config
+from dllm.export_hooks import MaskPredictorExportHooks
 from dllm.hints import HintConfig, build_group_hints
 from dllm.igpo import RATIO_LEVELS, all_wrong_groups, choose_replacements, hint_entropy_filter, igpo_loss
 from dllm.logprobs import completion_log_probs, perturb_for_scoring, structured_timesteps
 from dllm.lora import LoraSettings, wrap_with_lora
-from dllm.modeling import generation_dict, load_mask_predictor, mask_token_id, save_mask_predictor
+from dllm.modeling import load_mask_predictor, mask_token_id
 from dllm.rewards import FORMAT_REWARDS, correctness_rewards_with_deadline, format_rewards
-from dllm.rollout import greedy_accuracy, rollout
+from dllm.rollout import rollout
 from dllm.sampler import SamplerConfig
 from mmpo.core import compute_advantages_with_metrics
 from mmpo.core.aggregate import AggregationMode
 from mmpo.training.nonfinite import DEFAULT_MAX_CONSECUTIVE_SKIPS, NonFiniteGuard, NonFiniteGuardMixin, gradient_norm
-from mmpo.training.export_guard import ExportOwnershipMixin
 from mmpo.training.lr_schedule import SCHEDULES, warmup_schedule
 
 
-class DiffuGRPO(NonFiniteGuardMixin, ExportOwnershipMixin, PlainHparamsMixin, pl.LightningModule):
+class DiffuGRPO(NonFiniteGuardMixin, MaskPredictorExportHooks, PlainHparamsMixin, pl.LightningModule):
     """diffu-GRPO with optional IGPO inpainting (``igpo: true``) for masked-diffusion LMs.
 
     Args:
@@ -373,30 +373,9 @@ class DiffuGRPO(NonFiniteGuardMixin, ExportOwnershipMixin, PlainHparamsMixin, pl
 
     # ------------------------------------------------------------------ evaluation and export
 
-    def validation_step(self, rows: list[dict[str, str]], batch_idx: int) -> None:
-        accuracy = greedy_accuracy(self.model, self.tokenizer, rows, self.sampler, batch_size=len(rows))
-        self.log("val/accuracy", accuracy, prog_bar=True, batch_size=len(rows))
-
-    def on_validation_epoch_end(self) -> None:
-        if not self.trainer.sanity_checking:
-            self.export()
-
-    def on_train_end(self) -> None:
-        self.export()
-
-    def export(self, path: str | Path | None = None) -> None:
-        """Write the policy with ``save_pretrained`` (only from global rank 0)."""
-        if self._trainer is not None and self.trainer.global_rank != 0:  # export() also works unattached
-            return
-        self.claim_export_dir(path or self.save_dir)
-        save_mask_predictor(
-            self.model, self.tokenizer, path or self.save_dir,
-            generation=generation_dict(sampler=replace(self.sampler, temperature=0.0)),
-        )
-        self.mark_export_dir(path or self.save_dir)
-
-    def export_dir(self) -> str:
-        return self.save_dir
+    def export_sampler(self) -> SamplerConfig:
+        """The exported policy decodes greedily by default."""
+        return replace(self.sampler, temperature=0.0)
 
     def configure_optimizers(self):
         h = self.hparams
