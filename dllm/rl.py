@@ -17,14 +17,14 @@ with ``igpo: false`` it is the diffu-GRPO baseline of d1, arXiv 2504.12216, as i
 6. IGPO only: keep only the top ``entropy_keep`` fraction of hint tokens by old entropy;
 7. ``inner_updates`` (mu) optimizer steps on the clipped loss + beta * k3 KL.
 
-Metrics (CleanRL names): ``rewards/correct/mean`` (sampled rollouts), ``rewards/mean``
-(after replacement, format reward included), ``rewards/format/mean`` (with a format reward),
+Metrics (the shared vocabulary of docs/core.md): ``rewards/correct/mean`` (sampled rollouts),
+``rewards/total/mean`` (after replacement, format reward included), ``rewards/format/mean`` (with a format reward),
 ``igpo/frac_all_wrong_sampled`` (groups all wrong before hints),
 ``igpo/frac_all_wrong`` (after replacement: groups that give no learning signal),
 ``igpo/num_replaced``, ``igpo/hinted_accuracy``, ``rewards/correct/errors``, ``/timeouts`` and
 ``/verify_errors`` (scoring calls that failed or missed ``reward_timeout_s``; answers math-verify
 raised on), ``perf/reward_worker_restarts``, ``losses/policy``, ``losses/kl``,
-``policy/*`` from the core, ``val/accuracy`` (greedy, held out).
+``policy/*`` from the core, ``perf/skipped_steps``, ``lr``, ``val/accuracy`` (greedy, held out).
 """
 
 from __future__ import annotations
@@ -38,21 +38,22 @@ import torch
 from torch import Tensor
 
 from dllm.checkpoint_hparams import PlainHparamsMixin, as_config
+from dllm.export_hooks import MaskPredictorExportHooks
 from dllm.hints import HintConfig, build_group_hints
 from dllm.igpo import RATIO_LEVELS, all_wrong_groups, choose_replacements, hint_entropy_filter, igpo_loss
 from dllm.logprobs import completion_log_probs, perturb_for_scoring, structured_timesteps
 from dllm.lora import LoraSettings, wrap_with_lora
-from dllm.modeling import generation_dict, load_mask_predictor, mask_token_id, save_mask_predictor
+from dllm.modeling import load_mask_predictor, mask_token_id
 from dllm.rewards import FORMAT_REWARDS, correctness_rewards_with_deadline, format_rewards
-from dllm.rollout import greedy_accuracy, rollout
+from dllm.rollout import rollout
 from dllm.sampler import SamplerConfig
 from mmpo.core import compute_advantages_with_metrics
 from mmpo.core.aggregate import AggregationMode
 from mmpo.training.nonfinite import DEFAULT_MAX_CONSECUTIVE_SKIPS, NonFiniteGuard, NonFiniteGuardMixin, gradient_norm
-from mmpo.training.export_guard import ExportOwnershipMixin
+from mmpo.training.lr_schedule import SCHEDULES, warmup_schedule
 
 
-class DiffuGRPO(NonFiniteGuardMixin, ExportOwnershipMixin, PlainHparamsMixin, pl.LightningModule):
+class DiffuGRPO(NonFiniteGuardMixin, MaskPredictorExportHooks, PlainHparamsMixin, pl.LightningModule):
     """diffu-GRPO with optional IGPO inpainting (``igpo: true``) for masked-diffusion LMs.
 
     Args:
@@ -68,7 +69,10 @@ class DiffuGRPO(NonFiniteGuardMixin, ExportOwnershipMixin, PlainHparamsMixin, pl
         lr: AdamW learning rate (IGPO: 5e-7 on 8B with LoRA).
         weight_decay: AdamW weight decay (IGPO / d1: 0.1).
         betas: AdamW betas (IGPO / d1: 0.9, 0.99).
-        warmup_steps: linear learning-rate warm-up (IGPO: 50).
+        warmup_steps: linear learning-rate warm-up, in optimizer steps (IGPO: 50).
+        lr_schedule: after warm-up: 'constant' (d1's constant_with_warmup; default), 'linear' (decay to 0 at
+            trainer.max_steps; the official IGPO run's TRL default) or 'cosine'. Stepped once per optimizer
+            step (inner update), like trainer.max_steps.
         max_grad_norm: gradient clipping (IGPO / d1: 0.2).
         beta: k3 KL coefficient against the starting model (IGPO: 0.01; d1: 0.04).
         clip_low: PPO lower clip (IGPO: 0.2).
@@ -120,6 +124,7 @@ class DiffuGRPO(NonFiniteGuardMixin, ExportOwnershipMixin, PlainHparamsMixin, pl
         weight_decay: float = 0.1,
         betas: tuple[float, float] = (0.9, 0.99),
         warmup_steps: int = 50,
+        lr_schedule: str = "constant",
         max_grad_norm: float = 0.2,
         beta: float = 0.01,
         clip_low: float = 0.2,
@@ -159,6 +164,8 @@ class DiffuGRPO(NonFiniteGuardMixin, ExportOwnershipMixin, PlainHparamsMixin, pl
             raise ValueError(f"unknown format_reward {format_reward!r}; valid: {sorted(FORMAT_REWARDS)} or None")
         if reward_timeout_s is not None and reward_timeout_s <= 0:
             raise ValueError(f"reward_timeout_s must be > 0 or None, got {reward_timeout_s}")
+        if lr_schedule not in SCHEDULES:
+            raise ValueError(f"unknown lr_schedule {lr_schedule!r}; valid: {list(SCHEDULES)}")
         if masking not in ("full", "structured"):
             raise ValueError(f"masking must be 'full' or 'structured', got {masking!r}")
         if masking == "structured" and not 1 <= min_timestep <= diffusion_steps - 2:
@@ -263,7 +270,7 @@ class DiffuGRPO(NonFiniteGuardMixin, ExportOwnershipMixin, PlainHparamsMixin, pl
             "group_ids": group_ids,
             "metrics": {
                 "rewards/correct/mean": float(sampled_correct.float().mean()),
-                "rewards/mean": float(rewards.mean()),
+                "rewards/total/mean": float(rewards.mean()),
                 "igpo/frac_all_wrong_sampled": len(wrong_groups) / len(rows),
                 "igpo/frac_all_wrong": final_wrong.numel() / len(rows),
                 "igpo/num_replaced": float(num_replaced),
@@ -329,6 +336,7 @@ class DiffuGRPO(NonFiniteGuardMixin, ExportOwnershipMixin, PlainHparamsMixin, pl
             old = {key: self._log_probs(self.model, batch, key, with_entropy=True) for key in unique_keys}
             ref = self._reference_log_probs(batch, unique_keys) if s["beta"] > 0 else {}
         optimizer = self.optimizers()
+        scheduler = self.lr_schedulers()
         self.model.train()
         metrics_sum: dict[str, float] = {}
         loss_masks = {key: self._loss_mask(batch, old[key][1], key) for key in unique_keys}
@@ -345,15 +353,17 @@ class DiffuGRPO(NonFiniteGuardMixin, ExportOwnershipMixin, PlainHparamsMixin, pl
             if self.nonfinite_step_ok(loss, gradient_norm(trainable), optimizer):
                 self.clip_gradients(optimizer, gradient_clip_val=self.hparams.max_grad_norm, gradient_clip_algorithm="norm")
             optimizer.step()
+            if scheduler is not None:  # per optimizer step, like trainer.max_steps and warmup_steps
+                scheduler.step()
             for name, value in metrics.items():
                 metrics_sum[name] = metrics_sum.get(name, 0.0) + float(value) / len(keys)
-        scheduler = self.lr_schedulers()
-        if scheduler is not None:
-            scheduler.step()
         batch_size = len(rows)
         metrics_sum["perf/skipped_steps"] = float(self.nonfinite.skipped_steps)
-        self.log_dict({**batch["metrics"], **adv_metrics, **metrics_sum}, batch_size=batch_size)
-        self.log("train/frac_all_wrong", batch["metrics"]["igpo/frac_all_wrong"], prog_bar=True, batch_size=batch_size)
+        metrics_sum["lr"] = optimizer.param_groups[0]["lr"]  # for the next step, as the VLM modules log it
+        logged = {**batch["metrics"], **adv_metrics, **metrics_sum}
+        shown = {"rewards/total/mean", "igpo/frac_all_wrong"}  # the progress bar's
+        self.log_dict({k: v for k, v in logged.items() if k in shown}, prog_bar=True, batch_size=batch_size)
+        self.log_dict({k: v for k, v in logged.items() if k not in shown}, batch_size=batch_size)
         return loss.detach()
 
     def on_fit_start(self) -> None:
@@ -363,36 +373,14 @@ class DiffuGRPO(NonFiniteGuardMixin, ExportOwnershipMixin, PlainHparamsMixin, pl
 
     # ------------------------------------------------------------------ evaluation and export
 
-    def validation_step(self, rows: list[dict[str, str]], batch_idx: int) -> None:
-        accuracy = greedy_accuracy(self.model, self.tokenizer, rows, self.sampler, batch_size=len(rows))
-        self.log("val/accuracy", accuracy, prog_bar=True, batch_size=len(rows))
-
-    def on_validation_epoch_end(self) -> None:
-        if not self.trainer.sanity_checking:
-            self.export()
-
-    def on_train_end(self) -> None:
-        self.export()
-
-    def export(self, path: str | Path | None = None) -> None:
-        """Write the policy with ``save_pretrained`` (only from global rank 0)."""
-        if self._trainer is not None and self.trainer.global_rank != 0:  # export() also works unattached
-            return
-        self.claim_export_dir(path or self.save_dir)
-        save_mask_predictor(
-            self.model, self.tokenizer, path or self.save_dir,
-            generation=generation_dict(sampler=replace(self.sampler, temperature=0.0)),
-        )
-        self.mark_export_dir(path or self.save_dir)
-
-    def export_dir(self) -> str:
-        return self.save_dir
+    def export_sampler(self) -> SamplerConfig:
+        """The exported policy decodes greedily by default."""
+        return replace(self.sampler, temperature=0.0)
 
     def configure_optimizers(self):
         h = self.hparams
         trainable = [p for p in self.model.parameters() if p.requires_grad]  # only the adapter under LoRA
         optimizer = torch.optim.AdamW(trainable, lr=h.lr, weight_decay=h.weight_decay, betas=tuple(h.betas))
-        warmup = max(1, h.warmup_steps)
-        # Linear warm-up then constant (d1's constant_with_warmup); stepped once per batch of rollouts.
-        schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / warmup))
-        return {"optimizer": optimizer, "lr_scheduler": schedule}
+        total = self.trainer.max_steps if self._trainer is not None and self.trainer.max_steps > 0 else None
+        schedule = warmup_schedule(optimizer, warmup_steps=h.warmup_steps, schedule=h.lr_schedule, total_steps=total)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}

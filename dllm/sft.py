@@ -14,8 +14,6 @@ Why not ``BlockRefinementScheduler.add_noise``: it draws a separate mask ratio p
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import lightning.pytorch as pl
 import torch
 import torch.nn.functional as F
@@ -26,19 +24,17 @@ from dllm.modeling import (
     build_tiny_mask_predictor,
     encode_completions,
     encode_prompts,
-    generation_dict,
     load_mask_predictor,
     mask_predictor_logits,
     mask_token_id,
-    save_mask_predictor,
 )
 from dllm.checkpoint_hparams import PlainHparamsMixin, as_config
+from dllm.export_hooks import MaskPredictorExportHooks
 from mmpo.training.nonfinite import DEFAULT_MAX_CONSECUTIVE_SKIPS, NonFiniteGuard, NonFiniteGuardMixin
-from dllm.rollout import greedy_accuracy
 from dllm.sampler import SamplerConfig
 from dllm.task import ArithmeticTaskConfig, corpus
 from dllm.tokenizer import train_char_tokenizer
-from mmpo.training.export_guard import ExportOwnershipMixin
+from mmpo.training.lr_schedule import warmup_schedule
 
 
 def sft_forward_process(
@@ -75,7 +71,7 @@ def llada_sft_loss(answer_logits: Tensor, answers: Tensor, masked: Tensor, p_mas
     return per_row.mean()
 
 
-class MaskedDiffusionSFT(NonFiniteGuardMixin, ExportOwnershipMixin, PlainHparamsMixin, pl.LightningModule):
+class MaskedDiffusionSFT(NonFiniteGuardMixin, MaskPredictorExportHooks, PlainHparamsMixin, pl.LightningModule):
     """SFT warm-up of a masked-diffusion LM on reference traces (LLaDA SFT loss).
 
     Args:
@@ -148,30 +144,7 @@ class MaskedDiffusionSFT(NonFiniteGuardMixin, ExportOwnershipMixin, PlainHparams
             self.generator.set_state(checkpoint["mask_generator_state"])
         super().on_load_checkpoint(checkpoint)  # the run id
 
-    def validation_step(self, batch: list[dict[str, str]], batch_idx: int) -> None:
-        accuracy = greedy_accuracy(self.model, self.tokenizer, batch, self.sampler, batch_size=len(batch))
-        self.log("val/accuracy", accuracy, prog_bar=True, batch_size=len(batch))
-
-    def on_validation_epoch_end(self) -> None:
-        if not self.trainer.sanity_checking:  # never export an untrained model as the warm checkpoint
-            self.export()
-
-    def on_train_end(self) -> None:
-        self.export()
-
-    def export(self, path: str | Path | None = None) -> None:
-        """Write the model and tokenizer with ``save_pretrained`` (only from global rank 0)."""
-        if self._trainer is not None and self.trainer.global_rank != 0:  # export() also works unattached
-            return
-        self.claim_export_dir(path or self.save_dir)
-        save_mask_predictor(self.model, self.tokenizer, path or self.save_dir, generation=generation_dict(sampler=self.sampler))
-        self.mark_export_dir(path or self.save_dir)
-
-    def export_dir(self) -> str:
-        return self.save_dir
-
     def configure_optimizers(self):
         optimizer = torch.optim.AdamW(self.model.parameters(), lr=self.lr, weight_decay=self.weight_decay)
-        warmup = max(1, self.warmup_steps)
-        schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / warmup))
+        schedule = warmup_schedule(optimizer, warmup_steps=self.warmup_steps)  # linear warm-up, then constant
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}

@@ -9,7 +9,6 @@ EMA of the weights with decay 0.995; the EMA copy is the policy that fine-tuning
 
 from __future__ import annotations
 
-import math
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +19,7 @@ from torch.utils.data import DataLoader, Dataset, default_collate, random_split
 
 from mmpo.algos.config import step_seed
 from mmpo.data.resumable import ResumableSampler, ResumableTrainData
+from mmpo.training.lr_schedule import warmup_schedule
 from mmpo.training.nonfinite import DEFAULT_MAX_CONSECUTIVE_SKIPS, NonFiniteGuard, NonFiniteGuardMixin
 from robotics.policy import DiffusionPolicy
 from robotics.policy.io import save_policy_safetensors
@@ -240,16 +240,8 @@ class BCModule(NonFiniteGuardMixin, pl.LightningModule):
     def configure_optimizers(self) -> dict[str, Any]:
         optimizer = torch.optim.AdamW(self.policy.parameters(), lr=self.hparams.lr, weight_decay=self.hparams.weight_decay)
         total = max(int(self.trainer.estimated_stepping_batches), 1)
-        warmup = min(self.hparams.warmup_steps, total)
-        floor = self.hparams.lr_min / self.hparams.lr
-
-        def schedule(step: int) -> float:
-            if step < warmup:
-                return (step + 1) / warmup
-            progress = (step - warmup) / max(total - warmup, 1)
-            return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * min(progress, 1.0)))
-
-        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
+        scheduler = warmup_schedule(optimizer, warmup_steps=min(self.hparams.warmup_steps, total), schedule="cosine",
+                                    total_steps=total, min_lr_ratio=self.hparams.lr_min / self.hparams.lr)
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
     # ------------------------------------------------------------------ checkpoints

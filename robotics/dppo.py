@@ -122,10 +122,14 @@ class DPPOModule(NonFiniteGuardMixin, pl.LightningModule):
         max_grad_norm: gradient clipping (None: off, as DPPO).
         n_critic_warmup_itr: first iterations that train only the critic (robomimic 2).
         reward_scale_running: running reward scaling (True); reward_scale_const multiplies rewards first.
+        reward_scale_gamma: discount of the running return whose std scales rewards (DPPO's RunningRewardScaler: 0.99).
         reset_at_iteration: reset envs at each iteration's start (robomimic True, Gym False).
         eval_every, eval_episodes: deterministic evaluation cadence (0 = never) and episode count.
-        eval_sampler: None = the mean of every DDPM step (DPPO's evaluation); "ddim" = DDIM eta = 0 over
-            the same timesteps with the same networks.
+        eval_sampler: None = the policy's own DDPM chain; "ddim" = DDIM eta = 0 over the same timesteps
+            with the same networks.
+        eval_ddpm_std_floor: the DDPM evaluation chain: None (default, the results recorded in
+            bench/RESULTS.md) = the mean of every step; 1e-3 = the official DPPO evaluation, which adds noise
+            with std max(std, 1e-3) on every step but the last.
         critic_hidden_dims: critic ResidualMLP widths ([256, 256, 256]).
         seed: env seed (env i: seed + i) and torch seed of sampling.
         env_factory: callable ``(num_envs=..., seed=..., act_steps=...) -> VectorEnv`` (SAME_STEP
@@ -173,10 +177,12 @@ class DPPOModule(NonFiniteGuardMixin, pl.LightningModule):
         n_critic_warmup_itr: int = 2,
         reward_scale_running: bool = True,
         reward_scale_const: float = 1.0,
+        reward_scale_gamma: float = 0.99,
         reset_at_iteration: bool = True,
         eval_every: int = 10,
         eval_episodes: int = 50,
         eval_sampler: str | None = None,
+        eval_ddpm_std_floor: float | None = None,
         critic_hidden_dims: list[int] | None = None,
         seed: int = 0,
         env_factory: EnvFactory | None = None,
@@ -192,6 +198,10 @@ class DPPOModule(NonFiniteGuardMixin, pl.LightningModule):
                             ("batch_size", batch_size), ("update_epochs", update_epochs)):
             if int(value) < 1:
                 raise ValueError(f"{name} must be >= 1, got {value}")
+        if not 0.0 <= reward_scale_gamma <= 1.0:
+            raise ValueError(f"reward_scale_gamma must be in [0, 1], got {reward_scale_gamma}")
+        if eval_ddpm_std_floor is not None and eval_ddpm_std_floor < 0:
+            raise ValueError(f"eval_ddpm_std_floor must be >= 0 or None, got {eval_ddpm_std_floor}")
         policy, metadata = load_policy(bc_checkpoint)
         self.source_metadata = metadata
         self.task = task or metadata.get("task")
@@ -206,7 +216,7 @@ class DPPOModule(NonFiniteGuardMixin, pl.LightningModule):
         self.register_buffer("clip_ranges", clip_schedule(ft_steps, clip_base, clip_final, clip_rate), persistent=False)
         self.env_factory = env_factory
         self.envs: Any = None
-        self.reward_scaler = RunningRewardScaler(num_envs, gamma=0.99) if reward_scale_running else None
+        self.reward_scaler = RunningRewardScaler(num_envs, gamma=reward_scale_gamma) if reward_scale_running else None
         self._obs: np.ndarray | None = None
         self._episode_start: np.ndarray | None = None
         self.train_tracker = EpisodeTracker(num_envs)
@@ -414,7 +424,7 @@ class DPPOModule(NonFiniteGuardMixin, pl.LightningModule):
         seed = self.hparams.seed + 10_000 + self.iteration
         result = evaluate_policy(
             self.policy, self.envs, num_episodes or self.hparams.eval_episodes, deterministic=True,
-            seed=seed, deterministic_sampler=self.hparams.eval_sampler,
+            seed=seed, deterministic_sampler=self.hparams.eval_sampler, ddpm_eval_std_floor=self.hparams.eval_ddpm_std_floor,
             generator=torch.Generator(device=self.device).manual_seed(seed),
         )
         self._obs = None  # evaluation consumed the envs' episodes: the next rollout resets them
@@ -436,6 +446,7 @@ class DPPOModule(NonFiniteGuardMixin, pl.LightningModule):
         self.train_tracker.successes.clear()
         self.train_tracker.lengths.clear()
         metrics.update({
+            "rewards/total/mean": float(rollout.rewards.mean()),  # per chunk step, x reward_scale_const, unscaled
             "charts/return": summary["return"],
             "charts/success_rate": summary["success_rate"],
             "charts/episodes": summary["episodes"],

@@ -134,6 +134,7 @@ def evaluate_policy(
     progress: bool = False,
     deterministic_sampler: str | None = None,
     generator: torch.Generator | None = None,
+    ddpm_eval_std_floor: float | None = None,
 ) -> dict[str, float]:
     """Roll out ``policy`` for ``num_episodes`` episodes on a SAME_STEP-autoreset vector chunk env.
 
@@ -146,6 +147,8 @@ def evaluate_policy(
         max_chunk_steps: safety cap on chunk steps (clear error if reached).
         deterministic_sampler: None (the policy's own chain: DDPM means) or "ddim" (eta = 0, same
             timesteps and networks); see :meth:`DiffusionPolicy.sample`.
+        ddpm_eval_std_floor: deterministic DDPM chains: None = the mean of every step; a float = DPPO's
+            official evaluation noise floor (1e-3), see :meth:`DiffusionPolicy.sample`.
         generator: source of the chains' initial (and, stochastic, step) noise, on the policy's
             device; None = torch's global RNG.
 
@@ -167,7 +170,7 @@ def evaluate_policy(
         obs_tensor = torch.as_tensor(np.asarray(obs), dtype=torch.float32, device=device)
         actions = policy.sample(
             obs_tensor, deterministic=deterministic, min_sampling_std=min_sampling_std, noise_clip=noise_clip,
-            deterministic_sampler=deterministic_sampler, generator=generator,
+            deterministic_sampler=deterministic_sampler, generator=generator, ddpm_eval_std_floor=ddpm_eval_std_floor,
         ).actions
         before = len(tracker.returns)
         obs, rewards, terminated, truncated, infos = envs.step(actions.cpu().numpy())

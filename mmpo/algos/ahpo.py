@@ -151,12 +151,6 @@ class AHPOModule(GRPOModule):
         super().__init__(model_path, num_generations=num_generations, beta=beta, **kwargs)
         self._off_policy_tokens = torch.zeros(())
 
-    def _global_sum(self, value: Tensor) -> Tensor:
-        """Sum over data-parallel ranks (Z counts every rank's tokens, like the trainer's normaliser)."""
-        if self._trainer is None or self.trainer.world_size == 1:
-            return value
-        return self.trainer.strategy.reduce(value.clone(), reduce_op="sum")
-
     def _trace_token_counts(self, traces: list[str]) -> Tensor:
         ids, mask = encode_completions(self.processor, traces, max_length=self.hparams.expert_max_length)
         return mask.sum(-1).to(torch.float32)
@@ -182,7 +176,8 @@ class AHPOModule(GRPOModule):
             first = {int(g): i for i, g in reversed(list(enumerate(group_ids.tolist())))}
             gated = [first[int(p)] for p, on in zip(prompt_ids.tolist(), gate.tolist()) if on]
             off_tokens = self._trace_token_counts([rollout.rows[i]["expert_trace"] for i in gated]).sum()
-        self._off_policy_tokens = self._global_sum(off_tokens.to(self.device))
+        # summed over ranks: Z counts every rank's tokens, like the trainer's normaliser
+        self._off_policy_tokens = self._sum_over_ranks(off_tokens.to(self.device))
         on_tokens = float(rollout.completion_mask.sum())
         metrics["ahpo/gate_on_frac"] = float(gate.float().mean())
         metrics["ahpo/prompts_with_trace_frac"] = float(index.amax(has_trace.float()).mean())

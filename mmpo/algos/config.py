@@ -6,7 +6,6 @@ validate and checkpoint the same way.
 
 from __future__ import annotations
 
-import math
 import random
 from pathlib import Path
 from typing import Any, Iterable
@@ -15,8 +14,7 @@ import numpy as np
 import torch
 
 from mmpo.training.export_guard import ExportOwnershipMixin
-
-SCHEDULES = ("constant", "linear", "cosine")
+from mmpo.training.lr_schedule import SCHEDULES, warmup_schedule
 
 
 def require(condition: bool, message: str) -> None:
@@ -55,18 +53,7 @@ def make_optimizer(
     optimizer = torch.optim.AdamW(
         [p for p in params if p.requires_grad], lr=lr, weight_decay=weight_decay, betas=betas, eps=eps
     )
-
-    def factor(step: int) -> float:
-        if warmup_steps and step < warmup_steps:
-            return (step + 1) / warmup_steps
-        if schedule == "constant":
-            return 1.0
-        progress = min(1.0, (step - warmup_steps) / max(1, total_steps - warmup_steps))
-        if schedule == "linear":
-            return 1.0 - progress
-        return 0.5 * (1.0 + math.cos(math.pi * progress))
-
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+    scheduler = warmup_schedule(optimizer, warmup_steps=warmup_steps, schedule=schedule, total_steps=total_steps)
     return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
 

@@ -24,7 +24,7 @@ import mmpo.data.geometry_aux  # noqa: F401  (registers the geometry_aux task)
 from mmpo.algos.config import require
 from mmpo.algos.grpo import GRPOModule
 from mmpo.rewards import compute_rewards
-from mmpo.rewards.gcpo import gcpo_total_reward, get_aux_detector, group_contrastive_mask, length_reward, uses_auxiliary
+from mmpo.rewards.gcpo import gcpo_total_reward, get_aux_detector, group_contrastive_mask, gcpo_length_reward, uses_auxiliary
 from mmpo.vlm.rollout import Rollout
 
 
@@ -78,7 +78,7 @@ class GCPOModule(GRPOModule):
         accuracy = per_fn["accuracy"]
         uses_aux = uses_auxiliary(rollout.texts, self.aux_detector)
         aux = h.aux_weight * uses_aux.float()
-        length = length_reward(rollout.completion_mask.sum(-1), cap=h.length_cap, scale=h.length_scale)
+        length = gcpo_length_reward(rollout.completion_mask.sum(-1), cap=h.length_cap, scale=h.length_scale)
         if h.contrastive_mask:
             mask, mask_metrics = group_contrastive_mask(accuracy, uses_aux, rollout.group_ids, eps=h.contrastive_eps)
         else:

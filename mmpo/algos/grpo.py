@@ -29,18 +29,11 @@ import time
 from contextlib import contextmanager
 from typing import Any, Iterator, Mapping, Sequence
 
-import lightning as L
 import torch
 from torch import Tensor
 
-from mmpo.algos.config import (
-    VLMCheckpointHooks,
-    divisors,
-    greedy_validation_metrics,
-    make_optimizer,
-    require,
-    step_seed,
-)
+from mmpo.algos.config import divisors, greedy_validation_metrics, require, step_seed
+from mmpo.algos.vlm_base import VLMPolicyModule
 from mmpo.core import (
     ADVANTAGE_ESTIMATORS,
     AGGREGATION_MODES,
@@ -54,17 +47,16 @@ from mmpo.core import (
     kl_penalty,
     policy_loss,
 )
-from mmpo.training.nonfinite import DEFAULT_MAX_CONSECUTIVE_SKIPS, NonFiniteGuard, NonFiniteGuardMixin
-from mmpo.vlm.factory import load_vlm, make_reference_model
-from mmpo.vlm.logprobs import DEFAULT_LOGPROB_CHUNK, completion_log_probs
-from mmpo.vlm.rollout import HFGenerateEngine, Rollout, concat_rollouts
+from mmpo.vlm.factory import make_reference_model
+from mmpo.vlm.logprobs import completion_log_probs
+from mmpo.vlm.rollout import Rollout, concat_rollouts
 
 log = logging.getLogger(__name__)
 
 DEFAULT_REWARD_WEIGHTS = {"accuracy": 0.9, "format": 0.1}
 
 
-class GRPOModule(NonFiniteGuardMixin, VLMCheckpointHooks, L.LightningModule):
+class GRPOModule(VLMPolicyModule):
     """Group Relative Policy Optimization for a Qwen-VL policy (manual optimisation).
 
     A training batch is a list of rows (prompts); each row gets ``num_generations``
@@ -78,9 +70,6 @@ class GRPOModule(NonFiniteGuardMixin, VLMCheckpointHooks, L.LightningModule):
         temperature: sampling temperature (log-probs use the same temperature).
         top_p: nucleus sampling threshold (1.0 = off).
         lr: AdamW learning rate.
-        weight_decay: AdamW weight decay.
-        warmup_steps: linear learning-rate warm-up, in optimizer steps.
-        lr_schedule: after warm-up: constant, linear or cosine decay to trainer.max_steps.
         beta: coefficient of the KL penalty to the reference (initial) policy; 0 builds no reference.
         kl_kind: KL estimator in the loss: k1, k2 or k3.
         loss: policy loss name in mmpo.core (ppo, gspo, gmpo, gppo, dcpo, aspo, cispo).
@@ -104,21 +93,12 @@ class GRPOModule(NonFiniteGuardMixin, VLMCheckpointHooks, L.LightningModule):
         entropy_coef: entropy bonus coefficient (0 = off, as the GRPO paper).
         dynamic_sampling: DAPO dynamic sampling: groups whose rewards all agree are masked out of the loss.
         dynamic_sampling_retries: with dynamic_sampling, sample such groups' prompts again up to this many times.
-        max_prompt_length: refuse prompts longer than this (never truncated); None = no limit.
-        logprob_chunk_size: token positions per chunk of the vocabulary projection.
         val_max_new_tokens: completion length for greedy validation; None = max_new_tokens.
-        min_pixels: image processor min pixels override (None = saved processor's).
-        max_pixels: image processor max pixels override (None = saved processor's).
-        dtype: model weights dtype (float32 on CPU; bfloat16 on GPU).
-        gradient_checkpointing: recompute activations in backward to save memory.
-        system_prompt: "default" = mmpo.data.SYSTEM_PROMPT; empty = none.
-        output_dir: where HF weights (model + processor) are written at the end of fit; None = not saved.
         save_hf_on_checkpoint: also write HF weights to output_dir whenever a Lightning checkpoint is saved.
-        overwrite_output: allow exporting into an output_dir that holds another run's export (refused otherwise).
         seed: seeds sampling (per step and rank) and minibatch shuffling.
-        max_consecutive_skips: optimizer steps with a non-finite loss or gradient norm are skipped (weights and
-            optimizer state untouched, counted as perf/skipped_steps); this many in a row stop the run with
-            NonFiniteTrainingError (mmpo.training.nonfinite).
+        **kwargs: the settings every VLM module shares (:class:`~mmpo.algos.vlm_base.VLMPolicyModule`:
+            weight_decay, warmup_steps, lr_schedule, max_prompt_length, logprob_chunk_size, dtype,
+            system_prompt ("default" = mmpo.data.SYSTEM_PROMPT), output_dir, max_consecutive_skips, ...).
     """
 
     def __init__(
@@ -129,9 +109,6 @@ class GRPOModule(NonFiniteGuardMixin, VLMCheckpointHooks, L.LightningModule):
         temperature: float = 1.0,
         top_p: float = 1.0,
         lr: float = 1e-6,
-        weight_decay: float = 0.0,
-        warmup_steps: int = 0,
-        lr_schedule: str = "constant",
         beta: float = 0.01,
         kl_kind: str = "k3",
         loss: str = "ppo",
@@ -152,36 +129,15 @@ class GRPOModule(NonFiniteGuardMixin, VLMCheckpointHooks, L.LightningModule):
         entropy_coef: float = 0.0,
         dynamic_sampling: bool = False,
         dynamic_sampling_retries: int = 0,
-        max_prompt_length: int | None = None,
-        logprob_chunk_size: int = DEFAULT_LOGPROB_CHUNK,
         val_max_new_tokens: int | None = None,
-        min_pixels: int | None = None,
-        max_pixels: int | None = None,
-        dtype: str = "float32",
-        gradient_checkpointing: bool = False,
-        system_prompt: str | None = "default",
-        output_dir: str | None = None,
         save_hf_on_checkpoint: bool = False,
-        overwrite_output: bool = False,
         seed: int = 0,
-        max_consecutive_skips: int = DEFAULT_MAX_CONSECUTIVE_SKIPS,
+        **kwargs: Any,
     ) -> None:
-        super().__init__()
-        self.save_hyperparameters()
+        super().__init__(model_path, lr=lr, save_hf_on_checkpoint=save_hf_on_checkpoint, **kwargs)
         self.automatic_optimization = False
-        self.nonfinite = NonFiniteGuard(max_consecutive_skips)
-        self._validate_settings()
-        self.model, self.processor = load_vlm(
-            model_path, dtype=getattr(torch, dtype), min_pixels=min_pixels, max_pixels=max_pixels
-        )
-        self.model.train()
-        if gradient_checkpointing:
-            self.model.gradient_checkpointing_enable()
         # kept out of the module tree: not trained, not checkpointed (rebuilt from model_path)
         self._reference = [make_reference_model(self.model, beta)]
-        self.engine = HFGenerateEngine(
-            self.model, self.processor, system_prompt=system_prompt, max_prompt_length=max_prompt_length
-        )
         self.reward_weights = dict(reward_weights) if reward_weights is not None else dict(DEFAULT_REWARD_WEIGHTS)
 
     # ------------------------------------------------------------------ configuration
@@ -236,14 +192,6 @@ class GRPOModule(NonFiniteGuardMixin, VLMCheckpointHooks, L.LightningModule):
         require(minibatch % micro == 0,
                 f"micro_batch_size {micro} must divide minibatch_size {minibatch}; valid: {divisors(minibatch)}")
         return minibatch, micro
-
-    def configure_optimizers(self):
-        h = self.hparams
-        total = self.trainer.max_steps if self._trainer is not None and self.trainer.max_steps > 0 else None
-        return make_optimizer(
-            self.model.parameters(), lr=h.lr, weight_decay=h.weight_decay,
-            warmup_steps=h.warmup_steps, total_steps=total, schedule=h.lr_schedule,
-        )
 
     @property
     def reference_model(self) -> torch.nn.Module | None:

@@ -40,8 +40,10 @@ def dynamic_sampling_filter(rewards: Tensor, group_ids: Tensor) -> FilterResult:
         group_ids: ``(N,)`` integer prompt ids, any order; every group needs >= 2 samples.
 
     Returns:
-        :class:`FilterResult` with ``num_dropped`` = number of dropped groups. The trainer
-        refills the batch with fresh groups (up to its retry limit) when too few survive.
+        :class:`FilterResult` with ``num_dropped`` = number of dropped groups. This function only
+        decides; ``GRPOModule`` (``dynamic_sampling: true``) masks the dropped groups out of the loss
+        (the batch keeps its size, so DDP ranks stay in step), and refills them with freshly sampled
+        groups only when ``dynamic_sampling_retries > 0`` (default 0: masked, not refilled).
     """
     if rewards.ndim != 1:
         raise ValueError(f"rewards must be 1-D (N,), got shape {tuple(rewards.shape)}")

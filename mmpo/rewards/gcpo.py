@@ -22,13 +22,12 @@ Sources: paper Eq. 3-4; authors' workspace ``ekonwang/r1_workspace:workspace/rew
 from __future__ import annotations
 
 import re
-from typing import Any, Callable
+from typing import Callable
 
 import torch
 from torch import Tensor
 
 from mmpo.core.groups import build_group_index
-from mmpo.rewards import register_reward
 from mmpo.rewards.answers import tag_blocks
 
 
@@ -71,15 +70,7 @@ def uses_auxiliary(completions: list[str], detector: AuxDetector = detect_auxili
     return torch.tensor([bool(detector(c)) for c in completions], dtype=torch.bool)
 
 
-@register_reward("gcpo_aux")
-def auxiliary_reward(completions: list[str], rows: list[dict[str, Any]]) -> Tensor:
-    """R_aux before masking: 1.0 if the tag detector fires, else 0.0 (weight 0.5 in GCPO configs)."""
-    if len(completions) != len(rows):
-        raise ValueError(f"{len(completions)} completions but {len(rows)} rows")
-    return uses_auxiliary(completions).to(torch.float32)
-
-
-def length_reward(num_tokens: Tensor, *, cap: int = 900, scale: float = 0.5) -> Tensor:
+def gcpo_length_reward(num_tokens: Tensor, *, cap: int = 900, scale: float = 0.5) -> Tensor:
     """R_len = scale * min(T, cap) / cap (GeometryZero dev code v9/v10: scale 0.5, cap 900).
 
     Args:

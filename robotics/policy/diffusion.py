@@ -178,6 +178,7 @@ class DiffusionPolicy(nn.Module):
         return_log_probs: bool = False,
         min_logprob_std: float = 0.1,
         deterministic_sampler: str | None = None,
+        ddpm_eval_std_floor: float | None = None,
     ) -> PolicySample:
         """Run the reverse chain from x ~ N(0, I).
 
@@ -188,7 +189,9 @@ class DiffusionPolicy(nn.Module):
         elementwise log-density of each fine-tuned transition under N(mean, max(std, min_logprob_std)^2),
         i.e. the value :meth:`chain_step_log_prob` recomputes later. ``deterministic_sampler="ddim"``
         makes a DDPM policy's deterministic chain DDIM with eta = 0 over the same timesteps (default:
-        the mean of each DDPM step, as DPPO's evaluation).
+        the mean of each DDPM step). ``ddpm_eval_std_floor`` (deterministic DDPM chains only): None takes the
+        mean of every step; a float f is the official DPPO evaluation (``model/diffusion/diffusion.py``, f = 1e-3):
+        every step but the last adds noise with std max(std, f) (noise clipped to +-``noise_clip``).
         Shapes: obs (B, obs_dim) -> PolicySample(actions (B, Ta, Da), chain (B, K'+1, Ta, Da) | None).
         """
         self._check_inputs(obs)
@@ -206,7 +209,11 @@ class DiffusionPolicy(nn.Module):
             steps = torch.full((batch,), j, dtype=torch.long, device=obs.device)
             mean, std = self.step_distribution(self._network_for(j), x, steps, obs, eta=step_eta, schedule=schedule)
             if deterministic:
-                x = mean
+                if ddpm_eval_std_floor is None or schedule.sampler != "ddpm" or j == num_chain - 1:
+                    x = mean
+                else:
+                    noise = torch.randn(shape, generator=generator, device=obs.device, dtype=obs.dtype)
+                    x = mean + std.clamp(min=ddpm_eval_std_floor) * noise.clamp(-noise_clip, noise_clip)
                 continue
             noise = torch.randn(shape, generator=generator, device=obs.device, dtype=obs.dtype)
             x_next = mean + std.clamp(min=min_sampling_std) * noise.clamp(-noise_clip, noise_clip)

@@ -12,7 +12,7 @@ from mmpo.rewards.gcpo import (
     gcpo_total_reward,
     get_aux_detector,
     group_contrastive_mask,
-    length_reward,
+    gcpo_length_reward,
     uses_auxiliary,
 )
 
@@ -34,8 +34,8 @@ def test_pluggable_detectors():
 
 def test_length_reward_hand_computed():
     # 0.5 * min(T, 900) / 900: 0 -> 0, 450 -> 0.25, 900 -> 0.5, 2000 -> 0.5 (capped)
-    assert length_reward(torch.tensor([0, 450, 900, 2000])).tolist() == pytest.approx([0.0, 0.25, 0.5, 0.5])
-    assert length_reward(torch.tensor([50]), cap=100, scale=1.0).tolist() == pytest.approx([0.5])
+    assert gcpo_length_reward(torch.tensor([0, 450, 900, 2000])).tolist() == pytest.approx([0.0, 0.25, 0.5, 0.5])
+    assert gcpo_length_reward(torch.tensor([50]), cap=100, scale=1.0).tolist() == pytest.approx([0.5])
 
 
 # Five groups of 4, ids interleaved with a permutation to show nothing depends on position.
@@ -91,7 +91,7 @@ def test_total_reward_and_group_advantage_hand_computed():
     acc = torch.tensor([1.0, 1.0, 0.0, 1.0])
     fmt = torch.full((4,), 0.5)
     aux = torch.tensor([0.5, 0.5, 0.0, 0.0])
-    length = length_reward(torch.tensor([900, 450, 0, 90]))  # [0.5, 0.25, 0, 0.05]
+    length = gcpo_length_reward(torch.tensor([900, 450, 0, 90]))  # [0.5, 0.25, 0, 0.05]
     total = gcpo_total_reward(acc, fmt, aux, length, torch.ones(4))
     # [1+0.5+0.5+0.5, 1+0.5+0.5+0.25, 0+0.5+0+0, 1+0.5+0+0.05] = [2.5, 2.25, 0.5, 1.55]
     assert total.tolist() == pytest.approx([2.5, 2.25, 0.5, 1.55])

@@ -101,3 +101,46 @@ def test_scoring_keys_full_and_structured(start, tmp_path):
     ratios = [ratio for _, ratio in keys]
     assert 30 / 128 <= ratios[0] <= 126 / 128 and ratios[-1] == 1.0 and ratios == sorted(ratios)
     assert keys == structured.scoring_keys()  # a function of (seed, global_step): same after a resume
+
+
+def _fit_recording_lr(module, num_batches: int) -> list[float]:
+    """Fit ``num_batches`` batches of ROWS; the learning rate seen by each optimizer step."""
+    import lightning.pytorch as pl
+    from torch.utils.data import DataLoader
+
+    seen: list[float] = []
+
+    class Record(pl.Callback):
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):  # wrap step: record its lr
+            optimizer = trainer.optimizers[0]
+            if not getattr(optimizer, "_recording", False):
+                original = optimizer.step
+
+                def recorded(*args, **kwargs):
+                    seen.append(optimizer.param_groups[0]["lr"])
+                    return original(*args, **kwargs)
+
+                optimizer.step, optimizer._recording = recorded, True
+
+    trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=num_batches * module.settings["inner_updates"],
+                         logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                         enable_model_summary=False, num_sanity_val_steps=0, callbacks=[Record()])
+    trainer.fit(module, DataLoader([ROWS] * num_batches, batch_size=None, collate_fn=lambda x: x))
+    return seen
+
+
+def test_schedule_steps_per_optimizer_step(start, tmp_path, monkeypatch):
+    # warm-up 4 at mu = 2: the 4 optimizer steps of 2 batches run at 1/4, 2/4, 3/4, 4/4 of lr
+    # (stepped per batch, as before, they ran at 1/4, 1/4, 2/4, 2/4)
+    _scripted(monkeypatch, ["1+2=3\nA:3", "1+2=4\nA:4", "2*2=4\nA:4", "2*2=5"], hinted=["x", "y"])
+    module = _module(start, tmp_path, lr=1e-3, warmup_steps=4, igpo=False)
+    assert _fit_recording_lr(module, 2) == pytest.approx([2.5e-4, 5e-4, 7.5e-4, 1e-3], rel=1e-12)
+
+
+def test_linear_decay_to_max_steps(start, tmp_path, monkeypatch):
+    # the official run's linear decay: no warm-up, 4 optimizer steps -> 1, 3/4, 1/2, 1/4 of lr
+    _scripted(monkeypatch, ["1+2=3\nA:3", "1+2=4\nA:4", "2*2=4\nA:4", "2*2=5"], hinted=["x", "y"])
+    module = _module(start, tmp_path, lr=1e-3, warmup_steps=0, lr_schedule="linear", igpo=False)
+    assert _fit_recording_lr(module, 2) == pytest.approx([1e-3, 7.5e-4, 5e-4, 2.5e-4], rel=1e-12)
+    with pytest.raises(ValueError, match="lr_schedule"):
+        _module(start, tmp_path, lr_schedule="step")

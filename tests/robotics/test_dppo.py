@@ -192,3 +192,49 @@ def test_bad_settings_are_named(bc_checkpoint):
         [lambda: ActionChunkWrapper(Reach1D(), 2)] * 2, autoreset_mode=AutoresetMode.NEXT_STEP))
     with pytest.raises(ValueError, match="SAME_STEP"):
         module.make_envs()
+
+
+def test_reward_scale_gamma_is_a_setting(bc_checkpoint):
+    # one env, rewards 1, 1 in one episode: discounted returns 1 and 1 + gamma
+    rewards, starts = np.ones((2, 1)), np.array([[True], [False]])
+    scaled = {}
+    for gamma in (0.5, 0.99):
+        module = make_module(bc_checkpoint, num_envs=1, reward_scale_gamma=gamma)
+        scaled[gamma] = module.reward_scaler(rewards, starts)[:, 0]
+    # returns [1, 1.5]: variance 0.0625 (the prior's count 1e-4 barely moves it) -> r / 0.25 = 4
+    assert scaled[0.5] == pytest.approx([4.0, 4.0], rel=1e-3)
+    # DPPO's 0.99 (the default): returns [1, 1.99], variance 0.245025 -> r / 0.495
+    assert scaled[0.99] == pytest.approx([1 / 0.495, 1 / 0.495], rel=1e-3)
+    with pytest.raises(ValueError, match="reward_scale_gamma"):
+        make_module(bc_checkpoint, reward_scale_gamma=1.5)
+    with pytest.raises(ValueError, match="eval_ddpm_std_floor"):
+        make_module(bc_checkpoint, eval_ddpm_std_floor=-1.0)
+
+
+def test_ddpm_evaluation_std_floor(bc_checkpoint, monkeypatch):
+    """Deterministic DDPM chain: None = every step's mean; a floor f (official DPPO 1e-3) adds noise
+    with std max(std, f), clipped to +-noise_clip, on every step but the last."""
+    policy = make_module(bc_checkpoint).policy
+    steps = policy.schedule.num_chain_steps
+    assert policy.schedule.sampler == "ddpm" and steps == 5
+    std_of_step = torch.tensor([0.5, 0.0002, 0.0002, 0.0002, 0.0002])  # above, then below the floor
+
+    def known_step(network, x, chain_steps, obs, *, eta, schedule):  # mean x / 2, std by step
+        return x / 2, std_of_step[int(chain_steps[0])].expand_as(x)
+
+    monkeypatch.setattr(policy, "step_distribution", known_step)
+    obs = torch.zeros(3, 2)
+    mean_only = policy.sample(obs, deterministic=True, generator=torch.Generator().manual_seed(1)).actions
+    draws = torch.Generator().manual_seed(1)
+    x0 = torch.randn(3, 2, 1, generator=draws)
+    assert torch.allclose(mean_only, x0 / 2**steps)
+    floored = policy.sample(obs, deterministic=True, ddpm_eval_std_floor=1e-3, noise_clip=1.0,
+                            generator=torch.Generator().manual_seed(1)).actions
+    draws = torch.Generator().manual_seed(1)
+    x = torch.randn(3, 2, 1, generator=draws)
+    for j in range(steps):
+        x = x / 2
+        if j < steps - 1:  # the last step is the mean
+            x = x + max(float(std_of_step[j]), 1e-3) * torch.randn(3, 2, 1, generator=draws).clamp(-1.0, 1.0)
+    assert torch.allclose(floored, x, atol=1e-7)
+    assert not torch.allclose(floored, mean_only, atol=1e-4)

@@ -1,0 +1,97 @@
+"""The part every VLM Lightning module shares: its settings, the policy, the engine, the optimizer.
+
+``SFTModule`` and ``GRPOModule`` (and through it every RL algorithm) subclass
+:class:`VLMPolicyModule`: the settings below are declared once, here. LightningCLI still lists
+each of them as a typed argument of every subclass (jsonargparse follows ``**kwargs`` into
+``super().__init__``), so configs keep them flat under ``model.init_args``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import lightning as L
+import torch
+
+from mmpo.algos.config import VLMCheckpointHooks, make_optimizer, require
+from mmpo.training.nonfinite import DEFAULT_MAX_CONSECUTIVE_SKIPS, NonFiniteGuard, NonFiniteGuardMixin
+from mmpo.vlm.factory import load_vlm
+from mmpo.vlm.logprobs import DEFAULT_LOGPROB_CHUNK
+from mmpo.vlm.rollout import HFGenerateEngine
+
+
+class VLMPolicyModule(NonFiniteGuardMixin, VLMCheckpointHooks, L.LightningModule):
+    """A Qwen-VL policy loaded from ``model_path`` with its generation engine and AdamW + schedule.
+
+    Subclasses check their own settings in ``_validate_settings`` (called before the model loads,
+    with ``self.hparams`` set) and may resolve ``system_prompt="default"`` in ``_resolve_system_prompt``.
+
+    Args:
+        model_path: saved HF model directory (``build_tiny_vlm`` output, an SFT output, or a real checkpoint).
+        lr: AdamW learning rate.
+        weight_decay: AdamW weight decay.
+        warmup_steps: linear learning-rate warm-up, in optimizer steps.
+        lr_schedule: after warm-up: constant, linear or cosine decay to trainer.max_steps.
+        max_prompt_length: refuse prompts longer than this (never truncated); None = no limit.
+        logprob_chunk_size: token positions per chunk of the vocabulary projection.
+        min_pixels: image processor min pixels override (None = saved processor's).
+        max_pixels: image processor max pixels override (None = saved processor's).
+        dtype: model weights dtype (float32 on CPU; bfloat16 on GPU).
+        gradient_checkpointing: recompute activations in backward to save memory.
+        system_prompt: "default" = the module's default system prompt; empty = none.
+        output_dir: where HF weights (model + processor) are written; None = not saved.
+        save_hf_on_checkpoint: also write HF weights to output_dir whenever a Lightning checkpoint is saved.
+        overwrite_output: allow exporting into an output_dir that holds another run's export (refused otherwise).
+        max_consecutive_skips: optimizer steps with a non-finite loss or gradient norm are skipped (weights and
+            optimizer state untouched, counted as perf/skipped_steps); this many in a row stop the run with
+            NonFiniteTrainingError (mmpo.training.nonfinite).
+    """
+
+    def __init__(
+        self,
+        model_path: str,
+        *,
+        lr: float,
+        save_hf_on_checkpoint: bool,
+        weight_decay: float = 0.0,
+        warmup_steps: int = 0,
+        lr_schedule: str = "constant",
+        max_prompt_length: int | None = None,
+        logprob_chunk_size: int = DEFAULT_LOGPROB_CHUNK,
+        min_pixels: int | None = None,
+        max_pixels: int | None = None,
+        dtype: str = "float32",
+        gradient_checkpointing: bool = False,
+        system_prompt: str | None = "default",
+        output_dir: str | None = None,
+        overwrite_output: bool = False,
+        max_consecutive_skips: int = DEFAULT_MAX_CONSECUTIVE_SKIPS,
+    ) -> None:
+        super().__init__()
+        self.save_hyperparameters()  # also the subclasses' own init arguments (Lightning walks their frames)
+        self.nonfinite = NonFiniteGuard(max_consecutive_skips)
+        require(lr > 0, f"lr must be > 0, got {lr}")
+        self._validate_settings()  # before the (slow) model load
+        self.model, self.processor = load_vlm(
+            model_path, dtype=getattr(torch, dtype), min_pixels=min_pixels, max_pixels=max_pixels
+        )
+        self.model.train()
+        if gradient_checkpointing:
+            self.model.gradient_checkpointing_enable()
+        self.system_prompt = self._resolve_system_prompt(system_prompt)
+        self.engine = HFGenerateEngine(
+            self.model, self.processor, system_prompt=self.system_prompt, max_prompt_length=max_prompt_length
+        )
+
+    def _validate_settings(self) -> None:
+        """Hook: check the subclass's settings (``self.hparams``) before the model loads."""
+
+    def _resolve_system_prompt(self, system_prompt: str | None) -> str | None:
+        """Hook: the system prompt the engine uses ("default" is resolved by the engine)."""
+        return system_prompt
+
+    def configure_optimizers(self) -> dict[str, Any]:
+        h = self.hparams
+        total = self.trainer.max_steps if self._trainer is not None and self.trainer.max_steps > 0 else None
+        return make_optimizer(self.model.parameters(), lr=h.lr, weight_decay=h.weight_decay,
+                              warmup_steps=h.warmup_steps, total_steps=total, schedule=h.lr_schedule)
