@@ -208,9 +208,10 @@ def _detect_schema(columns: Iterable[str], keys: ColumnKeys = ColumnKeys()) -> s
     elif _first_key(dict.fromkeys(cols, 1), _PROBLEM_COLUMNS) is None:
         raise ValueError(f"cannot detect the schema: expected a prompt column (one of {_PROBLEM_COLUMNS}, "
                          f"or set prompt_key); {_columns_note(cols)}")
-    answer_key = keys.answer_key or "answer"
-    if answer_key not in cols:
-        raise ValueError(f"cannot detect the schema: no answer column {answer_key!r} (set answer_key); "
+    if keys.answer_key is not None and keys.answer_key not in cols:
+        raise ValueError(f"no column {keys.answer_key!r} (answer_key); {_columns_note(cols)}")
+    if keys.answer_key is None and "answer" not in cols:
+        raise ValueError(f"cannot detect the schema: no answer column 'answer' (set answer_key); "
                          f"{_columns_note(cols)}")
     return "geometry3k"
 
@@ -477,7 +478,8 @@ def open_rows(
         try:
             if "__bad_json__" in record:
                 raise BadRowError(f"{describe_row(index, None)}: invalid JSON at {record['__bad_json__']}")
-            ref = describe_row(index, record.get("id"))
+            id_key = _first_key(record, _ID_COLUMNS)
+            ref = describe_row(index, record[id_key] if id_key else None)
             columns = records.columns if records.columns is not None else list(record)
             if detected is None:
                 try:
