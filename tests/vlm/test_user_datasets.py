@@ -217,3 +217,59 @@ def test_row_system_prompt_is_the_system_turn():
     row = {"id": "s", "images": [], "problem": "2+2?", "system_prompt": "Be brief."}
     assert build_messages(row, system_prompt="model default")[0] == {"role": "system", "content": "Be brief."}
     assert build_messages({**row, "system_prompt": ""}, system_prompt="model default")[0]["role"] == "user"
+
+
+@pytest.fixture(scope="module")
+def tiny_vlm(tmp_path_factory):
+    from mmpo.data import SYSTEM_PROMPT
+    from mmpo.vlm.factory import build_tiny_vlm
+
+    corpus = [SYSTEM_PROMPT, "Which picture is red? What is 2+2? <think>4</think><answer>4</answer> 0123456789"] * 20
+    return str(build_tiny_vlm(tmp_path_factory.mktemp("tiny"), corpus=corpus, vocab_size=350, hidden_size=64,
+                              intermediate_size=128))
+
+
+def test_a_two_image_row_and_a_text_only_row_train_in_one_grpo_step(tmp_path, tiny_vlm, monkeypatch):
+    """One batch holds a row with two 56 px images and a text-only row; the prompts carry 2 x 4 and
+    0 image tokens (56 px = 4 x 4 patches of 14 px, merged 2 x 2), and one GRPO update runs."""
+    import lightning as L
+    import torch
+
+    import mmpo.vlm.rollout as rollout_module
+    from mmpo.algos.grpo import GRPOModule
+
+    for name, colour in (("a.png", "red"), ("b.png", "blue")):
+        (tmp_path / name).write_bytes(_png(colour))
+    path = tmp_path / "mixed.jsonl"
+    path.write_text("\n".join(json.dumps(r) for r in [
+        {"id": "two", "problem": "Which picture is red?", "images": ["a.png", "b.png"], "answer": "1"},
+        {"id": "text", "problem": "What is 2+2?", "answer": "4"},
+    ]))
+    seen = []
+
+    def spy(processor, rows, **kwargs):
+        inputs = encode_prompts(processor, rows, **kwargs)
+        tokens = (inputs["input_ids"] == processor.image_token_id).sum(-1).tolist()
+        seen.append({row["id"]: n for row, n in zip(rows, tokens)})
+        seen.append(inputs["image_grid_thw"].tolist())
+        return inputs
+
+    encode_prompts = rollout_module.encode_prompts
+    monkeypatch.setattr(rollout_module, "encode_prompts", spy)
+
+    class ScriptedRewards(GRPOModule):
+        def compute_rewards(self, rollout):  # group 1: (1, 0), group 2: (0, 1) -> non-zero advantages
+            return torch.tensor([1.0, 0.0, 0.0, 1.0]), {}
+
+    module = ScriptedRewards(tiny_vlm, num_generations=2, max_new_tokens=3, beta=0.0, lr=1e-3,
+                             reward_timeout_s=None)
+    before = {n: p.detach().clone() for n, p in module.model.named_parameters()}
+    data = PromptDataModule(tasks=[], data_path=str(path), batch_size=2, seed=0)
+    trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=1, logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0)
+    trainer.fit(module, datamodule=data)
+    assert trainer.global_step == 1
+    assert seen[0] == {"two": 8, "text": 0}
+    assert seen[1] == [[1, 4, 4], [1, 4, 4]]
+    changed = [n for n, p in module.model.named_parameters() if not torch.equal(p.detach(), before[n])]
+    assert changed, "the GRPO step did not update any weight"
