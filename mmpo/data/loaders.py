@@ -50,12 +50,9 @@ SCHEMAS: tuple[str, ...] = ("auto", "row", "geometry3k")
 #: default prompt columns, first present wins: MathVista's ``query`` holds the question with its
 #: instruction and options, so it goes before the bare ``question``
 DEFAULT_PROMPT_KEYS = ("query", "problem", "question", "prompt")
-DEFAULT_ANSWER_KEYS = ("answer",)
 #: MathVista's ``decoded_image`` is the embedded image; its ``image`` is a relative path
 DEFAULT_IMAGE_KEYS = ("images", "decoded_image", "image", "image_path", "image_paths", "img")
 DEFAULT_CHOICES_KEYS = ("choices", "options")
-_IMAGE_COLUMNS = DEFAULT_IMAGE_KEYS
-_PROBLEM_COLUMNS = DEFAULT_PROMPT_KEYS
 _ID_COLUMNS = ("id", "qid", "uid", "pid")
 _STEPS_COLUMNS = ("steps", "solution", "rationale", "cot")
 _EXPERT_COLUMNS = ("expert_trace", "expert", "trace")
@@ -96,10 +93,10 @@ def _prompt_key(record: dict[str, Any], key: str | None, ref: str, columns: Iter
         if record[key] is None or not str(record[key]).strip():
             raise BadRowError(f"{ref}: missing problem: column {key!r} (prompt_key) is empty")
         return key
-    found = _first_key(record, _PROBLEM_COLUMNS)
+    found = _first_key(record, DEFAULT_PROMPT_KEYS)
     if found is None or not str(record[found]).strip():
         raise BadRowError(
-            f"{ref}: missing problem (looked for {list(_PROBLEM_COLUMNS)}; set prompt_key to name the column); "
+            f"{ref}: missing problem (looked for {list(DEFAULT_PROMPT_KEYS)}; set prompt_key to name the column); "
             f"{_columns_note(columns)}"
         )
     return found
@@ -132,9 +129,6 @@ def open_image(value: Any, root: Path, ref: str) -> Image.Image:
         raise
     except Exception as exc:  # PIL raises several types for corrupt data
         raise BadRowError(f"{ref}: cannot read image ({type(exc).__name__}: {exc})") from exc
-
-
-_open_image = open_image  # the name older callers use
 
 
 def _image_path(value: str | Path, root: Path) -> Path:
@@ -205,8 +199,8 @@ def _detect_schema(columns: Iterable[str], keys: ColumnKeys = ColumnKeys()) -> s
     if keys.prompt_key is not None:
         if keys.prompt_key not in cols:
             raise ValueError(f"no column {keys.prompt_key!r} (prompt_key); {_columns_note(cols)}")
-    elif _first_key(dict.fromkeys(cols, 1), _PROBLEM_COLUMNS) is None:
-        raise ValueError(f"cannot detect the schema: expected a prompt column (one of {_PROBLEM_COLUMNS}, "
+    elif _first_key(dict.fromkeys(cols, 1), DEFAULT_PROMPT_KEYS) is None:
+        raise ValueError(f"cannot detect the schema: expected a prompt column (one of {DEFAULT_PROMPT_KEYS}, "
                          f"or set prompt_key); {_columns_note(cols)}")
     if keys.answer_key is not None and keys.answer_key not in cols:
         raise ValueError(f"no column {keys.answer_key!r} (answer_key); {_columns_note(cols)}")
@@ -266,7 +260,7 @@ def row_fields(record: dict[str, Any], index: int, *, source: str, keys: ColumnK
             raise BadRowError(f"{ref}: no column {keys.image_key!r} (image_key); {_columns_note(columns)}")
         raw_images = as_image_list(record[keys.image_key])
     else:
-        image_key = _first_key(record, _IMAGE_COLUMNS)
+        image_key = _first_key(record, DEFAULT_IMAGE_KEYS)
         raw_images = as_image_list(record[image_key]) if image_key else []
     n_images = len(raw_images) if image_count is None else image_count
     steps_key = _first_key(record, _STEPS_COLUMNS)
@@ -354,10 +348,6 @@ def _open_hf(path: Path, split: str | None) -> Any:
     return _without_image_decoding(data)
 
 
-def _iter_hf(path: Path, split: str | None) -> Iterator[dict[str, Any]]:
-    yield from _open_hf(path, split)
-
-
 def _without_image_decoding(data: Any) -> Any:
     """Turn off ``datasets``' image decoding: images stay encoded bytes until a row is read, and a
     corrupt image fails in the loader (which names the row) instead of inside the dataset iterator."""
@@ -377,25 +367,26 @@ def _is_json(path: Path) -> bool:
     return path.is_file() and path.suffix in (".jsonl", ".json")
 
 
-def iter_records(path: str | Path, *, split: str | None = None) -> Iterator[dict[str, Any]]:
-    """Raw records from a local file or folder (format from the suffix / folder contents)."""
-    path = Path(path)
+def _check_data_path(path: Path) -> None:
     if not path.exists():
         raise FileNotFoundError(f"data path does not exist: {path}")
-    if _is_json(path):
-        yield from _iter_jsonl(path)
-    elif path.is_dir() or path.suffix in (".parquet", ".arrow"):
-        yield from _iter_hf(path, split)
-    else:
+    if not (_is_json(path) or path.is_dir() or path.suffix in (".parquet", ".arrow")):
         raise ValueError(
             f"{path}: unsupported data file; use .jsonl, .json, .parquet, .arrow or a save_to_disk folder"
         )
 
 
+def iter_records(path: str | Path, *, split: str | None = None) -> Iterator[dict[str, Any]]:
+    """Raw records from a local file or folder (format from the suffix / folder contents)."""
+    path = Path(path)
+    _check_data_path(path)
+    yield from _iter_jsonl(path) if _is_json(path) else _open_hf(path, split)
+
+
 def _image_column(columns: Sequence[str], keys: ColumnKeys) -> str | None:
     if keys.image_key is not None:
         return keys.image_key if keys.image_key in columns else None
-    return next((name for name in _IMAGE_COLUMNS if name in columns), None)
+    return next((name for name in DEFAULT_IMAGE_KEYS if name in columns), None)
 
 
 class _Records:
@@ -403,22 +394,17 @@ class _Records:
     (their bytes are read only when a row's images are decoded)."""
 
     def __init__(self, path: Path, split: str | None, keys: ColumnKeys) -> None:
-        if not path.exists():
-            raise FileNotFoundError(f"data path does not exist: {path}")
+        _check_data_path(path)
         self.table: Any = None
         self.image_column: str | None = None
         if _is_json(path):
             self.columns: list[str] | None = None
             self.text: Iterable[dict[str, Any]] = _iter_jsonl(path)
             return
-        if not (path.is_dir() or path.suffix in (".parquet", ".arrow")):
-            raise ValueError(
-                f"{path}: unsupported data file; use .jsonl, .json, .parquet, .arrow or a save_to_disk folder"
-            )
         self.table = _open_hf(path, split)
         self.columns = list(self.table.column_names)
         self.image_column = _image_column(self.columns, keys)
-        hidden = [c for c in self.columns if c in _IMAGE_COLUMNS or c == keys.image_key]
+        hidden = [c for c in self.columns if c in DEFAULT_IMAGE_KEYS or c == keys.image_key]
         self.text = self.table.remove_columns(hidden) if hidden else self.table
         # the row's image count (for needs_image and the checks) without reading the bytes
         self._counts = _image_counts(self.table, self.image_column) if self.image_column else None

@@ -30,7 +30,8 @@ def _custom_records(n: int = 4) -> list[dict]:
 
 
 def _write(records: list[dict], fmt: str, tmp_path):
-    """The records as a local dataset in ``fmt``: jsonl (images as PNG files), parquet or save_to_disk."""
+    """The records as a local dataset in ``fmt``: jsonl (images as PNG files), parquet, save_to_disk
+    or one arrow file of a saved dataset."""
     import datasets
 
     if fmt == "jsonl":
@@ -53,13 +54,13 @@ def _write(records: list[dict], fmt: str, tmp_path):
         return path
     path = tmp_path / "saved"
     data.save_to_disk(str(path))
-    return path
+    return next(path.glob("*.arrow")) if fmt == "arrow" else path
 
 
 CUSTOM_KEYS = ColumnKeys(prompt_key="task_text", answer_key="gold", image_key="pics", system_prompt="Be brief.")
 
 
-@pytest.mark.parametrize("fmt", ["jsonl", "parquet", "save_to_disk"])
+@pytest.mark.parametrize("fmt", ["jsonl", "parquet", "save_to_disk", "arrow"])
 def test_key_overrides_for_each_format(tmp_path, fmt):
     path = _write(_custom_records(4), fmt, tmp_path)
     rows, stats = load_rows(path, keys=CUSTOM_KEYS)
@@ -128,6 +129,15 @@ def test_images_are_decoded_per_batch_not_at_load(tmp_path, fmt, count_image_ope
     colours = {r["id"]: r["images"][0].getpixel((1, 1)) for r in batch}
     expected = {"red": (255, 0, 0), "green": (0, 128, 0), "blue": (0, 0, 255), "white": (255, 255, 255)}
     assert colours == {f"u{k}": expected[COLOURS[k % 4]] for k in (int(i[1:]) for i in colours)}
+
+
+def test_lazy_rows_decode_in_dataloader_workers(tmp_path):
+    path = _write(_custom_records(4), "save_to_disk", tmp_path)
+    data = PromptDataModule(tasks=[], data_path=str(path), batch_size=4, num_workers=1, prompt_key="task_text",
+                            answer_key="gold", image_key="pics")
+    batch = next(iter(data.train_dataloader()))
+    assert sorted((r["id"], r["images"][0].getpixel((0, 0))) for r in batch) == [
+        ("u0", (255, 0, 0)), ("u1", (0, 128, 0)), ("u2", (0, 0, 255)), ("u3", (255, 255, 255))]
 
 
 def test_a_corrupt_image_is_named_when_its_row_is_read_or_skipped_up_front(tmp_path):
