@@ -51,10 +51,21 @@ def format_choices(options: list[str]) -> str:
     return "\n".join([CHOICES_HEADER, *(f"({LETTERS[k]}) {option}" for k, option in enumerate(options))])
 
 
+def lists_options(prompt: str, options: list[str]) -> bool:
+    """Whether ``prompt`` already lists every option with its letter: ``(A) text``, ``A. text``,
+    ``A) text`` or ``A: text`` (MathVista's ``query`` does). The letter is required: an option's
+    bare text ("2") is often part of the question itself."""
+    return all(
+        any(form.format(letter=LETTERS[k], option=option) in prompt
+            for form in ("({letter}) {option}", "{letter}. {option}", "{letter}) {option}", "{letter}: {option}"))
+        for k, option in enumerate(options)
+    )
+
+
 def prompt_with_choices(prompt: str, options: list[str]) -> str:
-    """``prompt`` followed by the options block, unless the prompt already lists every option
-    (MathVista's ``query`` does), so options are never shown twice."""
-    if not options or all(option in prompt for option in options):
+    """``prompt`` followed by the options block, unless the prompt already lists them, so options
+    are never shown twice."""
+    if not options or lists_options(prompt, options):
         return prompt
     return f"{prompt}\n{format_choices(options)}"
 

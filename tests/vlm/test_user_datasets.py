@@ -172,11 +172,14 @@ def test_choices_are_lettered_in_the_prompt_and_the_gold_is_a_letter(tmp_path):
         {"id": "text", "question": "How many sides has a triangle?", "choices": ["2", "3", "4"], "answer": "3"},
         {"id": "letter", "question": "Which is largest?", "choices": ["1/2", "2/3", "1/4"], "answer": "(B)"},
         {"id": "free", "question": "What is 2+2?", "choices": None, "answer": "4"},
+        {"id": "inline", "question": "What is 1+1?", "choices": ["1", "2"], "answer": "2"},
     ])
     assert rows[0]["problem"] == "How many sides has a triangle?\nChoices:\n(A) 2\n(B) 3\n(C) 4"
     assert (rows[0]["answer"], rows[0]["answer_text"], rows[0]["choices"]) == ("B", "3", ["2", "3", "4"])
     assert (rows[1]["answer"], rows[1]["answer_text"]) == ("B", "2/3")
     assert rows[2]["problem"] == "What is 2+2?" and rows[2]["answer"] == "4" and "choices" not in rows[2]
+    # the options' texts occur in the question, but not as a lettered list: the list is still added
+    assert rows[3]["problem"] == "What is 1+1?\nChoices:\n(A) 1\n(B) 2" and rows[3]["answer"] == "B"
 
 
 def test_choices_key_override_and_an_answer_that_is_no_option(tmp_path):
@@ -283,3 +286,14 @@ def test_a_two_image_row_and_a_text_only_row_train_in_one_grpo_step(tmp_path, ti
     assert seen[1] == [[1, 4, 4], [1, 4, 4]]
     changed = [n for n, p in module.model.named_parameters() if not torch.equal(p.detach(), before[n])]
     assert changed, "the GRPO step did not update any weight"
+
+
+@pytest.mark.parametrize("fmt", ["parquet", "save_to_disk"])
+def test_text_only_and_two_image_rows_in_an_hf_table(tmp_path, fmt):
+    records = _custom_records(3)
+    records[0]["pics"] = []  # text-only
+    records[1]["pics"] = records[1]["pics"] * 2  # two images
+    rows, _ = open_rows(_write(records, fmt, tmp_path), keys=CUSTOM_KEYS)
+    assert [rows.image_count(k) for k in range(3)] == [0, 2, 1]
+    assert [len(r["images"]) for r in rows] == [0, 2, 1]
+    assert [r["needs_image"] for r in rows] == [False, True, True]
