@@ -256,9 +256,8 @@ def row_fields(record: dict[str, Any], index: int, *, source: str, keys: ColumnK
     if image_count is not None:
         raw_images = []
     elif keys.image_key is not None:
-        if keys.image_key not in record:
-            raise BadRowError(f"{ref}: no column {keys.image_key!r} (image_key); {_columns_note(columns)}")
-        raw_images = as_image_list(record[keys.image_key])
+        # a json record without the key is text-only (open_rows refuses a file where no row has it)
+        raw_images = as_image_list(record.get(keys.image_key))
     else:
         image_key = _first_key(record, DEFAULT_IMAGE_KEYS)
         raw_images = as_image_list(record[image_key]) if image_key else []
@@ -457,6 +456,8 @@ def open_rows(
     positions: list[int] = []
     errors: list[str] = []
     seen_ids: set[str] = set()
+    image_key_seen = False
+    first_columns: list[str] = []
     total = 0
     detected: str | None = None if schema == "auto" else schema
     for index, record in enumerate(records.text):
@@ -496,10 +497,16 @@ def open_rows(
                 raise BadRowError(f"{path}: {exc}") from exc
             errors.append(str(exc))
             continue
+        if not fields_list:
+            first_columns = list(record)
         fields_list.append(fields)
         positions.append(index)
+        image_key_seen = image_key_seen or (keys.image_key is not None and keys.image_key in record)
         if records.table is None:
             raw_images.append(images)
+    if keys.image_key is not None and records.table is None and fields_list and not image_key_seen:
+        raise BadRowError(f"{path}: no row has the column {keys.image_key!r} (image_key); row "
+                          f"{positions[0]} has columns {sorted(first_columns)}")
     if errors:
         logger.warning("%s: skipped %d of %d rows; first: %s", path, len(errors), total, errors[0])
     if records.table is None:

@@ -89,6 +89,17 @@ def test_a_row_missing_the_prompt_or_answer_key_is_named(tmp_path, fmt):
         load_rows(path, keys=ColumnKeys(prompt_key="task_text", answer_key="label", image_key="pics"))
 
 
+def test_json_rows_without_the_image_key_are_text_only_but_a_file_without_it_is_refused(tmp_path):
+    path = _write(_custom_records(2), "jsonl", tmp_path)
+    with path.open("a") as handle:
+        handle.write(json.dumps({"uid": "t", "task_text": "What is 2+2?", "gold": "4"}) + "\n")
+    rows, _ = open_rows(path, keys=CUSTOM_KEYS)
+    assert [len(r["images"]) for r in rows] == [1, 1, 0] and rows[2]["needs_image"] is False
+    with pytest.raises(BadRowError, match=r"no row has the column 'picture' \(image_key\); row 0 has columns "
+                                          r"\['gold', 'pics', 'task_text', 'uid'\]"):
+        open_rows(path, keys=ColumnKeys(prompt_key="task_text", answer_key="gold", image_key="picture"))
+
+
 def test_only_the_bad_row_is_named_when_a_later_row_lacks_the_key(tmp_path):
     path = tmp_path / "mixed.jsonl"
     path.write_text("\n".join(json.dumps(r) for r in [
