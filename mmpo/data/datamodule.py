@@ -47,6 +47,8 @@ class PromptDataModule(ResumableTrainData, pl.LightningDataModule):
         image_key: column of the image(s) (None: the first of ``images``, ``decoded_image``, ``image``, ...).
         choices_key: column of multiple-choice options (None: ``choices`` or ``options`` when present).
         system_prompt: system turn for the file rows (None: the model's ``system_prompt``).
+        format_prompt: EasyR1-style jinja template (a ``.jinja`` file or the text) wrapping each file
+            row's prompt as ``{{ content }}``; None: the prompt as is.
     """
 
     def __init__(
@@ -70,6 +72,7 @@ class PromptDataModule(ResumableTrainData, pl.LightningDataModule):
         image_key: str | None = None,
         choices_key: str | None = None,
         system_prompt: str | None = None,
+        format_prompt: str | None = None,
     ) -> None:
         super().__init__()
         self.save_hyperparameters()  # stored in checkpoints next to the data position
@@ -87,7 +90,7 @@ class PromptDataModule(ResumableTrainData, pl.LightningDataModule):
         self.skip_bad_rows, self.num_workers = skip_bad_rows, num_workers
         self.image_size, self.drop_last = image_size, drop_last
         self.keys = ColumnKeys(prompt_key=prompt_key, answer_key=answer_key, image_key=image_key,
-                               choices_key=choices_key, system_prompt=system_prompt)
+                               choices_key=choices_key, system_prompt=system_prompt, format_prompt=format_prompt)
         self.train_rows: Sequence[Row] = []
         self.val_rows: Sequence[Row] = []
         self.test_rows: Sequence[Row] = []

@@ -39,6 +39,7 @@ from typing import Any
 from PIL import Image
 
 from mmpo.data.choices import gold_letter, parse_choices, prompt_with_choices
+from mmpo.data.format_prompt import apply_format_prompt, check_format_prompt
 from mmpo.data.lazy_rows import HFImageColumn, LazyImageRows, as_image_list
 from mmpo.data.schema import BadRowError, Row, describe_row, validate_row
 from mmpo.data.solution import render_solution
@@ -64,7 +65,9 @@ class ColumnKeys:
     """Which columns hold what (EasyR1's ``prompt_key`` / ``answer_key`` / ``image_key``).
 
     None means "the first default column present" (``DEFAULT_*_KEYS``); a name given here
-    must be present in every row. ``system_prompt`` becomes the rows' system turn.
+    must be present in every row. ``system_prompt`` becomes the rows' system turn;
+    ``format_prompt`` (an EasyR1 jinja template, file or text, using ``{{ content }}``) wraps
+    each prompt, after its options.
     """
 
     prompt_key: str | None = None
@@ -72,6 +75,11 @@ class ColumnKeys:
     image_key: str | None = None
     choices_key: str | None = None
     system_prompt: str | None = None
+    format_prompt: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.format_prompt is not None:
+            check_format_prompt(self.format_prompt)  # a bad template fails at config time, not mid-run
 
 
 def _first_key(record: dict[str, Any], names: Iterable[str]) -> str | None:
@@ -253,6 +261,8 @@ def row_fields(record: dict[str, Any], index: int, *, source: str, keys: ColumnK
     options = _choices(record, keys, ref, columns)
     if options:
         problem = prompt_with_choices(problem, options)
+    if keys.format_prompt is not None:
+        problem = apply_format_prompt(keys.format_prompt, problem)
     if image_count is not None:
         raw_images = []
     elif keys.image_key is not None:
@@ -300,7 +310,8 @@ def record_to_row(record: dict[str, Any], index: int, *, image_root: Path, sourc
     """Convert one raw record (any supported schema) into a validated Row, images decoded."""
     fields, raw_images = row_fields(record, index, source=source, keys=keys)
     ref = describe_row(index, fields["id"])
-    row: Row = {**fields, "images": [open_image(v, image_root, ref) for v in raw_images]}  # type: ignore[typeddict-item]
+    images = [open_image(v, image_root, ref) for v in raw_images]
+    row: Row = {**fields, "images": images}  # type: ignore[typeddict-item]
     validate_row(row, index)
     return row
 

@@ -74,7 +74,8 @@ def test_key_overrides_for_each_format(tmp_path, fmt):
 
 def test_without_overrides_the_error_names_row_key_and_columns(tmp_path):
     path = _write(_custom_records(2), "jsonl", tmp_path)
-    with pytest.raises(BadRowError, match=r"row 0 \(id='u0'\).*prompt_key.*columns \['gold', 'pics', 'task_text', 'uid'\]"):
+    with pytest.raises(BadRowError,
+                       match=r"row 0 \(id='u0'\).*prompt_key.*columns \['gold', 'pics', 'task_text', 'uid'\]"):
         load_rows(path)
 
 
@@ -308,3 +309,29 @@ def test_text_only_and_two_image_rows_in_an_hf_table(tmp_path, fmt):
     assert [rows.image_count(k) for k in range(3)] == [0, 2, 1]
     assert [len(r["images"]) for r in rows] == [0, 2, 1]
     assert [r["needs_image"] for r in rows] == [False, True, True]
+
+
+EASYR1_MATH = ("{{ content | trim }} You FIRST think about the reasoning process as an internal monologue and then "
+               "provide the final answer. The final answer MUST BE put in \\boxed{}.")
+
+
+def test_format_prompt_wraps_each_prompt_after_its_options(tmp_path):
+    template = tmp_path / "math.jinja"
+    template.write_text(EASYR1_MATH)
+    rows = _choice_rows(tmp_path, [{"id": "t", "question": "  Sides of a triangle?  ", "choices": ["3", "4"],
+                                    "answer": "3"}], format_prompt=str(template))
+    assert rows[0]["problem"] == ("Sides of a triangle?\nChoices:\n(A) 3\n(B) 4 You FIRST think about the reasoning "
+                                  "process as an internal monologue and then provide the final answer. The final "
+                                  "answer MUST BE put in \\boxed{}.")
+    inline = _choice_rows(tmp_path, [{"id": "i", "question": "2+2?", "answer": "4"}],
+                          format_prompt="Q: {{ content }}\nA:")
+    assert inline[0]["problem"] == "Q: 2+2?\nA:"
+
+
+def test_a_bad_format_prompt_fails_when_the_data_module_is_built(tmp_path):
+    with pytest.raises(ValueError, match=r"format_prompt must use \{\{ content \}\}"):
+        PromptDataModule(tasks=["arithmetic"], format_prompt="Answer in \\boxed{}.")
+    with pytest.raises(ValueError, match=r"unknown: \['question'\]"):
+        PromptDataModule(tasks=["arithmetic"], format_prompt="{{ content }} {{ question }}")
+    with pytest.raises(FileNotFoundError, match="template file not found: .*missing.jinja"):
+        PromptDataModule(tasks=["arithmetic"], format_prompt=str(tmp_path / "missing.jinja"))
