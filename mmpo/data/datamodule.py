@@ -75,7 +75,10 @@ class PromptDataModule(ResumableTrainData, pl.LightningDataModule):
         format_prompt: str | None = None,
     ) -> None:
         super().__init__()
-        self.save_hyperparameters()  # stored in checkpoints next to the data position
+        # stored in checkpoints next to the data position; the module's hparams may hold another
+        # system_prompt, and Lightning refuses equal names with different values, so it is renamed
+        self.save_hyperparameters(ignore=["system_prompt"])
+        self.hparams["data_system_prompt"] = system_prompt
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
         self.tasks = list(VISUAL_TASKS) if tasks is None else list(tasks)

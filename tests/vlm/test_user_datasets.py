@@ -277,6 +277,7 @@ def test_a_two_image_row_and_a_text_only_row_train_in_one_grpo_step(tmp_path, ti
         tokens = (inputs["input_ids"] == processor.image_token_id).sum(-1).tolist()
         seen.append({row["id"]: n for row, n in zip(rows, tokens)})
         seen.append(inputs["image_grid_thw"].tolist())
+        seen.append(processor.tokenizer.decode(inputs["input_ids"][0]))
         return inputs
 
     encode_prompts = rollout_module.encode_prompts
@@ -289,13 +290,16 @@ def test_a_two_image_row_and_a_text_only_row_train_in_one_grpo_step(tmp_path, ti
     module = ScriptedRewards(tiny_vlm, num_generations=2, max_new_tokens=3, beta=0.0, lr=1e-3,
                              reward_timeout_s=None)
     before = {n: p.detach().clone() for n, p in module.model.named_parameters()}
-    data = PromptDataModule(tasks=[], data_path=str(path), batch_size=2, seed=0)
-    trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=1, logger=False, enable_checkpointing=False,
-                        enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0)
+    # the data's system prompt differs from the module's: both hparams are logged without a clash
+    data = PromptDataModule(tasks=[], data_path=str(path), batch_size=2, seed=0, system_prompt="Be brief.")
+    trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=1, logger=L.pytorch.loggers.CSVLogger(tmp_path),
+                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                        num_sanity_val_steps=0)
     trainer.fit(module, datamodule=data)
     assert trainer.global_step == 1
     assert seen[0] == {"two": 8, "text": 0}
     assert seen[1] == [[1, 4, 4], [1, 4, 4]]
+    assert seen[2].count("Be brief.") == 1 and "Think step by step" not in seen[2]
     changed = [n for n, p in module.model.named_parameters() if not torch.equal(p.detach(), before[n])]
     assert changed, "the GRPO step did not update any weight"
 
