@@ -22,6 +22,9 @@ from mmpo.data.synthetic import DEFAULT_IMAGE_SIZE, VISUAL_TASKS, make_items
 
 logger = logging.getLogger(__name__)
 
+#: init arguments the VLM LightningModules also have (stored under a ``data_`` prefix)
+_SHARED_HPARAM_NAMES = ("seed", "system_prompt")
+
 
 class PromptDataModule(ResumableTrainData, pl.LightningDataModule):
     """Rows for the VLM stages: synthetic tasks and/or a local dataset.
@@ -75,10 +78,11 @@ class PromptDataModule(ResumableTrainData, pl.LightningDataModule):
         format_prompt: str | None = None,
     ) -> None:
         super().__init__()
-        # stored in checkpoints next to the data position; the module's hparams may hold another
-        # system_prompt, and Lightning refuses equal names with different values, so it is renamed
-        self.save_hyperparameters(ignore=["system_prompt"])
-        self.hparams["data_system_prompt"] = system_prompt
+        # stored in checkpoints next to the data position. The VLM modules have their own ``seed`` and
+        # ``system_prompt``, and Lightning refuses to log equal names with different values, so
+        # these are stored as ``data_seed`` / ``data_system_prompt``.
+        self.save_hyperparameters(ignore=list(_SHARED_HPARAM_NAMES))
+        self.hparams.update(data_seed=seed, data_system_prompt=system_prompt)
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
         self.tasks = list(VISUAL_TASKS) if tasks is None else list(tasks)

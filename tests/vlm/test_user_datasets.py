@@ -290,13 +290,14 @@ def test_a_two_image_row_and_a_text_only_row_train_in_one_grpo_step(tmp_path, ti
     module = ScriptedRewards(tiny_vlm, num_generations=2, max_new_tokens=3, beta=0.0, lr=1e-3,
                              reward_timeout_s=None)
     before = {n: p.detach().clone() for n, p in module.model.named_parameters()}
-    # the data's system prompt differs from the module's: both hparams are logged without a clash
-    data = PromptDataModule(tasks=[], data_path=str(path), batch_size=2, seed=0, system_prompt="Be brief.")
+    # the data's seed and system prompt differ from the module's: all hparams are logged without a clash
+    data = PromptDataModule(tasks=[], data_path=str(path), batch_size=2, seed=1, system_prompt="Be brief.")
     trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=1, logger=L.pytorch.loggers.CSVLogger(tmp_path),
                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                         num_sanity_val_steps=0)
     trainer.fit(module, datamodule=data)
     assert trainer.global_step == 1
+    assert (data.hparams["data_seed"], data.hparams["data_system_prompt"]) == (1, "Be brief.")
     assert seen[0] == {"two": 8, "text": 0}
     assert seen[1] == [[1, 4, 4], [1, 4, 4]]
     assert seen[2].count("Be brief.") == 1 and "Think step by step" not in seen[2]
