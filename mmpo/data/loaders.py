@@ -419,6 +419,17 @@ class _Records:
         # the row's image count (for needs_image and the checks) without reading the bytes
         self._counts = _image_counts(self.table, self.image_column) if self.image_column else None
 
+    def check_images(self, position: int, images: list[Any], root: Path, ref: str, *, decode: bool) -> None:
+        """Raise ``BadRowError`` for a row's unusable images: json rows' files must exist; with
+        ``decode`` every image is decoded once and dropped (so bad rows can be skipped now)."""
+        if self.table is None:
+            _check_image_refs(images, root, ref)
+        elif decode and self.image_column is not None:
+            images = as_image_list(self.table[position][self.image_column])
+        if decode:
+            for value in images:
+                open_image(value, root, ref)
+
     def image_count(self, position: int) -> int | None:
         """Images of an HF table's row (None for json records, whose images are in the record)."""
         if self.table is None:
@@ -494,14 +505,7 @@ def open_rows(
             ref = describe_row(index, fields["id"])
             if fields["id"] in seen_ids:
                 raise BadRowError(f"{ref}: duplicate id")
-            if records.table is None:
-                _check_image_refs(images, root, ref)
-                if skip_bad_rows:
-                    for value in images:
-                        open_image(value, root, ref)
-            elif skip_bad_rows and records.image_column is not None:
-                for value in as_image_list(records.table[index][records.image_column]):
-                    open_image(value, root, ref)
+            records.check_images(index, images, root, ref, decode=skip_bad_rows)
             seen_ids.add(fields["id"])
         except BadRowError as exc:
             if not skip_bad_rows:
