@@ -17,6 +17,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, overload
 
+from mmpo.data.images import as_image_list, open_image
 from mmpo.data.schema import BadRowError, Row, describe_row
 
 
@@ -36,15 +37,6 @@ class HFImageColumn(Sequence):
 
     def __getitem__(self, k: int) -> Any:  # type: ignore[override]
         return self.table[self.positions[k]][self.column]
-
-
-def as_image_list(value: Any) -> list[Any]:
-    """A row's image value as a list: None -> [], one image -> [image], a list stays."""
-    if value is None:
-        return []
-    if isinstance(value, (list, tuple)):
-        return [v for v in value if v is not None]
-    return [value]
 
 
 class LazyImageRows(Sequence):
@@ -92,8 +84,6 @@ class LazyImageRows(Sequence):
 
     def decode(self, position: int, row_id: Any) -> list:
         """Decode the images of row ``position`` (raises ``BadRowError`` naming the file and row)."""
-        from mmpo.data.loaders import open_image  # loaders imports this module
-
         ref = describe_row(self._row_numbers[position], row_id)
         try:
             return [open_image(value, self.image_root, ref) for value in as_image_list(self._images[position])]

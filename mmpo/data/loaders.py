@@ -27,7 +27,6 @@ and counted in the returned stats.
 from __future__ import annotations
 
 import ast
-import io
 import json
 import logging
 import re
@@ -40,7 +39,8 @@ from PIL import Image
 
 from mmpo.data.choices import gold_letter, parse_choices, prompt_with_choices
 from mmpo.data.format_prompt import apply_format_prompt, check_format_prompt
-from mmpo.data.lazy_rows import HFImageColumn, LazyImageRows, as_image_list
+from mmpo.data.images import as_image_list, check_image_refs, open_image
+from mmpo.data.lazy_rows import HFImageColumn, LazyImageRows
 from mmpo.data.schema import BadRowError, Row, describe_row, validate_row
 from mmpo.data.solution import render_solution
 
@@ -108,57 +108,6 @@ def _prompt_key(record: dict[str, Any], key: str | None, ref: str, columns: Iter
             f"{_columns_note(columns)}"
         )
     return found
-
-
-def open_image(value: Any, root: Path, ref: str) -> Image.Image:
-    """One image from a PIL image, an HF Image dict, bytes, or a path (relative to root)."""
-    try:
-        if isinstance(value, Image.Image):
-            image = value
-        elif isinstance(value, dict):
-            if value.get("bytes"):
-                image = Image.open(io.BytesIO(value["bytes"]))
-            elif value.get("path"):
-                return open_image(value["path"], root, ref)
-            else:
-                raise BadRowError(f"{ref}: image dict has neither 'bytes' nor 'path'")
-        elif isinstance(value, (bytes, bytearray)):
-            image = Image.open(io.BytesIO(value))
-        elif isinstance(value, (str, Path)):
-            path = _image_path(value, root)
-            if not path.is_file():
-                raise BadRowError(f"{ref}: image file not found: {path}")
-            image = Image.open(path)
-        else:
-            raise BadRowError(f"{ref}: unsupported image value of type {type(value).__name__}")
-        image.load()  # decode now so a corrupt file fails here, naming the row
-        return image.convert("RGB")
-    except BadRowError:
-        raise
-    except Exception as exc:  # PIL raises several types for corrupt data
-        raise BadRowError(f"{ref}: cannot read image ({type(exc).__name__}: {exc})") from exc
-
-
-def _image_path(value: str | Path, root: Path) -> Path:
-    path = Path(value)
-    return path if path.is_absolute() else root / path
-
-
-def _check_image_refs(values: list[Any], root: Path, ref: str) -> None:
-    """Cheap checks that need no decoding: files exist, dicts hold bytes or a path, types are known."""
-    for value in values:
-        if isinstance(value, dict):
-            if value.get("bytes"):
-                continue
-            if not value.get("path"):
-                raise BadRowError(f"{ref}: image dict has neither 'bytes' nor 'path'")
-            value = value["path"]
-        if isinstance(value, (str, Path)):
-            path = _image_path(value, root)
-            if not path.is_file():
-                raise BadRowError(f"{ref}: image file not found: {path}")
-        elif not isinstance(value, (bytes, bytearray, Image.Image)):
-            raise BadRowError(f"{ref}: unsupported image value of type {type(value).__name__}")
 
 
 def _unwrap_boxed(answer: str) -> str:
@@ -423,7 +372,7 @@ class _Records:
         """Raise ``BadRowError`` for a row's unusable images: json rows' files must exist; with
         ``decode`` every image is decoded once and dropped (so bad rows can be skipped now)."""
         if self.table is None:
-            _check_image_refs(images, root, ref)
+            check_image_refs(images, root, ref)
         elif decode and self.image_column is not None:
             images = as_image_list(self.table[position][self.image_column])
         if decode:
