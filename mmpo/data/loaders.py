@@ -283,6 +283,30 @@ def _iter_jsonl(path: Path) -> Iterator[dict[str, Any]]:
                 yield {"__bad_json__": f"line {line_no + 1}: {exc}"}
 
 
+#: split names of the HF hub's parquet layout (``data/<split>-00000-of-00001.parquet``)
+KNOWN_SPLITS = ("train", "test", "validation", "val", "valid", "dev", "testmini")
+
+
+def _split_files(files: list[Path], folder: Path, split: str | None) -> list[Path]:
+    """The parquet files of one split when a folder holds several (the hub's layout names each
+    file ``<split>-...`` or puts it in a ``<split>/`` folder); all files otherwise. Reading every
+    split as one would mix a test set into training."""
+    def split_of(file: Path) -> str | None:
+        for name in (file.stem.split("-")[0], file.parent.name):
+            if name in KNOWN_SPLITS:
+                return name
+        return None
+
+    splits = {file: split_of(file) for file in files}
+    names = sorted({name for name in splits.values() if name is not None})
+    if None in splits.values() or (len(names) < 2 and split is None):
+        return files
+    chosen = split or "train"
+    if chosen not in names:
+        raise ValueError(f"{folder}: parquet files of the splits {names}; pass split=<one of them>")
+    return [file for file, name in splits.items() if name == chosen]
+
+
 def _open_hf(path: Path, split: str | None) -> Any:
     """A memory-mapped HF ``Dataset`` (image decoding off) from a save_to_disk folder, parquet or arrow."""
     import datasets  # heavy; only needed for these formats
@@ -300,7 +324,7 @@ def _open_hf(path: Path, split: str | None) -> Any:
             raise ValueError(f"{path}: no parquet or arrow files found")
         data = datasets.concatenate_datasets([datasets.Dataset.from_file(str(f)) for f in files])
     else:
-        files = sorted(path.rglob("*.parquet")) if path.is_dir() else [path]
+        files = _split_files(sorted(path.rglob("*.parquet")), path, split) if path.is_dir() else [path]
         data = datasets.Dataset.from_parquet([str(f) for f in files])
     if data._indices is not None:  # positions below index the table directly
         data = data.flatten_indices()

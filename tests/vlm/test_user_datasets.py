@@ -340,3 +340,17 @@ def test_a_bad_format_prompt_fails_when_the_data_module_is_built(tmp_path):
         PromptDataModule(tasks=["arithmetic"], format_prompt="{{ content }} {{ question }}")
     with pytest.raises(FileNotFoundError, match="template file not found: .*missing.jinja"):
         PromptDataModule(tasks=["arithmetic"], format_prompt=str(tmp_path / "missing.jinja"))
+
+
+def test_a_hub_parquet_folder_reads_one_split(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    (tmp_path / "data").mkdir()
+    for split in ("testmini", "test"):
+        table = pa.table({"question": [f"{split} question?"], "answer": ["1"]})
+        pq.write_table(table, tmp_path / "data" / f"{split}-00000-of-00001-5a1b.parquet")
+    rows, _ = load_rows(tmp_path, split="testmini")
+    assert [r["problem"] for r in rows] == ["testmini question?"]
+    with pytest.raises(ValueError, match=r"splits \['test', 'testmini'\]; pass split="):
+        load_rows(tmp_path)  # no train split: which one is meant must be said
