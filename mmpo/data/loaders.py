@@ -422,6 +422,18 @@ def _image_counts(table: Any, column: str) -> list[int]:
     return [int(v) for v in pc.is_valid(array).to_pylist()]
 
 
+def split_path_spec(path: str | Path, split: str | None = None) -> tuple[Path, str | None]:
+    """EasyR1's ``folder@split`` (``data/geometry3k@test``): the folder and the split. A path that
+    exists as written is taken as is; an explicit ``split`` argument wins over the suffix."""
+    text = str(path)
+    if Path(text).exists() or "@" not in text:
+        return Path(text), split
+    folder, _, suffix = text.rpartition("@")
+    if not suffix or "/" in suffix:
+        return Path(text), split
+    return Path(folder), split or suffix
+
+
 def open_rows(
     path: str | Path,
     *,
@@ -442,7 +454,7 @@ def open_rows(
     """
     if schema not in SCHEMAS:
         raise ValueError(f"unknown schema {schema!r}; valid: {SCHEMAS}")
-    path = Path(path)
+    path, split = split_path_spec(path, split)
     root = Path(image_root) if image_root is not None else (path if path.is_dir() else path.parent)
     source = path.stem or "data"
     records = _Records(path, split, keys)
@@ -521,7 +533,7 @@ def load_rows(
 
     Args:
         path: a ``.jsonl`` / ``.json`` file, a ``.parquet`` / ``.arrow`` file or a folder of them, or
-            a ``save_to_disk`` folder (Dataset or DatasetDict).
+            a ``save_to_disk`` folder (Dataset or DatasetDict); ``folder@split`` names a split.
         schema: "auto", "row" or "geometry3k" (any question/answer table).
         skip_bad_rows: skip and count bad rows instead of raising ``BadRowError``.
         image_root: folder that relative image paths are resolved against (default: the

@@ -352,5 +352,8 @@ def test_a_hub_parquet_folder_reads_one_split(tmp_path):
         pq.write_table(table, tmp_path / "data" / f"{split}-00000-of-00001-5a1b.parquet")
     rows, _ = load_rows(tmp_path, split="testmini")
     assert [r["problem"] for r in rows] == ["testmini question?"]
+    data = PromptDataModule(tasks=[], data_path=f"{tmp_path}@test", batch_size=1)  # EasyR1's folder@split
+    data.setup("fit")
+    assert [r["problem"] for r in data.train_rows] == ["test question?"]
     with pytest.raises(ValueError, match=r"splits \['test', 'testmini'\]; pass split="):
         load_rows(tmp_path)  # no train split: which one is meant must be said
