@@ -357,3 +357,12 @@ def test_a_hub_parquet_folder_reads_one_split(tmp_path):
     assert [r["problem"] for r in data.train_rows] == ["test question?"]
     with pytest.raises(ValueError, match=r"splits \['test', 'testmini'\]; pass split="):
         load_rows(tmp_path)  # no train split: which one is meant must be said
+
+
+def test_multiple_choice_rows_survive_save_rows_jsonl(tmp_path):
+    from mmpo.data.loaders import save_rows_jsonl
+
+    rows = _choice_rows(tmp_path, [{"id": "m", "question": "Sides of a square?", "choices": ["3", "4"],
+                                    "answer": "4"}])
+    again, _ = load_rows(save_rows_jsonl(rows, tmp_path / "out" / "rows.jsonl"))
+    assert again == rows and again[0]["problem"].count("Choices:") == 1
