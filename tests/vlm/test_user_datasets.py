@@ -366,3 +366,24 @@ def test_multiple_choice_rows_survive_save_rows_jsonl(tmp_path):
                                     "answer": "4"}])
     again, _ = load_rows(save_rows_jsonl(rows, tmp_path / "out" / "rows.jsonl"))
     assert again == rows and again[0]["problem"].count("Choices:") == 1
+
+
+def test_the_data_position_of_lazy_file_rows_resumes(tmp_path):
+    path = _write(_custom_records(8), "save_to_disk", tmp_path)
+
+    def data():
+        return PromptDataModule(tasks=["arithmetic"], train_size=4, data_path=str(path), batch_size=3,
+                                prompt_key="task_text", answer_key="gold", image_key="pics")
+
+    def ids(batches):
+        return [[r["id"] for r in batch] for batch in batches]
+
+    reference = ids(data().train_dataloader())
+    first = data()
+    iterator = iter(first.train_dataloader())
+    seen = [next(iterator) for _ in range(2)]
+    state = first.state_dict()
+    assert state["num_train_rows"] == 12  # 4 synthetic + 8 file rows
+    resumed = data()
+    resumed.load_state_dict(json.loads(json.dumps(state)))
+    assert ids(seen) + ids(resumed.train_dataloader()) == reference and len(reference) == 4
