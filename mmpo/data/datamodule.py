@@ -1,22 +1,29 @@
 """``PromptDataModule``: prompts (Rows) for SFT / RL from synthetic tasks and/or local files.
 
 Batches are ``list[Row]`` (collation is the identity on a list). The training order and
-its resumable position come from :mod:`mmpo.data.resumable`.
+its resumable position come from :mod:`mmpo.data.resumable`. Rows of local datasets
+decode their images when the DataLoader reads them (per batch), never all at load time.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from typing import Any
 
 import lightning.pytorch as pl
 from torch.utils.data import DataLoader
 
+from mmpo.data.lazy_rows import ConcatRows
+from mmpo.data.loaders import ColumnKeys  # light: datasets / pyarrow are imported only when files are read
 from mmpo.data.resumable import ResumableSampler, ResumableTrainData, RowDataset, collate_rows
 from mmpo.data.schema import Row
 from mmpo.data.synthetic import DEFAULT_IMAGE_SIZE, VISUAL_TASKS, make_items
 
 logger = logging.getLogger(__name__)
+
+#: init arguments the VLM LightningModules also have (stored under a ``data_`` prefix)
+_SHARED_HPARAM_NAMES = ("seed", "system_prompt")
 
 
 class PromptDataModule(ResumableTrainData, pl.LightningDataModule):
@@ -37,6 +44,14 @@ class PromptDataModule(ResumableTrainData, pl.LightningDataModule):
         test_size: total synthetic items from the tasks' "test" split (0: no test loader).
         drop_last: drop a final partial training batch (keeps the prompts per step constant).
         image_root: folder for relative image paths of ``data_path`` / ``val_data_path``.
+        prompt_key: column of the prompt in ``data_path`` / ``val_data_path`` (None: the first of
+            ``query``, ``problem``, ``question``, ``prompt`` present).
+        answer_key: column of the gold answer (None: ``answer``).
+        image_key: column of the image(s) (None: the first of ``images``, ``decoded_image``, ``image``, ...).
+        choices_key: column of multiple-choice options (None: ``choices`` or ``options`` when present).
+        system_prompt: system turn for the file rows (None: the model's ``system_prompt``).
+        format_prompt: EasyR1-style jinja template (a ``.jinja`` file or the text) wrapping each file
+            row's prompt as ``{{ content }}``; None: the prompt as is.
     """
 
     def __init__(
@@ -55,9 +70,19 @@ class PromptDataModule(ResumableTrainData, pl.LightningDataModule):
         test_size: int = 0,
         drop_last: bool = True,
         image_root: str | None = None,
+        prompt_key: str | None = None,
+        answer_key: str | None = None,
+        image_key: str | None = None,
+        choices_key: str | None = None,
+        system_prompt: str | None = None,
+        format_prompt: str | None = None,
     ) -> None:
         super().__init__()
-        self.save_hyperparameters()  # stored in checkpoints next to the data position
+        # stored in checkpoints next to the data position. The VLM modules have their own ``seed`` and
+        # ``system_prompt``, and Lightning refuses to log equal names with different values, so
+        # these are stored as ``data_seed`` / ``data_system_prompt``.
+        self.save_hyperparameters(ignore=list(_SHARED_HPARAM_NAMES))
+        self.hparams.update(data_seed=seed, data_system_prompt=system_prompt)
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
         self.tasks = list(VISUAL_TASKS) if tasks is None else list(tasks)
@@ -71,9 +96,11 @@ class PromptDataModule(ResumableTrainData, pl.LightningDataModule):
         self.data_path, self.val_data_path, self.image_root = data_path, val_data_path, image_root
         self.skip_bad_rows, self.num_workers = skip_bad_rows, num_workers
         self.image_size, self.drop_last = image_size, drop_last
-        self.train_rows: list[Row] = []
-        self.val_rows: list[Row] = []
-        self.test_rows: list[Row] = []
+        self.keys = ColumnKeys(prompt_key=prompt_key, answer_key=answer_key, image_key=image_key,
+                               choices_key=choices_key, system_prompt=system_prompt, format_prompt=format_prompt)
+        self.train_rows: Sequence[Row] = []
+        self.val_rows: Sequence[Row] = []
+        self.test_rows: Sequence[Row] = []
         self.load_stats: dict[str, dict[str, Any]] = {}
         self._built = False
         self._train_sampler: ResumableSampler | None = None
@@ -90,10 +117,10 @@ class PromptDataModule(ResumableTrainData, pl.LightningDataModule):
                                split=split, image_size=self.image_size)
         return rows
 
-    def _from_file(self, path: str, key: str) -> list[Row]:
-        from mmpo.data.loaders import load_rows  # datasets / pyarrow only when files are used
+    def _from_file(self, path: str, key: str) -> Sequence[Row]:
+        from mmpo.data.loaders import open_rows
 
-        rows, stats = load_rows(path, skip_bad_rows=self.skip_bad_rows, image_root=self.image_root)
+        rows, stats = open_rows(path, skip_bad_rows=self.skip_bad_rows, image_root=self.image_root, keys=self.keys)
         self.load_stats[key] = stats
         if stats["skipped"]:
             logger.warning("%s: skipped %d bad rows of %d", path, stats["skipped"], stats["total"])
@@ -108,12 +135,13 @@ class PromptDataModule(ResumableTrainData, pl.LightningDataModule):
         """Generate / load all rows once (idempotent)."""
         if self._built:
             return
+        # chained, not concatenated: a list would decode every file row's images now
         self.train_rows = self._synthetic(self.train_size, "train")
         if self.data_path is not None:
-            self.train_rows += self._from_file(self.data_path, "train")
+            self.train_rows = ConcatRows([self.train_rows, self._from_file(self.data_path, "train")])
         self.val_rows = self._synthetic(self.val_size, "val")
         if self.val_data_path is not None:
-            self.val_rows += self._from_file(self.val_data_path, "val")
+            self.val_rows = ConcatRows([self.val_rows, self._from_file(self.val_data_path, "val")])
         self.test_rows = self._synthetic(self.test_size, "test")
         if not self.train_rows:
             raise ValueError("the training set is empty (train_size=0 and no rows loaded from data_path)")
@@ -123,14 +151,14 @@ class PromptDataModule(ResumableTrainData, pl.LightningDataModule):
         self.build()
 
     # ---------------------------------------------------------- dataloaders
-    def _training_rows(self) -> list[Row]:
+    def _training_rows(self) -> Sequence[Row]:
         self.build()
         return self.train_rows
 
     def _num_train_rows(self) -> int | None:
         return len(self.train_rows) if self._built else None
 
-    def _eval_loader(self, rows: list[Row]) -> DataLoader:
+    def _eval_loader(self, rows: Sequence[Row]) -> DataLoader:
         return DataLoader(RowDataset(rows), batch_size=self.batch_size, shuffle=False,
                           collate_fn=collate_rows, num_workers=self.num_workers)
 

@@ -26,10 +26,11 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 
 class RowDataset(Dataset):
-    """A list of rows as a map-style dataset."""
+    """A sequence of rows as a map-style dataset (a row is read only when its batch is built,
+    so rows that decode their images on access, ``mmpo.data.lazy_rows``, stay lazy)."""
 
     def __init__(self, rows: Sequence[Any]) -> None:
-        self.rows = list(rows)
+        self.rows = rows if isinstance(rows, Sequence) else list(rows)
 
     def __len__(self) -> int:
         return len(self.rows)

@@ -17,7 +17,9 @@ class Row(TypedDict, total=False):
 
     Required: id, task, images, problem, answer, steps, key_steps, expert_trace,
     difficulty, needs_image. Optional extras used by the "steps" solution style:
-    image_description, rationale.
+    image_description, rationale. Multiple-choice rows also carry choices (the option
+    texts, lettered A, B, ... in the problem) and answer_text (the gold option's text;
+    answer is then its letter). system_prompt: this row's system turn (a data config's).
     """
 
     id: str
@@ -32,6 +34,9 @@ class Row(TypedDict, total=False):
     needs_image: bool
     image_description: str
     rationale: str
+    choices: list[str]
+    answer_text: str
+    system_prompt: str
 
 
 ROW_FIELDS: tuple[str, ...] = (
@@ -58,11 +63,13 @@ def describe_row(index: int | None, row_id: Any) -> str:
     return f"{where} (id={row_id!r})"
 
 
-def validate_row(row: dict[str, Any], index: int | None = None) -> None:
+def validate_row(row: dict[str, Any], index: int | None = None, *, image_count: int | None = None) -> None:
     """Raise ``BadRowError`` naming the row if ``row`` is not a well-formed Row.
 
     Checks presence and types of all contract fields, that images are PIL images,
-    that problem and answer are non-empty, and that difficulty is 1..3.
+    that problem and answer are non-empty, and that difficulty is 1..3. ``image_count``:
+    the row's images are not decoded yet (lazy loading) and number this many; their
+    type is checked when they are decoded.
     """
     ref = describe_row(index, row.get("id"))
     missing = [f for f in ROW_FIELDS if f not in row]
@@ -88,5 +95,5 @@ def validate_row(row: dict[str, Any], index: int | None = None) -> None:
         raise BadRowError(f"{ref}: 'difficulty' must be 1, 2 or 3, got {row['difficulty']!r}")
     if not isinstance(row["needs_image"], bool):
         raise BadRowError(f"{ref}: 'needs_image' must be a bool")
-    if row["needs_image"] and not row["images"]:
+    if row["needs_image"] and not (row["images"] if image_count is None else image_count):
         raise BadRowError(f"{ref}: needs_image is True but the row has no image")

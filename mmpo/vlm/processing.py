@@ -36,8 +36,12 @@ def default_system_prompt() -> str:
 def build_messages(
     row: Row, *, system_prompt: str | None, min_pixels: int | None = None, max_pixels: int | None = None
 ) -> list[dict]:
-    """One row -> Qwen chat messages: optional system turn, then a user turn (images first, then text)."""
+    """One row -> Qwen chat messages: optional system turn, then a user turn (images first, then text).
+
+    A row's own ``system_prompt`` (set by a data config) wins over ``system_prompt``.
+    """
     row_id = row.get("id", "<no id>")
+    system_prompt = row.get("system_prompt", system_prompt)
     images = row.get("images") or []
     problem = row.get("problem")
     if not isinstance(problem, str) or not problem.strip():
