@@ -242,11 +242,12 @@ def test_bad_reward_settings_name_the_function_and_the_problem(user_file, tmp_pa
 
 def test_grpo_refuses_a_bad_reward_before_loading_the_model(user_file, monkeypatch):
     import mmpo.algos.grpo as grpo
+    import mmpo.algos.vlm_base as vlm_base
 
     def must_not_load(*args, **kwargs):
         raise AssertionError("load_vlm was called before the reward settings were checked")
 
-    monkeypatch.setattr(grpo, "load_vlm", must_not_load)
+    monkeypatch.setattr(vlm_base, "load_vlm", must_not_load)  # the shared VLM base loads the model
     with pytest.raises(ValueError, match=r"reward_weights: reward '.*my_rewards.py:no_prompts': bad signature"):
         grpo.GRPOModule("no/model/here", reward_weights={spec(user_file, "no_prompts"): 1.0})
     with pytest.raises(ValueError, match="unknown reward 'acuracy'; registered:"):
@@ -254,11 +255,11 @@ def test_grpo_refuses_a_bad_reward_before_loading_the_model(user_file, monkeypat
 
 
 def test_the_cli_refuses_a_bad_reward_path_before_loading_the_model(monkeypatch, capsys, tmp_path):
-    import mmpo.algos.grpo as grpo
+    import mmpo.algos.vlm_base as vlm_base
     from mmpo.cli import main
 
     calls = []
-    monkeypatch.setattr(grpo, "load_vlm", lambda *a, **k: calls.append(a) or sys.exit("model loaded"))
+    monkeypatch.setattr(vlm_base, "load_vlm", lambda *a, **k: calls.append(a) or sys.exit("model loaded"))
     monkeypatch.chdir(REPO)
     with pytest.raises(SystemExit) as exit_info:
         main(["fit", "-c", str(REPO / "configs/vlm/grpo_tiny_user_reward.yaml"),
