@@ -4,6 +4,9 @@ k1 = l - l_ref; k2 = 0.5 (l - l_ref)^2; k3 = exp(l_ref - l) - (l_ref - l) - 1
 (the low-variance, always non-negative estimator used by GRPO, arXiv 2402.03300, and verl's
 ``low_var_kl``). k3 clamps its inner difference and its result, as verl does, so a single
 wildly off-policy token cannot blow up the loss.
+
+verl's names are accepted too (``kl_penalty_forward`` in verl's ``core_algos.py``): ``kl`` = k1,
+``mse`` = k2, ``low_var_kl`` = k3 with the same clamps, and ``abs`` = |l - l_ref|.
 """
 
 from __future__ import annotations
@@ -20,9 +23,14 @@ class KLKind(str, Enum):
     K1 = "k1"
     K2 = "k2"
     K3 = "k3"
+    KL = "kl"  # verl's alias of k1
+    ABS = "abs"  # verl: |l - l_ref|
+    MSE = "mse"  # verl's alias of k2
+    LOW_VAR_KL = "low_var_kl"  # verl's alias of k3 (same clamps)
 
 
 KL_KINDS: tuple[str, ...] = tuple(k.value for k in KLKind)
+_ALIASES = {KLKind.KL.value: KLKind.K1.value, KLKind.MSE.value: KLKind.K2.value, KLKind.LOW_VAR_KL.value: KLKind.K3.value}
 
 
 def kl_penalty(
@@ -38,7 +46,8 @@ def kl_penalty(
     Args:
         log_probs: ``(batch, time)`` log pi_theta of the sampled tokens.
         ref_log_probs: ``(batch, time)`` log pi_ref of the same tokens.
-        kind: ``k1``, ``k2`` or ``k3``.
+        kind: ``k1``, ``k2``, ``k3``, ``abs``, or verl's aliases ``kl`` (k1), ``mse`` (k2),
+            ``low_var_kl`` (k3).
         inner_clamp: k3 only: l_ref - l is clamped to [-inner_clamp, inner_clamp].
         output_clamp: k3 only: the result is clamped to [-output_clamp, output_clamp].
 
@@ -50,7 +59,10 @@ def kl_penalty(
         raise ValueError(
             f"log_probs shape {tuple(log_probs.shape)} != ref_log_probs shape {tuple(ref_log_probs.shape)}"
         )
+    value = _ALIASES.get(value, value)
     diff = log_probs - ref_log_probs
+    if value == KLKind.ABS.value:
+        return diff.abs()
     if value == KLKind.K1.value:
         return diff
     if value == KLKind.K2.value:
