@@ -249,13 +249,20 @@ def main() -> None:
         b = make_batch(seed, spread)
         tag = f"seed {seed}, |l - l_old| ~ {spread}"
         rows += [(peer, f"{setting}; {tag}", diff) for peer, setting, diff in verl_rows(verl, b) + trl_rows(gamma_weights, b)]
+    summary: dict[str, list[tuple[float, float, float]]] = {}
+    for peer, _, diff in rows:
+        summary.setdefault(peer, []).append(diff)
+    print("| peer function | comparisons | max abs diff loss | max abs diff grad | max rel diff |")
+    print("|---|---|---|---|---|")
+    for peer, diffs in summary.items():
+        worst = [max(d[i] for d in diffs) for i in range(3)]
+        print(f"| {peer} | {len(diffs)} | {worst[0]:.1e} | {worst[1]:.1e} | {worst[2]:.1e} |")
+    print("\nEvery comparison:\n")
     print("| peer function | setting; inputs | max abs diff loss | max abs diff grad | max rel diff |")
     print("|---|---|---|---|---|")
-    worst = 0.0
     for peer, setting, (loss_abs, grad_abs, rel) in rows:
         print(f"| {peer} | {setting} | {loss_abs:.1e} | {grad_abs:.1e} | {rel:.1e} |")
-        worst = max(worst, rel)
-    print(f"\n{len(rows)} comparisons, worst relative difference {worst:.1e}")
+    print(f"\n{len(rows)} comparisons, worst relative difference {max(d[2] for _, _, d in rows):.1e}")
 
 
 if __name__ == "__main__":
