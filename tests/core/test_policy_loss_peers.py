@@ -40,8 +40,19 @@ def test_verl_kl_names_hand_values():
     kl_penalty(lp, ref, "abs").sum().backward()
     assert lp.grad.tolist() == [[1.0, -1.0, 1.0]]  # d|l - l_ref|/dl = sign(l - l_ref)
     assert {"abs", "kl", "mse", "low_var_kl"} <= set(KL_KINDS)
-    with pytest.raises(ValueError, match=r"unknown KL kind 'k3\+'.*'low_var_kl'"):
-        kl_penalty(lp, ref, "k3+")
+    with pytest.raises(ValueError, match=r"unknown KL kind 'k2\+'.*'low_var_kl'"):
+        kl_penalty(lp, ref, "k2+")
+
+
+@pytest.mark.parametrize(("name", "base"), [("k1+", "k1"), ("kl+", "k1"), ("abs+", "abs"), ("k3+", "k3"),
+                                            ("low_var_kl+", "k3")])
+def test_straight_through_kl_names_keep_the_value_and_take_the_k2_gradient(name, base):
+    lp = torch.tensor([[-1.0, -2.0, 0.0]], dtype=F64, requires_grad=True)
+    ref = torch.tensor([[-2.0, -1.0, -50.0]], dtype=F64)
+    value = kl_penalty(lp, ref, name)
+    assert torch.equal(value.detach(), kl_penalty(lp, ref, base).detach())  # e.g. k3+ keeps k3's clamps
+    value.sum().backward()
+    assert lp.grad.tolist() == [[1.0, -1.0, 50.0]]  # d/dl 0.5 (l - l_ref)^2 = l - l_ref
 
 
 # ----------------------------------------------------------------------------- SAPO

@@ -22,7 +22,7 @@ CASES = [
     ("gpg", "abs", None),
     ("clip_cov", "mse", "policy/clipfrac_cov"),
     ("kl_cov", "kl", "policy/kl_cov_frac"),
-    ("luspo", "k3", None),
+    ("luspo", "k3+", None),
     ("vespo", "k1", None),
 ]
 TAKES_CLIP = {"clip_cov", "luspo"}  # the others have no clip range: grpo_tiny's clip_low / clip_high must go
