@@ -71,8 +71,10 @@ class GRPOModule(VLMPolicyModule):
         top_p: nucleus sampling threshold (1.0 = off).
         lr: AdamW learning rate.
         beta: coefficient of the KL penalty to the reference (initial) policy; 0 builds no reference.
-        kl_kind: KL estimator in the loss: k1, k2 or k3.
-        loss: policy loss name in mmpo.core (ppo, gspo, gmpo, gppo, dcpo, aspo, cispo).
+        kl_kind: KL estimator in the loss: k1, k2, k3, abs, verl's aliases kl, mse, low_var_kl, or a straight-through
+            k1+ / k3+ / ... (docs/core.md, KL).
+        loss: policy loss name in mmpo.core (ppo, gspo, gmpo, gppo, dcpo, aspo, cispo, sapo, gpg, clip_cov, kl_cov,
+            luspo, vespo; docs/core.md).
         clip_low: lower clip range epsilon (ratio >= 1 - clip_low); None = the loss's own default (ppo 0.2, gspo 3e-4).
         clip_high: upper clip range epsilon; None = the loss's default (ppo 0.2; EasyR1 uses 0.3, DAPO 0.28).
         dual_clip: dual-clip constant c for negative advantages (e.g. 3.0); None disables.

@@ -5,11 +5,13 @@ Pieces (each a pure function behind a name registry where there are variants):
 - advantages: :func:`compute_advantages` (``grpo``, ``drgrpo``, ``rloo``, ``mapo``,
   ``mapo_apd``, ``mapo_random_lambda``), :func:`gae`.
 - policy losses: :func:`policy_loss` (``ppo``, ``gspo``, ``gmpo``, ``gppo``, ``dcpo``,
-  ``aspo``, ``cispo``, ``igpo_sequence``) returning ``(loss, metrics)``; new ones state only
+  ``aspo``, ``cispo``, ``igpo_sequence``, and verl / TRL's ``sapo``, ``gpg``, ``clip_cov``,
+  ``kl_cov``, ``luspo``, ``vespo``) returning ``(loss, metrics)``; new ones state only
   their ratio / clip rule (:func:`register_ratio_loss`). :class:`LossParts`: named loss terms
   summed in one place.
 - :func:`aggregate` (``token-mean``, ``seq-mean-token-mean``, ``seq-mean-token-sum``,
-  ``seq-mean-token-sum-norm``), :func:`kl_penalty` (``k1``, ``k2``, ``k3``).
+  ``seq-mean-token-sum-norm``), :func:`kl_penalty` (``k1``, ``k2``, ``k3``, ``abs``; verl's
+  ``kl``, ``mse``, ``low_var_kl``).
 - memory-efficient :func:`token_log_probs`, :func:`entropy_from_logits`,
   :func:`token_log_probs_from_hidden`.
 - filters (:func:`dynamic_sampling_filter`, :func:`gfpo_filter`) and shaping
@@ -44,11 +46,13 @@ from mmpo.core.policy_loss import (
     register_policy_loss,
     register_ratio_loss,
 )
+from mmpo.core.policy_loss_peers import BATCH_COUPLED_LOSSES  # registers the verl / TRL losses
 from mmpo.core.registry import Registry
 from mmpo.core.shaping import DitherDistribution, dither_rewards, overlong_soft_punishment
 
 __all__ = [
     "ADVANTAGE_ESTIMATORS",
+    "BATCH_COUPLED_LOSSES",
     "AGGREGATION_MODES",
     "Aggregation",
     "AggregationMode",

@@ -54,6 +54,13 @@ class PolicyLoss(str, Enum):
     ASPO = "aspo"
     CISPO = "cispo"
     IGPO_SEQUENCE = "igpo_sequence"
+    # the verl / TRL peers (mmpo.core.policy_loss_peers)
+    SAPO = "sapo"
+    GPG = "gpg"
+    CLIP_COV = "clip_cov"
+    KL_COV = "kl_cov"
+    LUSPO = "luspo"
+    VESPO = "vespo"
 
 
 POLICY_LOSSES: Registry[PolicyLossFn] = Registry("policy loss")
@@ -327,9 +334,14 @@ def gspo_loss(x: RatioInputs, *, clip_low: Bound = 3e-4, clip_high: Bound = 4e-4
     paper aggregates with ``seq-mean-token-mean`` (pass ``agg="seq-mean-token-mean"``).
     """
     check_clip_range(clip_low, clip_high)
+    return ppo_clip(gspo_token_ratio(x), x.advantages, 1.0 - clip_low, 1.0 + clip_high)
+
+
+def gspo_token_ratio(x: RatioInputs) -> Tensor:
+    """GSPO-token's ratio ``(batch, time)``: value s_i = exp(mean over the mask of l_t - l_old_t),
+    gradient s_i d l_t per token (s_it = sg(s_i) pi_t / sg(pi_t))."""
     seq_log_ratio = masked_mean(x.log_ratio, x.mask, dim=-1)  # (batch,)
-    token_log_ratio = seq_log_ratio.detach().unsqueeze(-1) + x.log_probs - x.log_probs.detach()
-    return ppo_clip(torch.exp(token_log_ratio), x.advantages, 1.0 - clip_low, 1.0 + clip_high)
+    return torch.exp(seq_log_ratio.detach().unsqueeze(-1) + x.log_probs - x.log_probs.detach())
 
 
 @register_ratio_loss(PolicyLoss.GMPO)

@@ -53,7 +53,9 @@ def compute(inputs: dict) -> dict:
     for loss_name in PolicyLoss:
         for agg in AGGREGATION_MODES:
             lp = torch.tensor(inputs["log_probs"], dtype=torch.float64, requires_grad=True)
-            loss, _ = policy_loss(loss_name.value, lp, old, adv, mask, agg=agg)
+            # clip_cov draws the tokens it drops: a seeded generator keeps the entry reproducible
+            settings = {"generator": torch.Generator().manual_seed(0)} if loss_name.value == "clip_cov" else {}
+            loss, _ = policy_loss(loss_name.value, lp, old, adv, mask, agg=agg, **settings)
             (grad,) = torch.autograd.grad(loss, lp)
             out["losses"][f"{loss_name.value}/{agg}"] = {"loss": loss.item(), "grad": grad.tolist()}
     return out
