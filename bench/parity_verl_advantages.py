@@ -103,8 +103,18 @@ def make_batch(seed: int, dtype: torch.dtype, *, groups: int = 16, size: int = 4
     token_rewards[torch.arange(n), lengths - 1] = rewards  # the outcome score on the last token
     dense = torch.rand(n, width, generator=gen, dtype=torch.float64).to(dtype) * mask
     baselines = torch.randint(0, 2, (n,), generator=gen).to(dtype)
+    # OTB inputs: log pi of the sampled token and sum_v pi_v^2 of a random 50-way softmax per position
+    probs = torch.softmax(3 * torch.randn(n, width, 50, generator=gen, dtype=torch.float64), -1)
+    old_log_probs = probs[..., 0].log().to(dtype)
+    sum_pi_squared = (probs**2).sum(-1).to(dtype)
+    is_weights = torch.rand(n, width, generator=gen, dtype=torch.float64).to(dtype) + 0.5
+    # a multi-turn mask: a hole (tool output) inside the completion of every third sample
+    holed = mask.clone()
+    holed[::3, 2:5] = 0
+    holed[5] = 0  # and one empty completion
     return dict(rewards=rewards, group_ids=group_ids, mask=mask, token_rewards=token_rewards, dense=dense,
-                baselines=baselines, index=group_ids.numpy().astype(object))
+                baselines=baselines, index=group_ids.numpy().astype(object), old_log_probs=old_log_probs,
+                sum_pi_squared=sum_pi_squared, is_weights=is_weights, holed=holed)
 
 
 def cases(verl: types.ModuleType, b: dict):
@@ -134,6 +144,22 @@ def cases(verl: types.ModuleType, b: dict):
                    tr.clone(), m, idx, config=_Config(norm_adv_by_std_in_grpo=norm))[0])
     yield ("gpg", seq(compute_advantages("gpg", r, g)),
            verl.compute_gpg_outcome_advantage(tr.clone(), m, idx)[0])
+    otb = dict(old_log_probs=b["old_log_probs"], sum_pi_squared=b["sum_pi_squared"])
+    for zero_tail, weights in ((False, None), (True, None), (False, b["is_weights"])):
+        setting = f"zero_tail={zero_tail}, IS={'yes' if weights is not None else 'no'}"
+        yield (f"optimal_token_baseline ({setting})",
+               compute_advantages("optimal_token_baseline", r, g, mask=m, handle_zero_tail=zero_tail,
+                                  rollout_is_weights=weights, **otb),
+               verl.compute_optimal_token_baseline_advantage(
+                   tr.clone(), m, idx, rollout_is_weights=weights, handle_zero_tail=zero_tail, **otb)[0])
+    holed = b["holed"]
+    holed_rewards = (b["dense"] * holed).sum(-1)
+    for zero_tail in (True, False):
+        yield (f"tir_optimal_token_baseline (holed masks, dense rewards, zero_tail={zero_tail})",
+               compute_advantages("tir_optimal_token_baseline", holed_rewards, g, mask=holed,
+                                  token_rewards=b["dense"], handle_zero_tail=zero_tail, **otb),
+               verl.compute_multi_turn_optimal_token_baseline_advantage(
+                   b["dense"].clone(), holed, idx, handle_zero_tail=zero_tail, **otb)[0])
     yield ("remax", seq(compute_advantages("remax", r, g, reward_baselines=b["baselines"])),
            verl.compute_remax_outcome_advantage(tr.clone(), b["baselines"], m, config=_Config())[0])
 

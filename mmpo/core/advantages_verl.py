@@ -8,6 +8,8 @@ estimators that need per-token inputs take them as keyword settings:
 - ``token_rewards`` ``(N, T)`` (REINFORCE++ only): per-token rewards; without it the sequence
   reward sits on the last masked-in token, as verl places an outcome score.
 - ``reward_baselines`` ``(N,)`` (ReMax): the reward of the greedy rollout of each sample's prompt.
+- ``old_log_probs``, ``sum_pi_squared`` ``(N, T)`` (optimal token baseline): log pi of the sampled
+  tokens and sum_v pi_v^2 at each position, under the rollout policy.
 
 Differences from verl, all documented in docs/core.md: a group of one sample is an error here
 (verl silently uses a baseline of 0), and OPO's length-weighted baseline of a group whose
@@ -32,6 +34,8 @@ VERL_ADVANTAGE_ESTIMATORS = (
     AdvantageEstimator.GRPO_PASSK,
     AdvantageEstimator.GPG,
     AdvantageEstimator.REMAX,
+    AdvantageEstimator.OPTIMAL_TOKEN_BASELINE,
+    AdvantageEstimator.TIR_OPTIMAL_TOKEN_BASELINE,
 )
 
 
@@ -226,3 +230,143 @@ def remax_advantages(rewards: Tensor, index: GroupIndex, *, reward_baselines: Te
     """
     baselines = _check_per_sample("reward_baselines", reward_baselines, rewards)
     return rewards - baselines, {"advantages/remax_baseline_mean": float(baselines.mean())}
+
+
+def reward_to_go(token_rewards: Tensor, mask: Tensor) -> Tensor:
+    """G_t = sum_{k>=t} r_k m_k (undiscounted, masked rewards; verl's OTB / ReMax returns)."""
+    return (token_rewards * mask).flip(-1).cumsum(-1).flip(-1)
+
+
+def _per_group_token_sum(index: GroupIndex, values: Tensor) -> Tensor:
+    """``(N, T)`` -> ``(num_groups, T)`` per-group sums at each token position."""
+    out = torch.zeros(index.num_groups, values.shape[1], dtype=values.dtype, device=values.device)
+    return out.index_add(0, index.inverse, values)
+
+
+def _token_baseline(
+    index: GroupIndex, returns: Tensor, weights: Tensor, valid: Tensor, member: Tensor,
+    *, handle_zero_tail: bool, eps: float,
+) -> Tensor:
+    """B_t = sum_i G_{i,t} W_{i,t} / (sum_i W_{i,t} + eps) over the group's members at position t.
+
+    ``member`` marks the samples that count (all, or the non-empty ones); a group with fewer
+    than two members gets baseline 0. With ``handle_zero_tail`` the baseline of a group's unique
+    longest member is 0 from the second-longest member's length on (no one else covers it).
+    """
+    weights = weights * valid * member.unsqueeze(-1)
+    baseline_g = _per_group_token_sum(index, returns * weights) / (_per_group_token_sum(index, weights) + eps)
+    members_g = index.sum(member.to(returns.dtype))
+    baseline = torch.where((members_g >= 2)[index.inverse].unsqueeze(-1), baseline_g[index.inverse],
+                           torch.zeros_like(returns))
+    if handle_zero_tail:
+        lengths = torch.where(member, valid.sum(-1), torch.full_like(valid[:, 0], -1.0))
+        longest = index.amax(lengths)
+        is_longest = lengths == longest[index.inverse]
+        unique = index.sum(is_longest.to(lengths.dtype)) == 1
+        second = index.amax(torch.where(is_longest, torch.full_like(lengths, -torch.inf), lengths))
+        cut = is_longest & unique[index.inverse] & (longest > second)[index.inverse] & member
+        positions = torch.arange(returns.shape[1], device=returns.device).to(returns.dtype)
+        tail = cut.unsqueeze(-1) & (positions.unsqueeze(0) >= second[index.inverse].unsqueeze(-1))
+        baseline = baseline.masked_fill(tail, 0.0)
+    return baseline
+
+
+def _otb_inputs(
+    rewards: Tensor, mask: Tensor, old_log_probs: Tensor, sum_pi_squared: Tensor,
+    token_rewards: Tensor | None, rollout_is_weights: Tensor | None,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """(mask, reward-to-go G, cumulative path-variance proxy W) of the OTB estimators."""
+    mask = _check_per_token("mask", mask, rewards)
+    old_log_probs = _check_per_token("old_log_probs", old_log_probs, rewards)
+    sum_pi_squared = _check_per_token("sum_pi_squared", sum_pi_squared, rewards)
+    if token_rewards is None:
+        token_rewards = outcome_token_rewards(rewards, mask)
+    else:
+        token_rewards = _check_per_token("token_rewards", token_rewards, rewards)
+    # ||s_t||^2 = 1 - 2 pi_t + sum_v pi_v^2: the squared norm of the score of the softmax logits
+    per_token = 1.0 - 2.0 * old_log_probs.exp() + sum_pi_squared
+    if rollout_is_weights is not None:
+        per_token = per_token * _check_per_token("rollout_is_weights", rollout_is_weights, rewards) ** 2
+    return mask, reward_to_go(token_rewards, mask), (per_token * mask).cumsum(-1)
+
+
+@register_advantage_estimator(AdvantageEstimator.OPTIMAL_TOKEN_BASELINE)
+def optimal_token_baseline_advantages(
+    rewards: Tensor,
+    index: GroupIndex,
+    *,
+    mask: Tensor,
+    old_log_probs: Tensor,
+    sum_pi_squared: Tensor,
+    token_rewards: Tensor | None = None,
+    rollout_is_weights: Tensor | None = None,
+    handle_zero_tail: bool = False,
+    baseline_eps: float = 1e-8,
+) -> tuple[Tensor, Metrics]:
+    """Optimal token baseline (verl ``compute_optimal_token_baseline_advantage``).
+
+    G_t = reward-to-go; w_t = 1 - 2 pi_t + sum_v pi_v^2 (times rho_t^2 with rollout IS
+    weights); W_t = sum_{j<=t} w_j; per group and token position t,
+    B_t = sum_i G_{i,t} W_{i,t} / (sum_i W_{i,t} + eps); A_t = (G_t - B_t) on the mask.
+
+    Args:
+        rewards: ``(N,)`` (on the last masked-in token unless ``token_rewards`` is given).
+        index: group index of the N samples.
+        mask: ``(N, T)`` response mask.
+        old_log_probs: ``(N, T)`` log pi of the sampled tokens under the rollout policy.
+        sum_pi_squared: ``(N, T)`` sum over the vocabulary of pi^2 at each position.
+        token_rewards: ``(N, T)`` per-token rewards.
+        rollout_is_weights: ``(N, T)`` truncated IS weights (rollout engine vs trainer), or None.
+        handle_zero_tail: zero the baseline of a group's unique longest completion beyond the
+            second-longest one.
+        baseline_eps: eps of the baseline's denominator (verl: 1e-8).
+
+    Returns:
+        ``(N, T)`` advantages.
+    """
+    mask, returns, weights = _otb_inputs(rewards, mask, old_log_probs, sum_pi_squared, token_rewards,
+                                         rollout_is_weights)
+    member = torch.ones_like(rewards, dtype=torch.bool)
+    baseline = _token_baseline(index, returns, weights, mask, member, handle_zero_tail=handle_zero_tail,
+                               eps=baseline_eps)
+    return (returns - baseline) * mask, {}
+
+
+@register_advantage_estimator(AdvantageEstimator.TIR_OPTIMAL_TOKEN_BASELINE)
+def tir_optimal_token_baseline_advantages(
+    rewards: Tensor,
+    index: GroupIndex,
+    *,
+    mask: Tensor,
+    old_log_probs: Tensor,
+    sum_pi_squared: Tensor,
+    token_rewards: Tensor | None = None,
+    rollout_is_weights: Tensor | None = None,
+    handle_zero_tail: bool = True,
+    baseline_eps: float = 1e-8,
+) -> tuple[Tensor, Metrics]:
+    """Multi-turn (tool-integrated) optimal token baseline (verl
+    ``compute_multi_turn_optimal_token_baseline_advantage``).
+
+    As :func:`optimal_token_baseline_advantages`, but the baseline is aligned by the k-th
+    masked-in token of each completion (not by position), so masks with holes (tool outputs
+    between turns) line up; empty completions leave their group, and a group with fewer than
+    two non-empty completions gets baseline 0. ``handle_zero_tail`` defaults to True (verl).
+    """
+    mask, returns, weights = _otb_inputs(rewards, mask, old_log_probs, sum_pi_squared, token_rewards,
+                                         rollout_is_weights)
+    # compact each row's masked-in tokens to the front: slot k holds the row's k-th valid token
+    lengths = mask.sum(-1).long()
+    width = max(int(lengths.max()), 1)
+    rows, cols = torch.nonzero(mask > 0, as_tuple=True)
+    slots = (mask.cumsum(-1) - 1).long()[rows, cols]
+    compact_returns = torch.zeros(mask.shape[0], width, dtype=returns.dtype, device=returns.device)
+    compact_weights = torch.zeros_like(compact_returns)
+    compact_returns[rows, slots] = returns[rows, cols]
+    compact_weights[rows, slots] = weights[rows, cols]
+    valid = (torch.arange(width, device=mask.device).unsqueeze(0) < lengths.unsqueeze(-1)).to(returns.dtype)
+    baseline = _token_baseline(index, compact_returns, compact_weights, valid, lengths > 0,
+                               handle_zero_tail=handle_zero_tail, eps=baseline_eps)
+    advantages = torch.zeros_like(returns)
+    advantages[rows, cols] = (compact_returns - baseline)[rows, slots]
+    return advantages, {}

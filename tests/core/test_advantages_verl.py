@@ -33,7 +33,7 @@ MASK = _mask([2, 1, 3, 2], 3)
 
 def test_every_verl_name_is_registered():
     assert {e.value for e in VERL_ADVANTAGE_ESTIMATORS} <= set(ADVANTAGE_ESTIMATORS.names())
-    assert len(VERL_ADVANTAGE_ESTIMATORS) == 6
+    assert len(VERL_ADVANTAGE_ESTIMATORS) == 8
 
 
 def test_outcome_reward_sits_on_the_last_masked_in_token():
@@ -130,7 +130,40 @@ def test_remax_subtracts_the_greedy_reward():
         compute_advantages("remax", REWARDS, GROUPS, reward_baselines=torch.zeros(3))
 
 
-@pytest.mark.parametrize("name", ["reinforce_plus_plus", "reinforce_plus_plus_baseline", "opo", "remax"])
+HALF = math.log(0.5)  # pi_t = 0.5 for every sampled token below
+
+
+def test_optimal_token_baseline_hand_values():
+    # row0: 2 tokens, sum pi^2 = 0.5 -> w = 1 - 2*0.5 + 0.5 = 0.5 per token, W = [0.5, 1.0]; G = [1, 1]
+    # row1: 1 token, sum pi^2 = 0.75 -> w = 0.75, W = [0.75]; G = [0]
+    # B_0 = (1*0.5 + 0*0.75) / (0.5 + 0.75 + 1e-8) = 0.4; B_1 = 1*1.0 / (1.0 + 1e-8) (row0 alone)
+    rewards, groups, mask = torch.tensor([1.0, 0.0], dtype=D), torch.tensor([0, 0]), _mask([2, 1], 2)
+    inputs = dict(mask=mask, old_log_probs=torch.full((2, 2), HALF, dtype=D),
+                  sum_pi_squared=torch.tensor([[0.5, 0.5], [0.75, 0.75]], dtype=D))
+    adv = compute_advantages("optimal_token_baseline", rewards, groups, **inputs)
+    expected = [[1 - 0.5 / (1.25 + 1e-8), 1 - 1 / (1 + 1e-8)], [-0.5 / (1.25 + 1e-8), 0.0]]
+    torch.testing.assert_close(adv, torch.tensor(expected, dtype=D), rtol=1e-12, atol=1e-15)
+    # zero tail: row0 is the unique longest (2 > 1): its baseline from position 1 on is 0, A = G = 1
+    cut = compute_advantages("optimal_token_baseline", rewards, groups, handle_zero_tail=True, **inputs)
+    assert cut[0, 1].item() == 1.0 and cut[0, 0].item() == pytest.approx(expected[0][0], rel=1e-12)
+
+
+def test_tir_optimal_token_baseline_aligns_by_valid_token_not_position():
+    # row0 mask [1, 0, 1] (a tool output in the middle), reward 1 on position 2; row1 mask [1, 1, 0], reward 0.
+    # pi = 0.5, sum pi^2 = 0.5: w = 0.5 per valid token. Compacted: row0 W = [0.5, 1.0], G = [1, 1];
+    # row1 W = [0.5, 1.0], G = [0, 0]. Slot k baseline: (1 * W_k) / (2 W_k) = 0.5 -> row0 +0.5, row1 -0.5.
+    rewards, groups = torch.tensor([1.0, 0.0], dtype=D), torch.tensor([3, 3])
+    mask = torch.tensor([[1.0, 0.0, 1.0], [1.0, 1.0, 0.0]], dtype=D)
+    inputs = dict(mask=mask, old_log_probs=torch.full((2, 3), HALF, dtype=D),
+                  sum_pi_squared=torch.full((2, 3), 0.5, dtype=D))
+    adv = compute_advantages("tir_optimal_token_baseline", rewards, groups, **inputs)
+    half = 0.5 / (1.0 + 1e-8)
+    expected = [[1 - half, 0.0, 1 - 1.0 / (2.0 + 1e-8)], [-half, -1.0 / (2.0 + 1e-8), 0.0]]
+    torch.testing.assert_close(adv, torch.tensor(expected, dtype=D), rtol=1e-12, atol=1e-15)
+
+
+@pytest.mark.parametrize("name", ["reinforce_plus_plus", "reinforce_plus_plus_baseline", "opo", "remax",
+                                  "optimal_token_baseline", "tir_optimal_token_baseline"])
 def test_missing_per_token_input_is_a_clear_error(name):
     with pytest.raises(ValueError, match="needs the input"):
         compute_advantages(name, REWARDS, GROUPS)
@@ -145,6 +178,9 @@ def test_shuffling_the_batch_permutes_the_advantages(name):
     extra = {"mask": mask} if name in {"reinforce_plus_plus", "reinforce_plus_plus_baseline", "opo"} else {}
     if name == "remax":
         extra = {"reward_baselines": torch.ones(8, dtype=D)}
+    if name.endswith("optimal_token_baseline"):
+        old = -torch.rand(8, 4, generator=gen, dtype=D)
+        extra = {"mask": mask, "old_log_probs": old, "sum_pi_squared": old.exp() ** 2 + 0.1}
     perm = torch.randperm(8, generator=gen)
     base = compute_advantages(name, rewards, groups, **extra)
     shuffled = compute_advantages(name, rewards[perm], groups[perm], **{k: v[perm] for k, v in extra.items()})

@@ -43,6 +43,9 @@ def test_estimator_loss_aggregation_cross_product(estimator, loss_name, agg):
         settings["mask"] = mask
     if "reward_baselines" in params:  # ReMax: a greedy-rollout reward per sample
         settings["reward_baselines"] = torch.full_like(rewards, 0.5)
+    if "sum_pi_squared" in params:  # optimal token baseline: rollout-policy token statistics
+        settings["old_log_probs"] = old
+        settings["sum_pi_squared"] = old.exp() ** 2 + 0.05
     adv = compute_advantages(estimator, rewards, groups, **settings)
     assert adv.shape in (rewards.shape, mask.shape) and torch.isfinite(adv).all()
     loss, metrics = policy_loss(loss_name, lp, old, adv, mask, agg=agg)

@@ -41,7 +41,9 @@ def make_inputs() -> dict:
     }
 
 
-def _advantage_inputs(name: str, rewards: torch.Tensor, groups: torch.Tensor, mask: torch.Tensor) -> dict:
+def _advantage_inputs(
+    name: str, rewards: torch.Tensor, groups: torch.Tensor, mask: torch.Tensor, old: torch.Tensor
+) -> dict:
     """Per-estimator inputs derived from the stored batch (so old artifacts need no new inputs)."""
     params = inspect.signature(ADVANTAGE_ESTIMATORS.get(name)).parameters
     settings: dict = {}
@@ -55,6 +57,10 @@ def _advantage_inputs(name: str, rewards: torch.Tensor, groups: torch.Tensor, ma
         for i, g in enumerate(groups.tolist()):
             first.setdefault(g, float(rewards[i]))
         settings["reward_baselines"] = torch.tensor([first[g] for g in groups.tolist()], dtype=rewards.dtype)
+    if "sum_pi_squared" in params:
+        # the sampled token's pi_t and a stand-in sum_v pi_v^2 >= pi_t^2
+        settings["old_log_probs"] = old
+        settings["sum_pi_squared"] = old.exp() ** 2 + 0.05
     return settings
 
 
@@ -65,7 +71,7 @@ def compute(inputs: dict) -> dict:
     mask = torch.tensor(inputs["mask"], dtype=torch.float64)
     out: dict = {"advantages": {}, "losses": {}}
     for name in ADVANTAGE_ESTIMATORS.names():
-        settings = _advantage_inputs(name, rewards, groups, mask)
+        settings = _advantage_inputs(name, rewards, groups, mask, old)
         out["advantages"][name] = compute_advantages(name, rewards, groups, **settings).tolist()
     adv = torch.tensor(out["advantages"]["grpo"], dtype=torch.float64)
     for loss_name in PolicyLoss:
