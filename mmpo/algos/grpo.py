@@ -48,7 +48,7 @@ from mmpo.core import (
     policy_loss,
 )
 from mmpo.vlm.factory import make_reference_model
-from mmpo.vlm.logprobs import completion_log_probs
+from mmpo.vlm.logprobs import completion_log_probs, completion_token_statistics
 from mmpo.vlm.rollout import Rollout, concat_rollouts
 
 log = logging.getLogger(__name__)
@@ -81,8 +81,9 @@ class GRPOModule(VLMPolicyModule):
         norm_len: the constant L of seq-mean-token-sum-norm (Dr.GRPO divides by sequences x L); None = max_new_tokens
             (as the paper and TRL's dr_grpo with max_completion_length), never the step's padded width.
         advantage: advantage estimator name in mmpo.core (grpo, drgrpo, rloo, mapo, reinforce_plus_plus, opo,
-            grpo_passk, gpg, remax, ...); per-token ones get the completion mask, and remax samples one
-            greedy completion per prompt for its baseline (``greedy_reward_baselines``).
+            grpo_passk, gpg, remax, optimal_token_baseline, ...); per-token ones get the completion mask, remax
+            samples one greedy completion per prompt for its baseline (``greedy_reward_baselines``), and the
+            optimal token baselines get the rollout policy's token statistics (``rollout_token_statistics``).
         advantage_eps: epsilon added to the group std (estimators that take eps); None = estimator default.
         mu: inner PPO epochs over each rollout batch.
         minibatch_size: completions per optimizer step (must divide prompts x G); None = the whole rollout.
@@ -238,6 +239,9 @@ class GRPOModule(VLMPolicyModule):
             settings["mask"] = rollout.completion_mask.to(rewards.device)
         if "reward_baselines" in params:
             settings["reward_baselines"] = self.greedy_reward_baselines(rollout).to(rewards.device)
+        if "sum_pi_squared" in params:
+            settings["old_log_probs"], settings["sum_pi_squared"] = (
+                t.to(rewards.device) for t in self.rollout_token_statistics(rollout))
         return compute_advantages_with_metrics(h.advantage, rewards, group_ids, **settings)
 
     def greedy_reward_baselines(self, rollout: Rollout) -> Tensor:
@@ -255,6 +259,21 @@ class GRPOModule(VLMPolicyModule):
         greedy_rewards, _ = self.compute_rewards(greedy)
         by_group = {g: float(r) for g, r in zip(groups, greedy_rewards.tolist())}
         return torch.tensor([by_group[int(g)] for g in rollout.group_ids.tolist()], dtype=torch.float32)
+
+    def rollout_token_statistics(self, rollout: Rollout) -> tuple[Tensor, Tensor]:
+        """(N, T) log pi of the sampled tokens and sum_v pi_v^2 under the current (rollout) policy.
+
+        The optimal token baseline's inputs: one extra no-grad forward over the rollout, in
+        micro-batches of ``micro_batch_size``.
+        """
+        h = self.hparams
+        parts = []
+        for idx in _chunks(len(rollout), h.micro_batch_size or len(rollout)):
+            part = rollout.select(idx).to(self.device)
+            parts.append(completion_token_statistics(
+                self.model, part.prompt_inputs, part.completion_ids, part.completion_mask,
+                chunk_size=h.logprob_chunk_size, temperature=h.temperature))
+        return torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
 
     def extra_loss_terms(
         self, minibatch: Rollout, outputs: Mapping[str, Any]

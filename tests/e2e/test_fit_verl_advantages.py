@@ -18,7 +18,8 @@ from mmpo.vlm.factory import build_tiny_vlm
 
 REPO = Path(__file__).resolve().parents[2]
 CONFIG = REPO / "configs" / "vlm" / "grpo_tiny.yaml"
-PER_TOKEN = {"reinforce_plus_plus", "reinforce_plus_plus_baseline"}
+PER_TOKEN = {"reinforce_plus_plus", "reinforce_plus_plus_baseline", "optimal_token_baseline",
+             "tir_optimal_token_baseline"}
 
 
 @pytest.fixture(scope="module")
@@ -29,7 +30,7 @@ def tiny_path(tmp_path_factory):
 
 
 @pytest.mark.parametrize("name", ["reinforce_plus_plus", "reinforce_plus_plus_baseline", "opo", "grpo_passk",
-                                  "gpg", "remax"])
+                                  "gpg", "remax", "optimal_token_baseline", "tir_optimal_token_baseline"])
 def test_verl_advantage_trains_two_steps(name, tiny_path, tmp_path, monkeypatch):
     from mmpo.algos.grpo import GRPOModule
 
@@ -37,6 +38,12 @@ def test_verl_advantage_trains_two_steps(name, tiny_path, tmp_path, monkeypatch)
     original = GRPOModule.compute_advantages
     original_baselines = GRPOModule.greedy_reward_baselines
     greedy: list[torch.Tensor] = []
+    original_stats = GRPOModule.rollout_token_statistics
+    stats: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    def recording_stats(self, rollout):
+        stats.append(original_stats(self, rollout))
+        return stats[-1]
 
     def recording_baselines(self, rollout):
         greedy.append(original_baselines(self, rollout))
@@ -50,6 +57,7 @@ def test_verl_advantage_trains_two_steps(name, tiny_path, tmp_path, monkeypatch)
 
     monkeypatch.setattr(GRPOModule, "compute_advantages", recording)
     monkeypatch.setattr(GRPOModule, "greedy_reward_baselines", recording_baselines)
+    monkeypatch.setattr(GRPOModule, "rollout_token_statistics", recording_stats)
     run = tmp_path / "run"
     assert main([
         "fit", "-c", str(CONFIG), f"--model.init_args.model_path={tiny_path}", "--model.init_args.output_dir=null",
@@ -63,11 +71,16 @@ def test_verl_advantage_trains_two_steps(name, tiny_path, tmp_path, monkeypatch)
 
     assert len(seen) == 2  # one rollout per optimizer step
     assert len(greedy) == (2 if name == "remax" else 0)  # the extra greedy rollout only for ReMax
+    assert len(stats) == (2 if name.endswith("optimal_token_baseline") else 0)  # the extra forward only for OTB
     for step, record in enumerate(seen):
         mask = record["mask"].float()
         inputs = {"mask": mask} if name in PER_TOKEN | {"opo"} else {}
         if name == "remax":
             inputs = {"reward_baselines": greedy[step]}
+        if name.endswith("optimal_token_baseline"):
+            old_log_probs, sum_pi_squared = stats[step]
+            assert bool((sum_pi_squared[mask > 0] <= 1).all()) and bool((old_log_probs[mask > 0] <= 0).all())
+            inputs["old_log_probs"], inputs["sum_pi_squared"] = old_log_probs, sum_pi_squared
         expected = compute_advantages(name, record["rewards"], record["group_ids"], **inputs)
         torch.testing.assert_close(record["advantages"], expected)
         assert record["advantages"].shape == (mask.shape if name in PER_TOKEN else mask.shape[:1])
