@@ -4,7 +4,8 @@ Pieces (each a pure function behind a name registry where there are variants):
 
 - advantages: :func:`compute_advantages` (``grpo``, ``drgrpo``, ``rloo``, ``mapo``,
   ``mapo_apd``, ``mapo_random_lambda``), :func:`gae`; verl's estimators (``reinforce_plus_plus``,
-  ``reinforce_plus_plus_baseline``, ``opo``, ``grpo_passk``, ``gpg``, ``remax``) in
+  ``reinforce_plus_plus_baseline``, ``opo``, ``grpo_passk``, ``gpg``, ``remax``,
+  ``optimal_token_baseline``, ``tir_optimal_token_baseline``) in
   :mod:`mmpo.core.advantages_verl`.
 - policy losses: :func:`policy_loss` (``ppo``, ``gspo``, ``gmpo``, ``gppo``, ``dcpo``,
   ``aspo``, ``cispo``, ``igpo_sequence``) returning ``(loss, metrics)``; new ones state only
