@@ -5,15 +5,15 @@ estimators that need per-token inputs take them as keyword settings:
 
 - ``mask`` ``(N, T)``: the response mask (1 on completion tokens). Estimators taking it may
   return ``(N, T)`` per-token advantages (zero off the mask); the policy loss accepts both.
-- ``token_rewards`` ``(N, T)`` (REINFORCE++ only): per-token rewards; without it the sequence
+- ``token_rewards`` ``(N, T)`` (REINFORCE++, optimal token baseline): per-token rewards; without it the sequence
   reward sits on the last masked-in token, as verl places an outcome score.
 - ``reward_baselines`` ``(N,)`` (ReMax): the reward of the greedy rollout of each sample's prompt.
 - ``old_log_probs``, ``sum_pi_squared`` ``(N, T)`` (optimal token baseline): log pi of the sampled
   tokens and sum_v pi_v^2 at each position, under the rollout policy.
 
-Differences from verl, all documented in docs/core.md: a group of one sample is an error here
-(verl silently uses a baseline of 0), and OPO's length-weighted baseline of a group whose
-completions are all empty is 0 (verl divides 0 by 0).
+Differences from verl (all in docs/core.md, "verl's estimators"): a group of one sample is an
+error here (verl silently uses a baseline of 0), and OPO's length-weighted baseline of a group
+whose completions are all empty is 0 (verl divides 0 by 0).
 """
 
 from __future__ import annotations
