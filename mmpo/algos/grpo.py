@@ -48,7 +48,7 @@ from mmpo.core import (
     policy_loss,
 )
 from mmpo.vlm.factory import make_reference_model
-from mmpo.vlm.logprobs import completion_log_probs
+from mmpo.vlm.logprobs import completion_log_probs, completion_token_statistics
 from mmpo.vlm.rollout import Rollout, concat_rollouts
 
 log = logging.getLogger(__name__)
@@ -82,7 +82,10 @@ class GRPOModule(VLMPolicyModule):
         agg: loss aggregation: token-mean, seq-mean-token-mean, seq-mean-token-sum, seq-mean-token-sum-norm.
         norm_len: the constant L of seq-mean-token-sum-norm (Dr.GRPO divides by sequences x L); None = max_new_tokens
             (as the paper and TRL's dr_grpo with max_completion_length), never the step's padded width.
-        advantage: advantage estimator name in mmpo.core (grpo, drgrpo, rloo, mapo, ...).
+        advantage: advantage estimator name in mmpo.core (grpo, drgrpo, rloo, mapo, reinforce_plus_plus, opo,
+            grpo_passk, gpg, remax, optimal_token_baseline, ...); per-token ones get the completion mask, remax
+            samples one greedy completion per prompt for its baseline (``greedy_reward_baselines``), and the
+            optimal token baselines get the rollout policy's token statistics (``rollout_token_statistics``).
         advantage_eps: epsilon added to the group std (estimators that take eps); None = estimator default.
         mu: inner PPO epochs over each rollout batch.
         minibatch_size: completions per optimizer step (must divide prompts x G); None = the whole rollout.
@@ -230,9 +233,49 @@ class GRPOModule(VLMPolicyModule):
         h = self.hparams
         settings: dict[str, Any] = {}
         estimator = ADVANTAGE_ESTIMATORS.get(h.advantage)
-        if h.advantage_eps is not None and "eps" in inspect.signature(estimator).parameters:
+        params = inspect.signature(estimator).parameters
+        if h.advantage_eps is not None and "eps" in params:
             settings["eps"] = h.advantage_eps
+        # per-token and extra-rollout inputs, only for the estimators that take them (verl's)
+        if "mask" in params:
+            settings["mask"] = rollout.completion_mask.to(rewards.device)
+        if "reward_baselines" in params:
+            settings["reward_baselines"] = self.greedy_reward_baselines(rollout).to(rewards.device)
+        if "sum_pi_squared" in params:
+            settings["old_log_probs"], settings["sum_pi_squared"] = (
+                t.to(rewards.device) for t in self.rollout_token_statistics(rollout))
         return compute_advantages_with_metrics(h.advantage, rewards, group_ids, **settings)
+
+    def greedy_reward_baselines(self, rollout: Rollout) -> Tensor:
+        """(N,) ReMax baseline: the reward of one greedy completion of each sample's prompt.
+
+        One extra greedy rollout per distinct prompt (not per sample), same length budget as
+        the sampled ones, scored by the same reward functions; no gradient flows through it.
+        """
+        first: dict[int, int] = {}  # group id -> position of its first sample (its row)
+        for position, group in enumerate(rollout.group_ids.tolist()):
+            first.setdefault(int(group), position)
+        groups = sorted(first)
+        greedy = self.engine.generate([rollout.rows[first[g]] for g in groups], num_samples=1,
+                                      max_new_tokens=self.hparams.max_new_tokens, do_sample=False)
+        greedy_rewards, _ = self.compute_rewards(greedy)
+        by_group = {g: float(r) for g, r in zip(groups, greedy_rewards.tolist())}
+        return torch.tensor([by_group[int(g)] for g in rollout.group_ids.tolist()], dtype=torch.float32)
+
+    def rollout_token_statistics(self, rollout: Rollout) -> tuple[Tensor, Tensor]:
+        """(N, T) log pi of the sampled tokens and sum_v pi_v^2 under the current (rollout) policy.
+
+        The optimal token baseline's inputs: one extra no-grad forward over the rollout, in
+        micro-batches of ``micro_batch_size``.
+        """
+        h = self.hparams
+        parts = []
+        for idx in _chunks(len(rollout), h.micro_batch_size or len(rollout)):
+            part = rollout.select(idx).to(self.device)
+            parts.append(completion_token_statistics(
+                self.model, part.prompt_inputs, part.completion_ids, part.completion_mask,
+                chunk_size=h.logprob_chunk_size, temperature=h.temperature))
+        return torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
 
     def extra_loss_terms(
         self, minibatch: Rollout, outputs: Mapping[str, Any]

@@ -9,6 +9,7 @@ identically, groups may differ in size, and a group of one sample is an error.
 
 from __future__ import annotations
 
+import inspect
 from enum import Enum
 from typing import Callable
 
@@ -32,6 +33,15 @@ class AdvantageEstimator(str, Enum):
     MAPO = "mapo"
     MAPO_APD = "mapo_apd"
     MAPO_RANDOM_LAMBDA = "mapo_random_lambda"
+    # verl's estimators, registered in mmpo.core.advantages_verl
+    REINFORCE_PLUS_PLUS = "reinforce_plus_plus"
+    REINFORCE_PLUS_PLUS_BASELINE = "reinforce_plus_plus_baseline"
+    OPO = "opo"
+    GRPO_PASSK = "grpo_passk"
+    GPG = "gpg"
+    REMAX = "remax"
+    OPTIMAL_TOKEN_BASELINE = "optimal_token_baseline"
+    TIR_OPTIMAL_TOKEN_BASELINE = "tir_optimal_token_baseline"
 
 
 ADVANTAGE_ESTIMATORS: Registry[AdvantageFn] = Registry("advantage estimator")
@@ -72,6 +82,12 @@ def compute_advantages_with_metrics(
     fn = ADVANTAGE_ESTIMATORS.get(name)
     key = name.value if isinstance(name, Enum) else name
     check_settings(fn, settings, family="advantage estimator", name=key, num_tensor_args=2)
+    # per-token inputs (``mask``, ``reward_baselines``) are required settings of some estimators
+    missing = [p.name for p in inspect.signature(fn).parameters.values()
+               if p.kind is inspect.Parameter.KEYWORD_ONLY and p.default is inspect.Parameter.empty
+               and p.name not in settings]
+    if missing:
+        raise ValueError(f"advantage estimator {key!r} needs the input(s) {missing}")
     rewards = _float_rewards(rewards)
     index = build_group_index(group_ids.to(rewards.device), num_samples=rewards.numel())
     advantages, metrics = fn(rewards, index, **settings)

@@ -108,3 +108,36 @@ def completion_log_probs(
         log_probs, entropy = result
         return log_probs, entropy
     return result, None
+
+
+@torch.no_grad()
+def completion_token_statistics(
+    model: Any,
+    prompt_inputs: Mapping[str, Any],
+    completion_ids: Tensor,
+    completion_mask: Tensor,
+    *,
+    chunk_size: int = DEFAULT_LOGPROB_CHUNK,
+    temperature: float = 1.0,
+) -> tuple[Tensor, Tensor]:
+    """(log pi of each completion token, sum_v pi_v^2) at every completion position, no gradient.
+
+    The optimal token baseline's inputs (``advantage: optimal_token_baseline``): the squared
+    norm of the softmax score is 1 - 2 pi_t + sum_v pi_v^2. Chunked over positions like
+    :func:`completion_log_probs`, so the full (N, T, V) tensor never exists.
+
+    Returns:
+        ``(log_probs (N, T) float32, sum_pi_squared (N, T) float32)``.
+    """
+    hidden = completion_hidden_states(model, prompt_inputs, completion_ids, completion_mask)
+    head = model.get_output_embeddings()
+    flat = hidden.reshape(-1, hidden.shape[-1])
+    tokens = completion_ids.to(hidden.device).reshape(-1, 1)
+    log_probs, sum_squares = [], []
+    for start in range(0, flat.shape[0], chunk_size):
+        logits = torch.nn.functional.linear(flat[start : start + chunk_size], head.weight, getattr(head, "bias", None))
+        log_softmax = (logits.float() / temperature).log_softmax(-1)
+        log_probs.append(log_softmax.gather(-1, tokens[start : start + chunk_size]).squeeze(-1))
+        sum_squares.append((2.0 * log_softmax).exp().sum(-1))
+    shape = completion_ids.shape
+    return torch.cat(log_probs).reshape(shape), torch.cat(sum_squares).reshape(shape)

@@ -1,10 +1,13 @@
 """Every advantage estimator x every policy loss x every aggregation: shapes, finiteness, gradients,
 and micro-batch / global-count additivity for every loss."""
 
+import inspect
+
 import pytest
 import torch
 
 from mmpo.core import (
+    ADVANTAGE_ESTIMATORS,
     AGGREGATION_MODES,
     BATCH_COUPLED_LOSSES,
     AdvantageEstimator,
@@ -36,8 +39,16 @@ def _batch(seed: int = 0):
 def test_estimator_loss_aggregation_cross_product(estimator, loss_name, agg):
     rewards, groups, lp, old, mask = _batch()
     settings = {"generator": torch.Generator().manual_seed(0)} if estimator == "mapo_random_lambda" else {}
+    params = inspect.signature(ADVANTAGE_ESTIMATORS.get(estimator)).parameters
+    if "mask" in params:  # per-token estimators (verl's) take the response mask, may return (N, T)
+        settings["mask"] = mask
+    if "reward_baselines" in params:  # ReMax: a greedy-rollout reward per sample
+        settings["reward_baselines"] = torch.full_like(rewards, 0.5)
+    if "sum_pi_squared" in params:  # optimal token baseline: rollout-policy token statistics
+        settings["old_log_probs"] = old
+        settings["sum_pi_squared"] = old.exp() ** 2 + 0.05
     adv = compute_advantages(estimator, rewards, groups, **settings)
-    assert adv.shape == rewards.shape and torch.isfinite(adv).all()
+    assert adv.shape in (rewards.shape, mask.shape) and torch.isfinite(adv).all()
     loss, metrics = policy_loss(loss_name, lp, old, adv, mask, agg=agg)
     assert loss.ndim == 0 and torch.isfinite(loss)
     for key in ("clipfrac", "clipfrac_low", "clipfrac_high", "approx_kl", "ratio_mean", "ratio_min", "ratio_max"):

@@ -12,13 +12,14 @@ the commit message:
 
 from __future__ import annotations
 
+import inspect
 import json
 import sys
 from pathlib import Path
 
 import torch
 
-from mmpo.core import AGGREGATION_MODES, AdvantageEstimator, PolicyLoss, compute_advantages, policy_loss
+from mmpo.core import ADVANTAGE_ESTIMATORS, AGGREGATION_MODES, PolicyLoss, compute_advantages, policy_loss
 
 HERE = Path(__file__).parent
 
@@ -40,15 +41,38 @@ def make_inputs() -> dict:
     }
 
 
+def _advantage_inputs(
+    name: str, rewards: torch.Tensor, groups: torch.Tensor, mask: torch.Tensor, old: torch.Tensor
+) -> dict:
+    """Per-estimator inputs derived from the stored batch (so old artifacts need no new inputs)."""
+    params = inspect.signature(ADVANTAGE_ESTIMATORS.get(name)).parameters
+    settings: dict = {}
+    if name == "mapo_random_lambda":
+        settings["generator"] = torch.Generator().manual_seed(0)
+    if "mask" in params:
+        settings["mask"] = mask
+    if "reward_baselines" in params:
+        # stand-in greedy reward: the reward of the first sample of each group
+        first = {}
+        for i, g in enumerate(groups.tolist()):
+            first.setdefault(g, float(rewards[i]))
+        settings["reward_baselines"] = torch.tensor([first[g] for g in groups.tolist()], dtype=rewards.dtype)
+    if "sum_pi_squared" in params:
+        # the sampled token's pi_t and a stand-in sum_v pi_v^2 >= pi_t^2
+        settings["old_log_probs"] = old
+        settings["sum_pi_squared"] = old.exp() ** 2 + 0.05
+    return settings
+
+
 def compute(inputs: dict) -> dict:
     rewards = torch.tensor(inputs["rewards"], dtype=torch.float64)
     groups = torch.tensor(inputs["group_ids"])
     old = torch.tensor(inputs["old_log_probs"], dtype=torch.float64)
     mask = torch.tensor(inputs["mask"], dtype=torch.float64)
     out: dict = {"advantages": {}, "losses": {}}
-    for est in AdvantageEstimator:
-        settings = {"generator": torch.Generator().manual_seed(0)} if est.value == "mapo_random_lambda" else {}
-        out["advantages"][est.value] = compute_advantages(est.value, rewards, groups, **settings).tolist()
+    for name in ADVANTAGE_ESTIMATORS.names():
+        settings = _advantage_inputs(name, rewards, groups, mask, old)
+        out["advantages"][name] = compute_advantages(name, rewards, groups, **settings).tolist()
     adv = torch.tensor(out["advantages"]["grpo"], dtype=torch.float64)
     for loss_name in PolicyLoss:
         for agg in AGGREGATION_MODES:
