@@ -76,8 +76,8 @@ class StepProgressBar(TQDMProgressBar):
         self._total: int | None = None
 
     def description(self, trainer: "pl.Trainer") -> str:
-        """The bar's text before the bar: ``step <global_step>/<total>``."""
-        return step_description(trainer.global_step, run_total_steps(trainer))
+        """The bar's text before the bar: ``step <global_step>/<total>`` (total known from the fit's start)."""
+        return step_description(trainer.global_step, self._total)
 
     def get_metrics(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> dict[str, Any]:
         return chosen_metrics(trainer.progress_bar_metrics, self.metric_keys, self.max_metrics)

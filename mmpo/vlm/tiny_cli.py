@@ -48,7 +48,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def build_tiny_to(out: Path, *, seed: int, overwrite: bool, sizes: dict[str, int]) -> Path:
-    """Build into a temporary sibling of ``out``, then rename it into place (replacing ``out`` only if ``overwrite``)."""
+    """Build into a temporary sibling of ``out``, then rename it into place (replaces ``out`` only if ``overwrite``)."""
     if out.exists() and not overwrite:
         raise FileExistsError(f"{out} already exists; pass --overwrite to replace it")
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -172,7 +172,7 @@ class RobosuiteGymEnv(gym.Env):
         return self._convert(raw), float(reward), terminated, False, {"success": success}
 
     def render(self) -> np.ndarray | None:
-        """(image_size, image_size, 3) uint8 frame from robosuite's default ``frontview`` camera (``render=True`` only)."""
+        """(image_size, image_size, 3) uint8 frame from robosuite's default ``frontview`` camera (``render=True``)."""
         if not self.render_enabled:
             return None
         try:

@@ -170,6 +170,7 @@ def test_build_tiny_output_fits_the_tiny_sft_config(built_tiny, tmp_path):
         f"--model.init_args.model_path={built_tiny}", f"--model.init_args.output_dir={run / 'hf'}",
         f"--trainer.default_root_dir={run}", f"--trainer.logger.init_args.save_dir={run}",
         f"--trainer.callbacks.init_args.dirpath={run / 'ckpt'}", "--trainer.max_steps=1",
+        "--trainer.log_every_n_steps=1",
         "--trainer.enable_progress_bar=false", "--data.init_args.tasks=[count_shapes]",
         "--data.init_args.train_size=4", "--data.init_args.val_size=2", "--data.init_args.batch_size=2",
     ]) == 0
