@@ -91,6 +91,7 @@ def test_step_progress_bar_over_a_max_steps_fit(tmp_path, capsys):
 
 
 def _cli_trainer(tmp_path: Path, *extra: str) -> Trainer:
+    quiet_lightning_notices()  # args given inside pytest: Lightning's args-vs-sys.argv warning is expected
     cli = MMPOLightningCLI(BoringModel, BoringDataModule, run=False,
                            args=["--trainer.accelerator=cpu", f"--trainer.default_root_dir={tmp_path}", *extra])
     return cli.trainer
