@@ -90,6 +90,22 @@ def test_step_progress_bar_over_a_max_steps_fit(tmp_path, capsys):
     assert not any("Epoch" in line or "Training" in line or "m4" in line for line in lines)
 
 
+def test_step_progress_bar_resumes_at_the_restored_step(tmp_path, capsys):
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    def trainer(max_steps: int) -> Trainer:
+        return Trainer(accelerator="cpu", max_steps=max_steps, logger=False, enable_model_summary=False,
+                       limit_val_batches=0, default_root_dir=tmp_path,
+                       callbacks=[StepProgressBar(), ModelCheckpoint(dirpath=tmp_path, save_last=True)])
+
+    trainer(3).fit(BoringModel(), datamodule=BoringDataModule())
+    capsys.readouterr()
+    resumed = trainer(5)
+    resumed.fit(BoringModel(), datamodule=BoringDataModule(), ckpt_path=tmp_path / "last.ckpt")
+    lines = [line.strip() for line in capsys.readouterr().out.replace("\r", "\n").splitlines() if line.strip()]
+    assert lines[0].startswith("step 3/5: |") and lines[-1].startswith("step 5/5: |")
+
+
 def _cli_trainer(tmp_path: Path, *extra: str) -> Trainer:
     quiet_lightning_notices()  # args given inside pytest: Lightning's args-vs-sys.argv warning is expected
     cli = MMPOLightningCLI(BoringModel, BoringDataModule, run=False,
