@@ -18,6 +18,7 @@ LIGHTNING_SUBCOMMANDS = ("fit", "validate", "test", "predict")
 # sub-command -> ("module:function", one-line help). Each function takes argv.
 PROGRAM_SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "quickstart": ("mmpo.quickstart:main", "build a tiny VLM, SFT warm-up, GRPO, evaluate and plot (CPU)"),
+    "build-tiny": ("mmpo.vlm.tiny_cli:main", "build the tiny Qwen2.5-VL the tiny VLM configs start from (CPU)"),
     "eval": ("mmpo.eval.cli:main", "evaluate a checkpoint on registered benchmarks"),
     "demos": ("robotics.cli:demos_main", "generate scripted demonstrations in robomimic's HDF5 layout"),
     "rollout": ("robotics.cli:rollout_main", "roll out a robot policy checkpoint, optionally recording a video"),
@@ -37,19 +38,17 @@ def lightning_main(argv: Sequence[str]) -> None:
     config mistakes end in one ``mmpo <cmd>: error: key: ...`` line with exit code 2
     (mmpo.training.cli_errors).
     """
-    import warnings
-
     from lightning.pytorch import LightningDataModule, LightningModule
 
     from mmpo.training.cli_errors import ConfigErrorsMixin
     from mmpo.training.cli_support import MMPOLightningCLI
+    from mmpo.training.quiet import quiet_lightning_notices
     from mmpo.training.resume_args import ResumeArgsMixin
 
     class MMPOCli(ResumeArgsMixin, ConfigErrorsMixin, MMPOLightningCLI):
         pass
 
-    # `mmpo` passes its own argv on purpose; Lightning's "args and sys.argv both given" warning is noise here
-    warnings.filterwarnings("ignore", message="LightningCLI's args parameter is intended")
+    quiet_lightning_notices()  # the args-vs-sys.argv warning, the litlogger tip, Lightning's _pytree warning
     MMPOCli(
         LightningModule,
         LightningDataModule,
@@ -60,8 +59,20 @@ def lightning_main(argv: Sequence[str]) -> None:
     )
 
 
+def package_version() -> str:
+    """The installed distribution's version (``mmpo.__version__`` when run from a source tree)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("mmpo")
+    except PackageNotFoundError:
+        from mmpo import __version__
+
+        return __version__
+
+
 def _usage() -> str:
-    lines = ["usage: mmpo <command> [options]", "", "commands:"]
+    lines = ["usage: mmpo <command> [options]", "       mmpo --version", "", "commands:"]
     for name in LIGHTNING_SUBCOMMANDS:
         lines.append(f"  {name:<11} Lightning {name} from a YAML config (-c configs/...)")
     for name, (_, help_text) in PROGRAM_SUBCOMMANDS.items():
@@ -75,6 +86,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help"):
         print(_usage())
+        return 0
+    if argv[0] in ("-V", "--version"):
+        print(f"mmpo {package_version()}")
         return 0
     command, rest = argv[0], argv[1:]
     if command in LIGHTNING_SUBCOMMANDS:

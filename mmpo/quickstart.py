@@ -18,7 +18,8 @@ kept: each resume logs to a new ``logs/version_N`` and the curve joins them). ``
 an existing ``--out`` aside to ``OUT.old-<time>`` and starts over. ``--out`` is locked while a
 run writes it.
 
-The default budget targets ~15 minutes on 2 CPU cores; ``--tiny`` is a seconds-long smoke run
+The default budget takes about 3 minutes on 2 idle CPU cores (2:23 measured, bench/RESULTS.md
+"Quickstart"; up to ~10 minutes when the cores are busy); ``--tiny`` is a seconds-long smoke run
 (it checks the plumbing, not learning).
 """
 
@@ -43,7 +44,7 @@ class StaleOutputError(ValueError):
 
 @dataclass(frozen=True)
 class QuickstartConfig:
-    """Budget of one quickstart run (defaults: the ~15 minute CPU run)."""
+    """Budget of one quickstart run (defaults: the ~3 minute CPU run)."""
 
     tasks: tuple[str, ...] = ("count_shapes", "compare_size", "bar_chart")
     """synthetic tasks to train and evaluate on (``mmpo.data.synthetic.TASKS``)."""
@@ -101,7 +102,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="mmpo quickstart",
         description="Build a tiny VLM, evaluate, SFT warm-up, evaluate, GRPO, evaluate; print the table and "
-        "save plots. ~15 minutes on 2 CPU cores (the default); seconds with --tiny.",
+        "save plots. About 3 minutes on 2 idle CPU cores (up to ~10 when they are busy); seconds with --tiny.",
     )
     parser.add_argument("--out", default="runs/quickstart", help="output directory (default: runs/quickstart)")
     parser.add_argument("--tiny", action="store_true", help="seconds-long smoke run (checks plumbing, not learning)")
@@ -183,14 +184,18 @@ def _trainer(stage_dir: Path, *, max_steps: int, progress: bool, val_every: int 
     from lightning.pytorch.loggers import CSVLogger
 
     from mmpo.training.checkpoint import VerifiedCheckpointIO
+    from mmpo.training.progress import StepProgressBar
+    from mmpo.training.quiet import quiet_lightning_notices
     from mmpo.training.run_lock import RunDirectoryLock
 
+    quiet_lightning_notices()
     checkpoint = ModelCheckpoint(dirpath=stage_dir / "checkpoints", save_last=True, save_top_k=0,
                                  every_n_train_steps=max(1, min(50, max_steps // 4 or 1)))
     return Trainer(
         accelerator="cpu", devices=1, max_steps=max_steps, max_epochs=-1,
         logger=CSVLogger(stage_dir, name="logs", flush_logs_every_n_steps=1),
-        callbacks=[checkpoint, RunDirectoryLock()], plugins=[VerifiedCheckpointIO()],
+        callbacks=[checkpoint, RunDirectoryLock(), *([StepProgressBar()] if progress else [])],
+        plugins=[VerifiedCheckpointIO()],
         log_every_n_steps=1, enable_progress_bar=progress, enable_model_summary=False,
         num_sanity_val_steps=0, default_root_dir=stage_dir,
         val_check_interval=val_every, check_val_every_n_epoch=None if val_every else 1,

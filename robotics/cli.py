@@ -23,7 +23,8 @@ def _demos_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--task", required=True, choices=["lift", "can"], help="robosuite task")
     parser.add_argument("--num-demos", type=int, required=True, help="demos to write (successful ones)")
-    parser.add_argument("--noise", type=float, default=0.0, help="std of Gaussian noise on expert actions")
+    parser.add_argument("--noise", type=float, default=0.0, help="std of Gaussian noise on expert actions (default 0: the clean expert; "
+                        "0.3-0.5 gives imperfect demos, a BC start that DPPO can improve on)")
     parser.add_argument("--out", required=True, help="output .hdf5 path")
     parser.add_argument("--seed", type=int, default=0, help="seed for layouts and noise")
     parser.add_argument("--max-steps", type=int, default=None, help="episode cap (default: task limit, 300)")

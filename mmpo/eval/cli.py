@@ -22,10 +22,13 @@ from mmpo.eval.registry import DEFAULT_SYNTH_SEED, DEFAULT_SYNTH_SIZE
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="mmpo eval",
+        usage="%(prog)s --model PATH --benchmarks NAMES --out DIR [options]\n       %(prog)s --list",
         description="Evaluate a VLM or dLLM checkpoint: accuracy, avg@k and pass@k per benchmark. "
         "Writes results.json, results.md, accuracy.png and predictions/*.jsonl under --out.",
     )
     parser.add_argument("--model", required=True, help="checkpoint: a save_pretrained directory or a dLLM checkpoint")
+    parser.add_argument("--list", action="store_true",
+                        help="print the registered benchmarks and exit (needs no other option)")
     parser.add_argument("--benchmarks", required=True,
                         help="comma-separated names: synth/all, synth/<task>, file:<path>, or a registered name "
                              "such as mathvista_testmini (`--list` shows them and the files each expects)")
@@ -40,7 +43,10 @@ def build_parser() -> argparse.ArgumentParser:
     decoding.add_argument("--temperature", type=float, default=None,
                           help="sampling temperature (default: greedy for k=1, 1.0 for k>1)")
     parser.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling threshold")
-    parser.add_argument("--max-new-tokens", type=int, default=128, help="generation budget per answer")
+    parser.add_argument("--max-new-tokens", type=int, default=128,
+                        help="generation budget per answer (default 128: above the tiny configs' training budget "
+                        "of 48-64 so an answer is not cut short by eval alone, yet quick on a CPU; use the "
+                        "training value for real checkpoints, e.g. 2048 for the 7B configs)")
     parser.add_argument("--limit", type=int, default=None, help="evaluate only the first N items of each benchmark")
     parser.add_argument("--batch-size", type=int, default=8, help="prompts per generate call")
     parser.add_argument("--synth-size", type=int, default=DEFAULT_SYNTH_SIZE,
@@ -48,7 +54,15 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--synth-seed", type=int, default=DEFAULT_SYNTH_SEED, help="seed of the synthetic test split")
     parser.add_argument("--seed", type=int, default=0, help="torch seed for sampling")
     parser.add_argument("--device", default=None, help="cpu, cuda, cuda:1, ... (default: cuda when available)")
-    parser.add_argument("--dtype", default="float32", help="VLM weight dtype: float32, bfloat16, float16")
+    parser.add_argument("--dtype", default="float32",
+                        help="VLM weight dtype: float32, bfloat16, float16 (default float32, the training "
+                        "modules' default dtype too; bfloat16 halves memory for real checkpoints on GPUs)")
+    parser.add_argument("--min-pixels", type=int, default=None,
+                        help="VLM image pixel budget, lower bound (as the training modules' min_pixels; "
+                        "default: the saved processor's)")
+    parser.add_argument("--max-pixels", type=int, default=None,
+                        help="VLM image pixel budget, upper bound (as the training modules' max_pixels; "
+                        "default: the saved processor's)")
     parser.add_argument("--threads", type=int, default=None,
                         help="torch CPU threads (default: OMP_NUM_THREADS or torch's default)")
     parser.add_argument("--prompt-style", choices=["think-answer", "steps"], default="think-answer",
@@ -94,6 +108,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             synth_size=args.synth_size, synth_seed=args.synth_seed, seed=args.seed, out_dir=args.out,
             progress=not args.no_progress, device=args.device, dtype=args.dtype,
             system_prompt=system_prompt_for(args.prompt_style), data_dir=args.data_dir,
+            min_pixels=args.min_pixels, max_pixels=args.max_pixels,
         )
     except (UnknownBenchmarkError, NotAModelError, FileNotFoundError, ValueError) as error:
         print(f"mmpo eval: error: {error}", file=sys.stderr)

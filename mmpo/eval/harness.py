@@ -383,6 +383,8 @@ def load_model_for_eval(
     model_type: str | None = None,
     device: str | None = None,
     dtype: str = "float32",
+    min_pixels: int | None = None,
+    max_pixels: int | None = None,
     **gen_kwargs: Any,
 ):
     """Load ``model_path`` for evaluation: ``("vlm", (model, processor))`` or ``("dllm", answerer)``.
@@ -390,6 +392,8 @@ def load_model_for_eval(
     Args:
         device: where a VLM runs (default :func:`default_device`); dLLM answerers place themselves.
         dtype: VLM weight dtype name (``float32``; ``bfloat16`` on GPUs).
+        min_pixels, max_pixels: a VLM's image pixel budget, set on its processor as training does
+            (``load_vlm``); None keeps the saved processor's.
         gen_kwargs: generation settings passed to ``dllm.eval.load_answerer``.
     """
     model_type = model_type or detect_model_type(model_path)
@@ -400,7 +404,8 @@ def load_model_for_eval(
     if not isinstance(getattr(torch, dtype, None), torch.dtype):
         raise ValueError(f"unknown dtype {dtype!r}; use e.g. float32, bfloat16, float16")
     try:
-        model, processor = load_vlm(str(model_path), dtype=getattr(torch, dtype))
+        model, processor = load_vlm(str(model_path), dtype=getattr(torch, dtype), min_pixels=min_pixels,
+                                    max_pixels=max_pixels)
     except (OSError, ValueError, KeyError) as error:
         raise NotAModelError(f"could not load {model_path} as a vision-language model: {error}") from error
     return model_type, (model.to(device or default_device()), processor)
@@ -427,6 +432,8 @@ def evaluate_checkpoint(
     dtype: str = "float32",
     system_prompt: str | None = "default",
     data_dir: str | Path | None = None,
+    min_pixels: int | None = None,
+    max_pixels: int | None = None,
 ) -> dict[str, Any]:
     """Evaluate a saved checkpoint on named benchmarks (see :mod:`mmpo.eval.registry`).
 
@@ -441,6 +448,7 @@ def evaluate_checkpoint(
             from :func:`load_model_for_eval` (skips loading).
         device, dtype: where and in which precision a VLM runs (default: GPU if visible, float32).
         data_dir: folder with the local-file benchmarks' files (``mmpo.eval.benchmarks``).
+        min_pixels, max_pixels: a VLM's image pixel budget (None: the saved processor's).
 
     Returns:
         The results dict described in :mod:`mmpo.eval.reports` (without per-item predictions).
@@ -456,7 +464,8 @@ def evaluate_checkpoint(
     # Resolve every name before loading anything, so a typo fails fast.
     resolved = [resolve_benchmark(name, data_dir=data_dir, **resolve_kwargs) for name in benchmarks]
     model_type, loaded = model if model is not None else load_model_for_eval(
-        model_path, device=device, dtype=dtype, max_new_tokens=max_new_tokens, temperature=temperature)
+        model_path, device=device, dtype=dtype, min_pixels=min_pixels, max_pixels=max_pixels,
+        max_new_tokens=max_new_tokens, temperature=temperature)
     results: dict[str, Any] = {
         "model": str(model_path),
         "model_type": model_type,

@@ -12,6 +12,7 @@ import matplotlib
 matplotlib.use("Agg")  # files only; never needs a display
 
 import matplotlib.pyplot as plt  # noqa: E402
+from matplotlib.ticker import MaxNLocator  # noqa: E402
 
 
 def plot_accuracy_bars(
@@ -148,6 +149,7 @@ def plot_curves(
         if smoothing or (references and key in references):
             axes.legend(fontsize=7)
         axes.set_xlabel("step")
+        axes.xaxis.set_major_locator(MaxNLocator(integer=True))  # steps are integers: no 0.5 ticks
         axes.set_title(key, fontsize=9)
         axes.grid(alpha=0.3)
     figure.suptitle(title)

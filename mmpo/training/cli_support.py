@@ -2,7 +2,8 @@
 
 Every ``mmpo fit|validate|test`` Trainer gets ``VerifiedCheckpointIO`` (atomic, checksummed
 checkpoints that refuse to load when damaged) and ``RunDirectoryLock`` (one run per checkpoint
-directory; ``last.ckpt`` is always the newest run's).
+directory; ``last.ckpt`` is always the newest run's) and, unless the config names a progress bar
+or disables it, ``StepProgressBar`` (``step k/max_steps`` with an ETA) instead of Lightning's.
 """
 
 from __future__ import annotations
@@ -11,9 +12,11 @@ from pathlib import Path
 from typing import Any
 
 from lightning.pytorch import Trainer
+from lightning.pytorch.callbacks import ProgressBar
 from lightning.pytorch.cli import ArgsType, LightningArgumentParser, LightningCLI
 
 from mmpo.training.checkpoint import install_verified_checkpoint_io, refuse_if_damaged
+from mmpo.training.progress import StepProgressBar
 from mmpo.training.run_lock import RunDirectoryLock
 
 
@@ -36,6 +39,22 @@ class MMPOLightningCLI(LightningCLI):
             refuse_if_damaged(ckpt_path)
 
     def instantiate_trainer(self, **kwargs: Any) -> Trainer:
+        # copied before the Trainer is built: it appends its default bar to this very list
+        configured = self._get(self.config_init, "trainer", default={}).get("callbacks") or []
+        configured = list(configured) if isinstance(configured, list) else [configured]
         trainer = super().instantiate_trainer(**kwargs)
         install_verified_checkpoint_io(trainer)
+        replace_default_progress_bar(trainer, configured)
         return trainer
+
+
+def replace_default_progress_bar(trainer: Trainer, configured_callbacks: list[Any]) -> None:
+    """Swap the progress bar Lightning added by default for ``StepProgressBar``.
+
+    A bar the user configured (any ``ProgressBar`` among ``configured_callbacks``) is kept, and with
+    ``enable_progress_bar: false`` there is no bar to swap.
+    """
+    default_bar = trainer.progress_bar_callback
+    if default_bar is None or any(isinstance(cb, ProgressBar) for cb in configured_callbacks):
+        return
+    trainer.callbacks[trainer.callbacks.index(default_bar)] = StepProgressBar()

@@ -28,7 +28,7 @@ def make_env(
         max_episode_steps: time limit in env steps (default: the task's, 300 for lift/can,
             1000 for hopper); reaching it gives ``truncated=True``.
         render: enable offscreen rendering; ``env.render()`` then returns an
-            (image_size, image_size, 3) uint8 frame (robosuite: the ``agentview`` camera).
+            (image_size, image_size, 3) uint8 frame (robosuite: its default ``frontview`` camera).
         camera: robosuite camera name (e.g. "agentview", "robot0_eye_in_hand") to add an
             image to the observation (obs becomes Dict(state, image)); robosuite tasks only.
         image_size: side of camera observations and of ``render()`` frames.

@@ -17,7 +17,7 @@ import numpy as np
 from robotics.envs.robosuite_compat import apply_robosuite_compat
 from robotics.envs.tasks import TaskSpec, robosuite_env_kwargs
 
-DEFAULT_RENDER_CAMERA = "agentview"
+DEFAULT_RENDER_CAMERA = "frontview"  # robosuite.make's default render_camera: the whole arm and table in view
 
 
 def ensure_offscreen_gl() -> str:
@@ -105,6 +105,8 @@ class RobosuiteGymEnv(gym.Env):
         self.env_kwargs = robosuite_env_kwargs(
             spec, max_episode_steps=max_episode_steps, render=render, camera=camera, image_size=image_size
         )
+        # one control step is one rendered frame: videos play in real time at the control frequency
+        self.metadata = {**type(self).metadata, "render_fps": self.env_kwargs["control_freq"]}
         try:
             self.sim_env = robosuite.make(env_name=spec.sim_name, seed=seed, **self.env_kwargs)
         except Exception as error:  # GL failures surface here when camera obs are requested
@@ -170,7 +172,7 @@ class RobosuiteGymEnv(gym.Env):
         return self._convert(raw), float(reward), terminated, False, {"success": success}
 
     def render(self) -> np.ndarray | None:
-        """(image_size, image_size, 3) uint8 frame from the ``agentview`` camera (``render=True`` only)."""
+        """(image_size, image_size, 3) uint8 frame from robosuite's default ``frontview`` camera (``render=True``)."""
         if not self.render_enabled:
             return None
         try:

@@ -96,18 +96,25 @@ def test_dppo_fit_from_config_logs_metrics_and_checkpoints(dppo_checkpoint):
 
 
 def test_rollout_cli_records_a_video(dppo_checkpoint, tmp_path, capsys):
+    """One frame per control step (not per 4-step chunk), 256x256 from robosuite's frontview, 20 fps."""
     video = tmp_path / "lift.mp4"
     code = main(["rollout", "--ckpt", str(dppo_checkpoint), "--task", "lift", "--episodes", "1",
-                 "--max-episode-steps", "8", "--video", str(video), "--image-size", "32"])
+                 "--max-episode-steps", "2", "--video", str(video)])
     assert code == 0
     summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
-    assert summary["kind"] == "dppo" and summary["episodes"] == 1 and summary["frames"] == 3  # reset + 2 chunks
+    # reset + 2 control steps (the time limit cuts the 4-step chunk after 2)
+    assert summary["kind"] == "dppo" and summary["episodes"] == 1 and summary["frames"] == 3
+    assert summary["fps"] == 20.0 and summary["episode_length_mean"] == 2.0
     import imageio.v2 as imageio
 
     reader = imageio.get_reader(video)
-    frames = [frame for frame in reader.iter_data()]
+    fps = reader.get_meta_data()["fps"]
+    frames = [np.asarray(frame) for frame in reader.iter_data()]
     reader.close()
-    assert len(frames) == 3 and np.asarray(frames[0]).std() > 0  # a real rendered scene, not a blank frame
+    assert fps == 20.0  # the Lift control frequency: the video plays in real time
+    assert len(frames) == 3 and frames[0].shape == (256, 256, 3)
+    assert frames[0].std() > 0  # a real rendered scene, not a blank frame
+    assert not list(tmp_path.glob(".*partial*"))  # the temporary file was renamed into place
 
 
 def test_rollout_cli_rejects_bad_input(tmp_path, capsys):
