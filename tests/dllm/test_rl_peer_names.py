@@ -200,3 +200,32 @@ def test_estimators_needing_token_statistics_fail_clearly(start, tmp_path, name)
     with pytest.raises(ValueError, match=rf"advantage '{name}' needs the input\(s\) \['old_log_probs', "
                                          r"'sum_pi_squared'\], which the dLLM module does not compute"):
         _module(start, tmp_path, advantage=name)
+
+
+def test_config_override_trains_two_steps_through_mmpo_fit(start, tmp_path, monkeypatch):
+    """``mmpo fit -c configs/dllm/grpo_tiny.yaml --model.init_args.advantage=opo`` (+ loss / kl_kind) on a tiny model."""
+    import csv
+    from pathlib import Path
+
+    from mmpo.cli import main
+
+    repo = Path(__file__).resolve().parents[2]
+    monkeypatch.chdir(repo)
+    out = tmp_path / "run"
+    main([
+        "fit", "-c", str(repo / "configs/dllm/grpo_tiny.yaml"), f"--model.init_args.model_path={start}",
+        "--model.init_args.warmup_config=null", f"--model.init_args.save_dir={out / 'model'}",
+        f"--trainer.default_root_dir={out}", f"--trainer.callbacks.init_args.dirpath={out / 'ckpt'}",
+        "--model.init_args.advantage=opo", "--model.init_args.loss=sapo", "--model.init_args.kl_kind=low_var_kl",
+        "--model.init_args.group_size=2", "--model.init_args.sampler.gen_length=8", "--model.init_args.sampler.steps=4",
+        "--trainer.max_steps=2", "--trainer.enable_progress_bar=false", "--model.init_args.reward_timeout_s=null",
+        "--trainer.logger=lightning.pytorch.loggers.CSVLogger", f"--trainer.logger.init_args.save_dir={out}",
+        "--data.init_args.batch_size=2", "--data.init_args.train_size=8", "--data.init_args.test_size=4",
+        "--data.init_args.val_size=2",
+    ])
+    with open(sorted(out.rglob("metrics.csv"))[-1]) as handle:
+        rows = [r for r in csv.DictReader(handle) if r.get("losses/policy")]
+    assert len(rows) == 1  # 2 optimizer steps = 1 batch x inner_updates 2
+    assert torch.isfinite(torch.tensor(float(rows[0]["losses/policy"])))
+    hparams = (sorted(out.rglob("hparams.yaml"))[-1]).read_text()
+    assert "advantage: opo" in hparams and "loss: sapo" in hparams and "kl_kind: low_var_kl" in hparams
