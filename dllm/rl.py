@@ -248,7 +248,8 @@ class DiffuGRPO(NonFiniteGuardMixin, MaskPredictorExportHooks, PlainHparamsMixin
         self.settings = dict(
             group_size=group_size, inner_updates=inner_updates, beta=beta, clip_low=clip_low, clip_high=clip_high,
             ratio_level=ratio_level, loss=loss, loss_settings=dict(loss_settings or {}), kl_kind=kl_kind,
-            advantage=advantage, advantage_settings=dict(advantage_settings or {}), loss_agg=loss_agg, p_mask_prompt=p_mask_prompt, masking=masking,
+            advantage=advantage, advantage_settings=dict(advantage_settings or {}), loss_agg=loss_agg,
+            p_mask_prompt=p_mask_prompt, masking=masking,
             diffusion_steps=diffusion_steps, min_timestep=min_timestep, correct_reward=correct_reward,
             format_reward=format_reward, reward_timeout_s=reward_timeout_s, igpo=igpo,
             max_replacements=max_replacements, entropy_keep=entropy_keep, chunk=logprob_chunk_size, seed=seed,

@@ -120,7 +120,8 @@ def test_estimator_values_by_hand(start, tmp_path, scripted):
     assert passk[1:3].tolist() == [0.0, 0.0]
     _step(_module(start, tmp_path, advantage="opo", inner_updates=1))
     # every completion covers all GEN positions: OPO's length-weighted baseline is the group mean (= drgrpo)
-    assert scripted[-1]["advantages"].tolist() == pytest.approx((rewards - rewards.view(2, 3).mean(1).repeat_interleave(3)).tolist())
+    drgrpo = rewards - rewards.view(2, 3).mean(1).repeat_interleave(3)
+    assert scripted[-1]["advantages"].tolist() == pytest.approx(drgrpo.tolist())
     _step(_module(start, tmp_path, advantage="reinforce_plus_plus_baseline", inner_updates=1))
     token_adv = scripted[-1]["advantages"]
     centred = rewards - rewards.view(2, 3).mean(1).repeat_interleave(3)
