@@ -230,3 +230,15 @@ def test_config_override_trains_two_steps_through_mmpo_fit(start, tmp_path, monk
     assert torch.isfinite(torch.tensor(float(rows[0]["losses/policy"])))
     hparams = (sorted(out.rglob("hparams.yaml"))[-1]).read_text()
     assert "advantage: opo" in hparams and "loss: sapo" in hparams and "kl_kind: low_var_kl" in hparams
+
+
+def test_remax_greedy_rollout_leaves_the_sampled_rollouts_unchanged(start, tmp_path):
+    """Real sampler: the greedy baseline rollout (after the sampled ones, on its own generator) does not change
+    what ``advantage: remax`` samples, and its baseline is one value per prompt's group."""
+    plain = _module(start, tmp_path, reward_timeout_s=None).collect(ROWS)
+    remax = _module(start, tmp_path, advantage="remax", reward_timeout_s=None).collect(ROWS)
+    assert torch.equal(plain["completions"], remax["completions"])
+    assert torch.equal(plain["rewards"], remax["rewards"])
+    assert "reward_baselines" not in plain
+    baselines = remax["reward_baselines"]
+    assert baselines.shape == (6,) and torch.equal(baselines, baselines[::3].repeat_interleave(3))
