@@ -218,6 +218,7 @@ def test_config_override_trains_two_steps_through_mmpo_fit(start, tmp_path, monk
         "--model.init_args.warmup_config=null", f"--model.init_args.save_dir={out / 'model'}",
         f"--trainer.default_root_dir={out}", f"--trainer.callbacks.init_args.dirpath={out / 'ckpt'}",
         "--model.init_args.advantage=opo", "--model.init_args.loss=sapo", "--model.init_args.kl_kind=low_var_kl",
+        "--model.init_args.loss_settings={tau_pos: 1.0, tau_neg: 1.2}",
         "--model.init_args.group_size=2", "--model.init_args.sampler.gen_length=8", "--model.init_args.sampler.steps=4",
         "--trainer.max_steps=2", "--trainer.enable_progress_bar=false", "--model.init_args.reward_timeout_s=null",
         "--trainer.logger=lightning.pytorch.loggers.CSVLogger", f"--trainer.logger.init_args.save_dir={out}",
@@ -230,6 +231,7 @@ def test_config_override_trains_two_steps_through_mmpo_fit(start, tmp_path, monk
     assert torch.isfinite(torch.tensor(float(rows[0]["losses/policy"])))
     hparams = (sorted(out.rglob("hparams.yaml"))[-1]).read_text()
     assert "advantage: opo" in hparams and "loss: sapo" in hparams and "kl_kind: low_var_kl" in hparams
+    assert "tau_neg: 1.2" in hparams
 
 
 def test_remax_greedy_rollout_leaves_the_sampled_rollouts_unchanged(start, tmp_path):
