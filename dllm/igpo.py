@@ -9,7 +9,8 @@ IGPO (Inpainting-Guided Policy Optimization, arXiv 2509.10396; ``facebookresearc
 - advantages r - mean over the mixed group (Dr.GRPO, ``mmpo.core`` ``drgrpo``);
 - loss mask: all L completion positions, except hint positions that are not among the
   top ``entropy_keep`` (20%) by old-policy entropy (at least one is kept per sample);
-- ratio: token level (``ppo``) or sequence level, PPO clip 0.2, k3 KL x beta. The official
+- ratio: token level (``ppo``) or sequence level, PPO clip 0.2, k3 KL x beta (``loss`` / ``kl_kind``
+  select any other core loss / KL estimator). The official
   sequence ratio (``use_gspo``) is exp(mean over *all* L positions of l - l_old), broadcast to
   every token and differentiated as a whole, so every position of a kept sequence gets
   gradient, hint tokens dropped by the entropy filter included; the filter then only sets how
@@ -19,12 +20,14 @@ IGPO (Inpainting-Guided Policy Optimization, arXiv 2509.10396; ``facebookresearc
 
 from __future__ import annotations
 
+import inspect
 import math
+from typing import Any
 
 import torch
 from torch import Tensor
 
-from mmpo.core import LossParts, aggregate, kl_penalty, policy_loss
+from mmpo.core import KL_KINDS, POLICY_LOSSES, LossParts, aggregate, kl_penalty, policy_loss
 
 
 def all_wrong_groups(correct: Tensor, group_ids: Tensor) -> Tensor:
@@ -98,6 +101,59 @@ def hint_entropy_filter(hint_mask: Tensor, entropy: Tensor, keep_fraction: float
 RATIO_LEVELS = ("token", "sequence", "sequence_masked")
 # ratio_level -> the core policy loss that implements it
 CORE_LOSS = {"token": "ppo", "sequence": "igpo_sequence", "sequence_masked": "gspo"}
+DEFAULT_RATIO_LEVEL = "sequence"
+CLIP_SETTINGS = ("clip_low", "clip_high")
+DEFAULT_CLIP = 0.2  # IGPO's clip_low = clip_high
+
+
+def resolve_loss(ratio_level: str = DEFAULT_RATIO_LEVEL, loss: str | None = None) -> str:
+    """The core policy loss a (``ratio_level``, ``loss``) pair selects.
+
+    ``loss`` None: ``CORE_LOSS[ratio_level]`` (token -> ``ppo``, sequence -> ``igpo_sequence``,
+    sequence_masked -> ``gspo``). ``loss`` set: that registered core loss, and ``ratio_level`` must
+    be its default ``"sequence"`` (untouched) or name the same loss; any other pair is a conflict.
+    """
+    if ratio_level not in RATIO_LEVELS:
+        raise ValueError(f"ratio_level must be one of {RATIO_LEVELS}, got {ratio_level!r}")
+    if loss is None:
+        return CORE_LOSS[ratio_level]
+    if loss not in POLICY_LOSSES:
+        raise ValueError(f"unknown loss {loss!r}; valid: {POLICY_LOSSES.names()} (or None: chosen by ratio_level)")
+    if ratio_level != DEFAULT_RATIO_LEVEL and CORE_LOSS[ratio_level] != loss:
+        raise ValueError(
+            f"ratio_level {ratio_level!r} selects loss {CORE_LOSS[ratio_level]!r} but loss is {loss!r}: "
+            f"set only one of them (ratio_level {DEFAULT_RATIO_LEVEL!r} leaves the choice to loss)"
+        )
+    return loss
+
+
+def loss_clip_settings(loss: str, clip_low: float, clip_high: float) -> dict[str, float]:
+    """The clip bounds ``loss`` takes (``clip_low`` / ``clip_high`` of its signature), others left out."""
+    params = inspect.signature(POLICY_LOSSES.get(loss)).parameters
+    return {name: value for name, value in zip(CLIP_SETTINGS, (clip_low, clip_high)) if name in params}
+
+
+def check_loss_choice(
+    ratio_level: str, loss: str | None, loss_settings: dict[str, Any] | None, clip_low: float, clip_high: float,
+    kl_kind: str, agg: str,
+) -> str:
+    """The selected core loss, after a dry run on one token so that bad names or settings fail at construction.
+
+    Beyond :func:`resolve_loss`: a loss without clip bounds (sapo, gpg, kl_cov, vespo) refuses
+    clip_low / clip_high other than the default 0.2, which it would ignore.
+    """
+    name = resolve_loss(ratio_level, loss)
+    if kl_kind not in KL_KINDS:
+        raise ValueError(f"unknown kl_kind {kl_kind!r}; valid: {list(KL_KINDS)}")
+    unused = {key: value for key, value in zip(CLIP_SETTINGS, (clip_low, clip_high))
+              if value != DEFAULT_CLIP and key not in loss_clip_settings(name, clip_low, clip_high)}
+    if unused:
+        raise ValueError(f"loss {name!r} has no clip bounds: {unused} would be ignored; leave them at {DEFAULT_CLIP} "
+                         f"or set the loss's own settings in loss_settings")
+    one = torch.zeros(1, 1)
+    igpo_loss(one, one, None, one[:, 0], torch.ones(1, 1), ratio_level=ratio_level, clip_low=clip_low,
+              clip_high=clip_high, beta=0.0, agg=agg, loss=loss, kl_kind=kl_kind, loss_settings=loss_settings)
+    return name
 
 
 def igpo_loss(
@@ -107,13 +163,16 @@ def igpo_loss(
     advantages: Tensor,
     loss_mask: Tensor,
     *,
-    ratio_level: str = "sequence",
+    ratio_level: str = DEFAULT_RATIO_LEVEL,
     clip_low: float = 0.2,
     clip_high: float = 0.2,
     beta: float = 0.01,
     agg: str = "token-mean",
+    loss: str | None = None,
+    kl_kind: str = "k3",
+    loss_settings: dict[str, Any] | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
-    """Clipped policy loss + beta * k3 KL over the (entropy-filtered) loss mask.
+    """Clipped policy loss + beta * KL (``kl_kind``, default k3) over the (entropy-filtered) loss mask.
 
     ``ratio_level="token"``: r_t = exp(l_t - l_old_t) (core ``ppo``).
     ``ratio_level="sequence"``: the official run's s_i = exp(mean over all L positions of
@@ -122,27 +181,30 @@ def igpo_loss(
     reweights (digest 1.4.5).
     ``ratio_level="sequence_masked"``: GSPO-token (core ``gspo``) with s_i averaged over the
     loss mask only: dropped tokens get no gradient.
+    ``loss``: any registered core policy loss instead (see :func:`resolve_loss` for how it combines
+    with ``ratio_level``); ``igpo_sequence`` always takes its ratio over all L positions, as above.
+    ``clip_low`` / ``clip_high`` go to the losses that have clip bounds, ``loss_settings`` to the loss.
 
     Args:
         log_probs, old_log_probs: ``(batch, L)``.
         ref_log_probs: ``(batch, L)`` reference log-probs, or None when ``beta == 0``.
-        advantages: ``(batch,)``.
+        advantages: ``(batch,)`` or per token ``(batch, L)``.
         loss_mask: ``(batch, L)``.
     Returns:
         ``(loss, metrics)``: the sum of the named parts ``policy`` and ``kl`` (coefficient beta),
         logged as ``losses/policy``, ``losses/kl``, plus the core's ``policy/*``.
     """
-    if ratio_level not in RATIO_LEVELS:
-        raise ValueError(f"ratio_level must be one of {RATIO_LEVELS}, got {ratio_level!r}")
-    settings = {"ratio_mask": torch.ones_like(log_probs)} if ratio_level == "sequence" else {}
-    pg_loss, metrics = policy_loss(
-        CORE_LOSS[ratio_level], log_probs, old_log_probs, advantages, loss_mask, agg=agg,
-        clip_low=clip_low, clip_high=clip_high, **settings,
-    )
+    name = resolve_loss(ratio_level, loss)
+    if kl_kind not in KL_KINDS:
+        raise ValueError(f"unknown kl_kind {kl_kind!r}; valid: {list(KL_KINDS)}")
+    settings = {**loss_clip_settings(name, clip_low, clip_high), **(loss_settings or {})}
+    if name == CORE_LOSS["sequence"]:
+        settings.setdefault("ratio_mask", torch.ones_like(log_probs))
+    pg_loss, metrics = policy_loss(name, log_probs, old_log_probs, advantages, loss_mask, agg=agg, **settings)
     parts = LossParts().add("policy", pg_loss)
     if beta > 0:
         if ref_log_probs is None:
             raise ValueError("beta > 0 needs ref_log_probs")
-        kl = aggregate(kl_penalty(log_probs, ref_log_probs.detach(), "k3"), loss_mask.to(log_probs.dtype), agg)
+        kl = aggregate(kl_penalty(log_probs, ref_log_probs.detach(), kl_kind), loss_mask.to(log_probs.dtype), agg)
         parts.add("kl", kl, coef=beta)
     return parts.total(), {**metrics, **parts.metrics()}

@@ -9,13 +9,15 @@ with ``igpo: false`` it is the diffu-GRPO baseline of d1, arXiv 2504.12216, as i
 3. IGPO only: every group whose rollouts are all wrong is regenerated with hints from its
    reference trace (``dllm.hints``; hint positions fixed during denoising), and up to
    ``max_replacements`` correct hinted rollouts replace original ones;
-4. advantages r - mean over the (mixed) group (core ``drgrpo``);
+4. advantages r - mean over the (mixed) group (core ``drgrpo``; ``advantage`` picks any core estimator
+   whose inputs exist here: ``remax`` adds one greedy rollout per prompt for its baseline);
 5. old and reference log-probs (+ old entropies) by the one-pass estimator
    (completion fully masked; prompt masked with ``p_mask_prompt``, one seed per inner step),
    or with ``masking: structured`` by IGPO's structured estimator (inner step n masks each
    completion token with probability t_n / T; only masked positions enter the loss);
 6. IGPO only: keep only the top ``entropy_keep`` fraction of hint tokens by old entropy;
-7. ``inner_updates`` (mu) optimizer steps on the clipped loss + beta * k3 KL.
+7. ``inner_updates`` (mu) optimizer steps on the clipped loss + beta * k3 KL (``loss`` / ``kl_kind``
+   select any core policy loss / KL estimator).
 
 Metrics (the shared vocabulary of docs/core.md): ``rewards/correct/mean`` (sampled rollouts),
 ``rewards/total/mean`` (after replacement, format reward included), ``rewards/format/mean`` (with a format reward),
@@ -30,8 +32,10 @@ raised on), ``perf/reward_worker_restarts``, ``losses/policy``, ``losses/kl``,
 from __future__ import annotations
 
 import copy
+import inspect
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import lightning.pytorch as pl
 import torch
@@ -40,17 +44,51 @@ from torch import Tensor
 from dllm.checkpoint_hparams import PlainHparamsMixin, as_config
 from dllm.export_hooks import MaskPredictorExportHooks
 from dllm.hints import HintConfig, build_group_hints
-from dllm.igpo import RATIO_LEVELS, all_wrong_groups, choose_replacements, hint_entropy_filter, igpo_loss
+from dllm.igpo import all_wrong_groups, check_loss_choice, choose_replacements, hint_entropy_filter, igpo_loss
 from dllm.logprobs import completion_log_probs, perturb_for_scoring, structured_timesteps
 from dllm.lora import LoraSettings, wrap_with_lora
 from dllm.modeling import load_mask_predictor, mask_token_id
 from dllm.rewards import FORMAT_REWARDS, correctness_rewards_with_deadline, format_rewards
 from dllm.rollout import rollout
 from dllm.sampler import SamplerConfig
-from mmpo.core import compute_advantages_with_metrics
+from mmpo.core import ADVANTAGE_ESTIMATORS, compute_advantages_with_metrics
 from mmpo.core.aggregate import AggregationMode
 from mmpo.training.nonfinite import DEFAULT_MAX_CONSECUTIVE_SKIPS, NonFiniteGuard, NonFiniteGuardMixin, gradient_norm
 from mmpo.training.lr_schedule import SCHEDULES, warmup_schedule
+
+
+# inputs of core advantage estimators that this module provides (see DiffuGRPO.compute_advantages)
+PROVIDED_ESTIMATOR_INPUTS = {
+    "mask": "the completion mask (all gen_length positions)",
+    "reward_baselines": "the reward of one greedy rollout per prompt (ReMax)",
+}
+
+
+def estimator_inputs(name: str) -> set[str]:
+    """Names of the required keyword inputs of core advantage estimator ``name`` (``mask``, ...)."""
+    params = inspect.signature(ADVANTAGE_ESTIMATORS.get(name)).parameters.values()
+    return {p.name for p in params if p.kind is inspect.Parameter.KEYWORD_ONLY and p.default is inspect.Parameter.empty}
+
+
+def check_advantage_choice(name: str, settings: dict[str, Any] | None, group_size: int) -> None:
+    """Fail now, naming what is wrong, if estimator ``name`` or its settings cannot run in this module:
+    an unknown name, an input the dLLM path does not have, or a bad setting (a dry run on one group)."""
+    if name not in ADVANTAGE_ESTIMATORS:
+        raise ValueError(f"unknown advantage {name!r}; valid: {ADVANTAGE_ESTIMATORS.names()}")
+    missing = sorted(estimator_inputs(name) - set(PROVIDED_ESTIMATOR_INPUTS))
+    if missing:
+        raise ValueError(
+            f"advantage {name!r} needs the input(s) {missing}, which the dLLM module does not compute "
+            f"(it provides {sorted(PROVIDED_ESTIMATOR_INPUTS)}); use another estimator (docs/dllm.md)"
+        )
+    settings = dict(settings or {})
+    clash = sorted(set(settings) & set(PROVIDED_ESTIMATOR_INPUTS))
+    if clash:
+        raise ValueError(f"advantage_settings {clash} are provided by the module; remove them")
+    rewards = torch.arange(group_size, dtype=torch.float32)
+    inputs = {"mask": torch.ones(group_size, 1), "reward_baselines": torch.zeros(group_size)}
+    settings.update({key: inputs[key] for key in estimator_inputs(name)})
+    compute_advantages_with_metrics(name, rewards, torch.zeros(group_size, dtype=torch.long), **settings)
 
 
 class DiffuGRPO(NonFiniteGuardMixin, MaskPredictorExportHooks, PlainHparamsMixin, pl.LightningModule):
@@ -74,11 +112,23 @@ class DiffuGRPO(NonFiniteGuardMixin, MaskPredictorExportHooks, PlainHparamsMixin
             trainer.max_steps; the official IGPO run's TRL default) or 'cosine'. Stepped once per optimizer
             step (inner update), like trainer.max_steps.
         max_grad_norm: gradient clipping (IGPO / d1: 0.2).
-        beta: k3 KL coefficient against the starting model (IGPO: 0.01; d1: 0.04).
-        clip_low: PPO lower clip (IGPO: 0.2).
-        clip_high: PPO upper clip (IGPO: 0.2).
+        beta: KL coefficient against the starting model (IGPO: 0.01; d1: 0.04).
+        kl_kind: KL estimator (mmpo.core ``kl_penalty``: k1, k2, k3, abs, verl's kl, mse, low_var_kl, or a
+            straight-through ``+`` name); IGPO / d1: k3.
+        clip_low: PPO lower clip (IGPO: 0.2); passed to every loss with a ``clip_low`` bound.
+        clip_high: PPO upper clip (IGPO: 0.2); passed to every loss with a ``clip_high`` bound.
         ratio_level: 'sequence' (IGPO's official run: sequence ratio over all L positions,
             gradient through it), 'sequence_masked' (GSPO-token over the loss mask) or 'token'.
+        loss: None (the loss ``ratio_level`` selects: ppo / igpo_sequence / gspo) or any registered core policy
+            loss (sapo, gpg, cispo, gmpo, vespo, ...; docs/dllm.md). With ``loss`` set, ``ratio_level`` must be
+            'sequence' (its default: left to ``loss``) or select the same loss; a loss without clip bounds
+            (sapo, gpg, kl_cov, vespo) needs clip_low / clip_high at their default 0.2 (they would be ignored).
+        loss_settings: further keyword settings of the policy loss (e.g. sapo's tau_pos / tau_neg).
+        advantage: core advantage estimator (default 'drgrpo', IGPO's r - group mean). Per-token estimators get
+            the completion mask (all ``gen_length`` positions, as the loss); 'remax' gets one greedy rollout
+            per prompt as its baseline; the optimal token baselines need token statistics this module does not
+            compute and are refused.
+        advantage_settings: further keyword settings of the estimator (e.g. grpo's eps, reinforce_plus_plus's gamma).
         loss_agg: aggregation of the per-token loss and KL (IGPO / d1: 'token-mean' over the
             loss mask; 'seq-mean-token-mean' weighs every rollout equally).
         p_mask_prompt: prompt masking probability of the estimator (IGPO: 0; d1: 0.15).
@@ -127,9 +177,14 @@ class DiffuGRPO(NonFiniteGuardMixin, MaskPredictorExportHooks, PlainHparamsMixin
         lr_schedule: str = "constant",
         max_grad_norm: float = 0.2,
         beta: float = 0.01,
+        kl_kind: str = "k3",
         clip_low: float = 0.2,
         clip_high: float = 0.2,
         ratio_level: str = "sequence",
+        loss: str | None = None,
+        loss_settings: dict[str, Any] | None = None,
+        advantage: str = "drgrpo",
+        advantage_settings: dict[str, Any] | None = None,
         loss_agg: str = "token-mean",
         p_mask_prompt: float = 0.0,
         masking: str = "full",
@@ -156,10 +211,10 @@ class DiffuGRPO(NonFiniteGuardMixin, MaskPredictorExportHooks, PlainHparamsMixin
             raise ValueError(f"group_size must be >= 2 for group-relative advantages, got {group_size}")
         if inner_updates < 1:
             raise ValueError(f"inner_updates must be >= 1, got {inner_updates}")
-        if ratio_level not in RATIO_LEVELS:
-            raise ValueError(f"ratio_level must be one of {RATIO_LEVELS}, got {ratio_level!r}")
         if loss_agg not in {mode.value for mode in AggregationMode}:
             raise ValueError(f"unknown loss_agg {loss_agg!r}; valid: {[mode.value for mode in AggregationMode]}")
+        check_loss_choice(ratio_level, loss, loss_settings, clip_low, clip_high, kl_kind, loss_agg)
+        check_advantage_choice(advantage, advantage_settings, group_size)
         if format_reward is not None and format_reward not in FORMAT_REWARDS:
             raise ValueError(f"unknown format_reward {format_reward!r}; valid: {sorted(FORMAT_REWARDS)} or None")
         if reward_timeout_s is not None and reward_timeout_s <= 0:
@@ -192,7 +247,9 @@ class DiffuGRPO(NonFiniteGuardMixin, MaskPredictorExportHooks, PlainHparamsMixin
         self.save_dir = save_dir
         self.settings = dict(
             group_size=group_size, inner_updates=inner_updates, beta=beta, clip_low=clip_low, clip_high=clip_high,
-            ratio_level=ratio_level, loss_agg=loss_agg, p_mask_prompt=p_mask_prompt, masking=masking,
+            ratio_level=ratio_level, loss=loss, loss_settings=dict(loss_settings or {}), kl_kind=kl_kind,
+            advantage=advantage, advantage_settings=dict(advantage_settings or {}), loss_agg=loss_agg,
+            p_mask_prompt=p_mask_prompt, masking=masking,
             diffusion_steps=diffusion_steps, min_timestep=min_timestep, correct_reward=correct_reward,
             format_reward=format_reward, reward_timeout_s=reward_timeout_s, igpo=igpo,
             max_replacements=max_replacements, entropy_keep=entropy_keep, chunk=logprob_chunk_size, seed=seed,
@@ -255,13 +312,13 @@ class DiffuGRPO(NonFiniteGuardMixin, MaskPredictorExportHooks, PlainHparamsMixin
                     correct[dst] = True
                     num_replaced += 1
         final_wrong = all_wrong_groups(correct.cpu(), group_ids.cpu())
-        rewards = correct.float() * s["correct_reward"]
-        format_metrics = {}
-        if s["format_reward"] is not None:
-            formats = torch.tensor(format_rewards(texts, s["format_reward"]), device=self.device)
-            rewards = rewards + formats
-            format_metrics["rewards/format/mean"] = float(formats.mean())
+        rewards, formats = self._rewards(correct, texts)
+        format_metrics = {} if formats is None else {"rewards/format/mean": float(formats.mean())}
+        baselines = {}
+        if "reward_baselines" in estimator_inputs(s["advantage"]):
+            baselines["reward_baselines"] = self.greedy_reward_baselines(rows)
         return {
+            **baselines,
             "prompt_ids": out.prompt_ids,
             "prompt_mask": out.prompt_attention_mask,
             "completions": completions,
@@ -280,6 +337,39 @@ class DiffuGRPO(NonFiniteGuardMixin, MaskPredictorExportHooks, PlainHparamsMixin
                 **self._score_metrics,
             },
         }
+
+    def _rewards(self, correct: Tensor, texts: list[str]) -> tuple[Tensor, Tensor | None]:
+        """(correct x correct_reward [+ format reward of the texts], format rewards or None)."""
+        s = self.settings
+        rewards = correct.float() * s["correct_reward"]
+        if s["format_reward"] is None:
+            return rewards, None
+        formats = torch.tensor(format_rewards(texts, s["format_reward"]), device=self.device)
+        return rewards + formats, formats
+
+    def greedy_reward_baselines(self, rows: list[dict[str, str]]) -> Tensor:
+        """(N,) ReMax baseline: the reward of one greedy (temperature 0) rollout of each prompt, repeated over
+        its group. Scored like the sampled rollouts (correctness + format reward; no hints); its own
+        generator, so the sampled rollouts do not change with ``advantage``."""
+        greedy = rollout(self.model, self.tokenizer, [r["problem"] for r in rows], self.export_sampler(),
+                         generator=self._generator(offset=15485863))
+        rewards, _ = self._rewards(self._score(greedy.texts, [r["answer"] for r in rows]), greedy.texts)
+        return rewards.repeat_interleave(self.settings["group_size"])
+
+    def compute_advantages(self, batch: dict) -> tuple[Tensor, dict[str, float]]:
+        """(N,) or (N, L) advantages of the batch's rewards by the ``advantage`` estimator (core).
+
+        Per-token estimators get the completion mask: all ``gen_length`` positions (the loss's tokens
+        before the hint-entropy filter; d1 / IGPO score every position, EOS padding included)."""
+        s = self.settings
+        inputs = estimator_inputs(s["advantage"])
+        settings = dict(s["advantage_settings"])
+        if "mask" in inputs:
+            settings["mask"] = torch.ones(batch["completions"].shape, dtype=batch["rewards"].dtype,
+                                          device=batch["rewards"].device)
+        if "reward_baselines" in inputs:
+            settings["reward_baselines"] = batch["reward_baselines"]
+        return compute_advantages_with_metrics(s["advantage"], batch["rewards"], batch["group_ids"], **settings)
 
     # ------------------------------------------------------------------ training
 
@@ -328,7 +418,7 @@ class DiffuGRPO(NonFiniteGuardMixin, MaskPredictorExportHooks, PlainHparamsMixin
     def training_step(self, rows: list[dict[str, str]], batch_idx: int) -> Tensor:
         s = self.settings
         batch = self.collect(rows)
-        advantages, adv_metrics = compute_advantages_with_metrics("drgrpo", batch["rewards"], batch["group_ids"])
+        advantages, adv_metrics = self.compute_advantages(batch)
         keys = self.scoring_keys()
         unique_keys = sorted(set(keys))
         with torch.no_grad():
@@ -345,6 +435,7 @@ class DiffuGRPO(NonFiniteGuardMixin, MaskPredictorExportHooks, PlainHparamsMixin
             loss, metrics = igpo_loss(
                 log_probs, old[key][0], ref.get(key), advantages, loss_masks[key], ratio_level=s["ratio_level"],
                 clip_low=s["clip_low"], clip_high=s["clip_high"], beta=s["beta"], agg=s["loss_agg"],
+                loss=s["loss"], kl_kind=s["kl_kind"], loss_settings=s["loss_settings"],
             )
             optimizer.zero_grad()
             self.manual_backward(loss)

@@ -12,7 +12,8 @@ steps, a trainable copy (initialised from it) the last K'. One ``training_step``
    (terminations stop bootstrapping, truncations bootstrap from V(final obs));
 3. ``update_epochs`` passes of minibatches of (env step, denoising step) pairs: advantages
    normalised per minibatch and multiplied by gamma_denoise^(K'-1-i), the PPO clip loss of
-   :func:`mmpo.core.policy_loss` with the exponential per-denoising-step clip range, critic MSE
+   :func:`mmpo.core.policy_loss` (``loss``: ``ppo``, or another loss of :data:`DPPO_LOSSES`) with the
+   exponential per-denoising-step clip range, critic MSE
    with coefficient 0.5; the actor is not stepped during the critic warm-up iterations;
 4. every ``eval_every`` iterations a deterministic evaluation with the fine-tuned network.
 
@@ -23,6 +24,7 @@ Metrics: ``charts/return``, ``charts/success_rate`` (finished training episodes)
 
 from __future__ import annotations
 
+import inspect
 import time
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -33,7 +35,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 from mmpo.algos.config import rng_state, set_rng_state
-from mmpo.core import gae, policy_loss
+from mmpo.core import POLICY_LOSSES, gae, policy_loss
 from mmpo.training.nonfinite import DEFAULT_MAX_CONSECUTIVE_SKIPS, NonFiniteGuard, NonFiniteGuardMixin, gradient_norm
 from robotics.evaluate import EpisodeTracker, check_same_step_autoreset, evaluate_policy, final_observations
 from robotics.policy import CriticMLP, DiffusionPolicy
@@ -47,6 +49,20 @@ from robotics.policy.dppo_math import (
 from robotics.policy.io import load_policy
 
 EnvFactory = Callable[..., Any]
+
+# Core policy losses whose math holds for one (env step, denoising step) pair's Gaussian log-likelihood: token-ratio
+# rules. Those with clip bounds get the per-denoising-step clip range; sapo and gpg have none (docs/dppo.md).
+DPPO_LOSSES: tuple[str, ...] = ("ppo", "gppo", "cispo", "aspo", "sapo", "gpg")
+# Why the other registered losses do not apply here (the error a config naming one of them gets).
+NOT_FOR_DPPO: dict[str, str] = {
+    **dict.fromkeys(("gspo", "gmpo", "luspo", "vespo", "igpo_sequence"),
+                    "a sequence-level ratio: DPPO's minibatch rows are single shuffled (env step, denoising step) "
+                    "pairs, so the 'sequence' would be one denoising step"),
+    "dcpo": "its bounds assume pi_old is a token probability in (0, 1]; DPPO's are Gaussian densities",
+    **dict.fromkeys(("clip_cov", "kl_cov"),
+                    "they guard a softmax policy's entropy (its change ~ -Cov(log pi, A)); a Gaussian denoising step's "
+                    "entropy is set by its std schedule, not by the log-probs these losses select on"),
+}
 
 
 @dataclass
@@ -69,6 +85,28 @@ class Rollout:
     scaled_rewards: torch.Tensor | None = None
     advantages: torch.Tensor | None = None
     returns: torch.Tensor | None = None
+
+
+def dppo_loss_settings(loss: str, clip: torch.Tensor, loss_settings: dict[str, Any] | None) -> dict[str, Any]:
+    """Keyword settings of ``loss`` for one minibatch: ``clip`` ``(B, 1)`` as clip_low and clip_high of the
+    losses that have them, then ``loss_settings``."""
+    params = inspect.signature(POLICY_LOSSES.get(loss)).parameters
+    settings: dict[str, Any] = {name: clip for name in ("clip_low", "clip_high") if name in params}
+    return {**settings, **(loss_settings or {})}
+
+
+def check_dppo_loss(loss: str, loss_settings: dict[str, Any] | None) -> None:
+    """Fail at construction, with the reason, for a loss DPPO cannot use or settings it would reject."""
+    if loss not in DPPO_LOSSES:
+        reason = NOT_FOR_DPPO.get(loss, "not a registered core loss" if loss not in POLICY_LOSSES
+                                  else "not checked for DPPO's per-denoising-step log-probs")
+        raise ValueError(f"loss {loss!r} does not apply to DPPO ({reason}); valid: {list(DPPO_LOSSES)}")
+    clash = sorted({"clip_low", "clip_high"} & set(loss_settings or {}))
+    if clash:
+        raise ValueError(f"loss_settings {clash} are set by the per-denoising-step clip range (clip_base, "
+                         f"clip_final, clip_rate); remove them")
+    one = torch.zeros(1, 1)
+    policy_loss(loss, one, one, one[:, 0], torch.ones(1, 1), **dppo_loss_settings(loss, one + 0.1, loss_settings))
 
 
 class _IterationIndices(Dataset):
@@ -112,6 +150,10 @@ class DPPOModule(NonFiniteGuardMixin, pl.LightningModule):
         gamma, gae_lambda: env-level GAE over chunk steps (robomimic 0.999, 0.95).
         gamma_denoise: advantage discount over denoising steps (0.99).
         clip_base, clip_final, clip_rate: per-denoising-step clip range (0.001 -> 0.01, rate 3).
+        loss: core policy loss of the actor: 'ppo' (DPPO's), or 'gppo', 'cispo', 'aspo' (their clip_low / clip_high
+            are the per-denoising-step clip range), 'sapo', 'gpg' (no clip: the range is unused); see docs/dppo.md
+            for why the other core losses do not apply.
+        loss_settings: further keyword settings of the loss (e.g. sapo's tau_pos / tau_neg; not the clip bounds).
         min_sampling_std, noise_clip, min_logprob_std: DPPO's floors/clip (0.1, 3, 0.1).
         logprob_min, logprob_max: elementwise log-prob clamp (-5, 2).
         actor_lr, critic_lr, weight_decay: AdamW (1e-4, 1e-3, 0).
@@ -161,6 +203,8 @@ class DPPOModule(NonFiniteGuardMixin, pl.LightningModule):
         clip_base: float = 0.001,
         clip_final: float = 0.01,
         clip_rate: float = 3.0,
+        loss: str = "ppo",
+        loss_settings: dict[str, Any] | None = None,
         min_sampling_std: float = 0.1,
         noise_clip: float = 3.0,
         min_logprob_std: float = 0.1,
@@ -202,6 +246,7 @@ class DPPOModule(NonFiniteGuardMixin, pl.LightningModule):
             raise ValueError(f"reward_scale_gamma must be in [0, 1], got {reward_scale_gamma}")
         if eval_ddpm_std_floor is not None and eval_ddpm_std_floor < 0:
             raise ValueError(f"eval_ddpm_std_floor must be >= 0 or None, got {eval_ddpm_std_floor}")
+        check_dppo_loss(loss, loss_settings)
         policy, metadata = load_policy(bc_checkpoint)
         self.source_metadata = metadata
         self.task = task or metadata.get("task")
@@ -353,8 +398,8 @@ class DPPOModule(NonFiniteGuardMixin, pl.LightningModule):
         # one core call: each pair's PPO clip range is its denoising step's (a (B, 1) tensor bound)
         clip = self.clip_ranges[ft_index].unsqueeze(1)
         pg_loss, core_metrics = policy_loss(
-            "ppo", new_log_probs.unsqueeze(1), old_log_probs.unsqueeze(1), adv, torch.ones_like(clip),
-            agg="token-mean", clip_low=clip, clip_high=clip,
+            hp.loss, new_log_probs.unsqueeze(1), old_log_probs.unsqueeze(1), adv, torch.ones_like(clip),
+            agg="token-mean", **dppo_loss_settings(hp.loss, clip, hp.loss_settings),
         )
         metrics = {key: core_metrics[key] for key in ("policy/clipfrac", "policy/approx_kl")}
         values = self.critic(obs)
