@@ -123,12 +123,18 @@ class HFGenerateEngine:
         temperature: float = 1.0,
         top_p: float = 1.0,
         do_sample: bool = True,
+        return_log_probs: bool = False,
     ) -> Rollout:
         """Sample ``num_samples`` completions for every row; groups are contiguous.
 
         A vision token the policy emits (``<|image_pad|>`` etc.) ends its completion: it and the
         rest are replaced by pad and masked out (fed back in a forward pass it would break the
         image-token/feature count, R1-V#91). Sampling uses torch's global RNG (seed it, or wrap in ``fork_rng``).
+
+        ``return_log_probs=True`` also stores the sampled tokens' log-probs as the sampler saw them
+        (after its temperature / top-p processing) in ``rollout.extras["engine_log_probs"]`` (N, T)
+        float32, 0 off ``completion_mask``: the rollout policy of the IS correction
+        (:func:`mmpo.core.rollout_is_weights`). Off by default: it keeps every step's (N, V) scores.
         """
         if num_samples < 1:
             raise ValueError(f"num_samples must be >= 1, got {num_samples}")
@@ -153,13 +159,20 @@ class HFGenerateEngine:
                 eos_token_id=self.eos_token_id,
                 pad_token_id=self.pad_token_id,
                 use_cache=True,
+                output_scores=return_log_probs,
+                return_dict_in_generate=True,
                 **sampling,
             )
         finally:
             self.model.train(was_training)
+        prompt_width = inputs["input_ids"].shape[1]
+        engine_log_probs = _sampled_log_probs(output.scores, output.sequences[:, prompt_width:]) if (
+            return_log_probs) else None
+        output = output.sequences
         if not do_sample:
             output = output.repeat_interleave(num_samples, dim=0)
-        prompt_width = inputs["input_ids"].shape[1]
+            if engine_log_probs is not None:
+                engine_log_probs = engine_log_probs.repeat_interleave(num_samples, dim=0)
         completion_ids = output[:, prompt_width:].cpu()
         if completion_ids.shape[1] == 0:
             completion_ids = torch.full((completion_ids.shape[0], 1), self.pad_token_id, dtype=torch.long)
@@ -170,6 +183,11 @@ class HFGenerateEngine:
         completion_ids = completion_ids.masked_fill(completion_mask == 0, self.pad_token_id)
         texts = self.processor.batch_decode(completion_ids, skip_special_tokens=True)
         group_ids = torch.arange(len(rows)).repeat_interleave(num_samples)
+        extras: dict[str, Any] = {}
+        if engine_log_probs is not None:
+            if engine_log_probs.shape != completion_mask.shape:  # empty completion: one pad column
+                engine_log_probs = torch.zeros(completion_mask.shape)
+            extras["engine_log_probs"] = engine_log_probs.masked_fill(completion_mask == 0, 0.0)
         return Rollout(
             rows=[rows[i] for i in group_ids.tolist()],
             group_ids=group_ids,
@@ -177,7 +195,22 @@ class HFGenerateEngine:
             completion_ids=completion_ids,
             completion_mask=completion_mask,
             texts=texts,
+            extras=extras,
         )
+
+
+def _sampled_log_probs(scores: Sequence[torch.Tensor], tokens: torch.Tensor) -> torch.Tensor:
+    """(N, T) float32 log-softmax of each step's processed scores at the token sampled then, on CPU.
+
+    ``generate``'s ``scores`` are the logits after the logits processors and warpers (temperature,
+    top-p), i.e. the distribution sampled from; a token top-p removed gets -inf (masked later)."""
+    columns = [
+        torch.log_softmax(step.float(), dim=-1).gather(-1, tokens[:, t : t + 1]).squeeze(-1)
+        for t, step in enumerate(scores)
+    ]
+    if not columns:
+        return torch.zeros(tokens.shape[0], 0)
+    return torch.stack(columns, dim=1).cpu()
 
 
 def concat_rollouts(rollouts: Sequence[Rollout]) -> Rollout:
