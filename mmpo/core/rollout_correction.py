@@ -85,9 +85,10 @@ def rollout_is_weights(
             f"{tuple(rollout_log_probs.shape)} and mask {tuple(mask.shape)} must have the same (N, T) shape"
         )
     with torch.no_grad():
-        trainer = trainer_log_probs.detach().float()
-        rollout = rollout_log_probs.detach().float()
-        maskf = mask.float()
+        dtype = torch.promote_types(trainer_log_probs.dtype, torch.float32)  # bf16 in, fp32 maths; fp64 stays
+        trainer = trainer_log_probs.detach().to(dtype)
+        rollout = rollout_log_probs.detach().to(dtype)
+        maskf = mask.to(dtype)
         valid = maskf > 0
         # a token the engine could not score (NaN) gets ratio 1, as TRL; off-mask entries are 0
         diff = torch.nan_to_num(torch.where(valid, trainer - rollout, torch.zeros_like(trainer)), nan=0.0)
