@@ -360,23 +360,30 @@ def test_dynamic_sampling_resamples_constant_groups(tiny_path):
 # ----------------------------------------------------------------------------- rollout IS correction
 
 
-def test_engine_log_probs_equal_the_trainers_at_temperature_one(tiny_path):
-    """HF generate's own log-probs of the sampled tokens match the training forward: IS weights ~ 1."""
+@pytest.mark.parametrize(("temperature", "top_p"), [(1.0, 1.0), (0.7, 1.0), (1.0, 0.8)])
+def test_engine_log_probs_equal_the_trainers(tiny_path, temperature, top_p):
+    """HF generate's own log-probs of the sampled tokens match the training forward at the same
+    temperature (IS weights ~ 1); top-p renormalises over the nucleus, so there they are >= the trainer's."""
     module = GRPOModule(tiny_path, num_generations=3, beta=0.0)
     engine = HFGenerateEngine(module.model, module.processor)
+    sampling = dict(num_samples=3, max_new_tokens=6, temperature=temperature, top_p=top_p)
     torch.manual_seed(3)
-    plain = engine.generate(_rows(2), num_samples=3, max_new_tokens=6)
+    plain = engine.generate(_rows(2), **sampling)
     assert "engine_log_probs" not in plain.extras  # off by default: no scores kept
     torch.manual_seed(3)
-    rollout = engine.generate(_rows(2), num_samples=3, max_new_tokens=6, return_log_probs=True)
+    rollout = engine.generate(_rows(2), **sampling, return_log_probs=True)
     assert torch.equal(rollout.completion_ids, plain.completion_ids)  # asking for log-probs changes no sample
     engine_lp = rollout.extras["engine_log_probs"]
     mask = rollout.completion_mask.bool()
-    assert engine_lp.shape == mask.shape and bool((engine_lp[~mask] == 0).all()) and bool((engine_lp[mask] < 0).all())
+    assert engine_lp.shape == mask.shape and bool((engine_lp[~mask] == 0).all()) and bool((engine_lp[mask] <= 0).all())
     with torch.no_grad():
         trainer_lp, _ = completion_log_probs(module.model, rollout.prompt_inputs, rollout.completion_ids,
-                                             rollout.completion_mask)
-    torch.testing.assert_close(engine_lp[mask], trainer_lp[mask], atol=1e-5, rtol=0)
+                                             rollout.completion_mask, temperature=temperature)
+    if top_p == 1.0:
+        torch.testing.assert_close(engine_lp[mask], trainer_lp[mask], atol=1e-5, rtol=0)
+    else:  # log p - log(nucleus mass): never below the full distribution's, above it where the nucleus cut
+        assert bool((engine_lp[mask] >= trainer_lp[mask] - 1e-5).all())
+        assert bool((engine_lp[mask] > trainer_lp[mask] + 1e-3).any())
 
 
 def _with_engine_log_probs(tiny_path, fixed, shift):
