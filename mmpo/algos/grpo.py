@@ -194,7 +194,8 @@ class GRPOModule(VLMPolicyModule):
         # none then); an extra weight would count the mismatch twice
         require(not (h.rollout_bypass and h.rollout_is is not None and h.loss != "gpg"),
                 f"rollout_bypass with rollout_is={h.rollout_is!r} needs the ratio-free loss 'gpg' (verl's bypass "
-                f"'reinforce'); with loss {h.loss!r} the ratio to the rollout policy is the correction: set rollout_is null")
+                f"'reinforce'); with loss {h.loss!r} the ratio to the rollout policy is the correction: "
+                f"set rollout_is null")
         for name in ("minibatch_size", "micro_batch_size"):
             value = getattr(h, name)
             require(value is None or value >= 1, f"{name} must be >= 1 or None, got {value}")

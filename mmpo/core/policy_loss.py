@@ -159,7 +159,8 @@ def policy_loss(
     if log_ratio_clamp <= 0:
         raise ValueError(f"log_ratio_clamp must be positive, got {log_ratio_clamp}")
     if token_weights is not None and token_weights.shape != log_probs.shape:
-        raise ValueError(f"token_weights shape {tuple(token_weights.shape)} != log_probs shape {tuple(log_probs.shape)}")
+        raise ValueError(
+            f"token_weights shape {tuple(token_weights.shape)} != log_probs shape {tuple(log_probs.shape)}")
     aggregation = Aggregation(agg, global_tokens, global_seqs, norm_len)
     if token_weights is not None:
         aggregation = WeightedAggregation(aggregation, token_weights.detach().to(log_probs.dtype))

@@ -94,7 +94,8 @@ def test_token_weights_multiply_the_per_token_loss(agg):
     assert float(loss.detach()) == pytest.approx(float(hand), rel=1e-6)
     loss.backward()  # gradient of -A w r: -A w per real token (r = 1), divided like the loss
     expected_grad = -adv.unsqueeze(-1) * weights * MASK
-    expected_grad = expected_grad / MASK.sum() if agg == "token-mean" else expected_grad / MASK.sum(-1, keepdim=True) / 2
+    divisor = MASK.sum() if agg == "token-mean" else MASK.sum(-1, keepdim=True) * 2  # 2 sequences
+    expected_grad = expected_grad / divisor
     torch.testing.assert_close(log_probs.grad, expected_grad)
 
 
