@@ -439,6 +439,16 @@ def test_rollout_is_weights_multiply_the_per_token_loss(tiny_path, fixed, mode):
     assert any(not torch.allclose(plain[k], step[k]) for k in step)
 
 
+@pytest.mark.parametrize("mode", ["token_mask", "sequence_truncate"])
+def test_rollout_is_update_does_not_depend_on_micro_batching(tiny_path, fixed, mode):
+    n, width = fixed[1].completion_ids.shape
+    data, _ = _with_engine_log_probs(tiny_path, fixed, torch.linspace(-0.9, 0.9, n * width).view(n, width))
+    _, whole = _run(tiny_path, data, rollout_is=mode)
+    _, split = _run(tiny_path, data, rollout_is=mode, micro_batch_size=1)
+    for name in whole:
+        torch.testing.assert_close(split[name], whole[name], atol=1e-6, rtol=1e-5, msg=name)
+
+
 def test_rollout_bypass_uses_engine_log_probs_as_old(tiny_path, fixed):
     """Bypass: ratio = pi_theta / pi_engine even on-policy (ppo's clip then bounds the mismatch)."""
     n, width = fixed[1].completion_ids.shape
