@@ -44,8 +44,11 @@ from mmpo.core import (
     as_loss_parts,
     compute_advantages_with_metrics,
     dynamic_sampling_filter,
+    bypass_old_log_probs,
+    check_rollout_is,
     kl_penalty,
     policy_loss,
+    rollout_is_weights,
 )
 from mmpo.vlm.factory import make_reference_model
 from mmpo.vlm.logprobs import completion_log_probs, completion_token_statistics
@@ -99,6 +102,13 @@ class GRPOModule(VLMPolicyModule):
         dynamic_sampling: DAPO dynamic sampling: groups whose rewards all agree are masked out of the loss.
         dynamic_sampling_retries: with dynamic_sampling, sample such groups' prompts again up to this many times.
         val_max_new_tokens: completion length for greedy validation; None = max_new_tokens.
+        rollout_is: rollout importance-sampling correction between the engine's and the trainer's log-probs
+            (TRL vllm_importance_sampling_mode / verl rollout_is): None (off), token_truncate, token_mask,
+            sequence_truncate, sequence_mask; the weight multiplies the per-token policy loss (docs/grpo.md).
+        rollout_is_cap: upper bound C of the IS weight (truncate: clamp at C; mask: zero above C); verl's 2.0.
+        rollout_is_cap_low: optional lower bound of the IS weight (TRL's clip_min); None = none.
+        rollout_bypass: verl's bypass mode: the engine's log-probs are the old log-probs (the trainer's
+            old-log-prob pass is skipped); with rollout_is it needs the ratio-free loss gpg (verl's reinforce).
         save_hf_on_checkpoint: also write HF weights to output_dir whenever a Lightning checkpoint is saved.
         seed: seeds sampling (per step and rank) and minibatch shuffling.
         **kwargs: the settings every VLM module shares (:class:`~mmpo.algos.vlm_base.VLMPolicyModule`:
@@ -135,6 +145,10 @@ class GRPOModule(VLMPolicyModule):
         dynamic_sampling: bool = False,
         dynamic_sampling_retries: int = 0,
         val_max_new_tokens: int | None = None,
+        rollout_is: str | None = None,
+        rollout_is_cap: float = 2.0,
+        rollout_is_cap_low: float | None = None,
+        rollout_bypass: bool = False,
         save_hf_on_checkpoint: bool = False,
         seed: int = 0,
         **kwargs: Any,
@@ -175,6 +189,13 @@ class GRPOModule(VLMPolicyModule):
         from mmpo.rewards.user import validate_reward_weights
 
         validate_reward_weights(h.reward_weights)
+        check_rollout_is(h.rollout_is, h.rollout_is_cap, h.rollout_is_cap_low)
+        # bypass + a ratio loss: the ratio pi_theta / pi_rollout already is the IS weight (verl applies
+        # none then); an extra weight would count the mismatch twice
+        require(not (h.rollout_bypass and h.rollout_is is not None and h.loss != "gpg"),
+                f"rollout_bypass with rollout_is={h.rollout_is!r} needs the ratio-free loss 'gpg' (verl's bypass "
+                f"'reinforce'); with loss {h.loss!r} the ratio to the rollout policy is the correction: "
+                f"set rollout_is null")
         for name in ("minibatch_size", "micro_batch_size"):
             value = getattr(h, name)
             require(value is None or value >= 1, f"{name} must be >= 1 or None, got {value}")
@@ -214,8 +235,13 @@ class GRPOModule(VLMPolicyModule):
         h = self.hparams
         return self.engine.generate(
             rows, num_samples=h.num_generations, max_new_tokens=h.max_new_tokens,
-            temperature=h.temperature, top_p=h.top_p, do_sample=True,
+            temperature=h.temperature, top_p=h.top_p, do_sample=True, **self._engine_log_prob_request(),
         )
+
+    def _engine_log_prob_request(self) -> dict[str, bool]:
+        """``return_log_probs=True`` for the engine when the rollout correction needs its log-probs."""
+        h = self.hparams
+        return {"return_log_probs": True} if h.rollout_is is not None or h.rollout_bypass else {}
 
     def compute_rewards(self, rollout: Rollout) -> tuple[Tensor, dict[str, float]]:
         """(N,) total reward and metrics ``rewards/<name>/mean`` (hook: reward shaping)."""
@@ -376,7 +402,13 @@ class GRPOModule(VLMPolicyModule):
         # 5. old and reference log-probs (no grad). A single on-policy update (mu == 1, one
         # minibatch) uses the detached current log-probs: ratio 1, same gradient, one pass fewer.
         on_policy = h.mu == 1 and minibatch_size == len(rollout)
-        old_log_probs = None if on_policy else self._log_probs_no_grad(self.model, rollout, micro_size)
+        if (h.rollout_is is not None or h.rollout_bypass) and "engine_log_probs" not in rollout.extras:
+            raise RuntimeError("rollout_is / rollout_bypass need the engine's log-probs: build_rollout must call "
+                               "engine.generate(..., return_log_probs=True) (see _engine_log_prob_request)")
+        if h.rollout_bypass:  # verl's bypass mode: the engine's log-probs are pi_old, no recompute
+            old_log_probs = bypass_old_log_probs(rollout.extras["engine_log_probs"].float())
+        else:
+            old_log_probs = None if on_policy else self._log_probs_no_grad(self.model, rollout, micro_size)
         ref_log_probs = None
         if h.beta > 0:
             ref_log_probs = self._log_probs_no_grad(self.reference_model, rollout, micro_size)
@@ -447,6 +479,19 @@ class GRPOModule(VLMPolicyModule):
         settings.update(h.loss_settings or {})
         return settings
 
+    def _rollout_is_weights(self, part: Rollout, log_probs: Tensor, old: Tensor) -> tuple[Tensor | None, dict]:
+        """This micro-batch's rollout IS weights pi_trainer / pi_rollout (None when off) and metrics.
+
+        pi_trainer is the old log-probs (recomputed, or the current detached ones when the update is
+        on-policy: the same values); in bypass mode, where old is the engine's, the current policy's
+        (verl's bypass ``reinforce``: w = pi_theta / pi_rollout, detached)."""
+        h = self.hparams
+        if h.rollout_is is None:
+            return None, {}
+        trainer = log_probs.detach() if h.rollout_bypass else old
+        return rollout_is_weights(trainer, part.extras["engine_log_probs"].to(trainer), part.completion_mask,
+                                  h.rollout_is, cap=h.rollout_is_cap, cap_low=h.rollout_is_cap_low)
+
     def _update(
         self,
         rollout: Rollout,
@@ -493,10 +538,12 @@ class GRPOModule(VLMPolicyModule):
             log_probs, entropy = self.sequence_log_probs(self.model, part, with_entropy=True)
             old = log_probs.detach() if old_log_probs is None else old_log_probs[micro]
             part_adv = advantages[micro]
+            is_weights, is_metrics = self._rollout_is_weights(part, log_probs, old)
             pg_loss, pg_metrics = policy_loss(
-                h.loss, log_probs, old, part_adv, part_mask, agg=h.agg,
+                h.loss, log_probs, old, part_adv, part_mask, agg=h.agg, token_weights=is_weights,
                 global_tokens=global_tokens, global_seqs=global_seqs, norm_len=norm_len, **loss_settings,
             )
+            pg_metrics = {**pg_metrics, **is_metrics}
             # named parts, summed once by parts.total(); without a reference the KL part is 0 with
             # coefficient 0 (logged, never summed), as is the entropy part when entropy_coef is 0
             parts = LossParts().add("policy", pg_loss)
@@ -526,7 +573,8 @@ class GRPOModule(VLMPolicyModule):
             for key, value in logged.items():
                 _add(sums, key, value)
             for key, value in pg_metrics.items():
-                if key.startswith("policy/ratio_m") and key != "policy/ratio_mean":
+                # extremes do not average over micro-batches: only means are logged
+                if (key.startswith("policy/ratio_m") and key != "policy/ratio_mean") or key in _EXTREME_IS_METRICS:
                     continue
                 _add(sums, key, float(value) * weight)
             with torch.no_grad():
@@ -568,6 +616,9 @@ class GRPOModule(VLMPolicyModule):
 
 
 # ---------------------------------------------------------------------- small helpers
+
+
+_EXTREME_IS_METRICS = ("rollout_is/min", "rollout_is/max", "rollout_is/logp_diff_max")
 
 
 def _chunks(n: int, size: int) -> list[Tensor]:

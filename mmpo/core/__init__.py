@@ -17,6 +17,8 @@ Pieces (each a pure function behind a name registry where there are variants):
   ``kl``, ``mse``, ``low_var_kl``).
 - memory-efficient :func:`token_log_probs`, :func:`entropy_from_logits`,
   :func:`token_log_probs_from_hidden`.
+- rollout correction: :func:`rollout_is_weights` (truncated / masked token- or sequence-level
+  IS weights between the rollout engine's and the trainer's log-probs; TRL / verl).
 - filters (:func:`dynamic_sampling_filter`, :func:`gfpo_filter`) and shaping
   (:func:`overlong_soft_punishment`, :func:`dither_rewards`).
 """
@@ -52,6 +54,12 @@ from mmpo.core.policy_loss import (
 )
 from mmpo.core.policy_loss_peers import BATCH_COUPLED_LOSSES  # registers the verl / TRL losses
 from mmpo.core.registry import Registry
+from mmpo.core.rollout_correction import (
+    ROLLOUT_IS_MODES,
+    bypass_old_log_probs,
+    check_rollout_is,
+    rollout_is_weights,
+)
 from mmpo.core.shaping import DitherDistribution, dither_rewards, overlong_soft_punishment
 
 __all__ = [
@@ -71,12 +79,15 @@ __all__ = [
     "POLICY_LOSSES",
     "PolicyLoss",
     "RatioInputs",
+    "ROLLOUT_IS_MODES",
     "Registry",
     "TokenLoss",
     "VERL_ADVANTAGE_ESTIMATORS",
     "as_loss_parts",
     "aggregate",
     "build_group_index",
+    "bypass_old_log_probs",
+    "check_rollout_is",
     "check_clip_range",
     "compute_advantages",
     "compute_advantages_with_metrics",
@@ -97,6 +108,7 @@ __all__ = [
     "register_advantage_estimator",
     "register_policy_loss",
     "register_ratio_loss",
+    "rollout_is_weights",
     "token_log_probs",
     "token_log_probs_from_hidden",
 ]

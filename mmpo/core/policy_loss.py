@@ -88,6 +88,18 @@ class Aggregation:
         )
 
 
+@dataclass(frozen=True)
+class WeightedAggregation:
+    """An :class:`Aggregation` that first multiplies the per-token values by fixed ``weights``
+    (TRL's ``per_token_loss * importance_sampling_ratio``; verl's ``pg_losses * rollout_is_weights``)."""
+
+    base: Aggregation
+    weights: Tensor
+
+    def __call__(self, values: Tensor, mask: Tensor) -> Tensor:
+        return self.base(values * self.weights, mask)
+
+
 def policy_loss(
     name: str | PolicyLoss,
     log_probs: Tensor,
@@ -100,6 +112,7 @@ def policy_loss(
     global_seqs: int | float | Tensor | None = None,
     norm_len: int | float | None = None,
     log_ratio_clamp: float = 20.0,
+    token_weights: Tensor | None = None,
     **settings,
 ) -> tuple[Tensor, Metrics]:
     """Policy-gradient loss ``name`` and its metrics.
@@ -113,6 +126,8 @@ def policy_loss(
         agg: aggregation mode, always honoured (see :mod:`mmpo.core.aggregate`).
         global_tokens, global_seqs, norm_len: forwarded to :func:`aggregate`.
         log_ratio_clamp: l - l_old is clamped to [-c, c] before exp (verl / EasyR1: 20).
+        token_weights: optional ``(batch, time)`` weights (detached) multiplying the per-token loss
+            before aggregation, e.g. rollout IS weights (:func:`~mmpo.core.rollout_is_weights`).
         **settings: the loss's own settings (unknown ones raise ValueError); a tensor-valued
             setting (e.g. a per-token ``clip_low``) must broadcast to ``(batch, time)``.
 
@@ -143,7 +158,12 @@ def policy_loss(
             )
     if log_ratio_clamp <= 0:
         raise ValueError(f"log_ratio_clamp must be positive, got {log_ratio_clamp}")
+    if token_weights is not None and token_weights.shape != log_probs.shape:
+        raise ValueError(
+            f"token_weights shape {tuple(token_weights.shape)} != log_probs shape {tuple(log_probs.shape)}")
     aggregation = Aggregation(agg, global_tokens, global_seqs, norm_len)
+    if token_weights is not None:
+        aggregation = WeightedAggregation(aggregation, token_weights.detach().to(log_probs.dtype))
     mask_f = mask.to(log_probs.dtype)
     advantages = advantages.to(log_probs.dtype).detach()
     return fn(

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
 
 import torch
-from transformers import BatchFeature
+from transformers import BatchFeature, LogitsProcessor, LogitsProcessorList, TemperatureLogitsWarper, TopPLogitsWarper
 
 from mmpo.vlm.processing import encode_prompts, model_inputs, repeat_rows, select_rows, vision_token_ids
 
@@ -123,12 +123,18 @@ class HFGenerateEngine:
         temperature: float = 1.0,
         top_p: float = 1.0,
         do_sample: bool = True,
+        return_log_probs: bool = False,
     ) -> Rollout:
         """Sample ``num_samples`` completions for every row; groups are contiguous.
 
         A vision token the policy emits (``<|image_pad|>`` etc.) ends its completion: it and the
         rest are replaced by pad and masked out (fed back in a forward pass it would break the
         image-token/feature count, R1-V#91). Sampling uses torch's global RNG (seed it, or wrap in ``fork_rng``).
+
+        ``return_log_probs=True`` also stores the sampled tokens' log-probs as the sampler saw them
+        (after its temperature / top-p processing) in ``rollout.extras["engine_log_probs"]`` (N, T)
+        float32, 0 off ``completion_mask``: the rollout policy of the IS correction
+        (:func:`mmpo.core.rollout_is_weights`). Off by default (one extra log-softmax per step).
         """
         if num_samples < 1:
             raise ValueError(f"num_samples must be >= 1, got {num_samples}")
@@ -142,6 +148,14 @@ class HFGenerateEngine:
         inputs = {k: v.to(device) for k, v in model_inputs(prompts).items()}
         sampling = dict(do_sample=True, temperature=temperature, top_p=top_p, top_k=0) if do_sample else dict(
             do_sample=False, temperature=None, top_p=None, top_k=None)
+        recorder = _SampledLogProbRecorder() if return_log_probs else None
+        if recorder is not None:
+            # HF runs user processors before its own temperature / top-p warpers; to see the scores the
+            # sampler draws from, the same HF warpers run here, in HF's order, with the recorder last
+            warpers = [TemperatureLogitsWarper(temperature)] if do_sample and temperature != 1.0 else []
+            warpers += [TopPLogitsWarper(top_p)] if do_sample and top_p < 1.0 else []
+            sampling = {**sampling, "temperature": 1.0, "top_p": 1.0} if do_sample else sampling
+            sampling["logits_processor"] = LogitsProcessorList([*warpers, recorder])
         was_training = self.model.training
         self.model.eval()
         try:
@@ -157,9 +171,12 @@ class HFGenerateEngine:
             )
         finally:
             self.model.train(was_training)
+        prompt_width = inputs["input_ids"].shape[1]
+        engine_log_probs = None if recorder is None else recorder.finish(output)
         if not do_sample:
             output = output.repeat_interleave(num_samples, dim=0)
-        prompt_width = inputs["input_ids"].shape[1]
+            if engine_log_probs is not None:
+                engine_log_probs = engine_log_probs.repeat_interleave(num_samples, dim=0)
         completion_ids = output[:, prompt_width:].cpu()
         if completion_ids.shape[1] == 0:
             completion_ids = torch.full((completion_ids.shape[0], 1), self.pad_token_id, dtype=torch.long)
@@ -170,6 +187,11 @@ class HFGenerateEngine:
         completion_ids = completion_ids.masked_fill(completion_mask == 0, self.pad_token_id)
         texts = self.processor.batch_decode(completion_ids, skip_special_tokens=True)
         group_ids = torch.arange(len(rows)).repeat_interleave(num_samples)
+        extras: dict[str, Any] = {}
+        if engine_log_probs is not None:
+            if engine_log_probs.shape != completion_mask.shape:  # empty completion: one pad column
+                engine_log_probs = torch.zeros(completion_mask.shape)
+            extras["engine_log_probs"] = engine_log_probs.masked_fill(completion_mask == 0, 0.0)
         return Rollout(
             rows=[rows[i] for i in group_ids.tolist()],
             group_ids=group_ids,
@@ -177,7 +199,36 @@ class HFGenerateEngine:
             completion_ids=completion_ids,
             completion_mask=completion_mask,
             texts=texts,
+            extras=extras,
         )
+
+
+class _SampledLogProbRecorder(LogitsProcessor):
+    """The last logits processor of a sampling ``generate``: records log pi of each sampled token
+    under the distribution it was drawn from, holding one step's (N, V) log-softmax at a time
+    (``output_scores`` would keep every step's). A step's token is only known at the next call
+    (the last input id), or, for the final step, from the returned sequences (:meth:`finish`)."""
+
+    def __init__(self) -> None:
+        self._columns: list[torch.Tensor] = []
+        self._previous: torch.Tensor | None = None
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
+        self._take(input_ids[:, -1:])
+        self._previous = torch.log_softmax(scores.float(), dim=-1)
+        return scores
+
+    def _take(self, tokens: torch.Tensor) -> None:
+        if self._previous is not None:
+            self._columns.append(self._previous.gather(-1, tokens).squeeze(-1))
+            self._previous = None
+
+    def finish(self, sequences: torch.Tensor) -> torch.Tensor:
+        """(N, T) float32 on CPU; a token the sampler could not draw (after EOS: pad) may be -inf."""
+        self._take(sequences[:, -1:])
+        if not self._columns:
+            return torch.zeros(sequences.shape[0], 0)
+        return torch.stack(self._columns, dim=1).cpu()
 
 
 def concat_rollouts(rollouts: Sequence[Rollout]) -> Rollout:

@@ -355,3 +355,153 @@ def test_dynamic_sampling_resamples_constant_groups(tiny_path):
     assert metrics["rewards/resampled_groups"] == 1
     assert metrics["rewards/dropped_groups"] == 0
     assert metrics["rewards/frac_zero_std"] == 0.0
+
+
+# ----------------------------------------------------------------------------- rollout IS correction
+
+
+@pytest.mark.parametrize(("temperature", "top_p"), [(1.0, 1.0), (0.7, 1.0), (1.0, 0.8)])
+def test_engine_log_probs_equal_the_trainers(tiny_path, temperature, top_p):
+    """HF generate's own log-probs of the sampled tokens match the training forward at the same
+    temperature (IS weights ~ 1); top-p renormalises over the nucleus, so there they are >= the trainer's."""
+    module = GRPOModule(tiny_path, num_generations=3, beta=0.0)
+    engine = HFGenerateEngine(module.model, module.processor)
+    sampling = dict(num_samples=3, max_new_tokens=6, temperature=temperature, top_p=top_p)
+    torch.manual_seed(3)
+    plain = engine.generate(_rows(2), **sampling)
+    assert "engine_log_probs" not in plain.extras  # off by default: no scores kept
+    torch.manual_seed(3)
+    rollout = engine.generate(_rows(2), **sampling, return_log_probs=True)
+    assert torch.equal(rollout.completion_ids, plain.completion_ids)  # asking for log-probs changes no sample
+    engine_lp = rollout.extras["engine_log_probs"]
+    mask = rollout.completion_mask.bool()
+    assert engine_lp.shape == mask.shape and bool((engine_lp[~mask] == 0).all()) and bool((engine_lp[mask] <= 0).all())
+    with torch.no_grad():
+        trainer_lp, _ = completion_log_probs(module.model, rollout.prompt_inputs, rollout.completion_ids,
+                                             rollout.completion_mask, temperature=temperature)
+    if top_p == 1.0:
+        torch.testing.assert_close(engine_lp[mask], trainer_lp[mask], atol=1e-5, rtol=0)
+    else:  # log p - log(nucleus mass): never below the full distribution's, above it where the nucleus cut
+        assert bool((engine_lp[mask] >= trainer_lp[mask] - 1e-5).all())
+        assert bool((engine_lp[mask] > trainer_lp[mask] + 1e-3).any())
+
+
+def _with_engine_log_probs(tiny_path, fixed, shift):
+    """The fixed rollout with engine log-probs = the trainer's + ``shift`` (N, T) on real tokens."""
+    rows, rollout, rewards = fixed
+    model = GRPOModule(tiny_path, num_generations=3, beta=0.0).model
+    with torch.no_grad():
+        trainer_lp, _ = completion_log_probs(model, rollout.prompt_inputs, rollout.completion_ids,
+                                             rollout.completion_mask)
+    engine = (trainer_lp + shift) * rollout.completion_mask
+    perturbed = rollout.select(torch.arange(len(rollout)))
+    perturbed.extras = {**perturbed.extras, "engine_log_probs": engine}
+    return (rows, perturbed, rewards), trainer_lp
+
+
+_ADV = torch.tensor([1.0, -1.0, 0.0, -2 / 3 / 3**-0.5, 1 / 3 / 3**-0.5, 1 / 3 / 3**-0.5])  # grpo of `fixed`
+
+
+def _hand_gradient(tiny_path, rollout, per_token_loss_of):
+    """Gradient of sum(per_token_loss_of(log_probs) * mask) / num_tokens on a fresh copy of the policy."""
+    reference = GRPOModule(tiny_path, num_generations=3, beta=0.0).model
+    reference.train()
+    log_probs, _ = completion_log_probs(reference, rollout.prompt_inputs, rollout.completion_ids,
+                                        rollout.completion_mask)
+    mask = rollout.completion_mask.float()
+    ((per_token_loss_of(log_probs) * mask).sum() / mask.sum()).backward()
+    return {n: p.grad if p.grad is not None else torch.zeros_like(p) for n, p in reference.named_parameters()}
+
+
+@pytest.mark.parametrize("mode", ["token_truncate", "sequence_mask"])
+def test_rollout_is_weights_multiply_the_per_token_loss(tiny_path, fixed, mode):
+    """On-policy ppo (ratio 1) with perturbed engine log-probs: grad = grad of -sum(w A logp) / tokens,
+    w = the truncated / masked pi_old / pi_engine worked out here."""
+    n, width = fixed[1].completion_ids.shape
+    shift = torch.linspace(-0.9, 0.9, n * width).view(n, width)  # engine log-prob = trainer's + shift
+    data, _ = _with_engine_log_probs(tiny_path, fixed, shift)
+    mask = data[1].completion_mask.float()
+    if mode == "token_truncate":
+        weights = torch.exp(-shift).clamp(max=2.0) * mask
+    else:  # one weight per sequence, 0 beyond the cap
+        seq = torch.exp(-(shift * mask).sum(-1, keepdim=True))
+        weights = torch.where(seq > 2.0, torch.zeros_like(seq), seq).expand_as(shift) * mask
+    assert 0 < float((weights == 0).logical_and(mask > 0).sum() + (weights == 2.0).sum())  # a bound binds
+    module, step = _run(tiny_path, data, rollout_is=mode, rollout_is_cap=2.0)
+    expected = _hand_gradient(tiny_path, data[1], lambda lp: -_ADV.unsqueeze(-1) * weights * lp)
+    for name in step:
+        torch.testing.assert_close(step[name], expected[name], atol=2e-6, rtol=1e-4, msg=name)
+    assert module.last_metrics["rollout_is/mean"] == pytest.approx(
+        float((weights * mask).sum() / mask.sum()) if mode == "token_truncate"
+        else float(weights.amax(-1).mean()), rel=1e-5)
+    # without the correction the same rollout gives the plain policy gradient
+    _, plain = _run(tiny_path, data)
+    assert any(not torch.allclose(plain[k], step[k]) for k in step)
+
+
+@pytest.mark.parametrize("mode", ["token_mask", "sequence_truncate"])
+def test_rollout_is_update_does_not_depend_on_micro_batching(tiny_path, fixed, mode):
+    n, width = fixed[1].completion_ids.shape
+    data, _ = _with_engine_log_probs(tiny_path, fixed, torch.linspace(-0.9, 0.9, n * width).view(n, width))
+    _, whole = _run(tiny_path, data, rollout_is=mode)
+    _, split = _run(tiny_path, data, rollout_is=mode, micro_batch_size=1)
+    for name in whole:
+        torch.testing.assert_close(split[name], whole[name], atol=1e-6, rtol=1e-5, msg=name)
+
+
+def test_rollout_bypass_uses_engine_log_probs_as_old(tiny_path, fixed):
+    """Bypass: ratio = pi_theta / pi_engine even on-policy (ppo's clip then bounds the mismatch)."""
+    n, width = fixed[1].completion_ids.shape
+    shift = torch.linspace(-0.1, 0.1, n * width).view(n, width)  # inside ppo's clip range: no clip binds
+    data, _ = _with_engine_log_probs(tiny_path, fixed, shift)
+    module, step = _run(tiny_path, data, rollout_bypass=True)
+    rollout = data[1]
+    engine = rollout.extras["engine_log_probs"]
+    expected = _hand_gradient(tiny_path, rollout, lambda lp: -_ADV.unsqueeze(-1) * torch.exp(lp - engine))
+    for name in step:
+        torch.testing.assert_close(step[name], expected[name], atol=2e-6, rtol=1e-4, msg=name)
+    mask = rollout.completion_mask.float()
+    assert module.last_metrics["policy/ratio_mean"] == pytest.approx(
+        float((torch.exp(-shift) * mask).sum() / mask.sum()), rel=1e-4)
+
+
+def test_rollout_bypass_with_gpg_weights_by_the_current_policy(tiny_path, fixed):
+    """verl's bypass 'reinforce': loss -A w logp with w = clamp(pi_theta / pi_engine, C), detached."""
+    n, width = fixed[1].completion_ids.shape
+    shift = torch.linspace(-0.9, 0.9, n * width).view(n, width)
+    data, _ = _with_engine_log_probs(tiny_path, fixed, shift)
+    _, step = _run(tiny_path, data, loss="gpg", rollout_bypass=True, rollout_is="token_truncate", rollout_is_cap=1.5)
+    weights = torch.exp(-shift).clamp(max=1.5) * data[1].completion_mask
+    expected = _hand_gradient(tiny_path, data[1], lambda lp: -_ADV.unsqueeze(-1) * weights * lp)
+    for name in step:
+        torch.testing.assert_close(step[name], expected[name], atol=2e-6, rtol=1e-4, msg=name)
+
+
+def test_rollout_bypass_skips_the_old_log_prob_pass(tiny_path, fixed, monkeypatch):
+    """mu = 2 needs old log-probs: without bypass the trainer recomputes them, with bypass never."""
+    data, _ = _with_engine_log_probs(tiny_path, fixed, torch.zeros(fixed[1].completion_ids.shape))
+    calls = []
+    original = GRPOModule._log_probs_no_grad
+    monkeypatch.setattr(GRPOModule, "_log_probs_no_grad", lambda *a, **k: calls.append(1) or original(*a, **k))
+    _run(tiny_path, data, mu=2)
+    assert calls == [1]
+    _run(tiny_path, data, mu=2, rollout_bypass=True)
+    assert calls == [1]
+
+
+@pytest.mark.parametrize(
+    ("settings", "message"),
+    [
+        ({"rollout_is": "token"}, "unknown rollout_is mode 'token'"),
+        ({"rollout_is": "token_mask", "rollout_is_cap": 0.0}, "rollout_is_cap must be > 0"),
+        ({"rollout_is": "token_mask", "rollout_bypass": True}, "needs the ratio-free loss 'gpg'"),
+    ],
+)
+def test_bad_rollout_correction_settings(tiny_path, settings, message):
+    with pytest.raises(ValueError, match=message):
+        GRPOModule(tiny_path, **settings)
+
+
+def test_rollout_is_without_engine_log_probs_fails_clearly(tiny_path, fixed):
+    with pytest.raises(RuntimeError, match="return_log_probs=True"):
+        _run(tiny_path, fixed, rollout_is="token_truncate")
