@@ -81,7 +81,10 @@ def vlm_runs(work: Path) -> dict[str, dict[str, dict[str, float]]]:
     grpo = _fit("configs/vlm/grpo_tiny.yaml", work / "vlm_grpo", *data, "--trainer.max_steps=2",
                 f"--model.init_args.model_path={work / 'vlm_sft_hf'}", f"--model.init_args.output_dir={work / 'vlm_grpo_hf'}",
                 "--model.init_args.num_generations=4", "--model.init_args.max_new_tokens=8",
-                # every reward is 0 at this size (policy loss 0): the KL and entropy terms give a gradient to pin
+                # accuracy and format are 0 at this size; the example brevity reward (1 / (1 + words) on easy items)
+                # varies within a group, so the policy loss is not 0; KL and entropy terms move the gradient too
+                '--model.init_args.reward_weights={"accuracy": 0.9, "format": 0.1, '
+                '"examples/rewards.py:brevity_when_easy": 1.0}',
                 "--model.init_args.beta=0.01", "--model.init_args.entropy_coef=0.01")
     return {"vlm/sft_tiny": sft, "vlm/grpo_tiny": grpo}
 
@@ -97,15 +100,20 @@ def dllm_runs(work: Path) -> dict[str, dict[str, dict[str, float]]]:
     sft = _fit("configs/dllm/sft_tiny.yaml", work / "dllm_sft", "--trainer.max_steps=3", "--data.init_args.batch_size=8",
                f"--model.init_args.save_dir={warm}", "--trainer.val_check_interval=1000", *DLLM_TINY, *DLLM_DATA)
     results = {"dllm/sft_tiny": sft}
+    # IGPO: hints that reveal the whole reasoning trace (answer included), so hinted groups are correct, replace
+    # the all-wrong ones and the IGPO loss path gets a non-zero signal at this size (every sampled answer is wrong)
+    full_hints = {"grpo_tiny": [], "igpo_tiny": [
+        "--model.init_args.hints.eta_low=1.0", "--model.init_args.hints.eta_high=1.0",
+        "--model.init_args.hints.trace_free_tail=0", "--model.init_args.hints.free_tail=0"]}
     for name in ("grpo_tiny", "igpo_tiny"):
         root = work / f"dllm_{name}"
         results[f"dllm/{name}"] = _fit(
             f"configs/dllm/{name}.yaml", root, f"--model.init_args.model_path={warm}", "--model.init_args.warmup_config=null",
             f"--model.init_args.save_dir={root / 'model'}", "--model.init_args.group_size=4",
-            "--model.init_args.sampler.gen_length=16", "--model.init_args.sampler.steps=4",
+            "--model.init_args.sampler.gen_length=24", "--model.init_args.sampler.steps=6",
             "--model.init_args.sampler.block_length=8", "--trainer.max_steps=4",
             "--trainer.val_check_interval=1000",
-            "--data.init_args.batch_size=2", *DLLM_DATA)
+            "--data.init_args.batch_size=2", *DLLM_DATA, *full_hints[name])
     return results
 
 
