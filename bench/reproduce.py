@@ -185,6 +185,25 @@ def core_measured(work: Path, stdout: str) -> dict[str, float]:
     return now
 
 
+# the same script at a reduced size (B=1, T=256): only the size-independent claim, that both paths agree
+AGREEMENT = "results equal (log-probs, grad hidden, grad lm_head rows):"
+
+
+def _agreement(text: str) -> float | None:
+    match = re.search(re.escape(AGREEMENT) + r"\s*(yes|NO)", text)
+    return None if match is None else float(match.group(1) == "yes")
+
+
+def core_agreement_recorded(text: str) -> list[Claim]:
+    cpu = section(text, "core").split("#### CPU (the target configuration)")[1].split("####")[0]
+    return [Claim("core naive and chunked paths agree (1 = yes)", _agreement(cpu), decimals=0)]
+
+
+def core_agreement_measured(work: Path, stdout: str) -> dict[str, float]:
+    value = _agreement(stdout)
+    return {} if value is None else {"core naive and chunked paths agree (1 = yes)": value}
+
+
 # dLLM tiny configs end to end: sft_tiny, grpo_tiny, igpo_tiny, then `mmpo eval ... --benchmarks dllm/arith`
 DLLM_MODELS = {"SFT": "sft_tiny", "GRPO": "grpo_tiny", "IGPO": "igpo_tiny"}
 
@@ -233,6 +252,10 @@ ITEMS = [
                         "--steps", "400"] for n in THROUGHPUT_ENVS],
          throughput_recorded, throughput_measured,
          note="CPU time per step within 30% (load-dependent wall-clock rates are not compared)"),
+    Item("core_agreement", "about 1 min (the core script at B=1, T=256)", False,
+         lambda work: [[sys.executable, "bench/bench_logprob_memory.py", "--batch", "1", "--time", "256"]],
+         core_agreement_recorded, core_agreement_measured,
+         note="reduced size: only the agreement of the two paths compares (memory and time scale with B x T)"),
     Item("core_memory", "about 8-10 min, ~11 GB RAM (the recorded full size)", True,
          lambda work: [[sys.executable, "bench/bench_logprob_memory.py", "--out", str(work / "core_table.md")]],
          core_recorded, core_measured, note="peak RSS and memory ratios within 5% (timings are load-dependent)"),

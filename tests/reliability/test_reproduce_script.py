@@ -83,6 +83,38 @@ def test_a_missing_section_is_a_clear_error():
         reproduce.core_recorded(FAKE_RESULTS)
 
 
+FAKE_CORE = """<a id="core"></a>
+
+#### CPU (the target configuration)
+
+| phase | path | peak RSS over inputs (MiB) | time (ms, median of 1) | memory ratio naive/chunked | time ratio chunked/naive |
+|---|---|---|---|---|---|
+| fwd | naive | 4763 | 58581.5 | | |
+| fwd | chunked | 319 | 65767.2 | 14.9x | 1.12x |
+
+results equal (log-probs, grad hidden, grad lm_head rows): yes
+
+#### GPU
+
+results equal (log-probs, grad hidden, grad lm_head rows): NO
+"""
+
+
+def test_core_claims_memory_within_5_percent_and_the_cpu_agreement(tmp_path):
+    memory = reproduce.core_recorded(FAKE_CORE)
+    assert [(c.name, c.recorded, c.rel_tol) for c in memory] == [
+        ("core fwd naive peak MiB", 4763.0, 0.05), ("core fwd chunked peak MiB", 319.0, 0.05),
+        ("core fwd memory ratio naive/chunked", 14.9, 0.05)]
+    (tmp_path / "core_table.md").write_text("V=151936, H=896, B=4, T=1024, float32 on cpu" + FAKE_CORE.split("#### CPU (the target configuration)")[1]
+                                            .replace("| 319 |", "| 350 |").replace("14.9x", "13.6x"))
+    statuses = [row[3] for row in reproduce.compare(memory, reproduce.core_measured(tmp_path, ""))]
+    assert statuses == ["ok (+-5%)", "DIFFERS (+-5%)", "DIFFERS (+-5%)"]  # 350 is +9.7%, 13.6 is -8.7%
+    (agreement,) = reproduce.core_agreement_recorded(FAKE_CORE)  # the CPU section's "yes", not the GPU's
+    assert agreement.recorded == 1.0
+    assert reproduce.core_agreement_measured(tmp_path, "...\n" + reproduce.AGREEMENT + " NO\n") == {agreement.name: 0.0}
+    assert reproduce.compare([agreement], {agreement.name: 0.0})[0][3] == "DIFFERS"
+
+
 def test_fresh_numbers_are_read_from_the_runs_outputs(tmp_path):
     (tmp_path / "quickstart").mkdir()
     (tmp_path / "quickstart" / "quickstart.json").write_text(json.dumps({"accuracy": {
