@@ -133,7 +133,8 @@ QUICKSTART_STAGES = ("before SFT", "after SFT", "after GRPO")
 
 def quickstart_recorded(text: str) -> list[Claim]:
     rows = table_after(section(text, "quickstart"), "### Default run (seed 0)")
-    return [Claim(f"quickstart {row['task']} {stage}", number(row[stage])) for row in rows for stage in QUICKSTART_STAGES]
+    return [Claim(f"quickstart {row['task']} {stage}", number(row[stage]))
+            for row in rows for stage in QUICKSTART_STAGES]
 
 
 def quickstart_measured(work: Path, stdout: str) -> dict[str, float]:
@@ -239,7 +240,8 @@ def dllm_measured(work: Path, stdout: str) -> dict[str, float]:
     for label, name in DLLM_MODELS.items():
         results = work / f"eval_{name}" / "results.json"
         if results.is_file():
-            now[f"dllm {label} eval dllm/arith accuracy"] = json.loads(results.read_text())["benchmarks"]["dllm/arith"]["accuracy"]
+            benchmarks = json.loads(results.read_text())["benchmarks"]
+            now[f"dllm {label} eval dllm/arith accuracy"] = benchmarks["dllm/arith"]["accuracy"]
     return now
 
 
@@ -303,7 +305,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--only", choices=[item.name for item in ITEMS], action="append",
                         help="run only this item (repeatable)")
     parser.add_argument("--slow", action="store_true", help="also run the slow items")
-    parser.add_argument("--work", type=Path, default=None, help="folder for the runs' outputs (default: a new temp dir)")
+    parser.add_argument("--work", type=Path, default=None,
+                        help="folder for the runs' outputs (default: a new temp dir)")
     parser.add_argument("--results", type=Path, default=RESULTS_MD, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     text = args.results.read_text()
@@ -319,7 +322,8 @@ def main(argv: list[str] | None = None) -> int:
         now, _ = run_item(item, work / item.name)
         rows += compare(item.recorded(text), now)
         print(f"[reproduce] {item.name}: {time.monotonic() - started:.0f} s", flush=True)
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True).stdout.strip()
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True,
+                            text=True).stdout.strip()
     print(f"\nbench/RESULTS.md vs a rerun at {commit or 'unknown commit'} (outputs in {work}):\n")
     print(format_table(rows))
     return 0 if all(row[3].startswith(OK) for row in rows) else 1

@@ -75,7 +75,8 @@ def test_recorded_numbers_come_from_the_first_table_of_the_named_section():
         ("dllm IGPO eval dllm/arith accuracy", 0.266)]
     env = reproduce.throughput_recorded(FAKE_RESULTS)
     assert [(c.name, c.recorded, c.rel_tol) for c in env] == [
-        ("env lift num_envs=1 raw CPU s per step", 0.0068, 0.3), ("env lift num_envs=4 raw CPU s per step", 0.0068, 0.3)]
+        ("env lift num_envs=1 raw CPU s per step", 0.0068, 0.3),
+        ("env lift num_envs=4 raw CPU s per step", 0.0068, 0.3)]
 
 
 def test_a_missing_section_is_a_clear_error():
@@ -87,7 +88,7 @@ FAKE_CORE = """<a id="core"></a>
 
 #### CPU (the target configuration)
 
-| phase | path | peak RSS over inputs (MiB) | time (ms, median of 1) | memory ratio naive/chunked | time ratio chunked/naive |
+| phase | path | peak RSS over inputs (MiB) | time (ms) | memory ratio naive/chunked | time ratio |
 |---|---|---|---|---|---|
 | fwd | naive | 4763 | 58581.5 | | |
 | fwd | chunked | 319 | 65767.2 | 14.9x | 1.12x |
@@ -105,7 +106,8 @@ def test_core_claims_memory_within_5_percent_and_the_cpu_agreement(tmp_path):
     assert [(c.name, c.recorded, c.rel_tol) for c in memory] == [
         ("core fwd naive peak MiB", 4763.0, 0.05), ("core fwd chunked peak MiB", 319.0, 0.05),
         ("core fwd memory ratio naive/chunked", 14.9, 0.05)]
-    (tmp_path / "core_table.md").write_text("V=151936, H=896, B=4, T=1024, float32 on cpu" + FAKE_CORE.split("#### CPU (the target configuration)")[1]
+    cpu_table = FAKE_CORE.split("#### CPU (the target configuration)")[1]
+    (tmp_path / "core_table.md").write_text("V=151936, H=896, B=4, T=1024, float32 on cpu" + cpu_table
                                             .replace("| 319 |", "| 350 |").replace("14.9x", "13.6x"))
     statuses = [row[3] for row in reproduce.compare(memory, reproduce.core_measured(tmp_path, ""))]
     assert statuses == ["ok (+-5%)", "DIFFERS (+-5%)", "DIFFERS (+-5%)"]  # 350 is +9.7%, 13.6 is -8.7%
@@ -126,7 +128,8 @@ def test_fresh_numbers_are_read_from_the_runs_outputs(tmp_path):
                                      "num_envs": 4.0}) + "\n"
     assert reproduce.throughput_measured(tmp_path, stdout) == {"env lift num_envs=4 raw CPU s per step": 0.0071}
     (tmp_path / "eval_grpo_tiny").mkdir()
-    (tmp_path / "eval_grpo_tiny" / "results.json").write_text(json.dumps({"benchmarks": {"dllm/arith": {"accuracy": 0.238}}}))
+    results = {"benchmarks": {"dllm/arith": {"accuracy": 0.238}}}
+    (tmp_path / "eval_grpo_tiny" / "results.json").write_text(json.dumps(results))
     assert reproduce.dllm_measured(tmp_path, "") == {"dllm GRPO eval dllm/arith accuracy": 0.238}
 
 
@@ -143,7 +146,8 @@ def test_statuses_exact_to_the_printed_precision_or_within_the_tolerance():
         ("quickstart count_shapes before SFT", "ok"), ("quickstart count_shapes after SFT", "ok"),
         ("quickstart count_shapes after GRPO", "DIFFERS"), ("quickstart mean before SFT", "ok"),
         ("quickstart mean after SFT", "ok"), ("quickstart mean after GRPO", "MISSING"),
-        ("env lift num_envs=1 raw CPU s per step", "ok (+-30%)"), ("env lift num_envs=4 raw CPU s per step", "DIFFERS (+-30%)")]
+        ("env lift num_envs=1 raw CPU s per step", "ok (+-30%)"),
+        ("env lift num_envs=4 raw CPU s per step", "DIFFERS (+-30%)")]
     assert rows[2][1:3] == ("0.370", "0.360") and rows[5][2] == "n/a"
     table = reproduce.format_table(rows).splitlines()
     assert table[0].split(" | ")[0].strip() == "claim" and len(table) == len(rows) + 2

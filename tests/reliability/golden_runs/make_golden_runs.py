@@ -79,7 +79,8 @@ def vlm_runs(work: Path) -> dict[str, dict[str, dict[str, float]]]:
                f"--model.init_args.model_path={base}", f"--model.init_args.output_dir={work / 'vlm_sft_hf'}",
                "--model.init_args.warmup_steps=1")
     grpo = _fit("configs/vlm/grpo_tiny.yaml", work / "vlm_grpo", *data, "--trainer.max_steps=2",
-                f"--model.init_args.model_path={work / 'vlm_sft_hf'}", f"--model.init_args.output_dir={work / 'vlm_grpo_hf'}",
+                f"--model.init_args.model_path={work / 'vlm_sft_hf'}",
+                f"--model.init_args.output_dir={work / 'vlm_grpo_hf'}",
                 "--model.init_args.num_generations=4", "--model.init_args.max_new_tokens=8",
                 # accuracy and format are 0 at this size; the example brevity reward (1 / (1 + words) on easy items)
                 # varies within a group, so the policy loss is not 0; KL and entropy terms move the gradient too
@@ -95,9 +96,11 @@ DLLM_DATA = ["--data.init_args.train_size=32", "--data.init_args.test_size=8", "
 
 
 def dllm_runs(work: Path) -> dict[str, dict[str, dict[str, float]]]:
-    """SFT 3 steps at a tiny size (the warm model), then diffu-GRPO and IGPO 4 optimizer steps each (2 batches x 2 inner updates)."""
+    """SFT 3 steps at a tiny size (the warm model), then diffu-GRPO and IGPO 4 optimizer steps each
+    (2 batches x 2 inner updates)."""
     warm = work / "dllm_sft" / "model"
-    sft = _fit("configs/dllm/sft_tiny.yaml", work / "dllm_sft", "--trainer.max_steps=3", "--data.init_args.batch_size=8",
+    sft = _fit("configs/dllm/sft_tiny.yaml", work / "dllm_sft", "--trainer.max_steps=3",
+               "--data.init_args.batch_size=8",
                f"--model.init_args.save_dir={warm}", "--trainer.val_check_interval=1000", *DLLM_TINY, *DLLM_DATA)
     results = {"dllm/sft_tiny": sft}
     # IGPO: hints that reveal the whole reasoning trace (answer included), so hinted groups are correct, replace
@@ -108,7 +111,8 @@ def dllm_runs(work: Path) -> dict[str, dict[str, dict[str, float]]]:
     for name in ("grpo_tiny", "igpo_tiny"):
         root = work / f"dllm_{name}"
         results[f"dllm/{name}"] = _fit(
-            f"configs/dllm/{name}.yaml", root, f"--model.init_args.model_path={warm}", "--model.init_args.warmup_config=null",
+            f"configs/dllm/{name}.yaml", root, f"--model.init_args.model_path={warm}",
+            "--model.init_args.warmup_config=null",
             f"--model.init_args.save_dir={root / 'model'}", "--model.init_args.group_size=4",
             "--model.init_args.sampler.gen_length=24", "--model.init_args.sampler.steps=6",
             "--model.init_args.sampler.block_length=8", "--trainer.max_steps=4",
