@@ -29,7 +29,7 @@ FAKE_RESULTS = """# Benchmark results
 
 ## Quickstart
 
-### Default run (seed 0)
+### Re-run at the current code (2026-12-01): a reference table
 
 Some words.
 
