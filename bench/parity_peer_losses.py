@@ -92,9 +92,8 @@ def load_verl(git_dir: str) -> types.ModuleType:
     return module
 
 
-def load_trl_gamma_weights(wheel: str | None) -> Callable[..., torch.Tensor]:
-    """``GRPOTrainer.get_gamma_weights`` from the TRL 1.16.0 wheel, by its source."""
-    import math
+def trl_grpo_trainer_source(wheel: str | None) -> str:
+    """The source of ``trl/trainer/grpo_trainer.py`` from the TRL 1.16.0 wheel (downloaded when None)."""
     import zipfile
 
     if wheel is None:
@@ -102,7 +101,14 @@ def load_trl_gamma_weights(wheel: str | None) -> Callable[..., torch.Tensor]:
         subprocess.run([sys.executable, "-m", "pip", "download", "trl==1.16.0", "--no-deps", "-d", str(out)],
                        check=True, capture_output=True)
         wheel = str(next(out.glob("trl-1.16.0-*.whl")))
-    source = zipfile.ZipFile(wheel).read("trl/trainer/grpo_trainer.py").decode()
+    return zipfile.ZipFile(wheel).read("trl/trainer/grpo_trainer.py").decode()
+
+
+def load_trl_gamma_weights(wheel: str | None) -> Callable[..., torch.Tensor]:
+    """``GRPOTrainer.get_gamma_weights`` from the TRL 1.16.0 wheel, by its source."""
+    import math
+
+    source = trl_grpo_trainer_source(wheel)
     namespace: dict[str, Any] = {"torch": torch, "math": math}
     exec(_function_source(source, "get_gamma_weights", "GRPOTrainer"), namespace)
     return torch.no_grad()(namespace["get_gamma_weights"])

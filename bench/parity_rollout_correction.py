@@ -22,17 +22,15 @@ import argparse
 import ast
 import importlib.util
 import math
-import subprocess
 import sys
 import tempfile
 import types
-import zipfile
 from pathlib import Path
 from typing import Any, Callable
 
 import torch
 
-from parity_peer_losses import _git_show, load_verl, make_batch  # same folder: the team's loaders
+from parity_peer_losses import _git_show, load_verl, make_batch, trl_grpo_trainer_source  # same folder: the team's loaders
 
 from mmpo.core import policy_loss, rollout_is_weights
 
@@ -78,12 +76,7 @@ def load_verl_rollout_corr(git_dir: str) -> tuple[types.ModuleType, types.Module
 
 def load_trl_is_block(wheel: str | None) -> Callable[..., torch.Tensor]:
     """TRL 1.16.0's IS-ratio statement, executed on given tensors and settings."""
-    if wheel is None:
-        out = Path(tempfile.mkdtemp())
-        subprocess.run([sys.executable, "-m", "pip", "download", "trl==1.16.0", "--no-deps", "-d", str(out)],
-                       check=True, capture_output=True)
-        wheel = str(next(out.glob("trl-1.16.0-*.whl")))
-    tree = ast.parse(zipfile.ZipFile(wheel).read("trl/trainer/grpo_trainer.py").decode())
+    tree = ast.parse(trl_grpo_trainer_source(wheel))
     block = next(
         node for node in ast.walk(tree)
         if isinstance(node, ast.If)
