@@ -37,10 +37,16 @@ def gradient_fingerprint(values: torch.Tensor | None, name: str, shape: torch.Si
 
 def assert_step_matches(current: dict[str, Any], golden: dict[str, Any], *, metric_rel: float, grad_rel: float) -> None:
     """Every stored metric is still there with the same value (new metrics may be added), and every
-    parameter's gradient fingerprint matches."""
+    parameter's gradient fingerprint matches to ``grad_rel`` of that gradient's norm.
+
+    Why the norm and not each component: the plain sum of a gradient can cancel to ~0 (an lm_head's
+    gradient sums to zero over the vocabulary), so its relative error is rounding noise; another processor
+    type (AVX2 vs AVX-512 kernels) moved such sums by 50% of themselves while moving every component by
+    < 3e-7 of the norm (measured 2026-12-01). A formula change moves the norm-scaled values far more."""
     for key, value in golden["metrics"].items():
         assert key in current["metrics"], key
         assert current["metrics"][key] == pytest.approx(value, rel=metric_rel, abs=1e-10), key
     assert sorted(current["grad"]) == sorted(golden["grad"])
     for param, fingerprint in golden["grad"].items():
-        assert current["grad"][param] == pytest.approx(fingerprint, rel=grad_rel, abs=1e-12), param
+        norm = abs(fingerprint[1]) ** 0.5  # fingerprint = [sum, sum of squares, projection]
+        assert current["grad"][param] == pytest.approx(fingerprint, rel=grad_rel, abs=max(grad_rel * norm, 1e-12)), param

@@ -22,5 +22,6 @@ def test_every_configuration_has_a_golden_entry():
 
 @pytest.mark.parametrize("name", sorted(GOLDEN))
 def test_step_matches_golden(name, model_path, tmp_path):
-    # Lightning logs metrics as float32, hence their looser tolerance
-    assert_step_matches(GENERATOR.run(name, model_path, tmp_path), GOLDEN[name], metric_rel=1e-6, grad_rel=1e-6)
+    # Lightning logs metrics as float32, hence their looser tolerance (another processor type moved them by
+    # <= 8.9e-7 relative, 2026-12-01)
+    assert_step_matches(GENERATOR.run(name, model_path, tmp_path), GOLDEN[name], metric_rel=1e-5, grad_rel=1e-6)
