@@ -328,7 +328,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"[reproduce] {item.name}: {time.monotonic() - started:.0f} s", flush=True)
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True,
                             text=True).stdout.strip()
-    print(f"\nbench/RESULTS.md vs a rerun at {commit or 'unknown commit'} (outputs in {work}):\n")
+    from mmpo.training.machine import cpu_fingerprint, describe_machine  # torch: after the runs' subprocesses
+
+    print(f"\nbench/RESULTS.md vs a rerun at {commit or 'unknown commit'} on {describe_machine(cpu_fingerprint())} "
+          f"(outputs in {work}); exact claims are exact on the processor type their record names:\n")
     print(format_table(rows))
     return 0 if all(row[3].startswith(OK) for row in rows) else 1
 

@@ -28,3 +28,10 @@ def test_another_processors_rounding_passes():
 def test_a_formula_sized_change_fails(current):
     with pytest.raises(AssertionError):
         assert_step_matches(current, GOLDEN, metric_rel=1e-5, grad_rel=2e-6)
+
+
+def test_machine_line_names_processor_simd_level_and_torch():
+    from mmpo.training.machine import cpu_fingerprint, describe_machine
+
+    assert describe_machine({"cpu": "AMD EPYC 7B13", "isa": "AVX2", "torch": "2.14.1"}) == "AMD EPYC 7B13, AVX2, torch 2.14.1"
+    assert sorted(cpu_fingerprint()) == ["cpu", "isa", "torch"]

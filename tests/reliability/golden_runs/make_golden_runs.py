@@ -167,22 +167,6 @@ def run_all(families: list[str] | None = None) -> dict[str, dict[str, dict[str, 
     return results
 
 
-def cpu_fingerprint() -> dict[str, str]:
-    """What decides the last bits of a one-thread CPU run besides the code: the processor model, the SIMD
-    level torch dispatches to (AVX2 and AVX-512 kernels round differently) and the torch build. Measured on
-    2026-12-01: the same commit's short runs differ by up to 3.6e-5 (abs) between two machine types."""
-    import torch
-
-    model = "unknown"
-    cpuinfo = Path("/proc/cpuinfo")
-    if cpuinfo.exists():
-        for line in cpuinfo.read_text().splitlines():
-            if line.startswith("model name"):
-                model = line.split(":", 1)[1].strip()
-                break
-    return {"cpu": model, "isa": torch.backends.cpu.get_cpu_capability(), "torch": torch.__version__}
-
-
 def _jsonable(results: dict) -> dict:
     return {run: {step: {k: ("nan" if math.isnan(v) else v) for k, v in sorted(metrics.items())}
                   for step, metrics in steps.items()} for run, steps in results.items()}
@@ -202,6 +186,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--families", nargs="+", choices=list(FAMILIES), default=None)
     args = parser.parse_args(argv)
     os.chdir(REPO)  # the configs' relative defaults (runs/...) are overridden, but keep them inside the repo
+    from mmpo.training.machine import cpu_fingerprint  # after the thread pins above
+
     payload = {"command": REGENERATE, "machine": cpu_fingerprint(), "runs": _jsonable(run_all(args.families))}
     _write_atomic(ARTIFACT if args.write else args.out, payload)
     return 0
