@@ -1,7 +1,8 @@
 """Rerun the cheap recorded results of bench/RESULTS.md with their recorded commands and compare.
 
 Each item runs the command recorded in bench/RESULTS.md (threads pinned: OMP_NUM_THREADS=1,
-MKL_NUM_THREADS=1, as recorded), reads the numbers it produced, reads the numbers recorded in
+MKL_NUM_THREADS=1, as recorded; the deterministic items also pin AVX2 code paths, see
+mmpo/training/machine.py), reads the numbers it produced, reads the numbers recorded in
 bench/RESULTS.md, and prints one table: claim, recorded, now, status. Deterministic results (fixed
 seeds, one CPU thread) must match to the printed precision; noisy ones (CPU time on a shared machine)
 within the stated relative tolerance. Not part of the unit test suite: it runs real trainings.
@@ -29,9 +30,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
+from mmpo.training.machine import PORTABLE_CPU_NUMERICS, cpu_fingerprint, describe_machine
+
 REPO = Path(__file__).resolve().parents[1]
 RESULTS_MD = REPO / "bench" / "RESULTS.md"
 PINNED_THREADS = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+# the deterministic items also pin the SIMD level (mmpo/training/machine.py): recorded on one processor type,
+# they then reproduce exactly on another (AMD EPYC -> Intel AVX-512 checked on 2026-12-01)
+PINNED_SIMD = {key: value for key, value in PORTABLE_CPU_NUMERICS.items() if key not in PINNED_THREADS}
 
 OK, DIFFERS, MISSING, NOT_RECORDED = "ok", "DIFFERS", "MISSING", "not recorded"
 
@@ -252,7 +258,8 @@ def dllm_measured(work: Path, stdout: str) -> dict[str, float]:
 ITEMS = [
     Item("quickstart", "3 min on an idle core, up to 15 min on loaded shared cores", False,
          lambda work: [[*_mmpo(), "quickstart", "--out", str(work / "quickstart")]],
-         quickstart_recorded, quickstart_measured, note="deterministic on CPU at one thread: exact to 3 decimals"),
+         quickstart_recorded, quickstart_measured, extra_env=PINNED_SIMD,
+         note="deterministic on CPU at one thread with the SIMD level pinned: exact to 3 decimals"),
     Item("env_throughput", "about 1-2 min (3 runs of 400 raw + 400 vector-env steps)", False,
          lambda work: [[sys.executable, "bench/robotics_envs.py", "throughput", "--task", "lift", "--num-envs", str(n),
                         "--steps", "400"] for n in THROUGHPUT_ENVS],
@@ -266,7 +273,8 @@ ITEMS = [
          lambda work: [[sys.executable, "bench/bench_logprob_memory.py", "--out", str(work / "core_table.md")]],
          core_recorded, core_measured, note="peak RSS and memory ratios within 5% (timings are load-dependent)"),
     Item("dllm_tiny", "about 40 min (SFT ~25 min, GRPO ~5 min, IGPO ~6 min, 3 evals)", True,
-         dllm_commands, dllm_recorded, dllm_measured, note="deterministic on CPU at one thread: exact to 3 decimals"),
+         dllm_commands, dllm_recorded, dllm_measured, extra_env=PINNED_SIMD,
+         note="deterministic on CPU at one thread with the SIMD level pinned: exact to 3 decimals"),
 ]
 
 
@@ -299,7 +307,8 @@ def describe(items: list[Item], text: str) -> str:
         lines.append(f"{item.name}{' (slow: needs --slow)' if item.slow else ''}: {item.minutes}; "
                      f"{len(claims)} recorded numbers; {item.note}")
         for command in item.commands(Path("DIR")):
-            lines.append("    " + " ".join(f"{k}={v}" for k, v in PINNED_THREADS.items()) + " " + " ".join(command))
+            env = {**PINNED_THREADS, **item.extra_env}
+            lines.append("    " + " ".join(f"{k}={v}" for k, v in env.items()) + " " + " ".join(command))
     return "\n".join(lines)
 
 
@@ -328,10 +337,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"[reproduce] {item.name}: {time.monotonic() - started:.0f} s", flush=True)
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True,
                             text=True).stdout.strip()
-    from mmpo.training.machine import cpu_fingerprint, describe_machine  # torch: after the runs' subprocesses
-
     print(f"\nbench/RESULTS.md vs a rerun at {commit or 'unknown commit'} on {describe_machine(cpu_fingerprint())} "
-          f"(outputs in {work}); exact claims are exact on the processor type their record names:\n")
+          f"(outputs in {work}); deterministic items ran with {PINNED_SIMD}:\n")
     print(format_table(rows))
     return 0 if all(row[3].startswith(OK) for row in rows) else 1
 

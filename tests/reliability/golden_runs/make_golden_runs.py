@@ -23,11 +23,13 @@ import sys
 import tempfile
 from pathlib import Path
 
-# one thread before torch is imported: multi-threaded reductions change the last bits of the sums
-os.environ["OMP_NUM_THREADS"] = "1"
-os.environ["MKL_NUM_THREADS"] = "1"
-
 REPO = Path(__file__).resolve().parents[3]
+sys.path.insert(0, str(REPO))
+from mmpo.training.machine import PORTABLE_CPU_NUMERICS  # noqa: E402  (torch-free import)
+
+# one thread and the AVX2 code paths before torch is imported: multi-threaded reductions and the SIMD level
+# change the last bits of the sums (mmpo/training/machine.py)
+os.environ.update(PORTABLE_CPU_NUMERICS)
 ARTIFACT = Path(__file__).resolve().parent / "golden_runs.json"
 REGENERATE = "OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 python tests/reliability/golden_runs/make_golden_runs.py --write"
 # wall-clock metrics: they differ between any two runs, so they are not pinned
@@ -186,7 +188,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--families", nargs="+", choices=list(FAMILIES), default=None)
     args = parser.parse_args(argv)
     os.chdir(REPO)  # the configs' relative defaults (runs/...) are overridden, but keep them inside the repo
-    from mmpo.training.machine import cpu_fingerprint  # after the thread pins above
+    from mmpo.training.machine import cpu_fingerprint
 
     payload = {"command": REGENERATE, "machine": cpu_fingerprint(), "runs": _jsonable(run_all(args.families))}
     _write_atomic(ARTIFACT if args.write else args.out, payload)
