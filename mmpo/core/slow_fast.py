@@ -27,9 +27,11 @@ T = TypeVar("T")
 
 @torch.no_grad()
 def reposition(params: list[torch.Tensor], slow: list[torch.Tensor], alpha: float) -> None:
-    """In place: p <- slow + alpha (p - slow) for each trainable parameter p (p holds the fast weights)."""
+    """In place: p <- slow + alpha (p - slow) for each trainable parameter p (p holds the fast weights).
+
+    ``torch.lerp`` computes it, exactly p at alpha = 1 (slow + (p - slow) can round off p)."""
     for param, start in zip(params, slow, strict=True):
-        param.copy_(start + alpha * (param - start))
+        param.copy_(torch.lerp(start, param, alpha))
 
 
 def slow_fast_update(params: Iterable[torch.Tensor], update: Callable[[], T], *, inner_steps: int, alpha: float) -> T:
