@@ -22,6 +22,7 @@ from torch import Tensor
 from dllm.rl import DiffuGRPO
 from mmpo.core import dynamic_sampling_filter, lspo_filter
 from mmpo.core.slow_fast import EntropyZScoreSwitch, slow_fast_update
+from mmpo.training.state_hooks import CheckpointedState
 
 
 def completion_lengths(completions: Tensor, eos_token_id: int) -> Tensor:
@@ -65,12 +66,14 @@ class LSPODiffuGRPO(DiffuGRPO):
         return kept.keep_mask, metrics
 
 
-class SFPODiffuGRPO(DiffuGRPO):
+class SFPODiffuGRPO(CheckpointedState, DiffuGRPO):
     """DiffuGRPO / IGPO whose update is SFPO's slow-fast update (official defaults K 3, alpha 0.8, W 30, z 1.0).
 
     Every pass makes ``inner_updates`` optimizer steps, so a batch makes (K + 1) x ``inner_updates``;
     ``trainer.max_steps`` counts all of them. The switch state is saved in checkpoints.
     """
+
+    checkpointed_state = (("sfpo_switch", "sfpo_switch"),)
 
     def __init__(self, *, sfpo_inner_steps: int = 3, sfpo_alpha: float = 0.8, sfpo_zscore_window: int = 30,
                  sfpo_zscore_threshold: float = 1.0, **kwargs: Any) -> None:
@@ -100,12 +103,3 @@ class SFPODiffuGRPO(DiffuGRPO):
         if self.sfpo_switch.last_z == self.sfpo_switch.last_z:  # not NaN: W entropies were recorded
             metrics["sfpo/entropy_zscore"] = self.sfpo_switch.last_z
         return metrics, loss
-
-    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        super().on_save_checkpoint(checkpoint)
-        checkpoint["sfpo_switch"] = self.sfpo_switch.state_dict()
-
-    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        super().on_load_checkpoint(checkpoint)
-        if "sfpo_switch" in checkpoint:
-            self.sfpo_switch.load_state_dict(checkpoint["sfpo_switch"])

@@ -21,13 +21,13 @@ from __future__ import annotations
 from typing import Any, Mapping
 
 import torch
-from torch import Tensor
 
 from mmpo.algos.config import require
 from mmpo.algos.grpo import GRPOModule
 from mmpo.core import LossParts
 from mmpo.core.entropy_reg import EPO_MASK_MODES, epo_phase_weight, epo_smoothing_penalty
 from mmpo.vlm.rollout import Rollout
+from mmpo.training.state_hooks import CheckpointedState
 
 
 class EntropyHistory:
@@ -53,7 +53,7 @@ class EntropyHistory:
         self.total, self.count = float(state["total"]), int(state["count"])
 
 
-class EPOModule(GRPOModule):
+class EPOModule(CheckpointedState, GRPOModule):
     """GRPO with EPO's entropy bonus and historical-entropy smoothing penalty.
 
     Args:
@@ -70,6 +70,8 @@ class EPOModule(GRPOModule):
     Metrics: ``epo/history_mean`` (H_hist, 0 before any history), ``epo/within_frac``,
     ``epo/phase_weight``, ``losses/epo_smooth``.
     """
+
+    checkpointed_state = (("epo_entropy_history", "entropy_history"),)
 
     def __init__(
         self,
@@ -129,12 +131,3 @@ class EPOModule(GRPOModule):
                         for v in self._step_entropy)
         if count > 0:
             self.entropy_history.update(total / count)
-
-    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        super().on_save_checkpoint(checkpoint)
-        checkpoint["epo_entropy_history"] = self.entropy_history.state_dict()
-
-    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        super().on_load_checkpoint(checkpoint)
-        if "epo_entropy_history" in checkpoint:
-            self.entropy_history.load_state_dict(checkpoint["epo_entropy_history"])

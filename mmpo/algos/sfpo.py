@@ -21,6 +21,7 @@ from mmpo.algos.config import require
 from mmpo.algos.grpo import GRPOModule
 from mmpo.core.slow_fast import EntropyZScoreSwitch, slow_fast_update
 from mmpo.vlm.rollout import Rollout
+from mmpo.training.state_hooks import CheckpointedState
 
 
 def sfpo_metrics(active: bool, switch: EntropyZScoreSwitch) -> dict[str, float]:
@@ -31,7 +32,7 @@ def sfpo_metrics(active: bool, switch: EntropyZScoreSwitch) -> dict[str, float]:
     return metrics
 
 
-class SFPOModule(GRPOModule):
+class SFPOModule(CheckpointedState, GRPOModule):
     """GRPO whose update is SFPO's slow-fast update.
 
     Args:
@@ -42,6 +43,8 @@ class SFPOModule(GRPOModule):
         sfpo_zscore_threshold: switch SFPO off for good when z >= this (official 1.0).
         **kwargs: every :class:`GRPOModule` setting.
     """
+
+    checkpointed_state = (("sfpo_switch", "sfpo_switch"),)
 
     def __init__(
         self,
@@ -91,12 +94,3 @@ class SFPOModule(GRPOModule):
             self.sfpo_switch.record(sum(entropies) / len(entropies))
         extra = sfpo_metrics(active, self.sfpo_switch)
         return [{**s, **extra} for s in stats] or [extra]
-
-    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        super().on_save_checkpoint(checkpoint)
-        checkpoint["sfpo_switch"] = self.sfpo_switch.state_dict()
-
-    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        super().on_load_checkpoint(checkpoint)
-        if "sfpo_switch" in checkpoint:
-            self.sfpo_switch.load_state_dict(checkpoint["sfpo_switch"])
