@@ -4,23 +4,14 @@
 from __future__ import annotations
 
 import math
-from pathlib import Path
 
 import pytest
 import torch
 
 from mmpo.core import Aggregation
-from mmpo.data.synthetic import make_items
 
 CONFIG = "variants/epo_tiny.yaml"
 
-
-@pytest.fixture(scope="module")
-def tiny_model(tmp_path_factory) -> Path:
-    from mmpo.vlm.factory import build_tiny_vlm
-
-    corpus = [r["problem"] for r in make_items("count_shapes", 10, seed=0)] + ["<think> </think><answer> </answer>"]
-    return build_tiny_vlm(tmp_path_factory.mktemp("epo_model"), corpus=corpus)
 
 
 def _outputs():

@@ -4,23 +4,14 @@ and a 2-step `mmpo fit` of configs/vlm/variants/lspo_tiny.yaml."""
 from __future__ import annotations
 
 import json
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
 
-from mmpo.data.synthetic import make_items
 
 CONFIG = "variants/lspo_tiny.yaml"
 
-
-@pytest.fixture(scope="module")
-def tiny_model(tmp_path_factory) -> Path:
-    from mmpo.vlm.factory import build_tiny_vlm
-
-    corpus = [r["problem"] for r in make_items("count_shapes", 10, seed=0)] + ["<think> </think><answer> </answer>"]
-    return build_tiny_vlm(tmp_path_factory.mktemp("lspo_model"), corpus=corpus)
 
 
 def _rollout(lengths: list[int], group_size: int) -> SimpleNamespace:

@@ -11,17 +11,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from mmpo.data.synthetic import make_items
 
 CONFIG = "variants/sfpo_tiny.yaml"
 
-
-@pytest.fixture(scope="module")
-def tiny_model(tmp_path_factory) -> Path:
-    from mmpo.vlm.factory import build_tiny_vlm
-
-    corpus = [r["problem"] for r in make_items("count_shapes", 10, seed=0)] + ["<think> </think><answer> </answer>"]
-    return build_tiny_vlm(tmp_path_factory.mktemp("sfpo_model"), corpus=corpus)
 
 
 def _weights(root: Path) -> dict[str, torch.Tensor]:

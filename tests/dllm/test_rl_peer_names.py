@@ -95,12 +95,12 @@ def test_explicit_default_names_equal_the_default_step(start, tmp_path, scripted
 
 
 @pytest.mark.parametrize("name", ["reinforce_plus_plus_baseline", "grpo_passk", "opo", "gpg", "reinforce_plus_plus",
-                                  "grpo", "rloo"])
+                                  "grpo", "rloo", "hapo"])
 def test_estimator_advantages_reach_the_loss(start, tmp_path, scripted, name):
     _step(_module(start, tmp_path, advantage=name))
     rewards = torch.tensor(REWARDS)
     mask = torch.ones(6, GEN)  # the dLLM completion mask: every generated position
-    settings = {"mask": mask} if name in {"reinforce_plus_plus_baseline", "opo", "reinforce_plus_plus"} else {}
+    settings = {"mask": mask} if name in {"reinforce_plus_plus_baseline", "opo", "reinforce_plus_plus", "hapo"} else {}
     expected = compute_advantages(name, rewards, GROUP_IDS, **settings)
     assert len(scripted) == 2
     for call in scripted:  # both inner updates get the batch's advantages
