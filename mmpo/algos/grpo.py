@@ -16,8 +16,9 @@ One training step, top to bottom (``training_step``):
                 + ``extra_loss_terms``; global token/sequence normalisation across
                 micro-batches and ranks; grad clipping; AdamW + schedule step.
 
-Subclasses (PAPO, StepGRPO, GCPO, AHPO, MAPO) override the four hooks
-``build_rollout``, ``compute_rewards``, ``compute_advantages``, ``extra_loss_terms``.
+Subclasses (PAPO, StepGRPO, GCPO, AHPO, MAPO, LSPO, EPO, SFPO, HAPO) override the hooks
+``build_rollout``, ``compute_rewards``, ``compute_advantages``, ``extra_loss_terms``,
+``filter_groups`` (step 4) and ``update_policy`` (step 6).
 """
 
 from __future__ import annotations
