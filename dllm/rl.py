@@ -425,11 +425,40 @@ class DiffuGRPO(NonFiniteGuardMixin, MaskPredictorExportHooks, PlainHparamsMixin
             self.model.eval()
             old = {key: self._log_probs(self.model, batch, key, with_entropy=True) for key in unique_keys}
             ref = self._reference_log_probs(batch, unique_keys) if s["beta"] > 0 else {}
+        loss_masks = {key: self._loss_mask(batch, old[key][1], key) for key in unique_keys}
+        keep, filter_metrics = self.filter_groups(batch)
+        if keep is not None:  # dropped groups leave the loss (masked, so the batch keeps its size)
+            loss_masks = {key: mask & keep.to(mask.device).unsqueeze(-1) for key, mask in loss_masks.items()}
+        metrics_sum, loss = self.update_policy(batch, keys, old, ref, advantages, loss_masks)
+        metrics_sum.update(filter_metrics)
+        optimizer = self.optimizers()
+        batch_size = len(rows)
+        metrics_sum["perf/skipped_steps"] = float(self.nonfinite.skipped_steps)
+        metrics_sum["lr"] = optimizer.param_groups[0]["lr"]  # for the next step, as the VLM modules log it
+        logged = {**batch["metrics"], **adv_metrics, **metrics_sum}
+        shown = {"rewards/total/mean", "igpo/frac_all_wrong"}  # the progress bar's
+        self.log_dict({k: v for k, v in logged.items() if k in shown}, prog_bar=True, batch_size=batch_size)
+        self.log_dict({k: v for k, v in logged.items() if k not in shown}, batch_size=batch_size)
+        return loss.detach()
+
+    def filter_groups(self, batch: dict) -> tuple[Tensor | None, dict[str, float]]:
+        """(N,) bool keep mask of the samples whose groups stay in the loss (None = all) and metrics
+        (hook: LSPO's length bands, ``dllm.variants``). Default: no filter."""
+        return None, {}
+
+    def update_policy(
+        self, batch: dict, keys: list[tuple[int, float]], old: dict, ref: dict, advantages: Tensor,
+        loss_masks: dict[tuple[int, float], Tensor],
+    ) -> tuple[dict[str, float], Tensor]:
+        """One optimizer step per scoring key on the clipped loss + beta KL (hook: SFPO's slow-fast update).
+
+        ``old`` / ``ref`` map a key to its (log-probs, entropy) / log-probs without grad. Returns the
+        metrics averaged over the steps and the last step's loss."""
+        s = self.settings
         optimizer = self.optimizers()
         scheduler = self.lr_schedulers()
         self.model.train()
         metrics_sum: dict[str, float] = {}
-        loss_masks = {key: self._loss_mask(batch, old[key][1], key) for key in unique_keys}
         for key in keys:
             log_probs, _ = self._log_probs(self.model, batch, key)
             loss, metrics = igpo_loss(
@@ -448,14 +477,7 @@ class DiffuGRPO(NonFiniteGuardMixin, MaskPredictorExportHooks, PlainHparamsMixin
                 scheduler.step()
             for name, value in metrics.items():
                 metrics_sum[name] = metrics_sum.get(name, 0.0) + float(value) / len(keys)
-        batch_size = len(rows)
-        metrics_sum["perf/skipped_steps"] = float(self.nonfinite.skipped_steps)
-        metrics_sum["lr"] = optimizer.param_groups[0]["lr"]  # for the next step, as the VLM modules log it
-        logged = {**batch["metrics"], **adv_metrics, **metrics_sum}
-        shown = {"rewards/total/mean", "igpo/frac_all_wrong"}  # the progress bar's
-        self.log_dict({k: v for k, v in logged.items() if k in shown}, prog_bar=True, batch_size=batch_size)
-        self.log_dict({k: v for k, v in logged.items() if k not in shown}, batch_size=batch_size)
-        return loss.detach()
+        return metrics_sum, loss
 
     def on_fit_start(self) -> None:
         self.model.train()  # from_pretrained returns eval mode; rollouts switch to eval themselves

@@ -62,6 +62,8 @@ NOT_FOR_DPPO: dict[str, str] = {
     **dict.fromkeys(("clip_cov", "kl_cov"),
                     "they guard a softmax policy's entropy (its change ~ -Cov(log pi, A)); a Gaussian denoising step's "
                     "entropy is set by its std schedule, not by the log-probs these losses select on"),
+    "hapo": "it adapts clip bounds and advantages to the per-token entropy of a softmax policy; a Gaussian denoising "
+            "step's entropy is set by its std schedule, not learned",
 }
 
 

@@ -16,8 +16,9 @@ One training step, top to bottom (``training_step``):
                 + ``extra_loss_terms``; global token/sequence normalisation across
                 micro-batches and ranks; grad clipping; AdamW + schedule step.
 
-Subclasses (PAPO, StepGRPO, GCPO, AHPO, MAPO) override the four hooks
-``build_rollout``, ``compute_rewards``, ``compute_advantages``, ``extra_loss_terms``.
+Subclasses (PAPO, StepGRPO, GCPO, AHPO, MAPO, LSPO, EPO, SFPO, HAPO) override the hooks
+``build_rollout``, ``compute_rewards``, ``compute_advantages``, ``extra_loss_terms``,
+``filter_groups`` (step 4) and ``update_policy`` (step 6).
 """
 
 from __future__ import annotations
@@ -201,7 +202,8 @@ class GRPOModule(VLMPolicyModule):
             require(value is None or value >= 1, f"{name} must be >= 1 or None, got {value}")
         # a dry run on one token: unknown or invalid loss settings fail now, not at the first step
         one = torch.zeros(1, 1)
-        policy_loss(h.loss, one, one, one[:, 0], torch.ones(1, 1), agg=h.agg, **self._loss_settings())
+        policy_loss(h.loss, one, one, one[:, 0], torch.ones(1, 1), agg=h.agg, **self._loss_settings(),
+                    **self._loss_entropy_input(torch.ones(1, 1)))
         if h.minibatch_size is not None and h.micro_batch_size is not None:
             require(h.minibatch_size % h.micro_batch_size == 0,
                     f"micro_batch_size {h.micro_batch_size} must divide minibatch_size {h.minibatch_size}; "
@@ -387,14 +389,14 @@ class GRPOModule(VLMPolicyModule):
         metrics["response/clipped_frac"] = float((~ended).float().mean())  # no EOS within max_new_tokens
         metrics["perf/tokens_per_s"] = float(lengths.sum()) / max(t_rollout, 1e-9)
 
-        # 4. dynamic sampling: groups still without reward variance leave the loss. They are
+        # 4. group filter (hook; dynamic sampling by default): dropped groups leave the loss. They are
         # masked, not removed (nor an error), so every rank keeps the same number of micro-batches.
-        if h.dynamic_sampling:
-            kept = dynamic_sampling_filter(rewards, rollout.group_ids)
+        keep, filter_metrics = self.filter_groups(rewards, rollout)
+        metrics.update(filter_metrics)
+        if keep is not None:
             rollout = dataclasses.replace(
-                rollout, completion_mask=rollout.completion_mask * kept.keep_mask.long().unsqueeze(-1)
+                rollout, completion_mask=rollout.completion_mask * keep.long().unsqueeze(-1)
             )
-            metrics["rewards/dropped_groups"] = kept.num_dropped
 
         rollout = rollout.to(self.device)
         advantages = advantages.to(self.device)
@@ -413,17 +415,10 @@ class GRPOModule(VLMPolicyModule):
         if h.beta > 0:
             ref_log_probs = self._log_probs_no_grad(self.reference_model, rollout, micro_size)
 
-        # 6. mu epochs over shuffled minibatches, one optimizer step each
-        generator = torch.Generator().manual_seed(step_seed(h.seed, step, 0) + 1)
-        update_stats: list[dict[str, float]] = []
+        # 6. mu epochs over shuffled minibatches, one optimizer step each (hook: SFPO wraps it)
         t1 = time.perf_counter()
-        for _epoch in range(h.mu):
-            order = torch.randperm(len(rollout), generator=generator) if not on_policy else torch.arange(len(rollout))
-            for start in range(0, len(rollout), minibatch_size):
-                index = order[start : start + minibatch_size]
-                stats = self._update(rollout, index, advantages, old_log_probs, ref_log_probs, micro_size)
-                if stats:
-                    update_stats.append(stats)
+        update_stats = self.update_policy(rollout, advantages, old_log_probs, ref_log_probs,
+                                          minibatch_size=minibatch_size, micro_size=micro_size, step=step)
         t_update = time.perf_counter() - t1
 
         # 7. metrics
@@ -440,6 +435,41 @@ class GRPOModule(VLMPolicyModule):
         self.log_dict({k: v for k, v in logged.items() if k not in shown}, on_step=True, on_epoch=False,
                       batch_size=len(rows))
         self.last_metrics = metrics
+
+    def filter_groups(self, rewards: Tensor, rollout: Rollout) -> tuple[Tensor | None, dict[str, float]]:
+        """(N,) bool keep mask of the samples whose groups stay in the loss (None = all) and metrics
+        (hook: LSPO's length bands). Default: DAPO dynamic sampling when ``dynamic_sampling``."""
+        if not self.hparams.dynamic_sampling:
+            return None, {}
+        kept = dynamic_sampling_filter(rewards, rollout.group_ids)
+        return kept.keep_mask, {"rewards/dropped_groups": kept.num_dropped}
+
+    def update_policy(
+        self,
+        rollout: Rollout,
+        advantages: Tensor,
+        old_log_probs: Tensor | None,
+        ref_log_probs: Tensor | None,
+        *,
+        minibatch_size: int,
+        micro_size: int,
+        step: int,
+    ) -> list[dict[str, float]]:
+        """``mu`` epochs over shuffled minibatches of the rollout, one optimizer step each; returns each
+        step's statistics (hook: SFPO's fast / slow updates). ``old_log_probs`` is None when the update
+        is on-policy (``mu`` 1, one minibatch): each micro-batch then uses its detached current log-probs."""
+        h = self.hparams
+        on_policy = h.mu == 1 and minibatch_size == len(rollout)  # as training_step decides it
+        generator = torch.Generator().manual_seed(step_seed(h.seed, step, 0) + 1)
+        update_stats: list[dict[str, float]] = []
+        for _epoch in range(h.mu):
+            order = torch.randperm(len(rollout), generator=generator) if not on_policy else torch.arange(len(rollout))
+            for start in range(0, len(rollout), minibatch_size):
+                index = order[start : start + minibatch_size]
+                stats = self._update(rollout, index, advantages, old_log_probs, ref_log_probs, micro_size)
+                if stats:
+                    update_stats.append(stats)
+        return update_stats
 
     def _resample_constant_groups(self, rollout: Rollout, rewards: Tensor, step: int) -> tuple[Rollout, Tensor, int]:
         """DAPO refill: sample the prompts of zero-variance groups again (up to
@@ -478,6 +508,12 @@ class GRPOModule(VLMPolicyModule):
                                       ("dual_clip", h.dual_clip)) if v is not None}
         settings.update(h.loss_settings or {})
         return settings
+
+    def _loss_entropy_input(self, entropy: Tensor) -> dict[str, Tensor]:
+        """``{"entropy": detached (N, T) entropy}`` for the losses that read per-token entropy at
+        update time (HAPO's adaptive clip / advantage); ``{}`` for the others."""
+        takes = "entropy" in inspect.signature(POLICY_LOSSES.get(self.hparams.loss)).parameters
+        return {"entropy": entropy.detach()} if takes else {}
 
     def _rollout_is_weights(self, part: Rollout, log_probs: Tensor, old: Tensor) -> tuple[Tensor | None, dict]:
         """This micro-batch's rollout IS weights pi_trainer / pi_rollout (None when off) and metrics.
@@ -542,6 +578,7 @@ class GRPOModule(VLMPolicyModule):
             pg_loss, pg_metrics = policy_loss(
                 h.loss, log_probs, old, part_adv, part_mask, agg=h.agg, token_weights=is_weights,
                 global_tokens=global_tokens, global_seqs=global_seqs, norm_len=norm_len, **loss_settings,
+                **self._loss_entropy_input(entropy),
             )
             pg_metrics = {**pg_metrics, **is_metrics}
             # named parts, summed once by parts.total(); without a reference the KL part is 0 with

@@ -19,7 +19,7 @@ Pieces (each a pure function behind a name registry where there are variants):
   :func:`token_log_probs_from_hidden`.
 - rollout correction: :func:`rollout_is_weights` (truncated / masked token- or sequence-level
   IS weights between the rollout engine's and the trainer's log-probs; TRL / verl).
-- filters (:func:`dynamic_sampling_filter`, :func:`gfpo_filter`) and shaping
+- filters (:func:`dynamic_sampling_filter`, :func:`gfpo_filter`, :func:`lspo_filter`) and shaping
   (:func:`overlong_soft_punishment`, :func:`dither_rewards`).
 """
 
@@ -33,8 +33,9 @@ from mmpo.core.advantages import (
 )
 from mmpo.core.advantages_verl import VERL_ADVANTAGE_ESTIMATORS  # registers verl's estimators
 from mmpo.core.aggregate import AGGREGATION_MODES, AggregationMode, aggregate
-from mmpo.core.filters import FilterResult, GFPOMetric, dynamic_sampling_filter, gfpo_filter
+from mmpo.core.filters import FilterResult, GFPOMetric, dynamic_sampling_filter, gfpo_filter, lspo_filter
 from mmpo.core.groups import GroupIndex, build_group_index
+from mmpo.core.hapo import EntropyNormStats, adaptive_temperature, hapo_entropy_norm  # registers 'hapo'
 from mmpo.core.kl import KL_KINDS, KLKind, kl_penalty
 from mmpo.core.loss_parts import LossParts, as_loss_parts
 from mmpo.core.logprobs import entropy_from_logits, token_log_probs, token_log_probs_from_hidden
@@ -72,6 +73,7 @@ __all__ = [
     "DitherDistribution",
     "FilterResult",
     "GFPOMetric",
+    "EntropyNormStats",
     "GroupIndex",
     "KLKind",
     "KL_KINDS",
@@ -84,6 +86,7 @@ __all__ = [
     "TokenLoss",
     "VERL_ADVANTAGE_ESTIMATORS",
     "as_loss_parts",
+    "adaptive_temperature",
     "aggregate",
     "build_group_index",
     "bypass_old_log_probs",
@@ -97,7 +100,9 @@ __all__ = [
     "entropy_from_logits",
     "gae",
     "gfpo_filter",
+    "hapo_entropy_norm",
     "kl_penalty",
+    "lspo_filter",
     "masked_mean",
     "masked_sum",
     "masked_var",

@@ -42,6 +42,8 @@ class AdvantageEstimator(str, Enum):
     REMAX = "remax"
     OPTIMAL_TOKEN_BASELINE = "optimal_token_baseline"
     TIR_OPTIMAL_TOKEN_BASELINE = "tir_optimal_token_baseline"
+    # HAPO's token-level estimator, registered in mmpo.core.hapo
+    HAPO = "hapo"
 
 
 ADVANTAGE_ESTIMATORS: Registry[AdvantageFn] = Registry("advantage estimator")

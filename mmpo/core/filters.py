@@ -122,3 +122,62 @@ def gfpo_filter(
         keep_mask=keep_mask,
         num_dropped=int((~keep_mask).sum()),
     )
+
+
+def lspo_filter(
+    lengths: Tensor,
+    group_ids: Tensor,
+    candidates: Tensor | None = None,
+    *,
+    low: float = 0.3,
+    high: float = 0.65,
+    max_quantile: float = 0.95,
+) -> FilterResult:
+    """LSPO length-aware dynamic sampling (arXiv 2510.01459): keep the shortest and longest length bands.
+
+    For every candidate group (prompt) L(q) = mean response length of its samples; Q(a) is the
+    a-quantile (linear interpolation, ``torch.quantile``) of L over the candidate groups of this
+    batch. A group is kept iff ``L(q) <= Q(low)`` or ``Q(high) <= L(q) <= Q(max_quantile)``.
+    LSPO runs after the zero-variance (accuracy) filter: pass its ``keep_mask`` as ``candidates``;
+    groups outside ``candidates`` are dropped and take no part in the quantiles.
+
+    Defaults: the paper's band values are UNVERIFIED (digest section 13); 0.3 / 0.65 / 0.95 are
+    this project's reading, and ``max_quantile`` = 1.0 disables the upper cut-off (whose role,
+    excluding near-truncated prompts, is also unverified).
+
+    Args:
+        lengths: ``(N,)`` response lengths in tokens.
+        group_ids: ``(N,)`` integer prompt ids, any order.
+        candidates: ``(N,)`` bool, the samples still in play (constant per group); None = all.
+        low: quantile of the short band's upper edge, in [0, 1].
+        high: quantile of the long band's lower edge, in [low, max_quantile].
+        max_quantile: quantile of the long band's upper edge, in [high, 1].
+
+    Returns:
+        :class:`FilterResult`; ``num_dropped`` = candidate groups LSPO dropped (not those already
+        outside ``candidates``).
+    """
+    if not 0.0 <= low <= high <= max_quantile <= 1.0:
+        raise ValueError(f"LSPO needs 0 <= low <= high <= max_quantile <= 1, got {low}, {high}, {max_quantile}")
+    if lengths.ndim != 1:
+        raise ValueError(f"lengths must be 1-D (N,), got shape {tuple(lengths.shape)}")
+    index = build_group_index(group_ids.to(lengths.device), num_samples=lengths.numel(), min_size=1)
+    mean_length = index.sum(lengths.to(torch.float64)) / index.counts.to(torch.float64)
+    if candidates is None:
+        candidate_groups = torch.ones_like(mean_length, dtype=torch.bool)
+    else:
+        if candidates.shape != lengths.shape:
+            raise ValueError(f"candidates must be (N,) like lengths, got {tuple(candidates.shape)}")
+        candidate_groups = index.sum(candidates.to(torch.float64)) > 0
+    keep_groups = torch.zeros_like(candidate_groups)
+    if bool(candidate_groups.any()):
+        pool = mean_length[candidate_groups]
+        q = torch.quantile(pool, torch.tensor([low, high, max_quantile], dtype=pool.dtype, device=pool.device))
+        in_band = (mean_length <= q[0]) | ((mean_length >= q[1]) & (mean_length <= q[2]))
+        keep_groups = candidate_groups & in_band
+    keep_mask = keep_groups[index.inverse]
+    return FilterResult(
+        kept_indices=torch.nonzero(keep_mask).flatten(),
+        keep_mask=keep_mask,
+        num_dropped=int((candidate_groups & ~keep_groups).sum()),
+    )

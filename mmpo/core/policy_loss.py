@@ -61,6 +61,8 @@ class PolicyLoss(str, Enum):
     KL_COV = "kl_cov"
     LUSPO = "luspo"
     VESPO = "vespo"
+    # HAPO's entropy-adaptive loss (mmpo.core.hapo)
+    HAPO = "hapo"
 
 
 POLICY_LOSSES: Registry[PolicyLossFn] = Registry("policy loss")

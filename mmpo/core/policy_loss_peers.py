@@ -36,7 +36,9 @@ from mmpo.core.policy_loss import (
 )
 
 # losses whose token selection depends on the whole batch they are given (see the module docstring)
-BATCH_COUPLED_LOSSES: frozenset[str] = frozenset({PolicyLoss.CLIP_COV.value, PolicyLoss.KL_COV.value})
+# HAPO (mmpo.core.hapo) normalises entropies by the statistics of the batch it is given, as the official code
+BATCH_COUPLED_LOSSES: frozenset[str] = frozenset(
+    {PolicyLoss.CLIP_COV.value, PolicyLoss.KL_COV.value, PolicyLoss.HAPO.value})
 
 # VESPO's floor on the sequence log-weight: log(1e-8), as TRL (matching the official code)
 _VESPO_LOG_W_MIN = math.log(1e-8)

@@ -124,6 +124,7 @@ class HFGenerateEngine:
         top_p: float = 1.0,
         do_sample: bool = True,
         return_log_probs: bool = False,
+        logits_processors: Sequence[LogitsProcessor] = (),
     ) -> Rollout:
         """Sample ``num_samples`` completions for every row; groups are contiguous.
 
@@ -135,6 +136,9 @@ class HFGenerateEngine:
         (after its temperature / top-p processing) in ``rollout.extras["engine_log_probs"]`` (N, T)
         float32, 0 off ``completion_mask``: the rollout policy of the IS correction
         (:func:`mmpo.core.rollout_is_weights`). Off by default (one extra log-softmax per step).
+
+        ``logits_processors`` run on each step's raw logits before the temperature / top-p warpers
+        (e.g. HAPO's per-token temperature, ``mmpo.algos.hapo``).
         """
         if num_samples < 1:
             raise ValueError(f"num_samples must be >= 1, got {num_samples}")
@@ -155,7 +159,9 @@ class HFGenerateEngine:
             warpers = [TemperatureLogitsWarper(temperature)] if do_sample and temperature != 1.0 else []
             warpers += [TopPLogitsWarper(top_p)] if do_sample and top_p < 1.0 else []
             sampling = {**sampling, "temperature": 1.0, "top_p": 1.0} if do_sample else sampling
-            sampling["logits_processor"] = LogitsProcessorList([*warpers, recorder])
+            sampling["logits_processor"] = LogitsProcessorList([*logits_processors, *warpers, recorder])
+        elif logits_processors:  # HF runs these before its own temperature / top-p warpers
+            sampling["logits_processor"] = LogitsProcessorList(list(logits_processors))
         was_training = self.model.training
         self.model.eval()
         try:

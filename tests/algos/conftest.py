@@ -67,3 +67,13 @@ def _hand_grpo_advantages(rewards, group_size: int, eps: float = 1e-6):
 def hand_grpo_advantages() -> Callable:
     """``hand_grpo_advantages(rewards (N,), group_size, eps=1e-6) -> (N,)``."""
     return _hand_grpo_advantages
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory) -> Path:
+    """A tiny Qwen-VL whose vocabulary covers count_shapes prompts and the answer format (the variant tests)."""
+    from mmpo.data.synthetic import make_items
+    from mmpo.vlm.factory import build_tiny_vlm
+
+    corpus = [r["problem"] for r in make_items("count_shapes", 10, seed=0)] + ["<think> </think><answer> </answer>"]
+    return build_tiny_vlm(tmp_path_factory.mktemp("variant_model"), corpus=corpus)

@@ -10,6 +10,7 @@ from mmpo.core import (
     ADVANTAGE_ESTIMATORS,
     AGGREGATION_MODES,
     BATCH_COUPLED_LOSSES,
+    POLICY_LOSSES,
     AdvantageEstimator,
     PolicyLoss,
     compute_advantages,
@@ -18,6 +19,12 @@ from mmpo.core import (
 
 ESTIMATORS = [e.value for e in AdvantageEstimator]
 LOSSES = [p.value for p in PolicyLoss]
+
+
+def _entropy_input(loss_name: str, old: torch.Tensor) -> dict:
+    """HAPO reads per-token entropy at update time: a stand-in, -log pi_old of the sampled token."""
+    takes = "entropy" in inspect.signature(POLICY_LOSSES.get(loss_name)).parameters
+    return {"entropy": -old.detach()} if takes else {}
 
 
 def _batch(seed: int = 0):
@@ -49,7 +56,7 @@ def test_estimator_loss_aggregation_cross_product(estimator, loss_name, agg):
         settings["sum_pi_squared"] = old.exp() ** 2 + 0.05
     adv = compute_advantages(estimator, rewards, groups, **settings)
     assert adv.shape in (rewards.shape, mask.shape) and torch.isfinite(adv).all()
-    loss, metrics = policy_loss(loss_name, lp, old, adv, mask, agg=agg)
+    loss, metrics = policy_loss(loss_name, lp, old, adv, mask, agg=agg, **_entropy_input(loss_name, old))
     assert loss.ndim == 0 and torch.isfinite(loss)
     for key in ("clipfrac", "clipfrac_low", "clipfrac_high", "approx_kl", "ratio_mean", "ratio_min", "ratio_max"):
         value = metrics[f"policy/{key}"]
@@ -64,7 +71,7 @@ def test_estimator_loss_aggregation_cross_product(estimator, loss_name, agg):
 def test_per_token_advantages_are_accepted(loss_name):
     _, _, lp, old, mask = _batch(1)
     adv = torch.randn(lp.shape, generator=torch.Generator().manual_seed(2))
-    loss, _ = policy_loss(loss_name, lp, old, adv, mask)
+    loss, _ = policy_loss(loss_name, lp, old, adv, mask, **_entropy_input(loss_name, old))
     (grad,) = torch.autograd.grad(loss, lp)
     assert torch.isfinite(loss) and torch.isfinite(grad).all()
 

@@ -179,7 +179,7 @@ def test_covariance_losses_select_per_batch_so_micro_batches_do_not_add_up():
         for i in range(2)
     )
     assert full["policy/kl_cov_frac"].item() * 4 == 1 and penalised_micro.item() == 2
-    assert BATCH_COUPLED_LOSSES == {"clip_cov", "kl_cov"}
+    assert BATCH_COUPLED_LOSSES == {"clip_cov", "kl_cov", "hapo"}  # hapo: entropy statistics per batch
 
 
 # ----------------------------------------------------------------------------- LUSPO

@@ -63,7 +63,9 @@ def test_a_tensor_bound_filled_with_one_value_equals_the_float(name):
     for as_tensor in (False, True):
         bound = (lambda v: torch.full((3, 1), v, dtype=torch.float64)) if as_tensor else (lambda v: v)
         lp = base.clone().requires_grad_(True)
-        loss, metrics = policy_loss(name, lp, old, adv, mask, clip_low=bound(low), clip_high=bound(high))
+        # HAPO reads per-token entropy at update time: a stand-in, -log pi_old of the sampled token
+        extra = {"entropy": -old} if "entropy" in inspect.signature(POLICY_LOSSES.get(name)).parameters else {}
+        loss, metrics = policy_loss(name, lp, old, adv, mask, clip_low=bound(low), clip_high=bound(high), **extra)
         (grad,) = torch.autograd.grad(loss, lp)
         results.append((loss, grad, metrics))
     (loss_f, grad_f, m_f), (loss_t, grad_t, m_t) = results

@@ -95,12 +95,12 @@ def test_explicit_default_names_equal_the_default_step(start, tmp_path, scripted
 
 
 @pytest.mark.parametrize("name", ["reinforce_plus_plus_baseline", "grpo_passk", "opo", "gpg", "reinforce_plus_plus",
-                                  "grpo", "rloo"])
+                                  "grpo", "rloo", "hapo"])
 def test_estimator_advantages_reach_the_loss(start, tmp_path, scripted, name):
     _step(_module(start, tmp_path, advantage=name))
     rewards = torch.tensor(REWARDS)
     mask = torch.ones(6, GEN)  # the dLLM completion mask: every generated position
-    settings = {"mask": mask} if name in {"reinforce_plus_plus_baseline", "opo", "reinforce_plus_plus"} else {}
+    settings = {"mask": mask} if name in {"reinforce_plus_plus_baseline", "opo", "reinforce_plus_plus", "hapo"} else {}
     expected = compute_advantages(name, rewards, GROUP_IDS, **settings)
     assert len(scripted) == 2
     for call in scripted:  # both inner updates get the batch's advantages
@@ -244,3 +244,53 @@ def test_remax_greedy_rollout_leaves_the_sampled_rollouts_unchanged(start, tmp_p
     assert "reward_baselines" not in plain
     baselines = remax["reward_baselines"]
     assert baselines.shape == (6,) and torch.equal(baselines, baselines[::3].repeat_interleave(3))
+
+
+# ---------------------------------------------------------------------- LSPO and SFPO on the dLLM module (dllm/variants.py)
+
+
+def test_lspo_keeps_the_short_band(start, tmp_path, scripted, monkeypatch):
+    from dllm.variants import LSPODiffuGRPO, completion_lengths
+
+    module = LSPODiffuGRPO(**_settings(start, tmp_path, inner_updates=1))
+    eos = module.tokenizer.eos_token_id
+    filler = (eos + 1) % len(module.tokenizer)
+    completions = torch.full((6, GEN), filler)
+    completions[:3, 2] = eos  # prompt 0's completions: 2 tokens; prompt 1's: no EOS, all GEN = 8
+    original = rl.rollout
+
+    def with_lengths(*args, **kwargs):
+        out = original(*args, **kwargs)
+        return Rollout(out.prompt_ids, out.prompt_attention_mask, completions.clone(), out.fixed_mask, out.texts)
+
+    monkeypatch.setattr(rl, "rollout", with_lengths)
+    assert completion_lengths(completions, eos).tolist() == [2.0] * 3 + [8.0] * 3
+    _step(module)
+    # both groups vary (REWARDS), so both are candidates: L = [2, 8], Q(0.3) = 3.8, Q(0.65) = 5.9, Q(0.95) = 7.7
+    # -> prompt 0 (2 <= 3.8) stays, prompt 1 (8 > Q(0.95)) leaves the loss
+    mask = scripted[0]["mask"]
+    assert bool(mask[:3].any()) and not bool(mask[3:].any())
+
+
+def test_sfpo_k1_alpha1_is_two_plain_steps(start, tmp_path, scripted):
+    from dllm.variants import SFPODiffuGRPO
+
+    # K = 1, alpha = 1, one inner update per pass: fast step, reposition onto it, slow step = 2 plain steps
+    sfpo = _step(SFPODiffuGRPO(**_settings(start, tmp_path, inner_updates=1, beta=0.01), sfpo_inner_steps=1,
+                               sfpo_alpha=1.0))
+    plain = _step(_module(start, tmp_path, inner_updates=2, beta=0.01))
+    half = _step(SFPODiffuGRPO(**_settings(start, tmp_path, inner_updates=1, beta=0.01), sfpo_inner_steps=1,
+                               sfpo_alpha=0.5))
+    for name, weight in plain.items():
+        assert torch.equal(sfpo[name], weight), name
+    assert any(not torch.equal(half[name], weight) for name, weight in plain.items())
+    assert all(call["old"].equal(scripted[0]["old"]) for call in scripted)  # pi_old stays theta_0's
+
+
+def _settings(start, tmp_path, **overrides) -> dict:
+    settings = dict(model_path=start, warmup_config=None, save_dir=str(tmp_path / "out"), group_size=3,
+                    inner_updates=2, igpo=False, beta=0.0, format_reward="derivation", reward_timeout_s=None,
+                    lr=1e-2, warmup_steps=0, max_grad_norm=1e9, overwrite_output=True,
+                    sampler=SamplerConfig(gen_length=GEN, block_length=8, steps=4),
+                    hints=HintConfig(min_chunk=1, max_chunk=2, free_tail=1))
+    return {**settings, **overrides}

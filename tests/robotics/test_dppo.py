@@ -17,6 +17,8 @@ from robotics.dppo import DPPOModule, Rollout
 from robotics.envs import ActionChunkWrapper
 from robotics.evaluate import evaluate_policy
 from robotics.policy.io import load_policy
+from robotics.sfpo import SFPODPPOModule
+from mmpo.core.slow_fast import reposition
 
 torch.set_num_threads(1)
 EPISODE_STEPS = 12
@@ -238,3 +240,62 @@ def test_ddpm_evaluation_std_floor(bc_checkpoint, monkeypatch):
             x = x + max(float(std_of_step[j]), 1e-3) * torch.randn(3, 2, 1, generator=draws).clamp(-1.0, 1.0)
     assert torch.allclose(floored, x, atol=1e-7)
     assert not torch.allclose(floored, mean_only, atol=1e-4)
+
+# ---------------------------------------------------------------------- SFPO around DPPO's update (robotics/sfpo.py)
+
+SFPO_SMALL = dict(num_envs=4, n_steps=4, batch_size=40, update_epochs=2)
+
+
+def _sfpo_module(bc_checkpoint: str, cls=SFPODPPOModule, **kwargs) -> DPPOModule:
+    """A small DPPO / SFPO module whose ppo_update runs outside a Trainer (its own optimizers)."""
+    module = make_module(bc_checkpoint, **SFPO_SMALL, **kwargs) if cls is DPPOModule else cls(
+        bc_checkpoint, **{**_make_module_settings(), **SFPO_SMALL, **kwargs})
+    optimizers = module.configure_optimizers()
+    module.optimizers = lambda: optimizers
+    module.manual_backward = lambda loss: loss.backward()
+    return module
+
+
+def _make_module_settings() -> dict:
+    return dict(num_iterations=21, ft_steps=5, gamma=0.99, actor_lr=3e-3, clip_base=0.1, clip_final=0.2,
+                n_critic_warmup_itr=1, eval_every=0, eval_episodes=32, critic_hidden_dims=[64, 64, 64],
+                env_factory=reach_envs, target_kl=None)
+
+
+def _sfpo_rollout(module: DPPOModule) -> Rollout:
+    module.envs = module.make_envs()
+    rollout = module.compute_advantages(module.collect_rollout())
+    module.envs.close()
+    return rollout
+
+
+def test_sfpo_update_equals_its_composition(bc_checkpoint):
+    torch.manual_seed(0)
+    sfpo = _sfpo_module(bc_checkpoint, sfpo_inner_steps=2, sfpo_alpha=0.5)
+    plain = _sfpo_module(bc_checkpoint, cls=DPPOModule)
+    plain.load_state_dict(sfpo.state_dict())
+    rollout = _sfpo_rollout(sfpo)
+    plain._generator.set_state(sfpo._generator.get_state())  # the minibatch permutations draw from it
+    start = [p.detach().clone() for p in sfpo.policy.ft_network.parameters()]
+    metrics = sfpo.ppo_update(rollout, train_actor=True)
+    # the composition: two fast passes, theta_0 + 0.5 (theta_2 - theta_0), one slow pass (same generator draws)
+    slow = [p.detach().clone() for p in plain.policy.ft_network.parameters()]
+    plain.ppo_update(rollout, train_actor=True)
+    plain.ppo_update(rollout, train_actor=True)
+    reposition(list(plain.policy.ft_network.parameters()), slow, 0.5)
+    expected = plain.ppo_update(rollout, train_actor=True)
+    for mine, theirs in zip(sfpo.policy.ft_network.parameters(), plain.policy.ft_network.parameters()):
+        assert torch.equal(mine, theirs)
+    assert any(not torch.equal(a, b) for a, b in zip(start, sfpo.policy.ft_network.parameters()))
+    assert metrics["sfpo/active"] == 1.0
+    assert metrics["losses/policy"] == expected["losses/policy"] and math.isfinite(metrics["losses/policy"])
+
+
+def test_sfpo_critic_warmup_is_plain_and_bad_settings(bc_checkpoint):
+    module = _sfpo_module(bc_checkpoint)
+    before = [p.detach().clone() for p in module.policy.ft_network.parameters()]
+    metrics = module.ppo_update(_sfpo_rollout(module), train_actor=False)
+    assert "sfpo/active" not in metrics
+    assert all(torch.equal(a, b) for a, b in zip(before, module.policy.ft_network.parameters()))
+    with pytest.raises(ValueError, match="sfpo_alpha"):
+        SFPODPPOModule(bc_checkpoint, **{**_make_module_settings(), "sfpo_alpha": 0.0})

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from mmpo.core import ADVANTAGE_ESTIMATORS, AGGREGATION_MODES, PolicyLoss, compute_advantages, policy_loss
+from mmpo.core import ADVANTAGE_ESTIMATORS, AGGREGATION_MODES, POLICY_LOSSES, compute_advantages, policy_loss
 
 HERE = Path(__file__).parent
 
@@ -74,14 +74,16 @@ def compute(inputs: dict) -> dict:
         settings = _advantage_inputs(name, rewards, groups, mask, old)
         out["advantages"][name] = compute_advantages(name, rewards, groups, **settings).tolist()
     adv = torch.tensor(out["advantages"]["grpo"], dtype=torch.float64)
-    for loss_name in PolicyLoss:
+    for loss_name in POLICY_LOSSES.names():
         for agg in AGGREGATION_MODES:
             lp = torch.tensor(inputs["log_probs"], dtype=torch.float64, requires_grad=True)
             # clip_cov draws the tokens it drops: a seeded generator keeps the entry reproducible
-            settings = {"generator": torch.Generator().manual_seed(0)} if loss_name.value == "clip_cov" else {}
-            loss, _ = policy_loss(loss_name.value, lp, old, adv, mask, agg=agg, **settings)
+            settings = {"generator": torch.Generator().manual_seed(0)} if loss_name == "clip_cov" else {}
+            if "entropy" in inspect.signature(POLICY_LOSSES.get(loss_name)).parameters:
+                settings["entropy"] = -old  # stand-in per-token entropy (HAPO): -log pi_old of the sampled token
+            loss, _ = policy_loss(loss_name, lp, old, adv, mask, agg=agg, **settings)
             (grad,) = torch.autograd.grad(loss, lp)
-            out["losses"][f"{loss_name.value}/{agg}"] = {"loss": loss.item(), "grad": grad.tolist()}
+            out["losses"][f"{loss_name}/{agg}"] = {"loss": loss.item(), "grad": grad.tolist()}
     return out
 
 
