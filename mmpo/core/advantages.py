@@ -42,6 +42,8 @@ class AdvantageEstimator(str, Enum):
     REMAX = "remax"
     OPTIMAL_TOKEN_BASELINE = "optimal_token_baseline"
     TIR_OPTIMAL_TOKEN_BASELINE = "tir_optimal_token_baseline"
+    # issue-16 variants, registered in their own modules
+    PVPO = "pvpo"  # mmpo.core.advantages_pvpo
 
 
 ADVANTAGE_ESTIMATORS: Registry[AdvantageFn] = Registry("advantage estimator")
