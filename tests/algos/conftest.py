@@ -67,3 +67,30 @@ def _hand_grpo_advantages(rewards, group_size: int, eps: float = 1e-6):
 def hand_grpo_advantages() -> Callable:
     """``hand_grpo_advantages(rewards (N,), group_size, eps=1e-6) -> (N,)``."""
     return _hand_grpo_advantages
+
+
+@pytest.fixture(scope="session")
+def variant_tiny_vlm(tmp_path_factory) -> Path:
+    """A very small Qwen2.5-VL (hidden 32) whose tokenizer knows the system prompt and the answer format,
+    shared by the issue-16 variant module tests (tests/algos/test_variant_*.py)."""
+    from mmpo.data import SYSTEM_PROMPT
+    from mmpo.data.synthetic import make_items
+    from mmpo.vlm.factory import build_tiny_vlm
+
+    corpus = [SYSTEM_PROMPT, "How many shapes? <think>3</think><answer>3</answer> 0123456789",
+              *[r["expert_trace"] for r in make_items("count_shapes", 10, seed=0)]] * 2
+    return build_tiny_vlm(tmp_path_factory.mktemp("variant_vlm"), corpus=corpus, vocab_size=300, hidden_size=32,
+                          intermediate_size=64)
+
+
+@pytest.fixture
+def cpu_trainer() -> Callable:
+    """``cpu_trainer(max_steps) -> lightning.Trainer`` without logger, checkpoints or progress bar."""
+    import lightning as L
+
+    def make(max_steps: int) -> "L.Trainer":
+        return L.Trainer(accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
+                         enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
+                         max_steps=max_steps)
+
+    return make

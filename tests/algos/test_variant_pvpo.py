@@ -4,14 +4,12 @@ the table's checkpoint / resume, and the tiny config through `mmpo fit`."""
 
 from __future__ import annotations
 
-import lightning as L
 import pytest
 import torch
 from torch.utils.data import DataLoader
 
 from mmpo.algos.pvpo import BaselineTable, inject_completions
 from mmpo.core import ADVANTAGE_ESTIMATORS, compute_advantages, compute_advantages_with_metrics
-from mmpo.data import SYSTEM_PROMPT
 from mmpo.data.synthetic import make_items
 
 
@@ -49,21 +47,12 @@ def test_baseline_table_records_means_and_round_trips():
         table.lookup(["c"])
 
 
-@pytest.fixture(scope="module")
-def tiny_model(tmp_path_factory):
-    from mmpo.vlm.factory import build_tiny_vlm
-
-    corpus = [SYSTEM_PROMPT, *[r["expert_trace"] for r in make_items("count_shapes", 10, seed=0)]]
-    return build_tiny_vlm(tmp_path_factory.mktemp("pvpo_model"), corpus=corpus, vocab_size=300, hidden_size=32,
-                          intermediate_size=64)
-
-
-def test_inject_completions_replaces_only_the_given_positions(tiny_model):
+def test_inject_completions_replaces_only_the_given_positions(variant_tiny_vlm):
     from mmpo.vlm.factory import load_vlm
     from mmpo.vlm.processing import encode_completions
     from mmpo.vlm.rollout import HFGenerateEngine
 
-    model, processor = load_vlm(tiny_model)
+    model, processor = load_vlm(variant_tiny_vlm)
     rows = make_items("count_shapes", 2, seed=0)
     torch.manual_seed(0)
     rollout = HFGenerateEngine(model, processor).generate(rows, num_samples=2, max_new_tokens=3)
@@ -101,12 +90,6 @@ def _module(path, **settings):
                       reward_weights={"accuracy": 1.0}, **settings)
 
 
-def _trainer(max_steps):
-    return L.Trainer(accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
-                     enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
-                     max_steps=max_steps)
-
-
 def _recording(module, seen):
     original = module.compute_advantages
 
@@ -119,16 +102,16 @@ def _recording(module, seen):
     module.compute_advantages = record
 
 
-def test_step_filters_trivial_injects_traces_and_resumes(tiny_model, tmp_path, scripted_accuracy):
+def test_step_filters_trivial_injects_traces_and_resumes(variant_tiny_vlm, tmp_path, scripted_accuracy, cpu_trainer):
     rows = make_items("count_shapes", 2, seed=0)  # SOLVED and one the 3-token policy never solves
     loader = DataLoader(rows, batch_size=2, collate_fn=lambda x: x)
-    module = _module(tiny_model, offline_pass=False)
+    module = _module(variant_tiny_vlm, offline_pass=False)
     passes = []
     estimate = module.estimate_baselines
     module.estimate_baselines = lambda rs, step: passes.append([r["id"] for r in rs]) or estimate(rs, step)
     seen = []
     _recording(module, seen)
-    trainer = _trainer(2)
+    trainer = cpu_trainer(2)
     trainer.fit(module, loader)
     assert passes == [[r["id"] for r in rows]]  # estimated once, on first sight
     # reference pass: SOLVED -> V = 1, accuracy 1 (trivial); the other -> V = 0, accuracy 0 (never solved)
@@ -147,35 +130,35 @@ def test_step_filters_trivial_injects_traces_and_resumes(tiny_model, tmp_path, s
     ckpt = tmp_path / "pvpo.ckpt"
     trainer.save_checkpoint(ckpt)
     assert torch.load(ckpt, weights_only=False)["pvpo_baselines"] == module.baselines.state_dict()
-    resumed = _module(tiny_model, offline_pass=True)
+    resumed = _module(variant_tiny_vlm, offline_pass=True)
     resumed.estimate_baselines = lambda rs, step: pytest.fail("a resumed run must not re-run the reference pass")
     seen_resumed = []
     _recording(resumed, seen_resumed)
-    _trainer(3).fit(resumed, loader, ckpt_path=ckpt)
+    cpu_trainer(3).fit(resumed, loader, ckpt_path=ckpt)
     assert resumed.baselines.state_dict() == module.baselines.state_dict() and len(seen_resumed) == 1
 
 
-def test_offline_pass_and_refresh(tiny_model, scripted_accuracy):
+def test_offline_pass_and_refresh(variant_tiny_vlm, scripted_accuracy, cpu_trainer):
     rows = make_items("count_shapes", 2, seed=0)
     loader = DataLoader(rows, batch_size=2, collate_fn=lambda x: x)
-    module = _module(tiny_model, refresh_every=2, inject_expert=False)
+    module = _module(variant_tiny_vlm, refresh_every=2, inject_expert=False)
     steps = []
     estimate = module.estimate_baselines
     module.estimate_baselines = lambda rs, step: steps.append(step) or estimate(rs, step)
-    _trainer(3).fit(module, loader)
+    cpu_trainer(3).fit(module, loader)
     # the offline pass over the loader's dataset before step 0, then the refresh at step 2
     assert steps == [0, 2] and module.baselines.refreshed_at == 2
 
 
-def test_settings_are_checked(tiny_model):
+def test_settings_are_checked(variant_tiny_vlm):
     with pytest.raises(ValueError, match="'pvpo'"):
-        _module(tiny_model, advantage="grpo")
+        _module(variant_tiny_vlm, advantage="grpo")
     with pytest.raises(ValueError, match="rollout_is"):
-        _module(tiny_model, rollout_is="token_truncate")
+        _module(variant_tiny_vlm, rollout_is="token_truncate")
 
 
-def test_tiny_config_trains_two_steps(tiny_model, tmp_path, fit_vlm_config):
-    logged = fit_vlm_config("variants/pvpo_tiny.yaml", tiny_model, tmp_path,
+def test_tiny_config_trains_two_steps(variant_tiny_vlm, tmp_path, fit_vlm_config):
+    logged = fit_vlm_config("variants/pvpo_tiny.yaml", variant_tiny_vlm, tmp_path,
                             f"--trainer.callbacks.init_args.dirpath={tmp_path / 'ckpt'}",
                             "--trainer.limit_val_batches=0", "--data.init_args.batch_size=2",
                             "--model.init_args.num_generations=2", "--model.init_args.ref_rollouts=2")

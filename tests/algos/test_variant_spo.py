@@ -8,7 +8,6 @@ import json
 import math
 import random
 
-import lightning as L
 import pytest
 import torch
 from torch.utils.data import DataLoader
@@ -21,7 +20,6 @@ from mmpo.algos.spo_tracker import (
     sample_prompts,
     spo_advantages,
 )
-from mmpo.data import SYSTEM_PROMPT
 from mmpo.data.synthetic import make_items
 
 
@@ -89,30 +87,21 @@ def test_tracker_update_and_state_round_trip():
 # ---------------------------------------------------------------------- the module on a tiny model
 
 
-@pytest.fixture(scope="module")
-def tiny_model(tmp_path_factory):
-    from mmpo.vlm.factory import build_tiny_vlm
-
-    corpus = [SYSTEM_PROMPT, "How many shapes? <think>3</think><answer>3</answer> 0123456789"] * 10
-    return build_tiny_vlm(tmp_path_factory.mktemp("spo_model"), corpus=corpus, vocab_size=300, hidden_size=32,
-                          intermediate_size=64)
-
-
 def _module(path, **settings):
     from mmpo.algos.spo import SPOModule
 
     return SPOModule(str(path), max_new_tokens=4, beta=0.0, reward_timeout_s=None, **settings)
 
 
-def test_settings_are_checked(tiny_model):
+def test_settings_are_checked(variant_tiny_vlm):
     with pytest.raises(ValueError, match="single-stream"):
-        _module(tiny_model, num_generations=2)
+        _module(variant_tiny_vlm, num_generations=2)
     with pytest.raises(ValueError, match="rho_type"):
-        _module(tiny_model, rho_type="linear")
+        _module(variant_tiny_vlm, rho_type="linear")
 
 
-def test_drift_forgetting_on_the_stored_response(tiny_model):
-    module = _module(tiny_model)
+def test_drift_forgetting_on_the_stored_response(variant_tiny_vlm):
+    module = _module(variant_tiny_vlm)
     rows = make_items("count_shapes", 3, seed=0)
     torch.manual_seed(0)
     rollout = module.engine.generate(rows, num_samples=1, max_new_tokens=4)
@@ -135,25 +124,19 @@ def test_drift_forgetting_on_the_stored_response(tiny_model):
     torch.testing.assert_close(drift, expected, rtol=1e-5, atol=1e-7)
 
 
-def _trainer(max_steps):
-    return L.Trainer(accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
-                     enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
-                     max_steps=max_steps)
-
-
-def test_tracker_survives_checkpoint_and_resume(tiny_model, tmp_path, scripted_reward):
+def test_tracker_survives_checkpoint_and_resume(variant_tiny_vlm, tmp_path, scripted_reward, cpu_trainer):
     weights = scripted_reward([1.0, 0.0, 0.0, 1.0])
     rows = make_items("count_shapes", 4, seed=0)
     loader = DataLoader([rows] * 3, batch_size=None, collate_fn=lambda x: x)
-    module = _module(tiny_model, reward_weights=weights, train_batch_size=3)
-    trainer = _trainer(2)
+    module = _module(variant_tiny_vlm, reward_weights=weights, train_batch_size=3)
+    trainer = cpu_trainer(2)
     trainer.fit(module, loader)
     saved = module.tracker.state_dict()
     assert sum(saved["visits"].values()) == 6  # 3 prompts drawn per step, 2 steps
     trainer.save_checkpoint(tmp_path / "spo.ckpt")
     assert torch.load(tmp_path / "spo.ckpt", weights_only=False)["spo_tracker"] == saved
 
-    resumed = _module(tiny_model, reward_weights=weights, train_batch_size=3)
+    resumed = _module(variant_tiny_vlm, reward_weights=weights, train_batch_size=3)
     assert len(resumed.tracker) == 0
     seen = []
     original = resumed.compute_advantages
@@ -163,13 +146,13 @@ def test_tracker_survives_checkpoint_and_resume(tiny_model, tmp_path, scripted_r
         return original(rewards, group_ids, rollout)
 
     resumed.compute_advantages = recording
-    _trainer(3).fit(resumed, loader, ckpt_path=tmp_path / "spo.ckpt")
+    cpu_trainer(3).fit(resumed, loader, ckpt_path=tmp_path / "spo.ckpt")
     assert seen == [saved]
     assert sum(resumed.tracker.visits.values()) == 9
 
 
-def test_tiny_config_trains_two_steps(tiny_model, tmp_path, fit_vlm_config):
-    logged = fit_vlm_config("variants/spo_tiny.yaml", tiny_model, tmp_path,
+def test_tiny_config_trains_two_steps(variant_tiny_vlm, tmp_path, fit_vlm_config):
+    logged = fit_vlm_config("variants/spo_tiny.yaml", variant_tiny_vlm, tmp_path,
                             f"--trainer.callbacks.init_args.dirpath={tmp_path / 'ckpt'}",
                             "--trainer.limit_val_batches=0", "--data.init_args.batch_size=4",
                             "--model.init_args.train_batch_size=2")
