@@ -94,3 +94,16 @@ def cpu_trainer() -> Callable:
                          max_steps=max_steps)
 
     return make
+
+
+@pytest.fixture
+def fit_variant(fit_vlm_config, variant_tiny_vlm, tmp_path) -> Callable[..., list[dict[str, str]]]:
+    """``fit_variant(name, *overrides) -> metric rows``: 2 steps of ``configs/vlm/variants/<name>_tiny.yaml`` on
+    the tiny VLM, 2 prompts a batch, no validation, checkpoints under ``tmp_path`` (later overrides win)."""
+
+    def run(name: str, *overrides: str) -> list[dict[str, str]]:
+        return fit_vlm_config(f"variants/{name}_tiny.yaml", variant_tiny_vlm, tmp_path,
+                              f"--trainer.callbacks.init_args.dirpath={tmp_path / 'ckpt'}",
+                              "--trainer.limit_val_batches=0", "--data.init_args.batch_size=2", *overrides)
+
+    return run

@@ -109,12 +109,10 @@ def test_stage_schedule_and_resume(variant_tiny_vlm, tmp_path, scripted_reward, 
         cpu_trainer(3).fit(other, loader, ckpt_path=tmp_path / "campo.ckpt")
 
 
-def test_tiny_config_trains_two_steps(variant_tiny_vlm, tmp_path, fit_vlm_config):
-    logged = fit_vlm_config("variants/campo_tiny.yaml", variant_tiny_vlm, tmp_path,
-                            f"--trainer.callbacks.init_args.dirpath={tmp_path / 'ckpt'}",
-                            "--trainer.limit_val_batches=0", "--data.init_args.batch_size=2",
-                            "--model.init_args.num_generations=2", "--model.init_args.stage_lengths=[4,6]",
-                            "--model.init_args.stage_starts=[1]")
+def test_tiny_config_trains_two_steps(fit_variant):
+    logged = fit_variant("campo", "--model.init_args.num_generations=2",
+                         "--model.init_args.stage_lengths=[4,6]",
+                         "--model.init_args.stage_starts=[1]")
     steps = [row for row in logged if row.get("campo/stage")]
     assert [float(r["campo/stage"]) for r in steps] == [0.0, 1.0]
     assert [float(r["campo/max_new_tokens"]) for r in steps] == [4.0, 6.0]

@@ -157,11 +157,8 @@ def test_settings_are_checked(variant_tiny_vlm):
         _module(variant_tiny_vlm, rollout_is="token_truncate")
 
 
-def test_tiny_config_trains_two_steps(variant_tiny_vlm, tmp_path, fit_vlm_config):
-    logged = fit_vlm_config("variants/pvpo_tiny.yaml", variant_tiny_vlm, tmp_path,
-                            f"--trainer.callbacks.init_args.dirpath={tmp_path / 'ckpt'}",
-                            "--trainer.limit_val_batches=0", "--data.init_args.batch_size=2",
-                            "--model.init_args.num_generations=2", "--model.init_args.ref_rollouts=2")
+def test_tiny_config_trains_two_steps(fit_variant):
+    logged = fit_variant("pvpo", "--model.init_args.num_generations=2", "--model.init_args.ref_rollouts=2")
     steps = [row for row in logged if row.get("pvpo/static_value_mean")]
     assert len(steps) == 2
     assert all(0.0 <= float(r["pvpo/static_value_mean"]) <= 1.0 for r in steps)

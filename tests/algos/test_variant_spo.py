@@ -151,11 +151,8 @@ def test_tracker_survives_checkpoint_and_resume(variant_tiny_vlm, tmp_path, scri
     assert sum(resumed.tracker.visits.values()) == 9
 
 
-def test_tiny_config_trains_two_steps(variant_tiny_vlm, tmp_path, fit_vlm_config):
-    logged = fit_vlm_config("variants/spo_tiny.yaml", variant_tiny_vlm, tmp_path,
-                            f"--trainer.callbacks.init_args.dirpath={tmp_path / 'ckpt'}",
-                            "--trainer.limit_val_batches=0", "--data.init_args.batch_size=4",
-                            "--model.init_args.train_batch_size=2")
+def test_tiny_config_trains_two_steps(fit_variant):
+    logged = fit_variant("spo", "--data.init_args.batch_size=4", "--model.init_args.train_batch_size=2")
     steps = [row for row in logged if row.get("spo/rho_mean")]
     assert len(steps) == 2
     # step 1 sees only fresh prompts: rho 0.96 everywhere, the 0.5 / 0.5 prior, 2 prompts tracked
