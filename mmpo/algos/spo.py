@@ -141,7 +141,10 @@ class SPOModule(GRPOModule):
         keys = [prompt_key(row) for row in rollout.rows]
         alpha, beta = self.tracker.params(keys)
         p_hat = alpha / (alpha + beta)
-        advantages = spo_advantages(rewards.double().cpu(), p_hat).to(rewards)
+        raw = rewards.double().cpu() - p_hat
+        # the official batch is the global one: under DDP normalise with every rank's raw advantages
+        batch = torch.cat(self._all_gather(raw))
+        advantages = spo_advantages(rewards.double().cpu(), p_hat, batch=batch).to(rewards)
         self._pending = (rollout, rewards.detach().double().cpu(), keys)
         return advantages, {
             "spo/p_hat_mean": float(p_hat.mean()), "spo/alpha_mean": float(alpha.mean()),
@@ -158,21 +161,26 @@ class SPOModule(GRPOModule):
         self._pending = None
         h = self.hparams
         first = torch.tensor([k not in self.tracker.responses for k in keys], dtype=torch.float64)
+        responses: dict[str, tuple[list[int], list[float]]] = {}
         if h.rho_type == "constant":
             drift = torch.zeros(len(keys), dtype=torch.float64)
             rho = torch.full((len(keys),), float(h.rho_value), dtype=torch.float64)
         else:
-            drift = self.response_drift(rollout, keys)
+            drift, responses = self.response_drift(rollout, keys)
             rho = kl_forgetting_rho(drift, d_half=h.d_half, rho_min=h.rho_min, rho_max=h.rho_max)
-        self.tracker.update(keys, rewards, rho)
+        # every rank applies every rank's updates in rank order, so the trackers stay identical
+        # (the official tracker lives on one driver process and sees the whole batch)
+        for rank_keys, rank_rewards, rank_rho, rank_responses in self._all_gather((keys, rewards, rho, responses)):
+            self.tracker.update(rank_keys, rank_rewards, rank_rho)
+            self.tracker.store_responses(rank_responses)
         raw = torch.pow(2.0, -drift / h.d_half) if h.rho_type == "kl" else rho
         return {"spo/rho_mean": float(rho.mean()), "spo/kl_drift_mean": float(drift.mean()),
                 "spo/rho_clip_frac": float((raw != rho).double().mean()),
                 "spo/first_visit_frac": float(first.mean()), "spo/tracked_prompts": float(len(self.tracker))}
 
-    def response_drift(self, rollout: Rollout, keys: list[str]) -> Tensor:
+    def response_drift(self, rollout: Rollout, keys: list[str]) -> tuple[Tensor, dict[str, tuple[list[int], list[float]]]]:
         """(N,) token-mean ``|log pi_stored - log pi_now|`` on each prompt's last stored response (0 on a
-        first visit), then store this step's responses with their log-probs under the updated policy."""
+        first visit), and this step's responses with their log-probs under the updated policy (to store)."""
         micro = self.hparams.micro_batch_size or len(rollout)
         now = self._log_probs_no_grad(self.model, rollout.to(self.device), micro).double().cpu()
         drift = torch.zeros(len(keys), dtype=torch.float64)
@@ -183,10 +191,22 @@ class SPOModule(GRPOModule):
             mask = past.completion_mask.double()
             drift[seen] = ((stored_lp - current).abs() * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)
         lengths = rollout.completion_mask.sum(-1).tolist()
+        responses = {}
         for i, key in enumerate(keys):  # a prompt drawn twice keeps its last response (official loop order)
             n = int(lengths[i])
-            self.tracker.responses[key] = (rollout.completion_ids[i, :n].tolist(), now[i, :n].tolist())
-        return drift
+            responses[key] = (rollout.completion_ids[i, :n].tolist(), now[i, :n].tolist())
+        return drift, responses
+
+    def _all_gather(self, value: Any) -> list[Any]:
+        """``value`` from every data-parallel rank, in rank order (``[value]`` in one process).
+        Objects, not tensors: keys are strings and batch sizes may differ (``torch.distributed``)."""
+        if self._world_size == 1:
+            return [value]
+        import torch.distributed as dist
+
+        gathered: list[Any] = [None] * self._world_size
+        dist.all_gather_object(gathered, value)
+        return gathered
 
     def _stored_responses(self, rollout: Rollout, keys: list[str], positions: list[int]) -> tuple[Rollout, Tensor]:
         """The stored responses of ``keys`` as a rollout on the prompts at ``positions``, and their stored log-probs."""

@@ -49,12 +49,14 @@ def offline_prior(scores: Sequence[float], *, offline_n: int = 8, rho_min: float
     return n_init * (s + 0.5) / (offline_n + 1), n_init * (offline_n - s + 0.5) / (offline_n + 1)
 
 
-def spo_advantages(rewards: Tensor, p_hat: Tensor, *, eps: float = ADV_EPS) -> Tensor:
-    """``A = r - p_hat``, normalised over the batch with its unbiased std (needs >= 2 responses)."""
-    if rewards.numel() < 2:
-        raise ValueError(f"SPO normalises advantages over the batch: it needs >= 2 responses, got {rewards.numel()}")
+def spo_advantages(rewards: Tensor, p_hat: Tensor, *, eps: float = ADV_EPS, batch: Tensor | None = None) -> Tensor:
+    """``A = r - p_hat``, normalised with the mean and unbiased std of ``batch`` (the raw advantages of the
+    whole, e.g. all-rank, batch; default: these), which needs >= 2 responses."""
     adv = rewards - p_hat
-    return (adv - adv.mean()) / (adv.std() + eps)
+    batch = adv if batch is None else batch
+    if batch.numel() < 2:
+        raise ValueError(f"SPO normalises advantages over the batch: it needs >= 2 responses, got {batch.numel()}")
+    return (adv - batch.mean()) / (batch.std() + eps)
 
 
 def priority_weights(p_hat: Tensor, *, epsilon: float = EXPLORATION_EPSILON) -> Tensor:
@@ -99,6 +101,10 @@ class BetaTracker:
     def p_hat(self, keys: Sequence[str]) -> Tensor:
         alpha, beta = self.params(keys)
         return alpha / (alpha + beta)
+
+    def store_responses(self, responses: Mapping[str, tuple[list[int], list[float]]]) -> None:
+        """Keep each prompt's latest response (token ids, log-probs) for the next drift."""
+        self.responses.update(responses)
 
     def update(self, keys: Sequence[str], rewards: Tensor, rho: Tensor) -> None:
         """``alpha <- rho alpha + r``, ``beta <- rho beta + (1 - r)`` from the values before this call;

@@ -53,6 +53,11 @@ def test_batch_normalised_advantages_hand_computed():
     assert spo_advantages(rewards, p_hat).tolist() == pytest.approx(expected, abs=1e-6)
     with pytest.raises(ValueError, match=">= 2 responses"):
         spo_advantages(rewards[:1], p_hat[:1])
+    # under DDP the statistics come from every rank's raw advantages: here a second rank's [0.5, -0.5]
+    # -> batch [0.5, -0.5, 0.25, -0.25, 0.5, -0.5]: mean 0, std sqrt(1.125 / 5) = 0.474342
+    others = torch.tensor([0.5, -0.5], dtype=torch.float64)
+    local = spo_advantages(rewards, p_hat, batch=torch.cat([rewards - p_hat, others]))
+    assert local.tolist() == pytest.approx([a / (math.sqrt(1.125 / 5) + 1e-8) for a in (0.5, -0.5, 0.25, -0.25)])
 
 
 def test_priority_weights_and_sampling():
@@ -120,8 +125,11 @@ def test_drift_forgetting_on_the_stored_response(variant_tiny_vlm):
     mask = rollout.completion_mask.double()
     expected = ((before - after).abs() * mask).sum(-1) / mask.sum(-1)
     assert float(expected.min()) > 0
-    drift = module.response_drift(rollout, ids)  # the same prompts again, same stored responses
+    drift, responses = module.response_drift(rollout, ids)  # the same prompts again, same stored responses
     torch.testing.assert_close(drift, expected, rtol=1e-5, atol=1e-7)
+    lengths = rollout.completion_mask.sum(-1).tolist()  # the new responses to store, with today's log-probs
+    assert [len(responses[i][0]) for i in ids] == lengths
+    assert responses[ids[0]][1] == pytest.approx(after[0, : lengths[0]].tolist(), rel=1e-5, abs=1e-6)
 
 
 def test_tracker_survives_checkpoint_and_resume(variant_tiny_vlm, tmp_path, scripted_reward, cpu_trainer):
