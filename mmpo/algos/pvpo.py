@@ -29,6 +29,7 @@ from mmpo.algos.config import require, step_seed
 from mmpo.algos.grpo import GRPOModule
 from mmpo.core import compute_advantages_with_metrics
 from mmpo.rewards import compute_rewards
+from mmpo.training.gather import all_gather_objects
 from mmpo.vlm.processing import encode_completions
 from mmpo.vlm.rollout import Rollout
 
@@ -63,6 +64,16 @@ class BaselineTable:
             raise KeyError(f"no static value for prompts {missing[:5]}: run the reference pass first")
         return (torch.tensor([self.values[k] for k in keys], dtype=torch.float32),
                 torch.tensor([self.accuracy[k] for k in keys], dtype=torch.float32))
+
+    def entries(self, keys: Sequence[str]) -> dict[str, tuple[float, float]]:
+        """``{key: (value, accuracy)}`` of the known ``keys``."""
+        return {k: (self.values[k], self.accuracy[k]) for k in keys if k in self.values}
+
+    def merge(self, tables: Sequence[Mapping[str, tuple[float, float]]]) -> None:
+        """Add the entries of ``tables`` (e.g. every rank's), later tables winning a clash."""
+        for table in tables:
+            for key, (value, accuracy) in table.items():
+                self.values[key], self.accuracy[key] = float(value), float(accuracy)
 
     def __contains__(self, key: object) -> bool:
         return key in self.values
@@ -189,8 +200,11 @@ class PVPOModule(GRPOModule):
         new = [row for row in batch if prompt_key(row) not in self.baselines]
         if new:
             metrics.update(self.estimate_baselines(new, step))
-            if self.baselines.refreshed_at is None:
-                self.baselines.refreshed_at = step
+        if self.baselines.refreshed_at is None:
+            self.baselines.refreshed_at = step
+        # lazily estimated prompts (and a lazy refresh) are per rank: share them, so every rank (and the
+        # checkpoint rank 0 writes) holds the whole table; a no-op in one process
+        self.baselines.merge(all_gather_objects(self.baselines.entries([prompt_key(r) for r in batch])))
         super().training_step(batch, batch_idx)
         if metrics:
             self.log_dict(metrics, on_step=True, on_epoch=False, batch_size=len(batch))

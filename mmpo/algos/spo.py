@@ -29,6 +29,7 @@ from mmpo.algos.spo_tracker import (
     sample_prompts,
     spo_advantages,
 )
+from mmpo.training.gather import all_gather_objects
 from mmpo.vlm.processing import select_rows
 from mmpo.vlm.rollout import Rollout
 
@@ -143,7 +144,7 @@ class SPOModule(GRPOModule):
         p_hat = alpha / (alpha + beta)
         raw = rewards.double().cpu() - p_hat
         # the official batch is the global one: under DDP normalise with every rank's raw advantages
-        batch = torch.cat(self._all_gather(raw))
+        batch = torch.cat(all_gather_objects(raw))
         advantages = spo_advantages(rewards.double().cpu(), p_hat, batch=batch).to(rewards)
         self._pending = (rollout, rewards.detach().double().cpu(), keys)
         return advantages, {
@@ -170,7 +171,7 @@ class SPOModule(GRPOModule):
             rho = kl_forgetting_rho(drift, d_half=h.d_half, rho_min=h.rho_min, rho_max=h.rho_max)
         # every rank applies every rank's updates in rank order, so the trackers stay identical
         # (the official tracker lives on one driver process and sees the whole batch)
-        for rank_keys, rank_rewards, rank_rho, rank_responses in self._all_gather((keys, rewards, rho, responses)):
+        for rank_keys, rank_rewards, rank_rho, rank_responses in all_gather_objects((keys, rewards, rho, responses)):
             self.tracker.update(rank_keys, rank_rewards, rank_rho)
             self.tracker.store_responses(rank_responses)
         raw = torch.pow(2.0, -drift / h.d_half) if h.rho_type == "kl" else rho
@@ -196,17 +197,6 @@ class SPOModule(GRPOModule):
             n = int(lengths[i])
             responses[key] = (rollout.completion_ids[i, :n].tolist(), now[i, :n].tolist())
         return drift, responses
-
-    def _all_gather(self, value: Any) -> list[Any]:
-        """``value`` from every data-parallel rank, in rank order (``[value]`` in one process).
-        Objects, not tensors: keys are strings and batch sizes may differ (``torch.distributed``)."""
-        if self._world_size == 1:
-            return [value]
-        import torch.distributed as dist
-
-        gathered: list[Any] = [None] * self._world_size
-        dist.all_gather_object(gathered, value)
-        return gathered
 
     def _stored_responses(self, rollout: Rollout, keys: list[str], positions: list[int]) -> tuple[Rollout, Tensor]:
         """The stored responses of ``keys`` as a rollout on the prompts at ``positions``, and their stored log-probs."""

@@ -45,6 +45,9 @@ def test_baseline_table_records_means_and_round_trips():
     assert copy.state_dict() == table.state_dict()
     with pytest.raises(KeyError, match="reference pass"):
         table.lookup(["c"])
+    assert table.entries(["a", "c"]) == {"a": (pytest.approx(1.1 / 3), pytest.approx(1 / 3))}
+    table.merge([{"c": (0.5, 0.0)}, {"c": (0.25, 1.0), "b": (0.0, 0.0)}])  # later tables win a clash
+    assert table.values["c"] == 0.25 and table.accuracy["c"] == 1.0 and table.values["b"] == 0.0
 
 
 def test_inject_completions_replaces_only_the_given_positions(variant_tiny_vlm):
@@ -148,6 +151,21 @@ def test_offline_pass_and_refresh(variant_tiny_vlm, scripted_accuracy, cpu_train
     cpu_trainer(3).fit(module, loader)
     # the offline pass over the loader's dataset before step 0, then the refresh at step 2
     assert steps == [0, 2] and module.baselines.refreshed_at == 2
+
+
+def test_lazy_entries_of_other_ranks_are_merged(variant_tiny_vlm, scripted_accuracy, cpu_trainer, monkeypatch):
+    """Under DDP each rank estimates its own prompts lazily; the step shares them (the gather is faked
+    here as a second rank that estimated one prompt of its own)."""
+    import mmpo.algos.pvpo as pvpo
+
+    sent = []
+    monkeypatch.setattr(pvpo, "all_gather_objects",
+                        lambda value: sent.append(value) or [value, {"other-rank-prompt": (0.3, 0.25)}])
+    rows = make_items("count_shapes", 2, seed=0)
+    module = _module(variant_tiny_vlm, offline_pass=False, inject_expert=False)
+    cpu_trainer(1).fit(module, DataLoader(rows, batch_size=2, collate_fn=lambda x: x))
+    assert sent == [{SOLVED: (1.0, 1.0), rows[1]["id"]: (0.0, 0.0)}]  # this rank's batch entries
+    assert module.baselines.entries(["other-rank-prompt"]) == {"other-rank-prompt": (0.3, 0.25)}
 
 
 def test_settings_are_checked(variant_tiny_vlm):
