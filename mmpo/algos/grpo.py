@@ -117,6 +117,9 @@ class GRPOModule(VLMPolicyModule):
             system_prompt ("default" = mmpo.data.SYSTEM_PROMPT), output_dir, max_consecutive_skips, ...).
     """
 
+    # completions per prompt the module needs at least; single-stream modules (SPO) lower it to 1
+    min_generations = 2
+
     def __init__(
         self,
         model_path: str,
@@ -164,8 +167,9 @@ class GRPOModule(VLMPolicyModule):
 
     def _validate_settings(self) -> None:
         h = self.hparams
-        require(h.num_generations >= 2,
-                f"num_generations must be >= 2 (group-relative advantages need a group), got {h.num_generations}")
+        require(h.num_generations >= self.min_generations,
+                f"num_generations must be >= {self.min_generations} (group-relative advantages need a group), "
+                f"got {h.num_generations}")
         require(h.max_new_tokens >= 1, f"max_new_tokens must be >= 1, got {h.max_new_tokens}")
         require(h.temperature > 0, f"temperature must be > 0, got {h.temperature}")
         require(0 < h.top_p <= 1, f"top_p must be in (0, 1], got {h.top_p}")

@@ -44,6 +44,9 @@ class AdvantageEstimator(str, Enum):
     TIR_OPTIMAL_TOKEN_BASELINE = "tir_optimal_token_baseline"
     # HAPO's token-level estimator, registered in mmpo.core.hapo
     HAPO = "hapo"
+    # issue-16 variants, registered in their own modules
+    PVPO = "pvpo"  # mmpo.core.advantages_pvpo
+    HBPO = "hbpo"  # mmpo.core.advantages_hbpo
 
 
 ADVANTAGE_ESTIMATORS: Registry[AdvantageFn] = Registry("advantage estimator")

@@ -20,6 +20,7 @@ class Row(TypedDict, total=False):
     image_description, rationale. Multiple-choice rows also carry choices (the option
     texts, lettered A, B, ... in the problem) and answer_text (the gold option's text;
     answer is then its letter). system_prompt: this row's system turn (a data config's).
+    assistant_prefix: text the assistant turn starts with (a prefill the policy continues; HBPO's budgets).
     """
 
     id: str
@@ -37,6 +38,7 @@ class Row(TypedDict, total=False):
     choices: list[str]
     answer_text: str
     system_prompt: str
+    assistant_prefix: str
 
 
 ROW_FIELDS: tuple[str, ...] = (

@@ -89,7 +89,8 @@ def encode_prompts(
 
     Args:
         processor: a Qwen-VL processor (``load_vlm`` sets left padding).
-        rows: dataset rows (``id``, ``images``, ``problem``).
+        rows: dataset rows (``id``, ``images``, ``problem``; optional ``assistant_prefix``, text the
+            assistant turn starts with, which the policy then continues).
         system_prompt: ``"default"`` = ``mmpo.data.SYSTEM_PROMPT``; None or "" = no system turn.
         max_prompt_length: refuse (ValueError naming the row) any prompt longer than this;
             prompts are never truncated.
@@ -111,6 +112,8 @@ def encode_prompts(
         for row in rows
     ]
     texts = [processor.apply_chat_template(c, tokenize=False, add_generation_prompt=True) for c in conversations]
+    # an optional prefill of the assistant turn (HBPO's budget declaration): the policy continues it
+    texts = [text + (row.get("assistant_prefix") or "") for text, row in zip(texts, rows)]
     images, _ = process_vision_info(conversations, image_patch_size=_patch_size(processor))[:2]
     processor.tokenizer.padding_side = "left"
     inputs = processor(text=texts, images=images or None, padding=True, return_tensors="pt")

@@ -77,3 +77,41 @@ def tiny_model(tmp_path_factory) -> Path:
 
     corpus = [r["problem"] for r in make_items("count_shapes", 10, seed=0)] + ["<think> </think><answer> </answer>"]
     return build_tiny_vlm(tmp_path_factory.mktemp("variant_model"), corpus=corpus)
+@pytest.fixture(scope="session")
+def variant_tiny_vlm(tmp_path_factory) -> Path:
+    """A very small Qwen2.5-VL (hidden 32) whose tokenizer knows the system prompt and the answer format,
+    shared by the issue-16 variant module tests (tests/algos/test_variant_*.py)."""
+    from mmpo.data import SYSTEM_PROMPT
+    from mmpo.data.synthetic import make_items
+    from mmpo.vlm.factory import build_tiny_vlm
+
+    corpus = [SYSTEM_PROMPT, "How many shapes? <think>3</think><answer>3</answer> 0123456789",
+              *[r["expert_trace"] for r in make_items("count_shapes", 10, seed=0)]] * 2
+    return build_tiny_vlm(tmp_path_factory.mktemp("variant_vlm"), corpus=corpus, vocab_size=300, hidden_size=32,
+                          intermediate_size=64)
+
+
+@pytest.fixture
+def cpu_trainer() -> Callable:
+    """``cpu_trainer(max_steps) -> lightning.Trainer`` without logger, checkpoints or progress bar."""
+    import lightning as L
+
+    def make(max_steps: int) -> "L.Trainer":
+        return L.Trainer(accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
+                         enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
+                         max_steps=max_steps)
+
+    return make
+
+
+@pytest.fixture
+def fit_variant(fit_vlm_config, variant_tiny_vlm, tmp_path) -> Callable[..., list[dict[str, str]]]:
+    """``fit_variant(name, *overrides) -> metric rows``: 2 steps of ``configs/vlm/variants/<name>_tiny.yaml`` on
+    the tiny VLM, 2 prompts a batch, no validation, checkpoints under ``tmp_path`` (later overrides win)."""
+
+    def run(name: str, *overrides: str) -> list[dict[str, str]]:
+        return fit_vlm_config(f"variants/{name}_tiny.yaml", variant_tiny_vlm, tmp_path,
+                              f"--trainer.callbacks.init_args.dirpath={tmp_path / 'ckpt'}",
+                              "--trainer.limit_val_batches=0", "--data.init_args.batch_size=2", *overrides)
+
+    return run

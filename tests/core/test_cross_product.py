@@ -51,6 +51,11 @@ def test_estimator_loss_aggregation_cross_product(estimator, loss_name, agg):
         settings["mask"] = mask
     if "reward_baselines" in params:  # ReMax: a greedy-rollout reward per sample
         settings["reward_baselines"] = torch.full_like(rewards, 0.5)
+    if "static_values" in params:  # PVPO: a pre-estimated value per sample's prompt
+        settings["static_values"] = torch.full_like(rewards, 0.4)
+    if "budgets" in params:  # HBPO: each sample's subgroup budget and the reward's L_max
+        settings["budgets"] = torch.tensor([2, 4] * (rewards.numel() // 2))
+        settings["max_length"] = 7
     if "sum_pi_squared" in params:  # optimal token baseline: rollout-policy token statistics
         settings["old_log_probs"] = old
         settings["sum_pi_squared"] = old.exp() ** 2 + 0.05

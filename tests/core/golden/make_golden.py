@@ -57,6 +57,13 @@ def _advantage_inputs(
         for i, g in enumerate(groups.tolist()):
             first.setdefault(g, float(rewards[i]))
         settings["reward_baselines"] = torch.tensor([first[g] for g in groups.tolist()], dtype=rewards.dtype)
+    if "static_values" in params:
+        # stand-in static value (PVPO): a fixed value per group, unrelated to the group's own rewards
+        settings["static_values"] = torch.where(groups == groups[0], 0.25, 0.75).to(rewards.dtype)
+    if "budgets" in params:
+        # stand-in HBPO budgets: two subgroups per group (budgets 2 and 4 tokens of an L_max of 5)
+        settings["budgets"] = torch.tensor([2, 4] * (rewards.numel() // 2) + [2] * (rewards.numel() % 2))
+        settings["max_length"] = 5
     if "sum_pi_squared" in params:
         # the sampled token's pi_t and a stand-in sum_v pi_v^2 >= pi_t^2
         settings["old_log_probs"] = old
