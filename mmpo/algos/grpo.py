@@ -385,6 +385,8 @@ class GRPOModule(VLMPolicyModule):
         metrics["response/length_mean"] = float(lengths.mean())
         metrics["response/length_max"] = float(lengths.max())
         metrics["response/clipped_frac"] = float((~ended).float().mean())  # no EOS within max_new_tokens
+        if "vision_cut" in rollout.extras:  # the engine's guard fired (vision tokens are suppressed: 0 expected)
+            metrics["response/vision_cut_frac"] = float(rollout.extras["vision_cut"].float().mean())
         metrics["perf/tokens_per_s"] = float(lengths.sum()) / max(t_rollout, 1e-9)
 
         # 4. dynamic sampling: groups still without reward variance leave the loss. They are

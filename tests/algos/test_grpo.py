@@ -12,7 +12,8 @@ from mmpo.core import LossParts
 from mmpo.data import SYSTEM_PROMPT
 from mmpo.data.synthetic import make_items
 from mmpo.vlm.factory import build_tiny_vlm
-from mmpo.vlm.logprobs import completion_log_probs
+from mmpo.vlm.logprobs import completion_hidden_states, completion_log_probs
+from mmpo.vlm.processing import vision_token_ids
 from mmpo.vlm.rollout import HFGenerateEngine
 
 CORPUS = [SYSTEM_PROMPT, "How many shapes? <think>3 shapes.</think><answer>3</answer> left right 0123456789"] * 20
@@ -363,7 +364,9 @@ def test_dynamic_sampling_resamples_constant_groups(tiny_path):
 @pytest.mark.parametrize(("temperature", "top_p"), [(1.0, 1.0), (0.7, 1.0), (1.0, 0.8)])
 def test_engine_log_probs_equal_the_trainers(tiny_path, temperature, top_p):
     """HF generate's own log-probs of the sampled tokens match the training forward at the same
-    temperature (IS weights ~ 1); top-p renormalises over the nucleus, so there they are >= the trainer's."""
+    temperature, renormalised over the tokens the sampler may draw: vision tokens are suppressed, so
+    log pi_engine = log pi_trainer - log(1 - sum_vision pi_trainer). Top-p renormalises further over the
+    nucleus, so there they are >= that."""
     module = GRPOModule(tiny_path, num_generations=3, beta=0.0)
     engine = HFGenerateEngine(module.model, module.processor)
     sampling = dict(num_samples=3, max_new_tokens=6, temperature=temperature, top_p=top_p)
@@ -379,6 +382,12 @@ def test_engine_log_probs_equal_the_trainers(tiny_path, temperature, top_p):
     with torch.no_grad():
         trainer_lp, _ = completion_log_probs(module.model, rollout.prompt_inputs, rollout.completion_ids,
                                              rollout.completion_mask, temperature=temperature)
+        hidden = completion_hidden_states(module.model, rollout.prompt_inputs, rollout.completion_ids,
+                                          rollout.completion_mask)
+        probs = torch.softmax(module.model.get_output_embeddings()(hidden) / temperature, -1)
+    vision_mass = probs[..., vision_token_ids(module.processor)].sum(-1)
+    assert bool((vision_mass[mask] > 1e-4).all())  # the correction below is not vacuous on this model
+    trainer_lp = trainer_lp - torch.log1p(-vision_mass)  # the suppressed distribution's log-probs
     if top_p == 1.0:
         torch.testing.assert_close(engine_lp[mask], trainer_lp[mask], atol=1e-5, rtol=0)
     else:  # log p - log(nucleus mass): never below the full distribution's, above it where the nucleus cut
