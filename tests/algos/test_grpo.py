@@ -514,3 +514,65 @@ def test_bad_rollout_correction_settings(tiny_path, settings, message):
 def test_rollout_is_without_engine_log_probs_fails_clearly(tiny_path, fixed):
     with pytest.raises(RuntimeError, match="return_log_probs=True"):
         _run(tiny_path, fixed, rollout_is="token_truncate")
+
+
+# ----------------------------------------------------------------------------- cheap levers
+
+
+def test_entropy_is_computed_only_on_steps_that_log_and_changes_no_update(tiny_path, fixed, monkeypatch):
+    """entropy_coef 0: the entropy is a diagnostic, computed on logging steps only (here every 2nd of
+    2 steps: Lightning logs at steps whose count divides log_every_n_steps); the update is the same."""
+    rows, rollout, rewards = fixed
+    asked = []
+    original = GRPOModule.sequence_log_probs
+
+    def recording(self, model, part, *, with_entropy=False):
+        asked.append(with_entropy)
+        return original(self, model, part, with_entropy=with_entropy)
+
+    monkeypatch.setattr(GRPOModule, "sequence_log_probs", recording)
+    updates = []
+    for every in (2, 1):
+        asked.clear()
+        module = FixedRolloutGRPO(tiny_path, num_generations=3, max_grad_norm=0.0, beta=0.0)
+        module.fixed_rollout, module.fixed_rewards = rollout, rewards
+        before = _params(module)
+        trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=2, logger=False, enable_checkpointing=False,
+                            enable_progress_bar=False, enable_model_summary=False, log_every_n_steps=every)
+        trainer.fit(module, DataLoader([rows, rows], batch_size=None, collate_fn=lambda x: x))
+        updates.append({n: before[n] - p for n, p in _params(module).items()})
+        # one on-policy forward per step: entropy on step 2 only when logging every 2 steps
+        assert asked == ([False, True] if every == 2 else [True, True])
+        assert ("entropy" in module.last_metrics) and ("losses/entropy" in module.last_metrics)
+    for name in updates[0]:
+        torch.testing.assert_close(updates[0][name], updates[1][name], atol=0, rtol=0)
+
+
+def test_adamw_is_torchs_fused_kernel_on_cpu_with_the_hand_computed_first_step():
+    from mmpo.algos.config import make_optimizer
+
+    p = torch.nn.Parameter(torch.tensor([1.0, -2.0]))
+    optimizer = make_optimizer([p], lr=0.1, weight_decay=0.01)["optimizer"]
+    assert optimizer.defaults["fused"] is True
+    p.grad = torch.tensor([0.5, -0.25])
+    optimizer.step()
+    # first AdamW step: p * (1 - lr * wd) - lr * m_hat / (sqrt(v_hat) + eps), m_hat = g, sqrt(v_hat) = |g|
+    # 1.0 * 0.999 - 0.1 * 0.5 / 0.5 = 0.899;  -2.0 * 0.999 - 0.1 * (-0.25) / 0.25 = -1.898
+    torch.testing.assert_close(p.detach(), torch.tensor([0.899, -1.898]), atol=1e-6, rtol=0)
+
+
+def test_diagnostics_go_to_lightning_on_logging_steps_shared_and_monitored_keys_every_step(tiny_path, fixed):
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    rows, rollout, rewards = fixed
+    module = FixedRolloutGRPO(tiny_path, num_generations=3, max_grad_norm=0.0, beta=0.0)
+    module.fixed_rollout, module.fixed_rewards = rollout, rewards
+    monitor = ModelCheckpoint(monitor="response/length_mean", save_top_k=0)
+    trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=1, logger=False, enable_progress_bar=False,
+                        enable_model_summary=False, log_every_n_steps=50, callbacks=[monitor])
+    trainer.fit(module, DataLoader([rows], batch_size=None, collate_fn=lambda x: x))
+    logged = set(trainer.callback_metrics)
+    shared = {"rewards/total/mean", "losses/policy", "policy/clipfrac", "policy/approx_kl", "perf/skipped_steps"}
+    assert shared | {"response/length_mean"} <= logged  # step 1 of 50 does not log: only these
+    assert "lr" not in logged and "entropy" not in logged and "entropy" not in module.last_metrics
+    assert "lr" in module.last_metrics  # still computed, for the caller
