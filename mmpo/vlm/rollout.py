@@ -231,8 +231,10 @@ class HFGenerateEngine:
         head = {key: value[:, :-1] for key, value in inputs.items()
                 if key in ("input_ids", "attention_mask", "mm_token_type_ids")}
         head.update({key: value for key, value in inputs.items() if key in ("pixel_values", "image_grid_thw")})
-        prefilled = self.model.generate(**head, max_new_tokens=1, do_sample=False, temperature=None, top_p=None,
-                                        top_k=None, return_dict_in_generate=True, **special)
+        # min length off: a generation_config that forces long completions must not apply to this one token
+        prefilled = self.model.generate(**head, max_new_tokens=1, min_new_tokens=0, do_sample=False,
+                                        temperature=None, top_p=None, top_k=None, return_dict_in_generate=True,
+                                        **special)
         cache = prefilled.cache
         cache.batch_repeat_interleave(copies)
         backbone = getattr(self.model, "model", None)
