@@ -8,13 +8,13 @@ so memory does not grow with the vocabulary (trl#2709: logits dominate GRPO memo
 
 from __future__ import annotations
 
-import inspect
 from typing import Any, Mapping
 
 import torch
 from torch import Tensor
 
 from mmpo.core.logprobs import token_log_probs_from_hidden
+from mmpo.vlm.shared_prompts import shared_prompt_hidden_states
 
 DEFAULT_LOGPROB_CHUNK = 1024
 
@@ -51,55 +51,26 @@ def sequence_inputs(
     return inputs
 
 
-def _encode_each_image_once(backbone: Any, inputs: dict[str, Any]) -> dict[str, Any]:
-    """``inputs`` with the vision tower's features in place of ``pixel_values``, each distinct image
-    encoded once: a rollout repeats every prompt's images G times, and without gradients (old and
-    reference log-probs) the G encodings are identical, so one serves all (HF's own ``generate``
-    shares them the same way through ``mm_encoder_outputs``). Repeats are found by content (equal
-    grid and pixels), so any batch layout works; a backbone without ``mm_encoder_outputs`` support
-    keeps the plain inputs."""
-    if not hasattr(backbone, "get_image_features") or "mm_encoder_outputs" not in inspect.signature(
-            backbone.forward).parameters:
-        return inputs
-    grid = inputs["image_grid_thw"]
-    chunks = inputs["pixel_values"].split(grid.prod(-1).tolist())
-    distinct: list[int] = []  # image index of each distinct image
-    which: list[int] = []  # for each image, its position in ``distinct``
-    for image, chunk in enumerate(chunks):
-        # repeats of a prompt are adjacent: look at the latest distinct images first
-        match = next((k for k in reversed(range(len(distinct))) if torch.equal(grid[distinct[k]], grid[image])
-                      and torch.equal(chunks[distinct[k]], chunk)), None)
-        if match is None:
-            distinct.append(image)
-            match = len(distinct) - 1
-        which.append(match)
-    if len(distinct) == len(chunks):
-        return inputs
-    features = backbone.get_image_features(torch.cat([chunks[i] for i in distinct]), grid[distinct],
-                                           return_dict=True)
-    # per-image fields: pooler_output (one tensor per image); Qwen3-VL's deepstack_features (per layer)
-    features.pooler_output = tuple(features.pooler_output[k] for k in which)
-    if getattr(features, "deepstack_features", None) is not None:
-        features.deepstack_features = [tuple(layer[k] for k in which) for layer in features.deepstack_features]
-    out = {key: value for key, value in inputs.items() if key != "pixel_values"}
-    out["mm_encoder_outputs"] = {"image": features}
-    return out
-
-
 def completion_hidden_states(
-    model: Any, prompt_inputs: Mapping[str, Any], completion_ids: Tensor, completion_mask: Tensor
+    model: Any, prompt_inputs: Mapping[str, Any], completion_ids: Tensor, completion_mask: Tensor, *,
+    share_prompts: bool = True,
 ) -> Tensor:
-    """(N, T, H) final hidden states at the positions that predict each completion token."""
+    """(N, T, H) final hidden states at the positions that predict each completion token.
+
+    With ``share_prompts`` (default), rows repeating a prompt (G completions of one prompt) run it once
+    (:mod:`mmpo.vlm.shared_prompts`; same values and gradients); False always runs every row in full."""
     inputs = sequence_inputs(prompt_inputs, completion_ids, completion_mask)
     backbone = _decoder(model)
-    if "pixel_values" in inputs:
-        inputs["pixel_values"] = inputs["pixel_values"].to(next(model.parameters()).dtype)
-        if not torch.is_grad_enabled():
-            inputs = _encode_each_image_once(backbone, inputs)
-    outputs = backbone(**inputs, use_cache=False)
-    hidden = outputs.last_hidden_state
     prompt_width = prompt_inputs["input_ids"].shape[1]
     width = completion_ids.shape[1]
+    if "pixel_values" in inputs:
+        inputs["pixel_values"] = inputs["pixel_values"].to(next(model.parameters()).dtype)
+        if share_prompts:
+            shared = shared_prompt_hidden_states(backbone, inputs, prompt_inputs, prompt_width, width)
+            if shared is not None:
+                return shared
+    outputs = backbone(**inputs, use_cache=False)
+    hidden = outputs.last_hidden_state
     # position p predicts token p + 1: completion token j is predicted at prompt_width - 1 + j
     return hidden[:, prompt_width - 1 : prompt_width - 1 + width]
 
