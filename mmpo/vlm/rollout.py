@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
 
 import torch
-from transformers import BatchFeature, LogitsProcessor, LogitsProcessorList, TemperatureLogitsWarper, TopPLogitsWarper
+from transformers import BatchFeature, DynamicCache, LogitsProcessor, LogitsProcessorList, TemperatureLogitsWarper, TopPLogitsWarper
 
 from mmpo.vlm.processing import encode_prompts, model_inputs, repeat_rows, select_rows, vision_token_ids
 
@@ -220,24 +220,31 @@ class HFGenerateEngine:
     def _prefill(self, inputs: dict[str, Any], copies: int, special: Mapping[str, Any]) -> dict[str, Any]:
         """Generate inputs for ``copies`` rows per prompt whose prompts are already in a KV cache.
 
-        Each prompt but its last token runs once through the model (vision tower included), by HF's own
-        ``generate`` with one greedy new token (so HF prepares the positions, Qwen-VL's 3-D RoPE and
-        left padding included, and no random number is drawn); the cache it returns is copied to
-        ``copies`` rows (``Cache.batch_repeat_interleave``). The decoding ``generate`` then only feeds
-        the last prompt token per row. Qwen-VL keeps the prompt's RoPE offsets in ``model.rope_deltas``
-        (set during the prefill, one row per prompt); they are copied likewise, as HF's own
+        Each prompt but its last token runs once through the model (vision tower included); the cache
+        is copied to ``copies`` rows (``Cache.batch_repeat_interleave``), and the decoding ``generate``
+        then only feeds the last prompt token per row. Qwen-VL keeps the prompt's RoPE offsets in
+        ``model.rope_deltas`` (one row per prompt); they are copied likewise, as HF's own
         ``num_return_sequences`` expansion would have computed them per row.
         """
         head = {key: value[:, :-1] for key, value in inputs.items()
                 if key in ("input_ids", "attention_mask", "mm_token_type_ids")}
         head.update({key: value for key, value in inputs.items() if key in ("pixel_values", "image_grid_thw")})
-        # min length off: a generation_config that forces long completions must not apply to this one token
-        prefilled = self.model.generate(**head, max_new_tokens=1, min_new_tokens=0, do_sample=False,
-                                        temperature=None, top_p=None, top_k=None, return_dict_in_generate=True,
-                                        **special)
-        cache = prefilled.cache
-        cache.batch_repeat_interleave(copies)
         backbone = getattr(self.model, "model", None)
+        if "image_grid_thw" in head and hasattr(backbone, "get_rope_index"):
+            # one forward with Qwen-VL's own 3-D RoPE positions (what generate's first step computes),
+            # without generate's per-call set-up
+            positions, deltas = backbone.get_rope_index(
+                head["input_ids"], mm_token_type_ids=head["mm_token_type_ids"],
+                image_grid_thw=head["image_grid_thw"], attention_mask=head["attention_mask"])
+            cache = DynamicCache(config=self.model.config)
+            self.model(**head, position_ids=positions, cache=cache, use_cache=True, logits_to_keep=1)
+            backbone.rope_deltas = deltas
+        else:  # any other model or a text-only batch: HF's generate prefills (one greedy token, no RNG)
+            # min length off: a generation_config that forces long completions must not apply to this one token
+            cache = self.model.generate(**head, max_new_tokens=1, min_new_tokens=0, do_sample=False,
+                                        temperature=None, top_p=None, top_k=None, return_dict_in_generate=True,
+                                        **special).cache
+        cache.batch_repeat_interleave(copies)
         if getattr(backbone, "rope_deltas", None) is not None:
             backbone.rope_deltas = backbone.rope_deltas.repeat_interleave(copies, dim=0)
         # the image features live in the cache now: no pixel values (the vision tower does not run again)

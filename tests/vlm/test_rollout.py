@@ -236,11 +236,15 @@ def _logits_both_paths(model, processor, rows, copies, **sampling):
     return expanded, once
 
 
+@pytest.mark.parametrize("rows", ["images", "text"])
 @pytest.mark.parametrize("sampling", [dict(do_sample=False), dict(do_sample=True, temperature=0.8, top_k=0)],
                          ids=["greedy", "sampled"])
-def test_prefill_once_gives_the_expanded_paths_log_probs(tiny, sampling):
+def test_prefill_once_gives_the_expanded_paths_log_probs(tiny, sampling, rows):
+    """Images (with a text-only row) prefill by one forward with Qwen-VL's RoPE positions; a text-only
+    batch through HF's generate (one greedy token)."""
     model, processor = tiny
-    expanded, once = _logits_both_paths(model, processor, _rows(), 3, **sampling)
+    batch = _rows() if rows == "images" else make_items("arithmetic", 2, seed=1)
+    expanded, once = _logits_both_paths(model, processor, batch, 3, **sampling)
     assert torch.equal(expanded.sequences, once.sequences)
     assert len(expanded.logits) == len(once.logits) == 7
     for a, b in zip(expanded.logits, once.logits):  # every row's next-token log-probs, at every step
