@@ -120,6 +120,10 @@ class GRPOModule(VLMPolicyModule):
     # completions per prompt the module needs at least; single-stream modules (SPO) lower it to 1
     min_generations = 2
 
+    needs_entropy: bool = False
+    """Subclasses whose ``extra_loss_terms`` read ``outputs["entropy"]`` set True: it is then computed on
+    every step (otherwise only when ``entropy_coef > 0`` or the step logs; None on the other steps)."""
+
     def __init__(
         self,
         model_path: str,
@@ -233,6 +237,29 @@ class GRPOModule(VLMPolicyModule):
     def on_fit_start(self) -> None:
         if self.reference_model is not None:
             self.reference_model.to(self.device)
+        if self.hparams.reward_timeout_s is not None:
+            # the reward worker's start-up (importing torch, sympy, math-verify: seconds) before step 1,
+            # not inside it; should it fail, the first reward call reports it as before
+            from mmpo.rewards.worker import WorkerUnavailable, get_reward_worker
+
+            try:
+                get_reward_worker().start()
+            except WorkerUnavailable as exc:
+                log.warning("reward worker not started before training: %s", exc)
+
+    def _monitored_keys(self) -> set[str]:
+        """Metric names the trainer's callbacks monitor (``monitor`` of ModelCheckpoint, EarlyStopping...)."""
+        if self._trainer is None:
+            return set()
+        return {str(cb.monitor) for cb in self.trainer.callbacks if getattr(cb, "monitor", None)}
+
+    def _logs_this_step(self) -> bool:
+        """Whether Lightning writes this step's metrics to the logger (every ``log_every_n_steps``, and
+        always without a trainer): on other steps the diagnostics nobody reads are not computed."""
+        if self._trainer is None:
+            return True
+        # Lightning's own decision (its LoggerConnector), read rather than re-derived
+        return bool(getattr(self.trainer._logger_connector, "should_update_logs", True))
 
     # ------------------------------------------------------------------ hooks
 
@@ -315,7 +342,8 @@ class GRPOModule(VLMPolicyModule):
         """Algorithm-specific loss terms (hook: PAPO's perception KL, AHPO's SFT term).
 
         ``outputs`` holds this micro-batch's ``log_probs``, ``old_log_probs``, ``ref_log_probs``,
-        ``entropy`` (N, T), ``mask`` (N, T), ``advantages``; ``aggregation``, an
+        ``entropy`` (N, T; None on a step that neither logs nor needs it, see ``needs_entropy``),
+        ``mask`` (N, T), ``advantages``; ``aggregation``, an
         :class:`~mmpo.core.Aggregation` with this step's ``mode``, ``global_tokens``,
         ``global_seqs`` (summed over micro-batches and ranks) and ``norm_len`` (call it as
         ``aggregation(values, mask)`` to normalise a term exactly like the policy loss); and
@@ -391,6 +419,8 @@ class GRPOModule(VLMPolicyModule):
         metrics["response/length_mean"] = float(lengths.mean())
         metrics["response/length_max"] = float(lengths.max())
         metrics["response/clipped_frac"] = float((~ended).float().mean())  # no EOS within max_new_tokens
+        if "vision_cut" in rollout.extras:  # the engine's guard fired (vision tokens are suppressed: 0 expected)
+            metrics["response/vision_cut_frac"] = float(rollout.extras["vision_cut"].float().mean())
         metrics["perf/tokens_per_s"] = float(lengths.sum()) / max(t_rollout, 1e-9)
 
         # 4. group filter (hook; dynamic sampling by default): dropped groups leave the loss. They are
@@ -436,8 +466,12 @@ class GRPOModule(VLMPolicyModule):
         logged = {k: float(v) for k, v in metrics.items()}
         self.log_dict({k: v for k, v in logged.items() if k in shown}, on_step=True, on_epoch=False,
                       batch_size=len(rows), prog_bar=True)
-        self.log_dict({k: v for k, v in logged.items() if k not in shown}, on_step=True, on_epoch=False,
-                      batch_size=len(rows))
+        # the other ~30 go to Lightning (a per-key cost) on the steps its logger writes; the shared keys
+        # and any a callback monitors (ModelCheckpoint, EarlyStopping) are in callback_metrics every step
+        every_step = _SHARED_KEYS | self._monitored_keys()
+        rest = {k: v for k, v in logged.items() if k not in shown and (k in every_step or self._logs_this_step())}
+        if rest:
+            self.log_dict(rest, on_step=True, on_epoch=False, batch_size=len(rows))
         self.last_metrics = metrics
 
     def filter_groups(self, rewards: Tensor, rollout: Rollout) -> tuple[Tensor | None, dict[str, float]]:
@@ -572,10 +606,13 @@ class GRPOModule(VLMPolicyModule):
 
         sums: dict[str, float] = {}
         local_tokens = float(mask.sum())
+        # the entropy is a loss term only with entropy_coef > 0, else a logged diagnostic: skip it on
+        # steps that do not log (its (N*T, V) softmax pass is not free); subclasses may force it
+        with_entropy = h.entropy_coef > 0 or self.needs_entropy or self._logs_this_step()
         for micro in index.split(micro_size):
             part = rollout.select(micro.cpu()).to(self.device)
             part_mask = part.completion_mask.float()
-            log_probs, entropy = self.sequence_log_probs(self.model, part, with_entropy=True)
+            log_probs, entropy = self.sequence_log_probs(self.model, part, with_entropy=with_entropy)
             old = log_probs.detach() if old_log_probs is None else old_log_probs[micro]
             part_adv = advantages[micro]
             is_weights, is_metrics = self._rollout_is_weights(part, log_probs, old)
@@ -586,13 +623,15 @@ class GRPOModule(VLMPolicyModule):
             )
             pg_metrics = {**pg_metrics, **is_metrics}
             # named parts, summed once by parts.total(); without a reference the KL part is 0 with
-            # coefficient 0 (logged, never summed), as is the entropy part when entropy_coef is 0
+            # coefficient 0 (logged, never summed), as is the entropy part when entropy_coef is 0 (then only
+            # on steps that log)
             parts = LossParts().add("policy", pg_loss)
             if ref_log_probs is not None:
                 parts.add("kl", aggregation(kl_penalty(log_probs, ref_log_probs[micro], h.kl_kind), part_mask), h.beta)
             else:
                 parts.add("kl", torch.zeros((), device=self.device), 0.0)
-            parts.add("entropy", aggregation(entropy, part_mask), -h.entropy_coef)
+            if entropy is not None:
+                parts.add("entropy", aggregation(entropy, part_mask), -h.entropy_coef)
             outputs = {
                 "log_probs": log_probs, "old_log_probs": old, "entropy": entropy, "mask": part_mask,
                 "ref_log_probs": None if ref_log_probs is None else ref_log_probs[micro],
@@ -619,7 +658,8 @@ class GRPOModule(VLMPolicyModule):
                     continue
                 _add(sums, key, float(value) * weight)
             with torch.no_grad():
-                _add(sums, "entropy", float((entropy * part_mask).sum()) / max(local_tokens, 1.0))
+                if entropy is not None:
+                    _add(sums, "entropy", float((entropy * part_mask).sum()) / max(local_tokens, 1.0))
                 if ref_log_probs is not None:
                     k3 = kl_penalty(log_probs.detach(), ref_log_probs[micro], "k3")
                     _add(sums, "kl", float((k3 * part_mask).sum()) / max(local_tokens, 1.0))
@@ -660,6 +700,9 @@ class GRPOModule(VLMPolicyModule):
 
 
 _EXTREME_IS_METRICS = ("rollout_is/min", "rollout_is/max", "rollout_is/logp_diff_max")
+# the metric names every family logs on every step (docs/core.md, "Metric names": **shared**)
+_SHARED_KEYS = frozenset({"rewards/total/mean", "losses/policy", "policy/clipfrac", "policy/approx_kl",
+                          "perf/skipped_steps"})
 
 
 def _chunks(n: int, size: int) -> list[Tensor]:

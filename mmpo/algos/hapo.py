@@ -40,7 +40,9 @@ class AdaptiveTemperatureProcessor(LogitsProcessor):
         self.stats, self.tau, self.temperature, self.signed = stats, tau, temperature, signed
 
     def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
-        entropy = entropy_from_logits(scores.float() / self.temperature)
+        # suppressed tokens (vision specials, bad words) arrive as -inf: their 0 x -inf would make the entropy
+        # NaN, so they enter as -1e30 (still finite after / T), whose probability is exactly 0 all the same
+        entropy = entropy_from_logits(scores.float().clamp(min=-1e30) / self.temperature)
         h_hat = self.stats.normalise(entropy, signed=self.signed)
         factor = adaptive_temperature(self.temperature, h_hat, self.tau) / self.temperature
         return (scores.float() / factor.unsqueeze(-1)).to(scores.dtype)

@@ -153,6 +153,13 @@ class RewardWorker:
         """The live worker's process id, or None when none runs."""
         return self._process.pid if self._process is not None else None
 
+    def start(self) -> None:
+        """Start the worker process now if none runs (otherwise the first call starts it): a trainer
+        calls this before its first step, so the start-up is not paid inside the step.
+        Raises :class:`WorkerUnavailable` when no process can be started."""
+        with self._lock:
+            self._ensure_started()
+
     def run(self, calls: Sequence[tuple[str, Callable]], args: tuple, timeout_s: float) -> dict[str, CallOutcome]:
         """Run ``fn(*args)`` for each ``(name, fn)`` in the worker, each within ``timeout_s`` seconds.
 

@@ -14,6 +14,7 @@ import torch
 from torch import Tensor
 
 from mmpo.core.logprobs import token_log_probs_from_hidden
+from mmpo.vlm.shared_prompts import shared_prompt_hidden_states
 
 DEFAULT_LOGPROB_CHUNK = 1024
 
@@ -51,16 +52,25 @@ def sequence_inputs(
 
 
 def completion_hidden_states(
-    model: Any, prompt_inputs: Mapping[str, Any], completion_ids: Tensor, completion_mask: Tensor
+    model: Any, prompt_inputs: Mapping[str, Any], completion_ids: Tensor, completion_mask: Tensor, *,
+    share_prompts: bool = True,
 ) -> Tensor:
-    """(N, T, H) final hidden states at the positions that predict each completion token."""
+    """(N, T, H) final hidden states at the positions that predict each completion token.
+
+    With ``share_prompts`` (default), rows repeating a prompt (G completions of one prompt) run it once
+    (:mod:`mmpo.vlm.shared_prompts`; same values and gradients); False always runs every row in full."""
     inputs = sequence_inputs(prompt_inputs, completion_ids, completion_mask)
-    if "pixel_values" in inputs:
-        inputs["pixel_values"] = inputs["pixel_values"].to(next(model.parameters()).dtype)
-    outputs = _decoder(model)(**inputs, use_cache=False)
-    hidden = outputs.last_hidden_state
+    backbone = _decoder(model)
     prompt_width = prompt_inputs["input_ids"].shape[1]
     width = completion_ids.shape[1]
+    if "pixel_values" in inputs:
+        inputs["pixel_values"] = inputs["pixel_values"].to(next(model.parameters()).dtype)
+        if share_prompts:
+            shared = shared_prompt_hidden_states(backbone, inputs, prompt_inputs, prompt_width, width)
+            if shared is not None:
+                return shared
+    outputs = backbone(**inputs, use_cache=False)
+    hidden = outputs.last_hidden_state
     # position p predicts token p + 1: completion token j is predicted at prompt_width - 1 + j
     return hidden[:, prompt_width - 1 : prompt_width - 1 + width]
 

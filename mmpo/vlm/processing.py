@@ -9,6 +9,7 @@ and image tokens do not match" (EasyR1#175, #266, #641); we refuse such a row in
 
 from __future__ import annotations
 
+import re
 from typing import Any, Mapping, Sequence
 
 import torch
@@ -139,15 +140,31 @@ def image_token_id(processor: Any) -> int:
     return int(processor.image_token_id)
 
 
+# Added tokens whose text names vision markup: Qwen2-VL / 2.5-VL / 3-VL spell them <|vision_start|>,
+# <|vision_end|>, <|vision_pad|>, <|image_pad|>, <|video_pad|>; the pattern finds them in any such vocabulary.
+_VISION_TOKEN_PATTERN = re.compile(r"^<\|(vision|image|video)_[a-z]+\|>$")
+
+
 def vision_token_ids(processor: Any) -> list[int]:
-    """Ids the policy must never emit as text: image/video pads and vision start/end markers."""
+    """Ids the policy must never emit as text, derived from the processor and its tokenizer.
+
+    The union of (a) the processor's / tokenizer's declared ids (``image_token_id``,
+    ``video_token_id``, ``vision_start_token_id``, ``vision_end_token_id`` where present, as
+    Qwen3-VL's processor declares all four) and (b) every added special token whose text is vision
+    markup (``<|vision_*|>``, ``<|image_*|>``, ``<|video_*|>``), so no vocabulary needs a list here.
+    Sorted, without duplicates.
+    """
     tokenizer = processor.tokenizer
-    ids = []
-    for token in ("<|image_pad|>", "<|video_pad|>", "<|vision_start|>", "<|vision_end|>"):
-        token_id = tokenizer.convert_tokens_to_ids(token)
-        if token_id is not None and token_id != tokenizer.unk_token_id:
-            ids.append(int(token_id))
-    return ids
+    ids: set[int] = set()
+    for owner in (processor, tokenizer):
+        for name in ("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id"):
+            value = getattr(owner, name, None)
+            if isinstance(value, int) and value != tokenizer.unk_token_id:
+                ids.add(int(value))
+    for token_id, token in getattr(tokenizer, "added_tokens_decoder", {}).items():
+        if getattr(token, "special", True) and _VISION_TOKEN_PATTERN.match(str(token)):
+            ids.add(int(token_id))
+    return sorted(ids)
 
 
 def image_token_types(input_ids: torch.Tensor, processor: Any) -> torch.Tensor:

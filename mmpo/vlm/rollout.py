@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
 
 import torch
-from transformers import BatchFeature, LogitsProcessor, LogitsProcessorList, TemperatureLogitsWarper, TopPLogitsWarper
+from transformers import BatchFeature, DynamicCache, LogitsProcessor, LogitsProcessorList, TemperatureLogitsWarper, TopPLogitsWarper
 
 from mmpo.vlm.processing import encode_prompts, model_inputs, repeat_rows, select_rows, vision_token_ids
 
@@ -27,6 +27,9 @@ class Rollout:
         completion_ids (N, T) long: sampled tokens, pad after EOS.
         completion_mask (N, T) long: 1 on real completion tokens (EOS included), 0 after
             EOS and from the first vision token the policy emitted.
+
+    ``extras`` holds per-completion tensors (first dim N) or values shared by the whole rollout;
+    the HF engine always sets ``vision_cut`` (N,) bool: the completions the vision-token guard cut.
     """
 
     rows: list[Mapping[str, Any]]
@@ -100,11 +103,16 @@ class HFGenerateEngine:
         processor: its processor.
         system_prompt: ``"default"`` = ``mmpo.data.SYSTEM_PROMPT``.
         max_prompt_length: refuse longer prompts (never truncated).
+        prefill_once: with G > 1 sampled completions per prompt, encode each image and prefill each
+            prompt once, then copy its KV cache to G rows and decode them (:meth:`_prefill`); False
+            gives HF's own ``num_return_sequences`` path, which runs the vision tower and the prompt
+            G times. Both sample the same tokens from the same log-probs (tests/vlm/test_rollout.py).
     """
 
     def __init__(self, model: Any, processor: Any, *, system_prompt: str | None = "default",
-                 max_prompt_length: int | None = None) -> None:
+                 max_prompt_length: int | None = None, prefill_once: bool = True) -> None:
         self.model = model
+        self.prefill_once = prefill_once
         self.processor = processor
         self.system_prompt = system_prompt
         self.max_prompt_length = max_prompt_length
@@ -128,9 +136,13 @@ class HFGenerateEngine:
     ) -> Rollout:
         """Sample ``num_samples`` completions for every row; groups are contiguous.
 
-        A vision token the policy emits (``<|image_pad|>`` etc.) ends its completion: it and the
-        rest are replaced by pad and masked out (fed back in a forward pass it would break the
-        image-token/feature count, R1-V#91). Sampling uses torch's global RNG (seed it, or wrap in ``fork_rng``).
+        Vision special tokens (``<|image_pad|>``, ``<|vision_start|>``, ...: :func:`vision_token_ids`) are
+        suppressed while decoding (HF's ``suppress_tokens``: their logits are -inf before temperature and
+        top-p, as TRL suppresses ``<|image_pad|>``), so they are never sampled. A guard stays: should one
+        appear anyway, it ends its completion: it and the rest are replaced by pad and masked out (fed back
+        in a forward pass it would break the image-token/feature count, R1-V#91), and
+        ``extras["vision_cut"]`` marks that completion. Sampling uses torch's global RNG (seed it, or wrap
+        in ``fork_rng``).
 
         ``return_log_probs=True`` also stores the sampled tokens' log-probs as the sampler saw them
         (after its temperature / top-p processing) in ``rollout.extras["engine_log_probs"]`` (N, T)
@@ -152,6 +164,9 @@ class HFGenerateEngine:
         inputs = {k: v.to(device) for k, v in model_inputs(prompts).items()}
         sampling = dict(do_sample=True, temperature=temperature, top_p=top_p, top_k=0) if do_sample else dict(
             do_sample=False, temperature=None, top_p=None, top_k=None)
+        # HF's SuppressTokensLogitsProcessor runs before user processors and warpers: the recorder below
+        # sees the distribution the sampler really draws from (vision tokens at probability 0)
+        sampling["suppress_tokens"] = list(self.forbidden_ids) or None
         recorder = _SampledLogProbRecorder() if return_log_probs else None
         if recorder is not None:
             # HF runs user processors before its own temperature / top-p warpers; to see the scores the
@@ -164,16 +179,14 @@ class HFGenerateEngine:
             sampling["logits_processor"] = LogitsProcessorList(list(logits_processors))
         was_training = self.model.training
         self.model.eval()
+        special = dict(eos_token_id=self.eos_token_id, pad_token_id=self.pad_token_id, use_cache=True)
         try:
+            # greedy samples are identical: decode once, repeat below
+            copies = num_samples if do_sample else 1
+            if copies > 1 and self.prefill_once and inputs["input_ids"].shape[1] >= 2:
+                inputs, copies = self._prefill(inputs, copies, special), 1
             output = self.model.generate(
-                **inputs,
-                max_new_tokens=max_new_tokens,
-                # greedy samples are identical: decode once, repeat below
-                num_return_sequences=num_samples if do_sample else 1,
-                eos_token_id=self.eos_token_id,
-                pad_token_id=self.pad_token_id,
-                use_cache=True,
-                **sampling,
+                **inputs, max_new_tokens=max_new_tokens, num_return_sequences=copies, **special, **sampling
             )
         finally:
             self.model.train(was_training)
@@ -189,11 +202,13 @@ class HFGenerateEngine:
         completion_mask = completion_mask_from_ids(
             completion_ids, eos_token_id=self.eos_token_id, forbidden_ids=self.forbidden_ids
         )
+        # the guard's count: completions a vision token cut (0 while suppression works)
+        extras: dict[str, Any] = {
+            "vision_cut": _cut_by(completion_ids, eos_token_id=self.eos_token_id, forbidden_ids=self.forbidden_ids)}
         # vision tokens and post-EOS tokens become pad, so the ids are safe to feed back.
         completion_ids = completion_ids.masked_fill(completion_mask == 0, self.pad_token_id)
         texts = self.processor.batch_decode(completion_ids, skip_special_tokens=True)
         group_ids = torch.arange(len(rows)).repeat_interleave(num_samples)
-        extras: dict[str, Any] = {}
         if engine_log_probs is not None:
             if engine_log_probs.shape != completion_mask.shape:  # empty completion: one pad column
                 engine_log_probs = torch.zeros(completion_mask.shape)
@@ -207,6 +222,52 @@ class HFGenerateEngine:
             texts=texts,
             extras=extras,
         )
+
+    def _prefill(self, inputs: dict[str, Any], copies: int, special: Mapping[str, Any]) -> dict[str, Any]:
+        """Generate inputs for ``copies`` rows per prompt whose prompts are already in a KV cache.
+
+        Each prompt but its last token runs once through the model (vision tower included); the cache
+        is copied to ``copies`` rows (``Cache.batch_repeat_interleave``), and the decoding ``generate``
+        then only feeds the last prompt token per row. Qwen-VL keeps the prompt's RoPE offsets in
+        ``model.rope_deltas`` (one row per prompt); they are copied likewise, as HF's own
+        ``num_return_sequences`` expansion would have computed them per row.
+        """
+        head = {key: value[:, :-1] for key, value in inputs.items()
+                if key in ("input_ids", "attention_mask", "mm_token_type_ids")}
+        head.update({key: value for key, value in inputs.items() if key in ("pixel_values", "image_grid_thw")})
+        backbone = getattr(self.model, "model", None)
+        if "image_grid_thw" in head and hasattr(backbone, "get_rope_index"):
+            # one forward with Qwen-VL's own 3-D RoPE positions (what generate's first step computes),
+            # without generate's per-call set-up
+            positions, deltas = backbone.get_rope_index(
+                head["input_ids"], mm_token_type_ids=head["mm_token_type_ids"],
+                image_grid_thw=head["image_grid_thw"], attention_mask=head["attention_mask"])
+            cache = DynamicCache(config=self.model.config)
+            self.model(**head, position_ids=positions, cache=cache, use_cache=True, logits_to_keep=1)
+            backbone.rope_deltas = deltas
+        else:  # any other model or a text-only batch: HF's generate prefills (one greedy token, no RNG)
+            # min length off: a generation_config that forces long completions must not apply to this one token
+            cache = self.model.generate(**head, max_new_tokens=1, min_new_tokens=0, do_sample=False,
+                                        temperature=None, top_p=None, top_k=None, return_dict_in_generate=True,
+                                        **special).cache
+        cache.batch_repeat_interleave(copies)
+        if getattr(backbone, "rope_deltas", None) is not None:
+            backbone.rope_deltas = backbone.rope_deltas.repeat_interleave(copies, dim=0)
+        # the image features live in the cache now: no pixel values (the vision tower does not run again)
+        expanded = {key: value.repeat_interleave(copies, dim=0) for key, value in inputs.items()
+                    if key in ("input_ids", "attention_mask", "mm_token_type_ids")}
+        return {**expanded, "cache": cache}
+
+
+def _cut_by(completion_ids: torch.Tensor, *, eos_token_id: int | Sequence[int],
+            forbidden_ids: Sequence[int]) -> torch.Tensor:
+    """(N,) bool: the completions the vision-token guard of :func:`completion_mask_from_ids` cut, i.e.
+    whose mask with the guard is shorter than without it. Example (EOS e, vision token I):
+    [a, I, b] -> True; [a, e, I] -> False (the EOS ended it first); [a, b, c] -> False."""
+    if not forbidden_ids:
+        return torch.zeros(completion_ids.shape[0], dtype=torch.bool)
+    guarded = completion_mask_from_ids(completion_ids, eos_token_id=eos_token_id, forbidden_ids=forbidden_ids)
+    return (completion_mask_from_ids(completion_ids, eos_token_id=eos_token_id) != guarded).any(-1)
 
 
 class _SampledLogProbRecorder(LogitsProcessor):

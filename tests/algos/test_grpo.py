@@ -12,7 +12,8 @@ from mmpo.core import LossParts
 from mmpo.data import SYSTEM_PROMPT
 from mmpo.data.synthetic import make_items
 from mmpo.vlm.factory import build_tiny_vlm
-from mmpo.vlm.logprobs import completion_log_probs
+from mmpo.vlm.logprobs import completion_hidden_states, completion_log_probs
+from mmpo.vlm.processing import vision_token_ids
 from mmpo.vlm.rollout import HFGenerateEngine
 
 CORPUS = [SYSTEM_PROMPT, "How many shapes? <think>3 shapes.</think><answer>3</answer> left right 0123456789"] * 20
@@ -363,7 +364,9 @@ def test_dynamic_sampling_resamples_constant_groups(tiny_path):
 @pytest.mark.parametrize(("temperature", "top_p"), [(1.0, 1.0), (0.7, 1.0), (1.0, 0.8)])
 def test_engine_log_probs_equal_the_trainers(tiny_path, temperature, top_p):
     """HF generate's own log-probs of the sampled tokens match the training forward at the same
-    temperature (IS weights ~ 1); top-p renormalises over the nucleus, so there they are >= the trainer's."""
+    temperature, renormalised over the tokens the sampler may draw: vision tokens are suppressed, so
+    log pi_engine = log pi_trainer - log(1 - sum_vision pi_trainer). Top-p renormalises further over the
+    nucleus, so there they are >= that."""
     module = GRPOModule(tiny_path, num_generations=3, beta=0.0)
     engine = HFGenerateEngine(module.model, module.processor)
     sampling = dict(num_samples=3, max_new_tokens=6, temperature=temperature, top_p=top_p)
@@ -379,6 +382,12 @@ def test_engine_log_probs_equal_the_trainers(tiny_path, temperature, top_p):
     with torch.no_grad():
         trainer_lp, _ = completion_log_probs(module.model, rollout.prompt_inputs, rollout.completion_ids,
                                              rollout.completion_mask, temperature=temperature)
+        hidden = completion_hidden_states(module.model, rollout.prompt_inputs, rollout.completion_ids,
+                                          rollout.completion_mask)
+        probs = torch.softmax(module.model.get_output_embeddings()(hidden) / temperature, -1)
+    vision_mass = probs[..., vision_token_ids(module.processor)].sum(-1)
+    assert bool((vision_mass[mask] > 1e-4).all())  # the correction below is not vacuous on this model
+    trainer_lp = trainer_lp - torch.log1p(-vision_mass)  # the suppressed distribution's log-probs
     if top_p == 1.0:
         torch.testing.assert_close(engine_lp[mask], trainer_lp[mask], atol=1e-5, rtol=0)
     else:  # log p - log(nucleus mass): never below the full distribution's, above it where the nucleus cut
@@ -505,3 +514,65 @@ def test_bad_rollout_correction_settings(tiny_path, settings, message):
 def test_rollout_is_without_engine_log_probs_fails_clearly(tiny_path, fixed):
     with pytest.raises(RuntimeError, match="return_log_probs=True"):
         _run(tiny_path, fixed, rollout_is="token_truncate")
+
+
+# ----------------------------------------------------------------------------- cheap levers
+
+
+def test_entropy_is_computed_only_on_steps_that_log_and_changes_no_update(tiny_path, fixed, monkeypatch):
+    """entropy_coef 0: the entropy is a diagnostic, computed on logging steps only (here every 2nd of
+    2 steps: Lightning logs at steps whose count divides log_every_n_steps); the update is the same."""
+    rows, rollout, rewards = fixed
+    asked = []
+    original = GRPOModule.sequence_log_probs
+
+    def recording(self, model, part, *, with_entropy=False):
+        asked.append(with_entropy)
+        return original(self, model, part, with_entropy=with_entropy)
+
+    monkeypatch.setattr(GRPOModule, "sequence_log_probs", recording)
+    updates = []
+    for every in (2, 1):
+        asked.clear()
+        module = FixedRolloutGRPO(tiny_path, num_generations=3, max_grad_norm=0.0, beta=0.0)
+        module.fixed_rollout, module.fixed_rewards = rollout, rewards
+        before = _params(module)
+        trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=2, logger=False, enable_checkpointing=False,
+                            enable_progress_bar=False, enable_model_summary=False, log_every_n_steps=every)
+        trainer.fit(module, DataLoader([rows, rows], batch_size=None, collate_fn=lambda x: x))
+        updates.append({n: before[n] - p for n, p in _params(module).items()})
+        # one on-policy forward per step: entropy on step 2 only when logging every 2 steps
+        assert asked == ([False, True] if every == 2 else [True, True])
+        assert ("entropy" in module.last_metrics) and ("losses/entropy" in module.last_metrics)
+    for name in updates[0]:
+        torch.testing.assert_close(updates[0][name], updates[1][name], atol=0, rtol=0)
+
+
+def test_adamw_is_torchs_fused_kernel_on_cpu_with_the_hand_computed_first_step():
+    from mmpo.algos.config import make_optimizer
+
+    p = torch.nn.Parameter(torch.tensor([1.0, -2.0]))
+    optimizer = make_optimizer([p], lr=0.1, weight_decay=0.01)["optimizer"]
+    assert optimizer.defaults["fused"] is True
+    p.grad = torch.tensor([0.5, -0.25])
+    optimizer.step()
+    # first AdamW step: p * (1 - lr * wd) - lr * m_hat / (sqrt(v_hat) + eps), m_hat = g, sqrt(v_hat) = |g|
+    # 1.0 * 0.999 - 0.1 * 0.5 / 0.5 = 0.899;  -2.0 * 0.999 - 0.1 * (-0.25) / 0.25 = -1.898
+    torch.testing.assert_close(p.detach(), torch.tensor([0.899, -1.898]), atol=1e-6, rtol=0)
+
+
+def test_diagnostics_go_to_lightning_on_logging_steps_shared_and_monitored_keys_every_step(tiny_path, fixed):
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    rows, rollout, rewards = fixed
+    module = FixedRolloutGRPO(tiny_path, num_generations=3, max_grad_norm=0.0, beta=0.0)
+    module.fixed_rollout, module.fixed_rewards = rollout, rewards
+    monitor = ModelCheckpoint(monitor="response/length_mean", save_top_k=0)
+    trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=1, logger=False, enable_progress_bar=False,
+                        enable_model_summary=False, log_every_n_steps=50, callbacks=[monitor])
+    trainer.fit(module, DataLoader([rows], batch_size=None, collate_fn=lambda x: x))
+    logged = set(trainer.callback_metrics)
+    shared = {"rewards/total/mean", "losses/policy", "policy/clipfrac", "policy/approx_kl", "perf/skipped_steps"}
+    assert shared | {"response/length_mean"} <= logged  # step 1 of 50 does not log: only these
+    assert "lr" not in logged and "entropy" not in logged and "entropy" not in module.last_metrics
+    assert "lr" in module.last_metrics  # still computed, for the caller

@@ -32,6 +32,11 @@ def test_adaptive_temperature_processor_hand_computed():
     factor1 = 1 + 0.05 * -math.log(math.log(2))
     assert out[0].tolist() == pytest.approx([1 / factor0, 0.0], rel=1e-6)
     assert out[1].tolist() == pytest.approx([3 / factor1, 3 / factor1], rel=1e-6)
+    # a suppressed token (-inf, as the engine's vision-token suppression leaves it) changes nothing else
+    suppressed = processor(torch.zeros(2, 1, dtype=torch.long), torch.tensor([[1.0, 0.0, -math.inf],
+                                                                               [3.0, 3.0, -math.inf]]))
+    assert torch.allclose(suppressed[:, :2], out, rtol=1e-6)
+    assert suppressed[:, 2].tolist() == [-math.inf, -math.inf]
 
 
 def test_fit_uses_the_previous_steps_statistics_and_checkpoints_them(tiny_model, tmp_path, fit_vlm_config,

@@ -48,11 +48,14 @@ def test_rollout_correction_trains_two_steps(tiny_path, tmp_path, overrides):
     assert len(rows) == (1 if "--model.init_args.mu=2" in overrides else 2)
     for row in rows:
         assert math.isfinite(float(row["losses/policy"]))
+        # the engine samples with the vision tokens suppressed: pi_engine = pi_trainer / (1 - m), m the
+        # trainer's probability of the 4 vision tokens (~1% on this random 400-token model), so each
+        # pi_trainer / pi_engine is 1 - m, a little below 1 (HF generate and the trainer agree to ~1e-6);
+        # the sequence modes' weight is the product over the <= 4 tokens (measured 0.990 token, 0.959 sequence)
         if "--model.init_args.rollout_bypass=true" in overrides:
-            # ratio pi_theta / pi_engine at the first pass: the engine matches the trainer (fp32 CPU)
-            assert float(row["policy/ratio_mean"]) == pytest.approx(1.0, abs=1e-4)
+            # ratio pi_theta / pi_engine at the first pass
+            assert 0.97 < float(row["policy/ratio_mean"]) < 1.0
         else:
-            # HF generate and the trainer agree to ~1e-6 in fp32: every weight is ~1, none clipped
-            assert float(row["rollout_is/mean"]) == pytest.approx(1.0, abs=1e-4)
+            assert 0.9 < float(row["rollout_is/mean"]) < 1.0
             assert float(row["rollout_is/clipped_frac"]) == 0.0
-            assert abs(float(row["rollout_is/kl"])) < 1e-5
+            assert 0.0 < float(row["rollout_is/kl"]) < 0.03

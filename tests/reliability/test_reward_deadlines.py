@@ -319,3 +319,15 @@ def test_math_verify_log_lines_are_cut(caplog):
     (record,) = [r for r in caplog.records if r.name == "math_verify.parser"]
     assert record.getMessage() == shorten("Timeout during parsing: " + "9" * 50_000)
     assert record.getMessage().endswith("... (50024 chars)")
+
+
+def test_start_runs_the_worker_before_any_call_and_is_idempotent(warm_worker):
+    shutdown_reward_worker()
+    assert warm_worker.pid is None
+    warm_worker.start()  # what GRPOModule.on_fit_start does: the start-up is paid before step 1
+    pid = warm_worker.pid
+    assert _alive(pid)
+    warm_worker.start()
+    assert warm_worker.pid == pid  # a live worker is kept
+    _, per_fn, _ = compute_rewards({"format": 1.0}, COMPLETIONS, ROWS, timeout_s=60.0)
+    assert per_fn["format"].tolist() == [1.0, 0.0] and warm_worker.pid == pid

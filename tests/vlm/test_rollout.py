@@ -9,8 +9,8 @@ from mmpo.data import SYSTEM_PROMPT
 from mmpo.data.synthetic import make_items
 from mmpo.vlm.factory import build_tiny_vlm, load_vlm
 from mmpo.vlm.logprobs import completion_log_probs, sequence_inputs
-from mmpo.vlm.processing import encode_prompts, model_inputs
-from mmpo.vlm.rollout import HFGenerateEngine, completion_mask_from_ids, concat_rollouts
+from mmpo.vlm.processing import encode_prompts, model_inputs, repeat_rows, vision_token_ids
+from mmpo.vlm.rollout import HFGenerateEngine, _cut_by, completion_mask_from_ids, concat_rollouts
 
 CORPUS = [SYSTEM_PROMPT, "How many shapes? <think>3 shapes.</think><answer>3</answer> left right 0123456789"] * 20
 
@@ -67,7 +67,7 @@ def test_log_probs_reproduce_the_sampling_distribution(tiny):
     torch.manual_seed(1)
     out = model.generate(
         **inputs, max_new_tokens=6, num_return_sequences=2, do_sample=True, temperature=temperature, top_k=0,
-        top_p=1.0, return_dict_in_generate=True, output_logits=True,
+        top_p=1.0, return_dict_in_generate=True, output_logits=True, suppress_tokens=vision_token_ids(processor),
         eos_token_id=processor.tokenizer.eos_token_id, pad_token_id=processor.tokenizer.pad_token_id,
     )
     mask = rollout.completion_mask.bool()
@@ -105,31 +105,70 @@ def test_log_probs_do_not_depend_on_left_padding(tiny):
             torch.testing.assert_close(batched[i][mask], alone[0][mask], atol=1e-5, rtol=1e-5)
 
 
-def test_generated_vision_tokens_are_masked_and_safe_to_score(tiny):
-    """A policy that emits <|image_pad|> must not crash the scoring forward (R1-V#91)."""
+def test_vision_token_ids_are_derived_from_the_processor(tiny):
+    _model, processor = tiny
+    tokenizer = processor.tokenizer
+    expected = {tokenizer.convert_tokens_to_ids(t) for t in ("<|vision_start|>", "<|vision_end|>",
+                                                             "<|image_pad|>", "<|video_pad|>")}
+    assert set(vision_token_ids(processor)) == expected
+    assert tokenizer.convert_tokens_to_ids("<|im_end|>") not in vision_token_ids(processor)
+
+
+@pytest.mark.parametrize("do_sample", [False, True])
+def test_vision_tokens_are_never_sampled_even_when_the_model_prefers_them(tiny, do_sample):
+    """An output layer whose bias makes the vision tokens take ~all the probability: suppression at
+    sampling time still never draws one, so the guard never fires (vision_cut all False)."""
     model, processor = tiny
-    image_pad = processor.image_token_id
+    forbidden = vision_token_ids(processor)
     head = model.get_output_embeddings()
-    # an output layer whose bias makes <|image_pad|> the argmax everywhere
     biased = torch.nn.Linear(head.in_features, head.out_features, bias=True)
     with torch.no_grad():
         biased.weight.copy_(head.weight)
         biased.bias.zero_()
-        biased.bias[image_pad] = 1e4
+        biased.bias[forbidden] = 30.0  # e^30 / vocab ~ 1e10: unsuppressed, a vision token is drawn every time
     try:
         model.set_output_embeddings(biased)
-        rollout = HFGenerateEngine(model, processor).generate(
-            _rows()[:1], num_samples=2, max_new_tokens=3, do_sample=False
-        )
-        assert rollout.completion_mask.sum() == 0
-        assert (rollout.completion_ids == processor.tokenizer.pad_token_id).all()
-        with torch.no_grad():
-            log_probs, _ = completion_log_probs(
-                model, rollout.prompt_inputs, rollout.completion_ids, rollout.completion_mask
-            )
-        assert torch.isfinite(log_probs).all()
+        engine = HFGenerateEngine(model, processor)
+        torch.manual_seed(0)
+        rollout = engine.generate(_rows(), num_samples=4, max_new_tokens=8, do_sample=do_sample,
+                                  return_log_probs=True)
+        with torch.no_grad():  # the unsuppressed policy really prefers them: > 0.99 at the first position
+            inputs = model_inputs(encode_prompts(processor, _rows()[:1]))
+            first = torch.softmax(model(**inputs).logits[0, -1], -1)
+        assert float(first[forbidden].sum()) > 0.99
     finally:
         model.set_output_embeddings(head)
+    assert not torch.isin(rollout.completion_ids, torch.tensor(forbidden)).any()
+    assert rollout.completion_mask.sum() > 0
+    assert rollout.extras["vision_cut"].tolist() == [False] * 12
+    # the recorded sampler log-probs are those of the suppressed distribution: finite on real tokens
+    assert torch.isfinite(rollout.extras["engine_log_probs"][rollout.completion_mask.bool()]).all()
+
+
+def test_vision_guard_cut_is_counted_hand_computed():
+    eos, pad, image_pad, vision_start = 2, 0, 5, 3
+    ids = torch.tensor([[7, image_pad, 9], [7, eos, image_pad], [7, 8, 9], [vision_start, 7, 7], [7, 8, eos]])
+    mask = completion_mask_from_ids(ids, eos_token_id=eos, forbidden_ids=[image_pad, vision_start])
+    # row 0: cut at the image pad; row 1: EOS ended it first; row 2: no EOS, nothing cut;
+    # row 3: cut at the first token; row 4: ended by EOS at the last position
+    assert mask.tolist() == [[1, 0, 0], [1, 1, 0], [1, 1, 1], [0, 0, 0], [1, 1, 1]]
+    cut = _cut_by(ids, eos_token_id=eos, forbidden_ids=[image_pad, vision_start])
+    assert cut.tolist() == [True, False, False, True, False]
+    assert _cut_by(ids, eos_token_id=eos, forbidden_ids=[]).tolist() == [False] * 5
+
+
+def test_guard_masked_vision_tokens_are_safe_to_score(tiny):
+    """Should a vision token slip through, the guard's pad-and-mask makes scoring safe (R1-V#91)."""
+    model, processor = tiny
+    image_pad, pad = processor.image_token_id, processor.tokenizer.pad_token_id
+    prompts = repeat_rows(encode_prompts(processor, _rows()[:1]), 2)
+    ids = torch.tensor([[11, image_pad, 12], [image_pad, image_pad, 13]])
+    mask = completion_mask_from_ids(ids, eos_token_id=processor.tokenizer.eos_token_id, forbidden_ids=[image_pad])
+    ids = ids.masked_fill(mask == 0, pad)
+    with torch.no_grad():
+        log_probs, _ = completion_log_probs(model, prompts, ids, mask)
+    assert mask.tolist() == [[1, 0, 0], [0, 0, 0]]
+    assert torch.isfinite(log_probs).all()
 
 
 def test_sequence_inputs_extend_masks_and_token_types(tiny):
@@ -175,3 +214,80 @@ def test_bad_sampling_settings_are_refused(tiny):
         engine.generate(_rows(), num_samples=0, max_new_tokens=2)
     with pytest.raises(ValueError, match="temperature"):
         engine.generate(_rows(), num_samples=2, max_new_tokens=2, temperature=0.0)
+
+
+# ----------------------------------------------------------------------------- one prefill per prompt
+
+
+def _logits_both_paths(model, processor, rows, copies, **sampling):
+    """(sequences, per-step logits) of the expanded path (every prompt repeated ``copies`` times, as
+    HF's ``num_return_sequences`` expansion does) and of the engine's prefill-once path, each from
+    the same seed, on the same prompts (images and a text-only row, left padded)."""
+    engine = HFGenerateEngine(model, processor)
+    prompts = encode_prompts(processor, rows)
+    special = dict(eos_token_id=engine.eos_token_id, pad_token_id=engine.pad_token_id, use_cache=True)
+    common = dict(max_new_tokens=7, return_dict_in_generate=True, output_logits=True, **special, **sampling)
+    with torch.no_grad():
+        torch.manual_seed(5)
+        expanded = model.generate(**model_inputs(repeat_rows(prompts, copies)), **common)
+        prefilled_inputs = engine._prefill(model_inputs(prompts), copies, special)
+        torch.manual_seed(5)
+        once = model.generate(**prefilled_inputs, **common)
+    return expanded, once
+
+
+@pytest.mark.parametrize("rows", ["images", "text"])
+@pytest.mark.parametrize("sampling", [dict(do_sample=False), dict(do_sample=True, temperature=0.8, top_k=0)],
+                         ids=["greedy", "sampled"])
+def test_prefill_once_gives_the_expanded_paths_log_probs(tiny, sampling, rows):
+    """Images (with a text-only row) prefill by one forward with Qwen-VL's RoPE positions; a text-only
+    batch through HF's generate (one greedy token)."""
+    model, processor = tiny
+    batch = _rows() if rows == "images" else make_items("arithmetic", 2, seed=1)
+    expanded, once = _logits_both_paths(model, processor, batch, 3, **sampling)
+    assert torch.equal(expanded.sequences, once.sequences)
+    assert len(expanded.logits) == len(once.logits) == 7
+    for a, b in zip(expanded.logits, once.logits):  # every row's next-token log-probs, at every step
+        torch.testing.assert_close(a.log_softmax(-1), b.log_softmax(-1), atol=1e-5, rtol=0)
+
+
+def test_engine_prefill_once_samples_what_the_expanded_engine_samples(tiny):
+    model, processor = tiny
+    runs = []
+    for prefill_once in (True, False):
+        torch.manual_seed(2)
+        runs.append(HFGenerateEngine(model, processor, prefill_once=prefill_once).generate(
+            _rows(), num_samples=4, max_new_tokens=6, temperature=0.9, return_log_probs=True))
+    once, expanded = runs
+    assert torch.equal(once.completion_ids, expanded.completion_ids)
+    assert torch.equal(once.completion_mask, expanded.completion_mask)
+    assert len({tuple(x) for x in once.completion_ids[:4].tolist()}) > 1  # the G copies sample apart
+    torch.testing.assert_close(once.extras["engine_log_probs"], expanded.extras["engine_log_probs"],
+                               atol=1e-5, rtol=0)
+
+
+def test_prefill_once_runs_each_prompt_through_the_decoder_once(tiny):
+    """Token positions the text decoder processes: the prompt's P once per prompt (its last token per
+    copy), not G times; transformers 5 already encodes each image once on both paths."""
+    model, processor = tiny
+    rows, copies, new_tokens = _rows(), 4, 3
+    width = int(encode_prompts(processor, rows)["input_ids"].shape[1])
+    positions = []
+    hook = model.model.language_model.register_forward_hook(
+        lambda module, args, kwargs, out: positions.append(kwargs["inputs_embeds"].shape[:2].numel()),
+        with_kwargs=True)
+    try:
+        for prefill_once in (True, False):
+            positions.clear()
+            torch.manual_seed(0)
+            HFGenerateEngine(model, processor, prefill_once=prefill_once).generate(
+                rows, num_samples=copies, max_new_tokens=new_tokens, temperature=1.0)
+            decode_steps = len(positions) - (2 if prefill_once else 1)
+            if prefill_once:
+                # 3 prompts x (P - 1) once, then 12 rows x the last prompt token, then 12 rows per new token
+                assert positions == [3 * (width - 1), 12] + [12] * decode_steps
+            else:
+                assert positions == [12 * width] + [12] * decode_steps
+            assert decode_steps == new_tokens - 1
+    finally:
+        hook.remove()

@@ -117,7 +117,7 @@ def run(name: str, model_path: Path) -> dict[str, Any]:
     rows = make_items(task, 2, seed=0)
     before = {n: p.detach().clone() for n, p in module.model.named_parameters()}
     trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=2, logger=False, enable_checkpointing=False,
-                        enable_progress_bar=False, enable_model_summary=False)
+                        enable_progress_bar=False, enable_model_summary=False, log_every_n_steps=1)
     trainer.fit(module, DataLoader([rows], batch_size=None, collate_fn=lambda x: x))
     metrics = {k: float(v) for k, v in module.last_metrics.items() if not k.startswith(UNCHECKED_PREFIXES)}
     grads = {n: gradient_fingerprint(before[n] - p.detach(), n) for n, p in module.model.named_parameters()}

@@ -1,0 +1,99 @@
+"""One forward per distinct prompt in the training forward: the G completions of a prompt share it.
+
+A GRPO batch repeats each prompt (its tokens and its images) G times. The decoder's states over the
+prompt are the same in every copy (causal attention: the prompt never sees its completion), so the
+prompt runs once per distinct prompt, its KV cache is indexed out to the N rows
+(``Cache.batch_select_indices``, differentiable), and only the completion tokens run per row. The
+gradient reaching the shared prompt states is the sum over the copies', which is what the per-row
+path computes, so values and gradients agree up to float rounding (tests/vlm/test_shared_prompts.py).
+
+Used for Qwen-VL backbones (their 3-D RoPE positions come from ``get_rope_index`` over the full
+sequence, sliced into the prompt and completion parts) on batches with images and repeated prompts;
+anything else takes the plain one-forward path.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+import torch
+from torch import Tensor
+from transformers import DynamicCache
+
+
+def distinct_prompt_rows(prompt_inputs: Mapping[str, Any]) -> tuple[list[int], list[int]] | None:
+    """(first row of each distinct prompt, for each row its distinct prompt's position), or None without
+    the per-row image bookkeeping (``image_counts``). Rows are equal when their prompt tokens, attention
+    mask and images (grid and pixels) are. Example: rows [A, A, B, A] -> ([0, 2], [0, 0, 1, 0])."""
+    ids, mask = prompt_inputs["input_ids"], prompt_inputs["attention_mask"]
+    grid, counts = prompt_inputs.get("image_grid_thw"), prompt_inputs.get("image_counts")
+    if grid is None or counts is None:
+        return None
+    patches = grid.prod(-1)
+    patch_start = (torch.cumsum(patches, 0) - patches).tolist()
+    image_start = (torch.cumsum(counts, 0) - counts).tolist()
+    pixels = prompt_inputs["pixel_values"]
+
+    def images(row: int) -> list[tuple[Tensor, Tensor]]:
+        first = int(image_start[row])
+        return [(grid[i], pixels[patch_start[i] : patch_start[i] + int(patches[i])])
+                for i in range(first, first + int(counts[row]))]
+
+    def same(a: int, b: int) -> bool:
+        if not (torch.equal(ids[a], ids[b]) and torch.equal(mask[a], mask[b]) and int(counts[a]) == int(counts[b])):
+            return False
+        return all(torch.equal(ga, gb) and torch.equal(pa, pb) for (ga, pa), (gb, pb) in zip(images(a), images(b)))
+
+    first: list[int] = []
+    inverse: list[int] = []
+    for row in range(ids.shape[0]):
+        # repeats of a prompt are usually adjacent: look at the latest distinct prompts first
+        match = next((k for k in reversed(range(len(first))) if same(first[k], row)), None)
+        if match is None:
+            first.append(row)
+            match = len(first) - 1
+        inverse.append(match)
+    return first, inverse
+
+
+def shared_prompt_hidden_states(backbone: Any, inputs: Mapping[str, Any], prompt_inputs: Mapping[str, Any],
+                                prompt_width: int, width: int) -> Tensor | None:
+    """(N, T, H) hidden states predicting each completion token, the prompt run once per distinct prompt;
+    None when this batch or backbone does not qualify (then run the plain forward).
+
+    ``inputs`` is :func:`mmpo.vlm.logprobs.sequence_inputs`' output for ``[prompt | completion]``."""
+    from mmpo.vlm.processing import select_rows
+
+    if "pixel_values" not in inputs or not hasattr(backbone, "get_rope_index") or width < 1:
+        return None
+    rows = distinct_prompt_rows(prompt_inputs)
+    if rows is None or len(rows[0]) == len(rows[1]):
+        return None
+    first, inverse = rows
+    device = inputs["input_ids"].device
+    # 3-D RoPE positions of the full sequences, exactly as the plain forward computes them
+    positions, _ = backbone.get_rope_index(inputs["input_ids"], mm_token_type_ids=inputs["mm_token_type_ids"],
+                                           image_grid_thw=inputs["image_grid_thw"],
+                                           attention_mask=inputs["attention_mask"])
+    distinct = select_rows(prompt_inputs, first)
+    index = torch.tensor(first, device=device)
+    cache = DynamicCache(config=backbone.config)
+    prompt_out = backbone(
+        input_ids=inputs["input_ids"][index, :prompt_width], attention_mask=inputs["attention_mask"][index, :prompt_width],
+        mm_token_type_ids=inputs["mm_token_type_ids"][index, :prompt_width],
+        pixel_values=distinct["pixel_values"].to(device, inputs["pixel_values"].dtype),
+        image_grid_thw=distinct["image_grid_thw"].to(device), position_ids=positions[:, index, :prompt_width],
+        cache=cache, use_cache=True,
+    )
+    rows_of = torch.tensor(inverse, device=device)
+    cache.batch_select_indices(rows_of)  # each row gets its prompt's keys / values (indexing: differentiable)
+    last_prompt = prompt_out.last_hidden_state[rows_of, prompt_width - 1 :]  # predicts completion token 0
+    if width == 1:
+        return last_prompt
+    completion_out = backbone(
+        input_ids=inputs["input_ids"][:, prompt_width : prompt_width + width - 1],
+        attention_mask=inputs["attention_mask"][:, : prompt_width + width - 1],
+        mm_token_type_ids=inputs["mm_token_type_ids"][:, prompt_width : prompt_width + width - 1],
+        position_ids=positions[:, :, prompt_width : prompt_width + width - 1], cache=cache, use_cache=True,
+    )
+    return torch.cat([last_prompt, completion_out.last_hidden_state], dim=1)
