@@ -6,7 +6,9 @@ Pieces (each a pure function behind a name registry where there are variants):
   ``mapo_apd``, ``mapo_random_lambda``), :func:`gae`; verl's estimators (``reinforce_plus_plus``,
   ``reinforce_plus_plus_baseline``, ``opo``, ``grpo_passk``, ``gpg``, ``remax``,
   ``optimal_token_baseline``, ``tir_optimal_token_baseline``) in
-  :mod:`mmpo.core.advantages_verl`.
+  :mod:`mmpo.core.advantages_verl`; structured-rollout estimators ``brpo``
+  (:mod:`~mmpo.core.advantages_budget`), ``treepo`` and ``segment`` (:mod:`~mmpo.core.advantages_tree`),
+  ``tppo`` (:mod:`~mmpo.core.advantages_truncated`).
 - policy losses: :func:`policy_loss` (``ppo``, ``gspo``, ``gmpo``, ``gppo``, ``dcpo``,
   ``aspo``, ``cispo``, ``igpo_sequence``, and verl / TRL's ``sapo``, ``gpg``, ``clip_cov``,
   ``kl_cov``, ``luspo``, ``vespo``) returning ``(loss, metrics)``; new ones state only
@@ -32,6 +34,7 @@ from mmpo.core.advantages import (
     register_advantage_estimator,
 )
 from mmpo.core.advantages_verl import VERL_ADVANTAGE_ESTIMATORS  # registers verl's estimators
+from mmpo.core import advantages_budget, advantages_tree, advantages_truncated  # registers brpo, treepo, segment, tppo
 from mmpo.core.aggregate import AGGREGATION_MODES, AggregationMode, aggregate
 from mmpo.core.filters import FilterResult, GFPOMetric, dynamic_sampling_filter, gfpo_filter
 from mmpo.core.groups import GroupIndex, build_group_index

@@ -42,6 +42,11 @@ class AdvantageEstimator(str, Enum):
     REMAX = "remax"
     OPTIMAL_TOKEN_BASELINE = "optimal_token_baseline"
     TIR_OPTIMAL_TOKEN_BASELINE = "tir_optimal_token_baseline"
+    # structured-rollout estimators (issue 16): advantages_budget, advantages_tree, advantages_truncated
+    BRPO = "brpo"
+    TREEPO = "treepo"
+    SEGMENT = "segment"
+    TPPO = "tppo"
 
 
 ADVANTAGE_ESTIMATORS: Registry[AdvantageFn] = Registry("advantage estimator")
