@@ -180,7 +180,7 @@ def segment_advantages(
     out = out.to(device=rewards.device, dtype=rewards.dtype)
     keep = segment_probability_mask(old_log_probs, mask, prob_threshold)
     out = out * keep
-    if whiten:
+    if whiten and float(keep.sum()) >= 2:  # whitening needs two kept tokens; fewer are left as they are
         out = masked_whiten(out, keep, eps=whiten_eps) * keep
     metrics = {
         "advantages/segments_per_sample": num_segments / max(n, 1),
