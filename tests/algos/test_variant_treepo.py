@@ -83,3 +83,23 @@ def test_treepo_fit_smoke(tiny_model, tmp_path, fit_vlm_config, scripted_reward)
         assert 2 <= float(row["treepo/leaves_per_prompt"]) <= 8  # first_branching .. num_generations
         assert 1 <= float(row["treepo/depth_mean"]) <= 3  # max_new_tokens 6 / segment_len 2
         assert float(row["advantages/tree_levels_mean"]) >= 1.0
+
+
+def test_filtered_prompts_leave_the_whitening(tiny_model):
+    from mmpo.algos.treepo import TreePOModule
+    from mmpo.vlm.rollout import Rollout
+
+    module = TreePOModule(str(tiny_model), num_generations=4, beta=0.0, dynamic_sampling=True)
+    # prompt 0: leaves [0,0], [0,1], [1,0], [1,1] with rewards 1, 0, 1, 1 (tests/core/test_advantages_tree.py:
+    # averages .375, -.625, .125, .125, sample var .1875); prompt 1: all 1 -> dropped by the zero-std filter,
+    # so its four zero scores do not enter the whitening statistics
+    paths = torch.tensor([[0, 0], [0, 1], [1, 0], [1, 1]]).repeat(2, 1)
+    rollout = Rollout(rows=[{}] * 8, group_ids=torch.tensor([0] * 4 + [1] * 4), prompt_inputs=None,
+                      completion_ids=torch.zeros(8, 1, dtype=torch.long), completion_mask=torch.ones(8, 1, dtype=torch.long),
+                      texts=[""] * 8, extras={"tree_path_ids": paths, "tree_depth": torch.full((8,), 2)})
+    rewards = torch.tensor([1.0, 0.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0])
+    adv, metrics = module.compute_advantages(rewards, rollout.group_ids, rollout)
+    expected = torch.tensor([0.375, -0.625, 0.125, 0.125]) / (0.1875 + 1e-8) ** 0.5
+    torch.testing.assert_close(adv[:4, 0], expected)
+    assert adv[4:].abs().sum() == 0
+    assert metrics["treepo/leaves_per_prompt"] == 4.0
