@@ -25,7 +25,7 @@ from typing import Any, Mapping, Sequence
 import torch
 from torch import Tensor
 
-from mmpo.algos.config import require
+from mmpo.algos.config import refuse_rollout_correction, require
 from mmpo.algos.grpo import GRPOModule
 from mmpo.core import compute_advantages_with_metrics
 from mmpo.core.advantages_budget import BUDGET_PRIORS, budget_prior
@@ -74,6 +74,7 @@ class BRPOModule(GRPOModule):
         require(h.summary_max_tokens >= 1, f"summary_max_tokens must be >= 1, got {h.summary_max_tokens}")
         require(h.budget_prior in BUDGET_PRIORS, f"budget_prior must be one of {BUDGET_PRIORS}, got {h.budget_prior!r}")
         require(not h.dynamic_sampling_retries, "dynamic_sampling_retries is not supported with budgeted rollouts")
+        refuse_rollout_correction(h)
 
     @property
     def _segment_len(self) -> int:
@@ -82,6 +83,7 @@ class BRPOModule(GRPOModule):
     def build_rollout(self, rows: Sequence[Mapping[str, Any]]) -> Rollout:
         h = self.hparams
         traces = super().build_rollout(rows)
+        traces.extras = {}  # the summaries come from another sampler: only the keys below are shared
         n, width = traces.completion_mask.shape
         lengths = traces.completion_mask.sum(-1)
         done = ended(traces, self.engine.eos_token_id)

@@ -25,7 +25,7 @@ import torch
 from PIL import Image
 from torch import Tensor
 
-from mmpo.algos.config import require
+from mmpo.algos.config import refuse_rollout_correction, require
 from mmpo.algos.grpo import GRPOModule
 from mmpo.core import LossParts, compute_advantages_with_metrics
 from mmpo.training.lr_schedule import warmup_schedule
@@ -97,6 +97,7 @@ class TPPOModule(GRPOModule):
         require(h.max_inflight is None or h.max_inflight >= 0, f"max_inflight must be >= 0 or None, got {h.max_inflight}")
         require(h.minibatch_size is None, "T-PPO's rollout size varies (carried responses): set minibatch_size null")
         require(not h.dynamic_sampling, "dynamic_sampling does not apply to T-PPO (critic baseline, no groups)")
+        refuse_rollout_correction(h)
 
     def configure_optimizers(self) -> dict[str, Any]:
         h = self.hparams
@@ -128,7 +129,7 @@ class TPPOModule(GRPOModule):
         engine = self.engine
         fresh = engine.generate(rows, num_samples=h.num_generations, max_new_tokens=min(h.window_len, h.max_new_tokens),
                                 temperature=h.temperature, top_p=h.top_p)
-        fresh.extras["tppo_prefix_len"] = torch.zeros(len(fresh), dtype=torch.long)
+        fresh.extras = {"tppo_prefix_len": torch.zeros(len(fresh), dtype=torch.long)}  # the keys both parts share
         fresh.extras["tppo_completed"] = self._completed(fresh)
         parts = [fresh]
         carried = self._inflight

@@ -27,7 +27,7 @@ from typing import Any, Mapping, Sequence
 import torch
 from torch import Tensor
 
-from mmpo.algos.config import require
+from mmpo.algos.config import refuse_rollout_correction, require
 from mmpo.algos.grpo import GRPOModule
 from mmpo.core import compute_advantages_with_metrics, dynamic_sampling_filter
 from mmpo.core.advantages_tree import TREE_WEIGHTINGS
@@ -179,6 +179,7 @@ class TreePOModule(GRPOModule):
         require(h.minibatch_size is None, "TreePO's leaf count varies per step: set minibatch_size null "
                                           "(one optimizer step per rollout)")
         require(not h.dynamic_sampling_retries, "dynamic_sampling_retries is not supported with tree rollouts")
+        refuse_rollout_correction(h)
 
     def build_rollout(self, rows: Sequence[Mapping[str, Any]]) -> Rollout:
         h = self.hparams

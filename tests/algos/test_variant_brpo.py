@@ -73,3 +73,15 @@ def test_brpo_fit_smoke(tiny_model, tmp_path, fit_vlm_config, scripted_reward):
     assert len(logged) == 2
     for row in logged:
         assert 0.0 <= float(row["brpo/objective_mean"]) <= 1.0
+
+
+@pytest.mark.parametrize("module_path", ["mmpo.algos.brpo.BRPOModule", "mmpo.algos.treepo.TreePOModule",
+                                         "mmpo.algos.tppo.TPPOModule"])
+def test_structured_rollouts_refuse_rollout_is(tiny_model, module_path):
+    import importlib
+
+    module_name, class_name = module_path.rsplit(".", 1)
+    cls = getattr(importlib.import_module(module_name), class_name)
+    extra = {"BRPOModule": {"num_budgets": 2}, "TPPOModule": {"window_len": 2}}.get(class_name, {})
+    with pytest.raises(ValueError, match="rollout_is null"):
+        cls(str(tiny_model), num_generations=2, max_new_tokens=4, rollout_is="token_truncate", **extra)
