@@ -23,6 +23,14 @@ def require(condition: bool, message: str) -> None:
         raise ValueError(message)
 
 
+def refuse_rollout_correction(hparams: Any) -> None:
+    """Structured rollouts (BRPO, TreePO, T-PPO) sample continuations outside the engine's ``generate``,
+    which alone records the engine's log-probs: refuse ``rollout_is`` / ``rollout_bypass`` before the model loads."""
+    require(hparams.rollout_is is None and not hparams.rollout_bypass,
+            "rollout_is / rollout_bypass need the engine's log-probs of every token; this variant's structured "
+            "rollout does not record them: set rollout_is null and rollout_bypass false")
+
+
 def divisors(n: int) -> list[int]:
     """Positive divisors of ``n``, used to list the valid values in error messages."""
     return [d for d in range(1, n + 1) if n % d == 0]

@@ -431,6 +431,8 @@ class GRPOModule(VLMPolicyModule):
             rollout = dataclasses.replace(
                 rollout, completion_mask=rollout.completion_mask * keep.long().unsqueeze(-1)
             )
+            if "loss_mask" in rollout.extras:  # a module's own loss mask (Segment-PO) drops the same groups
+                rollout.extras["loss_mask"] = rollout.extras["loss_mask"] * keep.long().unsqueeze(-1)
 
         rollout = rollout.to(self.device)
         advantages = advantages.to(self.device)
@@ -583,7 +585,7 @@ class GRPOModule(VLMPolicyModule):
         so each loss is multiplied by the world size to turn that average into the sum.
         """
         h = self.hparams
-        mask = rollout.completion_mask[index]
+        mask = loss_mask(rollout)[index]
         global_tokens = self._sum_over_ranks(mask.sum().to(torch.float32))
         global_seqs = self._sum_over_ranks((mask.sum(-1) > 0).sum().to(torch.float32))
         optimizer = self.optimizers()
@@ -611,7 +613,7 @@ class GRPOModule(VLMPolicyModule):
         with_entropy = h.entropy_coef > 0 or self.needs_entropy or self._logs_this_step()
         for micro in index.split(micro_size):
             part = rollout.select(micro.cpu()).to(self.device)
-            part_mask = part.completion_mask.float()
+            part_mask = loss_mask(part).float()
             log_probs, entropy = self.sequence_log_probs(self.model, part, with_entropy=with_entropy)
             old = log_probs.detach() if old_log_probs is None else old_log_probs[micro]
             part_adv = advantages[micro]
@@ -703,6 +705,12 @@ _EXTREME_IS_METRICS = ("rollout_is/min", "rollout_is/max", "rollout_is/logp_diff
 # the metric names every family logs on every step (docs/core.md, "Metric names": **shared**)
 _SHARED_KEYS = frozenset({"rewards/total/mean", "losses/policy", "policy/clipfrac", "policy/approx_kl",
                           "perf/skipped_steps"})
+
+
+def loss_mask(rollout: Rollout) -> Tensor:
+    """(N, T) tokens the loss covers: ``extras["loss_mask"]`` when a variant sets one (Segment-PO's
+    probability mask), else the completion mask. The completion mask stays the attention mask."""
+    return rollout.extras.get("loss_mask", rollout.completion_mask)
 
 
 def _chunks(n: int, size: int) -> list[Tensor]:

@@ -7,7 +7,10 @@ Pieces (each a pure function behind a name registry where there are variants):
   ``reinforce_plus_plus_baseline``, ``opo``, ``grpo_passk``, ``gpg``, ``remax``,
   ``optimal_token_baseline``, ``tir_optimal_token_baseline``) in
   :mod:`mmpo.core.advantages_verl`; ``pvpo`` (static baseline) in :mod:`mmpo.core.advantages_pvpo`; ``hbpo``
-  (budget subgroups) in :mod:`mmpo.core.advantages_hbpo`.
+  (budget subgroups) in :mod:`mmpo.core.advantages_hbpo`;
+  structured-rollout estimators ``brpo``
+  (:mod:`~mmpo.core.advantages_budget`), ``treepo`` and ``segment`` (:mod:`~mmpo.core.advantages_tree`),
+  ``tppo`` (:mod:`~mmpo.core.advantages_truncated`).
 - policy losses: :func:`policy_loss` (``ppo``, ``gspo``, ``gmpo``, ``gppo``, ``dcpo``,
   ``aspo``, ``cispo``, ``igpo_sequence``, and verl / TRL's ``sapo``, ``gpg``, ``clip_cov``,
   ``kl_cov``, ``luspo``, ``vespo``) returning ``(loss, metrics)``; new ones state only
@@ -35,6 +38,7 @@ from mmpo.core.advantages import (
 from mmpo.core.advantages_verl import VERL_ADVANTAGE_ESTIMATORS  # registers verl's estimators
 from mmpo.core.advantages_pvpo import pvpo_advantages  # registers pvpo
 from mmpo.core.advantages_hbpo import hbpo_advantages, hbpo_rewards  # registers hbpo
+from mmpo.core import advantages_budget, advantages_tree, advantages_truncated  # registers brpo, treepo, segment, tppo
 from mmpo.core.aggregate import AGGREGATION_MODES, AggregationMode, aggregate
 from mmpo.core.filters import FilterResult, GFPOMetric, dynamic_sampling_filter, gfpo_filter, lspo_filter
 from mmpo.core.groups import GroupIndex, build_group_index

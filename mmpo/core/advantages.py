@@ -47,6 +47,11 @@ class AdvantageEstimator(str, Enum):
     # issue-16 variants, registered in their own modules
     PVPO = "pvpo"  # mmpo.core.advantages_pvpo
     HBPO = "hbpo"  # mmpo.core.advantages_hbpo
+    # structured-rollout estimators (issue 16): advantages_budget, advantages_tree, advantages_truncated
+    BRPO = "brpo"
+    TREEPO = "treepo"
+    SEGMENT = "segment"
+    TPPO = "tppo"
 
 
 ADVANTAGE_ESTIMATORS: Registry[AdvantageFn] = Registry("advantage estimator")

@@ -1,7 +1,9 @@
 """Every advantage estimator x every policy loss x every aggregation: shapes, finiteness, gradients,
 and micro-batch / global-count additivity for every loss."""
 
+import importlib.util
 import inspect
+from pathlib import Path
 
 import pytest
 import torch
@@ -18,6 +20,9 @@ from mmpo.core import (
 )
 
 ESTIMATORS = [e.value for e in AdvantageEstimator]
+_GOLDEN = importlib.util.spec_from_file_location("make_golden", Path(__file__).parent / "golden" / "make_golden.py")
+make_golden = importlib.util.module_from_spec(_GOLDEN)
+_GOLDEN.loader.exec_module(make_golden)
 LOSSES = [p.value for p in PolicyLoss]
 
 
@@ -59,6 +64,8 @@ def test_estimator_loss_aggregation_cross_product(estimator, loss_name, agg):
     if "sum_pi_squared" in params:  # optimal token baseline: rollout-policy token statistics
         settings["old_log_probs"] = old
         settings["sum_pi_squared"] = old.exp() ** 2 + 0.05
+    # structured-rollout estimators (brpo, treepo, segment, tppo): the golden artifact's stand-in inputs
+    settings.update(make_golden.structured_inputs(estimator, rewards, groups, mask, old))
     adv = compute_advantages(estimator, rewards, groups, **settings)
     assert adv.shape in (rewards.shape, mask.shape) and torch.isfinite(adv).all()
     loss, metrics = policy_loss(loss_name, lp, old, adv, mask, agg=agg, **_entropy_input(loss_name, old))

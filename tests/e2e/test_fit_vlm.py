@@ -94,6 +94,11 @@ def test_cli_reports_bad_settings(tiny_path, tmp_path, capsys):
     ("grpo_tiny", "mmpo.algos.grpo.GRPOModule", 8),
     ("grpo_qwen2_5_vl_3b", "mmpo.algos.grpo.GRPOModule", 5),
     ("grpo_qwen2_5_vl_7b", "mmpo.algos.grpo.GRPOModule", 5),
+    # issue 16 variants (their 2-step fits run in tests/algos/test_variant_<name>.py)
+    ("variants/brpo_tiny", "mmpo.algos.brpo.BRPOModule", 4),
+    ("variants/tppo_tiny", "mmpo.algos.tppo.TPPOModule", 4),
+    ("variants/segment_tiny", "mmpo.algos.segment.SegmentPOModule", 4),
+    ("variants/treepo_tiny", "mmpo.algos.treepo.TreePOModule", 8),
 ])
 def test_every_vlm_config_parses(name, class_path, num_generations, capsys):
     """The real-scale configs are not run here, but every key must be a valid init arg, and the

@@ -68,7 +68,36 @@ def _advantage_inputs(
         # the sampled token's pi_t and a stand-in sum_v pi_v^2 >= pi_t^2
         settings["old_log_probs"] = old
         settings["sum_pi_squared"] = old.exp() ** 2 + 0.05
+    settings.update(structured_inputs(name, rewards, groups, mask, old))
     return settings
+
+
+def structured_inputs(
+    name: str, rewards: torch.Tensor, groups: torch.Tensor, mask: torch.Tensor, old: torch.Tensor
+) -> dict:
+    """Stand-in rollout structure for the issue-16 estimators (brpo, treepo, segment, tppo); also used by
+    tests/core/test_cross_product.py."""
+    n, width = mask.shape
+    if name == "brpo":
+        # two budgets whose uniform-prior mean is the reward; tokens 0-2 in budget 1, 3-4 in budget 2
+        return {"budget_scores": torch.stack([rewards - 0.25, rewards + 0.25], 1),
+                "segment_ids": (torch.arange(width) // 3).clamp_max(1).expand(n, width).clone()}
+    if name == "treepo":
+        # the k-th leaf of its prompt takes branches [k // 2, k % 2]: leaves 0 and 1 share the first segment
+        rank = torch.tensor([groups[:i].eq(g).sum().item() for i, g in enumerate(groups)])
+        return {"path_ids": torch.stack([rank // 2, rank % 2], 1)}
+    if name == "segment":
+        from mmpo.core.advantages_tree import segment_cut_points
+
+        values = torch.full((n, width + 1), float("nan"), dtype=rewards.dtype)
+        for i, cuts in enumerate(segment_cut_points(old, mask, interval=1)):
+            for c in cuts:
+                values[i, c + 1] = 0.5 + 0.1 * c
+        return {"old_log_probs": old, "state_values": values}
+    if name == "tppo":
+        return {"values": 0.5 * mask, "completed": torch.arange(n) % 2 == 0,
+                "bootstrap_values": torch.full((n,), 0.3, dtype=rewards.dtype)}
+    return {}
 
 
 def compute(inputs: dict) -> dict:

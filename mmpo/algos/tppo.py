@@ -1,0 +1,218 @@
+"""T-PPO: Truncated Proximal Policy Optimization (arXiv 2506.15050).
+
+No official code was found (digest section 19); the mechanism follows the paper's abstract:
+
+- windowed generation: each training step extends every response by at most ``window_len`` tokens. New
+  prompts start G responses; responses still unfinished at the end of the window are carried to the next
+  step (module state, saved in checkpoints) and continue from ``prompt + tokens so far``;
+- the policy is updated on the window's tokens with extended GAE (estimator ``tppo``): a completed response
+  ends in its terminal reward, a truncated one bootstraps the critic's value of the state after its last
+  token (:func:`~mmpo.core.advantages_truncated.truncated_gae`);
+- the critic is trained only on completed sequences (value targets = GAE returns, MSE).
+
+Simplifications, each UNVERIFIED against the paper: the critic is a linear value head on the policy's
+detached final hidden states (T-PPO trains a separate value model); a completed response that spanned
+several windows trains the critic on its last window only (earlier windows were updated at earlier steps);
+window length, gamma and lambda defaults are not the paper's (gamma = lam = 1.0 are verl's PPO defaults).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping, Sequence
+
+import numpy as np
+import torch
+from PIL import Image
+from torch import Tensor
+
+from mmpo.algos.config import refuse_rollout_correction, require
+from mmpo.algos.grpo import GRPOModule
+from mmpo.core import LossParts, compute_advantages_with_metrics
+from mmpo.training.lr_schedule import warmup_schedule
+from mmpo.vlm.continuation import ended, extend_prompts, generate_from_inputs
+from mmpo.vlm.logprobs import _decoder, sequence_inputs
+from mmpo.vlm.processing import encode_prompts
+from mmpo.vlm.rollout import Rollout, concat_rollouts
+
+
+def _row_to_state(row: Mapping[str, Any]) -> dict[str, Any]:
+    """A dataset row as tensors and plain values (checkpoints load with ``weights_only=True``)."""
+    out = {k: v for k, v in row.items() if k != "images"}
+    out["images"] = [{"pixels": torch.from_numpy(np.array(im)), "mode": im.mode} for im in row.get("images") or []]
+    return out
+
+
+def _row_from_state(state: Mapping[str, Any]) -> dict[str, Any]:
+    out = dict(state)
+    out["images"] = [Image.fromarray(im["pixels"].numpy(), mode=im["mode"]) for im in state["images"]]
+    return out
+
+
+class TPPOModule(GRPOModule):
+    """PPO with truncated (windowed) rollouts, extended GAE and a critic trained on completed sequences.
+
+    ``max_new_tokens`` is the full response budget; each step generates at most ``window_len`` tokens of
+    every response.
+
+    Args:
+        model_path: saved HF model directory.
+        window_len: tokens generated per response per step (UNVERIFIED; the paper's window is not in the digest).
+        gamma: discount of the extended GAE.
+        lam: GAE lambda.
+        value_lr: learning rate of the value head (None = ``lr``).
+        value_coef: coefficient of the critic's MSE loss.
+        max_inflight: most unfinished responses carried to the next step (the oldest are kept); None = all.
+        **kwargs: every :class:`GRPOModule` setting (``advantage`` is fixed to ``tppo``).
+    """
+
+    def __init__(
+        self,
+        model_path: str,
+        *,
+        window_len: int = 16,
+        gamma: float = 1.0,
+        lam: float = 1.0,
+        value_lr: float | None = None,
+        value_coef: float = 1.0,
+        max_inflight: int | None = None,
+        **kwargs: Any,
+    ) -> None:
+        require(kwargs.pop("advantage", "tppo") == "tppo", "TPPOModule's advantage is 'tppo'")
+        super().__init__(model_path, advantage="tppo", **kwargs)
+        hidden = self.model.get_output_embeddings().weight.shape[1]
+        self.value_head = torch.nn.Linear(hidden, 1)
+        torch.nn.init.zeros_(self.value_head.weight)
+        torch.nn.init.zeros_(self.value_head.bias)
+        self._inflight: list[dict[str, Any]] = []  # {"row": dataset row, "tokens": LongTensor generated so far}
+
+    def _validate_settings(self) -> None:
+        super()._validate_settings()
+        h = self.hparams
+        require(1 <= h.window_len <= h.max_new_tokens,
+                f"window_len must be in [1, max_new_tokens={h.max_new_tokens}], got {h.window_len}")
+        require(0 < h.gamma <= 1, f"gamma must be in (0, 1], got {h.gamma}")
+        require(0 <= h.lam <= 1, f"lam must be in [0, 1], got {h.lam}")
+        require(h.value_lr is None or h.value_lr > 0, f"value_lr must be > 0 or None, got {h.value_lr}")
+        require(h.value_coef >= 0, f"value_coef must be >= 0, got {h.value_coef}")
+        require(h.max_inflight is None or h.max_inflight >= 0, f"max_inflight must be >= 0 or None, got {h.max_inflight}")
+        require(h.minibatch_size is None, "T-PPO's rollout size varies (carried responses): set minibatch_size null")
+        require(not h.dynamic_sampling, "dynamic_sampling does not apply to T-PPO (critic baseline, no groups)")
+        refuse_rollout_correction(h)
+
+    def configure_optimizers(self) -> dict[str, Any]:
+        h = self.hparams
+        total = self.trainer.max_steps if self._trainer is not None and self.trainer.max_steps > 0 else None
+        groups = [{"params": [p for p in self.model.parameters() if p.requires_grad]},
+                  {"params": list(self.value_head.parameters()), "lr": h.value_lr or h.lr, "weight_decay": 0.0}]
+        optimizer = torch.optim.AdamW(groups, lr=h.lr, weight_decay=h.weight_decay)
+        scheduler = warmup_schedule(optimizer, warmup_steps=h.warmup_steps, schedule=h.lr_schedule, total_steps=total)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+    # ------------------------------------------------------------------ state
+
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        super().on_save_checkpoint(checkpoint)
+        checkpoint["tppo_inflight"] = [{"row": _row_to_state(item["row"]), "tokens": item["tokens"]}
+                                       for item in self._inflight]
+
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        super().on_load_checkpoint(checkpoint)
+        self._inflight = [{"row": _row_from_state(item["row"]), "tokens": item["tokens"]}
+                          for item in checkpoint.get("tppo_inflight", [])]
+
+    # ------------------------------------------------------------------ rollout
+
+    def build_rollout(self, rows: Sequence[Mapping[str, Any]]) -> Rollout:
+        """This step's window: G fresh responses per new row, plus one window of every carried response.
+        ``extras``: ``tppo_completed`` (N,) ended by EOS or the full budget; ``tppo_prefix_len`` (N,)."""
+        h = self.hparams
+        engine = self.engine
+        fresh = engine.generate(rows, num_samples=h.num_generations, max_new_tokens=min(h.window_len, h.max_new_tokens),
+                                temperature=h.temperature, top_p=h.top_p)
+        fresh.extras = {"tppo_prefix_len": torch.zeros(len(fresh), dtype=torch.long)}  # the keys both parts share
+        fresh.extras["tppo_completed"] = self._completed(fresh)
+        parts = [fresh]
+        carried = self._inflight
+        if carried:
+            prompts = encode_prompts(self.processor, [c["row"] for c in carried], system_prompt=engine.system_prompt,
+                                     max_prompt_length=engine.max_prompt_length)
+            prefix = torch.nn.utils.rnn.pad_sequence([c["tokens"] for c in carried], batch_first=True,
+                                                     padding_value=engine.pad_token_id)
+            prefix_mask = torch.nn.utils.rnn.pad_sequence([torch.ones_like(c["tokens"]) for c in carried], batch_first=True)
+            # one generate call for all: the shortest response's budget, each row cut at its own below
+            budget = min(h.window_len, h.max_new_tokens - min(len(c["tokens"]) for c in carried))
+            more = generate_from_inputs(engine, [c["row"] for c in carried],
+                                        extend_prompts(prompts, prefix, prefix_mask, pad_token_id=engine.pad_token_id),
+                                        max_new_tokens=max(budget, 1), temperature=h.temperature, top_p=h.top_p)
+            # each carried response keeps its own budget; the reward reads the whole response so far
+            for i, c in enumerate(carried):
+                more.completion_mask[i, max(0, h.max_new_tokens - len(c["tokens"])):] = 0
+            more.completion_ids = more.completion_ids.masked_fill(more.completion_mask == 0, engine.pad_token_id)
+            heads = self.processor.batch_decode([c["tokens"] for c in carried], skip_special_tokens=True)
+            more.texts = [head + text for head, text in
+                          zip(heads, self.processor.batch_decode(more.completion_ids, skip_special_tokens=True))]
+            more.extras["tppo_prefix_len"] = torch.tensor([len(c["tokens"]) for c in carried])
+            more.extras["tppo_completed"] = self._completed(more)
+            parts.append(more)
+        # (before concatenation: its right-padding would read as an ended row)
+        rollout = concat_rollouts(parts) if len(parts) > 1 else fresh
+        completed = rollout.extras["tppo_completed"]
+        # responses still running continue next step, from everything generated so far
+        previous = [torch.empty(0, dtype=torch.long)] * len(fresh) + [c["tokens"] for c in carried]
+        inflight = [{"row": rollout.rows[i],
+                     "tokens": torch.cat([previous[i], rollout.completion_ids[i][rollout.completion_mask[i] > 0]])}
+                    for i in range(len(rollout)) if not bool(completed[i])]
+        self._inflight = inflight if h.max_inflight is None else inflight[: h.max_inflight]
+        return rollout
+
+    def _completed(self, part: Rollout) -> Tensor:
+        """``(N,)`` bool: the response ended in this window (EOS / vision token) or used its full budget."""
+        total = part.extras["tppo_prefix_len"] + part.completion_mask.sum(-1)
+        return ended(part, self.engine.eos_token_id) | (total >= self.hparams.max_new_tokens)
+
+    # ------------------------------------------------------------------ critic
+
+    def state_values(self, rollout: Rollout) -> Tensor:
+        """``(N, T + 1)`` V(s_t) before each completion token t and, at column l, after the last one.
+
+        The value head reads the policy's final hidden state at the position that predicts the next
+        token, detached (the critic does not train the policy)."""
+        inputs = sequence_inputs(rollout.prompt_inputs, rollout.completion_ids, rollout.completion_mask)
+        if "pixel_values" in inputs:
+            inputs["pixel_values"] = inputs["pixel_values"].to(next(self.model.parameters()).dtype)
+        with torch.no_grad():
+            hidden = _decoder(self.model)(**inputs, use_cache=False).last_hidden_state
+        prompt_width = rollout.prompt_inputs["input_ids"].shape[1]
+        states = hidden[:, prompt_width - 1 :].float()  # (N, T + 1)
+        return self.value_head(states).squeeze(-1)
+
+    def compute_advantages(self, rewards: Tensor, group_ids: Tensor, rollout: Rollout) -> tuple[Tensor, dict[str, float]]:
+        h = self.hparams
+        values = []
+        with torch.no_grad():
+            for index in torch.arange(len(rollout)).split(h.micro_batch_size or len(rollout)):
+                values.append(self.state_values(rollout.select(index).to(self.device)).cpu())
+        values = torch.cat(values).to(rewards)
+        mask = rollout.completion_mask.to(rewards)
+        lengths = mask.sum(-1).long()
+        bootstrap = values.gather(1, lengths.unsqueeze(1)).squeeze(1)
+        completed = rollout.extras["tppo_completed"].to(rewards.device)
+        advantages, metrics = compute_advantages_with_metrics(
+            "tppo", rewards, torch.zeros_like(group_ids), mask=mask, values=values[:, :-1] * mask,
+            completed=completed, bootstrap_values=bootstrap, gamma=h.gamma, lam=h.lam)
+        # critic targets: the GAE returns of completed rows only
+        rollout.extras["tppo_returns"] = advantages + values[:, :-1] * mask
+        rollout.extras["tppo_value_mask"] = mask * completed.to(rewards).unsqueeze(1)
+        metrics["tppo/completed_frac"] = float(completed.float().mean())
+        metrics["tppo/carried"] = float((rollout.extras["tppo_prefix_len"] > 0).sum())
+        metrics["tppo/inflight"] = float(len(self._inflight))
+        metrics["tppo/value_mean"] = float(values[:, :-1][mask > 0].mean()) if bool((mask > 0).any()) else 0.0
+        return advantages, metrics
+
+    def extra_loss_terms(self, minibatch: Rollout, outputs: Mapping[str, Any]) -> tuple[LossParts, dict[str, Any]]:
+        """The critic's MSE on completed rows, 0.5 (V - return)^2, normalised like the policy loss."""
+        value_mask = minibatch.extras["tppo_value_mask"].to(outputs["mask"])
+        values = self.state_values(minibatch)[:, :-1]
+        error = 0.5 * (values - minibatch.extras["tppo_returns"].to(values)) ** 2
+        parts = LossParts().add("value", outputs["aggregation"](error, value_mask), self.hparams.value_coef)
+        return parts, {}
