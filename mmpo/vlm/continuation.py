@@ -89,7 +89,7 @@ def generate_from_inputs(
     """One sampled continuation per row of already-encoded ``prompt_inputs`` (e.g. :func:`extend_prompts`).
 
     Sampling and post-processing match :meth:`HFGenerateEngine.generate` (top_k 0, the engine's EOS and
-    pad ids, a vision token ends the completion). ``group_ids`` defaults to ``arange(len(rows))``.
+    pad ids, vision special tokens suppressed, and still a guard: one ends the completion). ``group_ids`` defaults to ``arange(len(rows))``.
     Repeat a row in ``rows`` / ``prompt_inputs`` (``select_rows``) to draw several continuations of it.
     """
     if max_new_tokens < 1:
@@ -108,6 +108,7 @@ def generate_from_inputs(
         output = model.generate(
             **inputs, max_new_tokens=max_new_tokens, do_sample=True, temperature=temperature, top_p=top_p, top_k=0,
             eos_token_id=engine.eos_token_id, pad_token_id=engine.pad_token_id, use_cache=True,
+            suppress_tokens=engine.suppressed_token_ids(),  # vision specials never sampled, as in the engine
         )
     finally:
         model.train(was_training)

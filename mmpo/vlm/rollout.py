@@ -122,6 +122,13 @@ class HFGenerateEngine:
         self.forbidden_ids = vision_token_ids(processor)
 
     @torch.no_grad()
+    def suppressed_token_ids(self) -> list[int] | None:
+        """The vision special tokens plus any the model's generation config already suppresses (a passed
+        ``suppress_tokens`` replaces the config's list, so both are merged); None when there are none."""
+        configured = getattr(self.model.generation_config, "suppress_tokens", None) or []
+        merged = sorted(set(configured) | set(self.forbidden_ids))
+        return merged or None
+
     def generate(
         self,
         rows: Sequence[Mapping[str, Any]],
@@ -166,7 +173,7 @@ class HFGenerateEngine:
             do_sample=False, temperature=None, top_p=None, top_k=None)
         # HF's SuppressTokensLogitsProcessor runs before user processors and warpers: the recorder below
         # sees the distribution the sampler really draws from (vision tokens at probability 0)
-        sampling["suppress_tokens"] = list(self.forbidden_ids) or None
+        sampling["suppress_tokens"] = self.suppressed_token_ids()
         recorder = _SampledLogProbRecorder() if return_log_probs else None
         if recorder is not None:
             # HF runs user processors before its own temperature / top-p warpers; to see the scores the

@@ -291,3 +291,18 @@ def test_prefill_once_runs_each_prompt_through_the_decoder_once(tiny):
             assert decode_steps == new_tokens - 1
     finally:
         hook.remove()
+
+
+def test_suppressed_ids_merge_the_generation_configs_own_list(tiny):
+    """A passed suppress_tokens replaces the model's configured list, so the engine (and the continuation
+    path of TreePO / Segment-PO / BRPO / T-PPO) passes the union: vision specials plus the configured ones."""
+    model, processor = tiny
+    engine = HFGenerateEngine(model, processor)
+    saved = model.generation_config.suppress_tokens
+    try:
+        model.generation_config.suppress_tokens = None
+        assert engine.suppressed_token_ids() == sorted(vision_token_ids(processor))
+        model.generation_config.suppress_tokens = [engine.eos_token_id]
+        assert engine.suppressed_token_ids() == sorted({engine.eos_token_id, *vision_token_ids(processor)})
+    finally:
+        model.generation_config.suppress_tokens = saved
