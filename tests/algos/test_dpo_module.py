@@ -98,23 +98,7 @@ def test_config_errors(tiny_path):
         module.pair_log_probs(module.model, [{"id": "a", "problem": "hi", "images": []}])
 
 
-def fit_preference_config(config: str, model: str, root, *overrides: str) -> list[dict[str, str]]:
-    """`mmpo fit -c configs/vlm/<config>` in-process for 2 steps on 8 pairs; the CSV-logged metric rows."""
-    import csv
-    from pathlib import Path
-
-    from mmpo.cli import main
-
-    main(["fit", "-c", str(Path(__file__).resolve().parents[2] / "configs" / "vlm" / config),
-          f"--model.init_args.model_path={model}", "--model.init_args.output_dir=null", "--trainer.max_steps=2",
-          f"--trainer.default_root_dir={root}", f"--trainer.logger.init_args.save_dir={root}",
-          "--trainer.enable_progress_bar=false", "--data.init_args.train_size=8", "--trainer.callbacks=[]",
-          "--trainer.enable_checkpointing=false", *overrides])
-    with open(next(Path(root).rglob("metrics.csv"))) as f:
-        return list(csv.DictReader(f))
-
-
-def test_dpo_tiny_config_fits_two_steps(tiny_path, tmp_path):
+def test_dpo_tiny_config_fits_two_steps(tiny_path, tmp_path, fit_preference_config):
     rows = fit_preference_config("dpo_tiny.yaml", tiny_path, tmp_path)
     steps = [r for r in rows if r.get("rewards/margins")]
     assert len(steps) == 2
