@@ -8,6 +8,7 @@ training run sees). Per run: accuracy with a Wilson 95% interval over the items;
 mean over seeds with a t 95% interval (t = 4.30 for 3 seeds).
 
     python bench/bench_preference.py --sft runs/tiny/sft --seeds 3 --out runs/bench_preference
+    python bench/bench_preference.py --methods dpo --override=--model.init_args.lr=1e-5 --out runs/bench_preference_dpo_lr1e-5
 
 Results: ``--out/results.json`` (rewritten after every run; a rerun skips finished runs) and
 ``--out/summary.md``.
@@ -60,7 +61,7 @@ def wilson(p: float, n: int, z: float = 1.96) -> tuple[float, float]:
     return centre - half, centre + half
 
 
-def fit(method: str, seed: int, sft: str, out: Path, steps: int) -> str:
+def fit(method: str, seed: int, sft: str, out: Path, steps: int, overrides: list[str]) -> str:
     from mmpo.cli import main
 
     run = out / f"{method}_seed{seed}"
@@ -69,7 +70,8 @@ def fit(method: str, seed: int, sft: str, out: Path, steps: int) -> str:
           "--model.init_args.overwrite_output=true", f"--trainer.max_steps={steps}", "--trainer.limit_val_batches=0",
           "--trainer.callbacks=[]", "--trainer.enable_checkpointing=false", "--trainer.enable_progress_bar=false",
           f"--trainer.default_root_dir={run}", f"--trainer.logger.init_args.save_dir={run}",
-          f"--data.init_args.seed={seed}", *([f"--model.init_args.seed={seed}"] if method == "inpo" else [])])
+          f"--data.init_args.seed={seed}", *([f"--model.init_args.seed={seed}"] if method == "inpo" else []),
+          *overrides])
     return str(run / "hf")
 
 
@@ -103,6 +105,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-new-tokens", type=int, default=48)
     parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=list(METHODS))
     parser.add_argument("--out", default="runs/bench_preference")
+    parser.add_argument("--override", action="append", default=[], metavar="--KEY=VALUE",
+                        help="an `mmpo fit` override for every run (repeatable), e.g. --override=--model.init_args.lr=1e-5")
     args = parser.parse_args(argv)
     from mmpo.data.synthetic import make_items
 
@@ -125,7 +129,7 @@ def main(argv: list[str] | None = None) -> int:
             if key in results:
                 continue
             start = time.perf_counter()
-            path = fit(method, seed, args.sft, out, args.steps)
+            path = fit(method, seed, args.sft, out, args.steps, args.override)
             seconds = time.perf_counter() - start
             results[key] = {"method": method, "seed": seed, "seconds": seconds,
                             "accuracy": heldout_accuracy(path, rows, args.max_new_tokens)}
