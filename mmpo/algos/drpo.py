@@ -122,11 +122,13 @@ class DRPOModule(GRPOModule):
         kl_reward_coef: the paper's kl_coef: the reward loses kl_reward_coef * sum_t (log pi_old - log pi_ref)
             over the generated tokens (0.05 in the official code); 0 = no KL in the reward (GRPO's ``beta``
             still adds its KL to the loss when set).
-        **kwargs: every :class:`~mmpo.algos.grpo.GRPOModule` setting (num_generations, loss, advantage, beta, ...).
+        beta: GRPO's in-loss KL coefficient; 0 by default (the paper's KL is the one in the reward).
+        **kwargs: every :class:`~mmpo.algos.grpo.GRPOModule` setting (num_generations, loss, advantage, ...).
     """
 
-    def __init__(self, model_path: str, reset_prob: float = 0.5, kl_reward_coef: float = 0.05, **kwargs: Any) -> None:
-        super().__init__(model_path, **kwargs)
+    def __init__(self, model_path: str, reset_prob: float = 0.5, kl_reward_coef: float = 0.05, beta: float = 0.0,
+                 **kwargs: Any) -> None:
+        super().__init__(model_path, beta=beta, **kwargs)
         if kl_reward_coef > 0 and self._reference[0] is None:  # GRPO builds pi_ref only for an in-loss KL
             self._reference = [make_reference_model(self.model, 1.0)]
         self.reset_fraction = 0.0
