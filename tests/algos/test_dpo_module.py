@@ -105,3 +105,24 @@ def test_dpo_tiny_config_fits_two_steps(tiny_path, tmp_path, fit_preference_conf
     # step 1 runs at the initial weights: the reference, so every margin is 0 and the loss log 2
     assert float(steps[0]["rewards/margins"]) == pytest.approx(0.0, abs=1e-5)
     assert float(steps[0]["losses/preference"]) == pytest.approx(math.log(2), abs=1e-5)
+
+
+def test_resumed_fit_keeps_the_initial_reference(tiny_path, tmp_path, monkeypatch):
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    def trainer(steps):
+        return L.Trainer(accelerator="cpu", devices=1, max_steps=steps, logger=False, limit_val_batches=0,
+                         enable_progress_bar=False, enable_model_summary=False, default_root_dir=tmp_path,
+                         callbacks=[ModelCheckpoint(dirpath=tmp_path / "ckpt", save_last=True)])
+
+    first = DPOModule(tiny_path, lr=5e-3)
+    trainer(2).fit(first, datamodule=_datamodule())
+    computed = dict(first.ref_log_probs)
+    calls = []
+    monkeypatch.setattr(DPOModule, "precompute_reference", lambda self, rows: calls.append(len(rows)))
+    resumed = DPOModule(tiny_path, lr=5e-3)  # the initial weights again, then the checkpoint's
+    trainer(4).fit(resumed, datamodule=_datamodule(), ckpt_path=str(tmp_path / "ckpt" / "last.ckpt"))
+    assert calls == []  # not recomputed by the trained weights: restored from the checkpoint
+    assert resumed.ref_log_probs.keys() == computed.keys()
+    for key, values in computed.items():
+        assert resumed.ref_log_probs[key] == pytest.approx(values, rel=1e-6)
