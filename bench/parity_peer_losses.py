@@ -92,8 +92,9 @@ def load_verl(git_dir: str) -> types.ModuleType:
     return module
 
 
-def trl_grpo_trainer_source(wheel: str | None) -> str:
-    """The source of ``trl/trainer/grpo_trainer.py`` from the TRL 1.16.0 wheel (downloaded when None)."""
+def trl_source(wheel: str | None, member: str) -> str:
+    """The source of ``member`` (e.g. ``trl/trainer/dpo_trainer.py``) from the TRL 1.16.0 wheel
+    (downloaded with ``pip download`` when ``wheel`` is None)."""
     import zipfile
 
     if wheel is None:
@@ -101,7 +102,12 @@ def trl_grpo_trainer_source(wheel: str | None) -> str:
         subprocess.run([sys.executable, "-m", "pip", "download", "trl==1.16.0", "--no-deps", "-d", str(out)],
                        check=True, capture_output=True)
         wheel = str(next(out.glob("trl-1.16.0-*.whl")))
-    return zipfile.ZipFile(wheel).read("trl/trainer/grpo_trainer.py").decode()
+    return zipfile.ZipFile(wheel).read(member).decode()
+
+
+def trl_grpo_trainer_source(wheel: str | None) -> str:
+    """The source of ``trl/trainer/grpo_trainer.py`` from the TRL 1.16.0 wheel (downloaded when None)."""
+    return trl_source(wheel, "trl/trainer/grpo_trainer.py")
 
 
 def load_trl_gamma_weights(wheel: str | None) -> Callable[..., torch.Tensor]:

@@ -23,6 +23,8 @@ Pieces (each a pure function behind a name registry where there are variants):
   :func:`token_log_probs_from_hidden`.
 - rollout correction: :func:`rollout_is_weights` (truncated / masked token- or sequence-level
   IS weights between the rollout engine's and the trainer's log-probs; TRL / verl).
+- preference losses: :func:`preference_loss` (``sigmoid`` DPO / cDPO, ``ipo``, ``robust``, ``hinge``)
+  and :func:`inpo_loss` (INPO) on sequence log-probs, with TRL's ``rewards/*`` metrics.
 - filters (:func:`dynamic_sampling_filter`, :func:`gfpo_filter`, :func:`lspo_filter`) and shaping
   (:func:`overlong_soft_punishment`, :func:`dither_rewards`).
 """
@@ -61,6 +63,14 @@ from mmpo.core.policy_loss import (
     register_ratio_loss,
 )
 from mmpo.core.policy_loss_peers import BATCH_COUPLED_LOSSES  # registers the verl / TRL losses
+from mmpo.core.preference import (
+    PREFERENCE_LOSSES,
+    check_inpo_settings,
+    check_preference_settings,
+    implicit_reward_metrics,
+    inpo_loss,
+    preference_loss,
+)
 from mmpo.core.registry import Registry
 from mmpo.core.rollout_correction import (
     ROLLOUT_IS_MODES,
@@ -86,6 +96,7 @@ __all__ = [
     "KL_KINDS",
     "LossParts",
     "POLICY_LOSSES",
+    "PREFERENCE_LOSSES",
     "PolicyLoss",
     "RatioInputs",
     "ROLLOUT_IS_MODES",
@@ -97,6 +108,8 @@ __all__ = [
     "aggregate",
     "build_group_index",
     "bypass_old_log_probs",
+    "check_inpo_settings",
+    "check_preference_settings",
     "check_rollout_is",
     "check_clip_range",
     "compute_advantages",
@@ -108,6 +121,8 @@ __all__ = [
     "gae",
     "gfpo_filter",
     "hapo_entropy_norm",
+    "implicit_reward_metrics",
+    "inpo_loss",
     "kl_penalty",
     "lspo_filter",
     "masked_mean",
@@ -116,6 +131,7 @@ __all__ = [
     "masked_whiten",
     "overlong_soft_punishment",
     "policy_loss",
+    "preference_loss",
     "ppo_clip",
     "register_advantage_estimator",
     "register_policy_loss",

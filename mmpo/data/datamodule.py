@@ -169,3 +169,48 @@ class PromptDataModule(ResumableTrainData, pl.LightningDataModule):
     def test_dataloader(self) -> DataLoader | list:
         self.build()
         return self._eval_loader(self.test_rows) if self.test_rows else []
+
+
+class PreferenceDataModule(PromptDataModule):
+    """Preference pairs for DPO-style training: training rows carry ``chosen`` and ``rejected``.
+
+    Synthetic training rows get the rendered reference solution as ``chosen`` and the same reasoning
+    ending in a wrong answer as ``rejected`` (``mmpo.data.preference.synthetic_preference_row``);
+    ``data_path`` rows come from a local preference file (``load_preference_rows``, the same column
+    overrides as prompt files plus ``chosen_key`` / ``rejected_key``). Validation and test rows stay
+    plain prompts (held-out greedy accuracy needs answers, not pairs).
+
+    Args:
+        chosen_key: column of the preferred completion in ``data_path``.
+        rejected_key: column of the dispreferred completion in ``data_path``.
+        solution_style: how synthetic completions are rendered (think-answer or steps).
+        **kwargs: every :class:`PromptDataModule` setting (tasks, train_size, data_path, keys, ...).
+    """
+
+    def __init__(self, chosen_key: str = "chosen", rejected_key: str = "rejected",
+                 solution_style: str = "think-answer", **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.chosen_key, self.rejected_key, self.solution_style = chosen_key, rejected_key, solution_style
+
+    def _synthetic(self, total: int, split: str) -> list[Row]:
+        from mmpo.data.preference import synthetic_preference_row
+
+        rows = super()._synthetic(total, split)
+        if split != "train":
+            return rows
+        return [synthetic_preference_row(row, self.seed, style=self.solution_style) for row in rows]
+
+    def _from_file(self, path: str, key: str) -> Sequence[Row]:
+        if key != "train":
+            return super()._from_file(path, key)
+        from mmpo.data.preference import load_preference_rows
+
+        rows, stats = load_preference_rows(path, keys=self.keys, chosen_key=self.chosen_key,
+                                           rejected_key=self.rejected_key, image_root=self.image_root,
+                                           skip_bad_rows=self.skip_bad_rows)
+        self.load_stats[key] = stats
+        if stats["skipped"]:
+            logger.warning("%s: skipped %d bad preference rows of %d", path, stats["skipped"], stats["total"])
+        if not rows:
+            logger.warning("%s: no preference rows loaded (%d in the file)", path, stats["total"])
+        return rows

@@ -32,6 +32,26 @@ def fit_vlm_config() -> Callable[..., list[dict[str, str]]]:
     return _fit
 
 
+def _fit_preference(config: str, model: str, root: Path, *overrides: str) -> list[dict[str, str]]:
+    """`mmpo fit -c configs/vlm/<config>` in-process for 2 steps on 8 rows, no checkpoints (the
+    preference modules have no shared max_new_tokens to override); the CSV-logged metric rows."""
+    from mmpo.cli import main
+
+    main(["fit", "-c", str(CONFIGS / config), f"--model.init_args.model_path={model}",
+          "--model.init_args.output_dir=null", "--trainer.max_steps=2", f"--trainer.default_root_dir={root}",
+          f"--trainer.logger.init_args.save_dir={root}", "--trainer.enable_progress_bar=false",
+          "--data.init_args.train_size=8", "--trainer.callbacks=[]", "--trainer.enable_checkpointing=false",
+          *overrides])
+    with open(next(Path(root).rglob("metrics.csv"))) as f:
+        return list(csv.DictReader(f))
+
+
+@pytest.fixture
+def fit_preference_config() -> Callable[..., list[dict[str, str]]]:
+    """``fit_preference_config(config_name, model_path, root, *overrides) -> metric rows``."""
+    return _fit_preference
+
+
 SCRIPTED_REWARD = "scripted"
 
 

@@ -1,0 +1,251 @@
+"""INPO (Iterative Nash Policy Optimization, arXiv 2407.00617) for vision-language models, online.
+
+INPO treats alignment as a two-player game and runs online mirror descent by self-play: each
+iteration t samples response pairs from the current iterate pi_t, labels them with a preference
+oracle (no Bradley-Terry reward model is assumed), and fits pi_{t+1} with the square loss of
+``mmpo.core.inpo_loss``, anchored at pi_t (weight 1 - eta tau) and at pi_ref (weight eta tau).
+
+One training step, top to bottom (``training_step``):
+
+1. sample       ``num_generations`` completions per prompt from the anchor pi_t (the previous
+                iterate; a frozen copy of the policy, refreshed every ``iteration_steps`` steps)
+2. label        the preference oracle ranks each prompt's completions: by default the reward
+                functions (``reward_weights``; synthetic tasks: correctness) and then brevity
+                (fewer tokens wins a tie), the best and the worst form the pair; or a pairwise
+                judge of your own (``judge: file.py:fn``, TRL's ``judge(prompts, completions)``
+                returning 0 / 1 for the preferred one, -1 for no preference). Ties give no pair.
+3. log-probs    the pair under the policy (with grad), pi_ref (the initial policy) and pi_t (no grad)
+4. loss         ``inpo_loss`` (eta, tau); AdamW step (automatic optimisation, non-finite guard)
+5. iterate      after every ``iteration_steps`` optimizer steps the anchor becomes the current policy.
+
+The paper's outer loop (sample a whole preference set from pi_t, then minimise L_t to convergence)
+is the case of a large ``iteration_steps``; ``iteration_steps: 1`` samples every batch from the
+policy being trained.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Callable, Mapping, Sequence
+
+import torch
+from torch import Tensor
+
+from mmpo.algos.config import greedy_validation_metrics, require, step_seed
+from mmpo.algos.dpo import summed_log_probs
+from mmpo.algos.vlm_base import VLMPolicyModule
+from mmpo.core import check_inpo_settings, inpo_loss
+from mmpo.vlm.factory import make_reference_model
+from mmpo.vlm.rollout import HFGenerateEngine, Rollout
+
+log = logging.getLogger(__name__)
+
+#: the preference oracle's reward for the synthetic tasks: correctness (brevity breaks ties)
+DEFAULT_ORACLE_REWARDS = {"accuracy": 1.0}
+
+
+def select_pairs(rewards: Tensor, lengths: Tensor, group_ids: Tensor, *, brevity: bool = True) -> list[tuple[int, int]]:
+    """(chosen, rejected) positions per group: the best and the worst completion by (reward, then
+    fewer tokens when ``brevity``); a group whose best and worst rank equal gives no pair.
+
+    Args:
+        rewards: (N,) oracle rewards. lengths: (N,) completion tokens. group_ids: (N,) prompt of each.
+    """
+    pairs = []
+    for group in dict.fromkeys(group_ids.tolist()):  # groups in order of appearance
+        members = [i for i, g in enumerate(group_ids.tolist()) if g == group]
+        keys = {i: (float(rewards[i]), -float(lengths[i]) if brevity else 0.0) for i in members}
+        best = max(members, key=lambda i: keys[i])  # first of the equal best
+        worst = min(members, key=lambda i: keys[i])  # first of the equal worst
+        if keys[best] != keys[worst]:
+            pairs.append((best, worst))
+    return pairs
+
+
+def load_judge(spec: str) -> Callable[..., Sequence[int]]:
+    """A pairwise judge from ``path/to/file.py:fn`` or ``package.module:fn`` (the reward loader's rules)."""
+    from mmpo.rewards.user import _function_of, _import_module, _load_file, parse_reward_spec
+
+    parsed = parse_reward_spec(spec)
+    module = _load_file(parsed) if parsed.file is not None else _import_module(parsed)
+    return _function_of(parsed, module)
+
+
+def judge_pairs(judge: Callable[..., Sequence[int]], rollout: Rollout) -> list[tuple[int, int]]:
+    """(chosen, rejected) per prompt from a pairwise judge over each prompt's two completions.
+
+    TRL's pairwise-judge convention: ``judge(prompts, completions)`` with ``completions`` a list of
+    ``[a, b]``, returning per prompt 0 (a preferred), 1 (b preferred) or -1 (no preference: no pair).
+    """
+    positions: dict[int, list[int]] = {}
+    for i, group in enumerate(rollout.group_ids.tolist()):
+        positions.setdefault(group, []).append(i)
+    groups = list(positions)
+    if any(len(positions[g]) != 2 for g in groups):
+        raise ValueError("a pairwise judge compares two completions per prompt: set num_generations: 2")
+    prompts = [rollout.rows[positions[g][0]]["problem"] for g in groups]
+    verdicts = list(judge(prompts, [[rollout.texts[a], rollout.texts[b]] for a, b in (positions[g] for g in groups)]))
+    if len(verdicts) != len(groups) or any(v not in (0, 1, -1) for v in verdicts):
+        raise ValueError(f"the judge must return one of 0, 1, -1 per prompt ({len(groups)} prompts), got {verdicts!r}")
+    return [(positions[g][v], positions[g][1 - v]) for g, v in zip(groups, verdicts) if v != -1]
+
+
+class INPOModule(VLMPolicyModule):
+    """Online INPO for a Qwen-VL policy (self-play pairs, a preference oracle, the previous iterate as anchor).
+
+    Args:
+        model_path: saved HF model directory (an SFT output or a real checkpoint); also pi_ref.
+        eta: INPO's mirror-descent learning rate (the pair's anchored log-ratio margin is regressed onto eta / 2).
+        tau: KL regularisation towards pi_ref (the loss weights pi_ref by eta tau and pi_t by 1 - eta tau; eta tau <= 1).
+        iteration_steps: optimizer steps per INPO iteration: the anchor pi_t (sampler and loss anchor) is
+            replaced by the current policy after this many steps.
+        num_generations: completions sampled per prompt (>= 2); the oracle's best and worst form the pair.
+        max_new_tokens: maximum completion length in tokens.
+        temperature: sampling temperature (log-probs use the same temperature).
+        top_p: nucleus sampling threshold (1.0 = off).
+        lr: AdamW learning rate.
+        reward_weights: the oracle's reward functions (registered names or ``file.py:fn``; default accuracy 1.0).
+        brevity: break reward ties by length (fewer completion tokens preferred).
+        judge: a pairwise judge ``file.py:fn`` / ``module:fn`` (TRL's ``judge(prompts, completions)`` -> 0 / 1 / -1)
+            used instead of the reward ranking; needs num_generations 2.
+        reward_timeout_s: per reward-function call deadline in seconds; None = inline, no deadline.
+        val_max_new_tokens: completion length for greedy validation; None = max_new_tokens.
+        save_hf_on_checkpoint: also write HF weights to output_dir whenever a Lightning checkpoint is saved.
+        seed: seeds sampling (per step and rank).
+        **kwargs: the settings every VLM module shares (:class:`~mmpo.algos.vlm_base.VLMPolicyModule`).
+    """
+
+    def __init__(
+        self,
+        model_path: str,
+        eta: float = 2.0,
+        tau: float = 0.1,
+        iteration_steps: int = 1,
+        num_generations: int = 4,
+        max_new_tokens: int = 64,
+        temperature: float = 1.0,
+        top_p: float = 1.0,
+        lr: float = 1e-6,
+        reward_weights: dict[str, float] | None = None,
+        brevity: bool = True,
+        judge: str | None = None,
+        reward_timeout_s: float | None = 10.0,
+        val_max_new_tokens: int | None = None,
+        save_hf_on_checkpoint: bool = False,
+        seed: int = 0,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(model_path, lr=lr, save_hf_on_checkpoint=save_hf_on_checkpoint, **kwargs)
+        self.reward_weights = dict(reward_weights) if reward_weights is not None else dict(DEFAULT_ORACLE_REWARDS)
+        self._judge = load_judge(judge) if judge is not None else None
+        # kept out of the module tree (not trained; pi_ref is rebuilt from model_path, pi_t is checkpointed)
+        self._frozen = {"reference": make_reference_model(self.model, 1.0), "anchor": make_reference_model(self.model, 1.0)}
+        self.anchor_engine = HFGenerateEngine(self._frozen["anchor"], self.processor, system_prompt=self.system_prompt,
+                                              max_prompt_length=self.hparams.max_prompt_length)
+
+    def _validate_settings(self) -> None:
+        h = self.hparams
+        check_inpo_settings(h.eta, h.tau)
+        require(h.iteration_steps >= 1, f"iteration_steps must be >= 1, got {h.iteration_steps}")
+        require(h.num_generations >= 2, f"num_generations must be >= 2 (a pair per prompt), got {h.num_generations}")
+        require(h.judge is None or h.num_generations == 2,
+                f"a pairwise judge compares two completions: num_generations must be 2, got {h.num_generations}")
+        require(h.max_new_tokens >= 1, f"max_new_tokens must be >= 1, got {h.max_new_tokens}")
+        require(h.temperature > 0, f"temperature must be > 0, got {h.temperature}")
+        require(0 < h.top_p <= 1, f"top_p must be in (0, 1], got {h.top_p}")
+        from mmpo.rewards.user import validate_reward_weights
+
+        validate_reward_weights(h.reward_weights)
+
+    @property
+    def reference_model(self) -> torch.nn.Module:
+        """pi_ref: the frozen initial policy."""
+        return self._frozen["reference"]
+
+    @property
+    def anchor_model(self) -> torch.nn.Module:
+        """pi_t: the previous iterate (samples the pairs and anchors the loss)."""
+        return self._frozen["anchor"]
+
+    def on_fit_start(self) -> None:
+        for model in self._frozen.values():
+            model.to(self.device)
+
+    # ------------------------------------------------------------------ the step
+
+    def preference_pairs(self, rollout: Rollout) -> tuple[list[tuple[int, int]], dict[str, float]]:
+        """The oracle's (chosen, rejected) positions in ``rollout`` and oracle metrics."""
+        if self._judge is not None:
+            return judge_pairs(self._judge, rollout), {}
+        from mmpo.rewards import compute_rewards
+
+        rewards, _, metrics = compute_rewards(self.reward_weights, rollout.texts, rollout.rows,
+                                              timeout_s=self.hparams.reward_timeout_s)
+        lengths = rollout.completion_mask.sum(-1)
+        metrics["rewards/total/mean"] = float(rewards.mean())
+        return select_pairs(rewards, lengths, rollout.group_ids, brevity=self.hparams.brevity), metrics
+
+    def _pair_log_probs(self, model: torch.nn.Module, pairs: Rollout) -> Tensor:
+        return summed_log_probs(model, pairs.prompt_inputs, pairs.completion_ids, pairs.completion_mask,
+                                chunk_size=self.hparams.logprob_chunk_size, temperature=self.hparams.temperature)
+
+    def training_step(self, batch: Sequence[Mapping[str, Any]], batch_idx: int) -> Tensor | None:
+        h = self.hparams
+        rows = list(batch)
+        # 1. sample from pi_t, seeded by (seed, step, rank) without touching the global RNG streams
+        devices = [self.device] if self.device.type == "cuda" else []
+        with torch.random.fork_rng(devices=devices):
+            torch.manual_seed(step_seed(h.seed, self.trainer.global_step, self.global_rank))
+            rollout = self.anchor_engine.generate(rows, num_samples=h.num_generations, max_new_tokens=h.max_new_tokens,
+                                                  temperature=h.temperature, top_p=h.top_p, do_sample=True)
+        # 2. the oracle's pairs
+        pairs, metrics = self.preference_pairs(rollout)
+        metrics["pairs/count"] = float(len(pairs))
+        metrics["response/length_mean"] = float(rollout.completion_mask.sum(-1).float().mean())
+        if not pairs:  # every prompt tied: no update this batch (Lightning skips the optimizer step)
+            log.warning("step %s: the oracle preferred no completion of any prompt; batch skipped", self.global_step)
+            self.log_dict(metrics, on_step=True, batch_size=len(rows))
+            return None
+        index = [c for c, _ in pairs] + [r for _, r in pairs]
+        both = rollout.select(index).to(self.device)
+        # 3. log-probs: policy (grad), pi_ref and pi_t (no grad)
+        policy = self._pair_log_probs(self.model, both)
+        with torch.no_grad():
+            reference = self._pair_log_probs(self.reference_model, both)
+            anchor = self._pair_log_probs(self.anchor_model, both)
+        # 4. the INPO loss
+        loss, loss_metrics = inpo_loss(*policy.chunk(2), *reference.chunk(2), *anchor.chunk(2), eta=h.eta, tau=h.tau)
+        metrics.update(loss_metrics)
+        shown = {"rewards/accuracies", "rewards/total/mean"}
+        self.log_dict({k: v for k, v in metrics.items() if k in shown}, on_step=True, prog_bar=True, batch_size=len(rows))
+        self.log_dict({k: v for k, v in metrics.items() if k not in shown}, on_step=True, batch_size=len(rows))
+        return loss
+
+    def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
+        # 5. a new iteration: pi_t <- the current policy (global_step counts optimizer steps taken)
+        step = self.trainer.global_step
+        if step > 0 and step % self.hparams.iteration_steps == 0 and step != getattr(self, "_anchor_step", None):
+            self.anchor_model.load_state_dict(self.model.state_dict())
+            self._anchor_step = step
+
+    def validation_step(self, batch: Sequence[Mapping[str, Any]], batch_idx: int) -> None:
+        """Greedy ``val/accuracy`` and ``val/format`` of the policy on held-out prompts."""
+        h = self.hparams
+        metrics = greedy_validation_metrics(self.engine, list(batch), max_new_tokens=h.val_max_new_tokens or h.max_new_tokens,
+                                            timeout_s=h.reward_timeout_s)
+        self.log_dict(metrics, batch_size=len(batch), sync_dist=True, prog_bar=True)
+
+    # ------------------------------------------------------------------ checkpoints
+
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        # pi_t is not the saved policy in the middle of an iteration; a resumed run needs it (pi_ref is
+        # rebuilt from model_path)
+        checkpoint["mmpo_inpo_anchor"] = {k: v.detach().cpu() for k, v in self.anchor_model.state_dict().items()}
+        checkpoint["mmpo_inpo_anchor_step"] = getattr(self, "_anchor_step", None)
+        super().on_save_checkpoint(checkpoint)
+
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        if "mmpo_inpo_anchor" in checkpoint:
+            self.anchor_model.load_state_dict(checkpoint["mmpo_inpo_anchor"])
+            self._anchor_step = checkpoint.get("mmpo_inpo_anchor_step")
+        super().on_load_checkpoint(checkpoint)
