@@ -137,8 +137,8 @@ def _mmpo() -> list[str]:
 QUICKSTART_STAGES = ("before SFT", "after SFT", "after GRPO")
 
 
-# the reference table: the newest re-run (the first 2026-11-29 table moved with the environment; see RESULTS)
-QUICKSTART_HEADING = "### Re-run at the current code (2026-12-01)"
+# the reference table: the newest pinned run (the 2026-11-29 table moved with the processor type; see RESULTS)
+QUICKSTART_HEADING = "### Reference table (2026-12-01, commit e6468fe, SIMD level pinned)"
 
 
 def quickstart_recorded(text: str) -> list[Claim]:
@@ -220,7 +220,7 @@ DLLM_MODELS = {"SFT": "sft_tiny", "GRPO": "grpo_tiny", "IGPO": "igpo_tiny"}
 
 
 def dllm_recorded(text: str) -> list[Claim]:
-    rows = table_after(section(text, "dllm"), "### The tiny configs end to end")
+    rows = table_after(section(text, "dllm"), "### The tiny configs end to end: reference")
     claims = []
     for row in rows:
         label = next(name for name in DLLM_MODELS if row["model"].startswith(name))

@@ -29,7 +29,7 @@ FAKE_RESULTS = """# Benchmark results
 
 ## Quickstart
 
-### Re-run at the current code (2026-12-01): a reference table
+### Reference table (2026-12-01, commit e6468fe, SIMD level pinned): a reference table
 
 Some words.
 
@@ -46,7 +46,7 @@ Stage times (s): ...
 
 <a id="dllm"></a>
 
-### The tiny configs end to end (22:12-22:21 UTC)
+### The tiny configs end to end: reference (22:12-22:21 UTC)
 
 | model | `mmpo eval` dllm/arith (256 held-out, greedy) | all-wrong groups after replacement |
 |---|---|---|
