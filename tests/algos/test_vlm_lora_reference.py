@@ -219,3 +219,25 @@ def test_ref_offload_gives_the_same_training_step(tiny_path, batch):
     torch.testing.assert_close(offloaded, kept, rtol=0, atol=0)
     assert kept_metrics["losses/kl"] > 0
     assert offloaded_metrics["losses/kl"] == kept_metrics["losses/kl"]
+
+
+def test_grpo_tiny_lora_config_runs_through_mmpo_fit(tiny_path, tmp_path, fit_vlm_config, scripted_reward):
+    weights = scripted_reward([1.0, 0.0])  # reward variance in every group: the adapter gets a gradient
+    out = tmp_path / "hf"
+    rows = fit_vlm_config("grpo_tiny_lora.yaml", tiny_path, tmp_path / "run", "--model.init_args.num_generations=2",
+                          "--data.init_args.batch_size=2", f"--model.init_args.output_dir={out}",
+                          f"--model.init_args.reward_weights={json.dumps(weights)}")
+    steps = [r for r in rows if r.get("losses/total")]
+    assert len(steps) == 2
+    # step 1: the adapter is still zero (lora_B = 0), so policy == reference and the KL is exactly 0;
+    # step 2: the adapter has moved the policy away from its adapter-disabled self
+    assert float(steps[0]["losses/kl"]) == 0.0 and float(steps[1]["losses/kl"]) > 0.0
+    merged, _ = load_vlm(out)
+    base, _ = load_vlm(tiny_path)
+    named = dict(base.named_parameters())
+    changed = {n for n, p in merged.named_parameters() if not torch.equal(p, named[n])}
+    # only the adapted text projections changed; the vision tower is frozen and has no adapter
+    assert changed and all(n.rsplit(".", 2)[-2] in TEXT_TARGETS + ["k_proj", "o_proj", "up_proj", "down_proj"]
+                           for n in changed)
+    assert not any(".visual." in n for n in changed)
+    assert (out / "adapter" / "adapter_config.json").is_file()
