@@ -16,11 +16,11 @@ from pathlib import Path
 import lightning as L
 import pytest
 import torch
+from tiny_vlm_support import build_small_vlm
 from torch.utils.data import DataLoader
 
 from mmpo.algos.grpo import GRPOModule
 from mmpo.algos.sft import SFTModule
-from mmpo.data import SYSTEM_PROMPT
 from mmpo.data.synthetic import make_items
 from mmpo.training.lora import is_lora
 from mmpo.vlm.factory import load_vlm, make_reference_model, vision_tower_prefixes
@@ -32,11 +32,7 @@ TEXT_TARGETS = ["q_proj", "v_proj", "gate_proj"]
 
 @pytest.fixture(scope="module")
 def tiny_path(tmp_path_factory) -> str:
-    from mmpo.vlm.factory import build_tiny_vlm
-
-    corpus = [SYSTEM_PROMPT, "How many shapes? <think>3 shapes.</think><answer>3</answer> 0123456789"] * 10
-    return str(build_tiny_vlm(tmp_path_factory.mktemp("tiny"), corpus=corpus, vocab_size=300, hidden_size=32,
-                              intermediate_size=64))
+    return build_small_vlm(tmp_path_factory.mktemp("tiny"))
 
 
 @pytest.fixture(scope="module")
