@@ -46,14 +46,17 @@ DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 _QWEN25_VL_VISION = dict(depth=32, hidden_size=1280, intermediate_size=3420, num_heads=16, patch_size=14,
                          spatial_merge_size=2, temporal_patch_size=2, window_size=112,
                          fullatt_block_indexes=[7, 15, 23, 31])
+_QWEN25_VL_ROPE = {"rope_type": "default", "rope_theta": 1000000.0, "mrope_section": [16, 24, 24]}
 KNOWN_ARCHITECTURES: dict[str, dict[str, Any]] = {
     "qwen2.5-vl-3b": dict(
         text_config=dict(vocab_size=151936, hidden_size=2048, intermediate_size=11008, num_hidden_layers=36,
-                         num_attention_heads=16, num_key_value_heads=2, tie_word_embeddings=True),
+                         num_attention_heads=16, num_key_value_heads=2, tie_word_embeddings=True,
+                         max_position_embeddings=128000, rope_parameters=_QWEN25_VL_ROPE),
         vision_config=dict(_QWEN25_VL_VISION, out_hidden_size=2048), tie_word_embeddings=True),
     "qwen2.5-vl-7b": dict(
         text_config=dict(vocab_size=152064, hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
-                         num_attention_heads=28, num_key_value_heads=4, tie_word_embeddings=False),
+                         num_attention_heads=28, num_key_value_heads=4, tie_word_embeddings=False,
+                         max_position_embeddings=128000, rope_parameters=_QWEN25_VL_ROPE),
         vision_config=dict(_QWEN25_VL_VISION, out_hidden_size=3584), tie_word_embeddings=False),
 }
 # max_pixels of the checkpoints' image processor (preprocessor_config.json of Qwen2.5-VL-3B/7B-Instruct):
