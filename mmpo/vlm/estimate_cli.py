@@ -159,6 +159,10 @@ def estimate_config(path: str | Path, *, devices: int | None = None, architectur
                     default_pixels=QWEN25_VL_MAX_PIXELS if published else None)
     budget = estimate_memory(dims, run)
     header = f"mmpo estimate {path}\n  model: {source}"
+    settings = module_settings(config.get("model") or {})
+    if prompt_tokens is None and not settings.get("max_prompt_length"):
+        header += (f"\n  prompt length assumed: image tokens + {DEFAULT_PROMPT_TEXT_TOKENS} text tokens "
+                   "(set max_prompt_length, or pass --prompt-tokens)")
     return budget, format_budget(budget, dims, run, header=header)
 
 
@@ -239,5 +243,5 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(comment)
         return 0
     print(table)
-    print(f"\n  => about {peak_gb(budget)} GB per device at peak")
+    print(f"\n  => about {peak_gb(budget)} GB per device at peak (rounded up)")
     return 0

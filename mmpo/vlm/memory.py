@@ -267,15 +267,17 @@ def estimate_memory(dims: ModelDims, run: RunShape) -> dict[str, float]:
     # reference log-prob pass (no grad): an offloaded reference is on the device for it
     ref_pass_tokens = run.micro_batch * (run.prompt_tokens + run.completion_tokens)
     out["peak_reference"] = (steady + (ref_bytes if run.ref_offload else 0.0)
-                             + ref_pass_tokens * (2 * h + 3 * i) * c + out["logprob_chunk"]) if ref_bytes else 0.0
+                             + ref_pass_tokens * (2 * h + 3 * i) * c + out["logprob_chunk"]) if run.beta > 0 else 0.0
     out["peak"] = max(out["peak_training"], out["peak_generation"], out["peak_reference"])
     return out
 
 
 def format_budget(budget: Mapping[str, float], dims: ModelDims, run: RunShape, *, header: str) -> str:
-    """The table ``mmpo estimate`` prints (GB = 1e9 bytes)."""
+    """The table ``mmpo estimate`` prints (GB = 1e9 bytes; MB = 1e6 for budgets under 1 GB)."""
+    scale, unit = (GB, "GB") if budget["peak"] >= GB else (1e6, "MB")
+
     def gb(x: float) -> str:
-        return f"{x / GB:10.2f}"
+        return f"{x / scale:10.2f}"
 
     trained = trained_params(dims, run)
     strategy = f"sharded over {run.devices}" if run.sharded else ("replicated" if run.devices > 1 else "one device")
@@ -291,7 +293,7 @@ def format_budget(budget: Mapping[str, float], dims: ModelDims, run: RunShape, *
         f"completion tokens), {run.image_pixels} pixels per image; "
         + (f"{run.generation_sequences} sequences generated at once" if run.generates else "no generation"),
         "",
-        "  per device                          GB",
+        f"  per device                          {unit}",
         f"  weights                    {gb(budget['weights'])}",
         f"  gradients                  {gb(budget['gradients'])}",
         f"  optimizer (AdamW, 2 states){gb(budget['optimizer'])}",

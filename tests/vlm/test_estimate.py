@@ -87,6 +87,8 @@ def test_trained_parameters_lora_and_frozen_vision_tower():
     b = estimate_memory(SMALL, frozen)
     # LoRA: base weights sharded (2000) + the adapter (32 x 4 B); its gradients and AdamW states whole; no reference
     assert (b["weights"], b["gradients"], b["optimizer"], b["reference"]) == (2128, 128, 256, 0)
+    # the adapter-disabled reference pass still runs: steady 2512 + 20 x (2 x 8 + 3 x 16) x 4 + 9600
+    assert b["peak_reference"] == 2512 + 5120 + 9600
     full_frozen = RunShape(**{**SMALL_RUN.__dict__, "freeze_vision_tower": True})
     assert trained_params(SMALL, full_frozen) == 800
 
@@ -175,7 +177,10 @@ def test_mmpo_estimate_cli_on_the_tiny_config(tiny_path, tmp_path, capsys):
     run = run_shape(config)
     assert (run.micro_batch, run.completion_tokens, run.generation_sequences, run.beta) == (64, 48, 64, 0.0)
     assert budget["reference"] == 0
-    assert re.search(r"peak\s+" + re.escape(f"{budget['peak'] / 1e9:.2f}"), printed)
+    # under 1 GB the table is in MB
+    assert "per device                          MB" in printed
+    assert re.search(r"peak\s+" + re.escape(f"{budget['peak'] / 1e6:.2f}"), printed)
+    assert "prompt length assumed: image tokens + 256" in printed  # grpo_tiny sets no max_prompt_length
     with pytest.raises(SystemExit):
         main(["estimate", "-c", str(tmp_path / "missing.yaml")])
 
