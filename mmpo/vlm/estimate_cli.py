@@ -148,10 +148,29 @@ def run_shape(config: Mapping[str, Any], *, devices: int | None = None, prompt_t
     )
 
 
+def apply_overrides(config: dict[str, Any], overrides: Sequence[str]) -> dict[str, Any]:
+    """``KEY=VALUE`` settings with dotted keys (``model.init_args.lora_rank=64``); values parsed as YAML."""
+    for item in overrides:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise ValueError(f"--set expects KEY=VALUE with a dotted KEY, got {item!r}")
+        *parents, leaf = key.split(".")
+        node = config
+        for part in parents:
+            child = node.get(part)
+            if child is None:
+                child = node[part] = {}
+            if not isinstance(child, dict):
+                raise ValueError(f"--set {item!r}: {part!r} is not a section of the config")
+            node = child
+        node[leaf] = yaml.safe_load(value)
+    return config
+
+
 def estimate_config(path: str | Path, *, devices: int | None = None, architecture: str | None = None,
-                    prompt_tokens: int | None = None) -> tuple[dict[str, float], str]:
-    """``(budget, printed table)`` for the config file at ``path``."""
-    config = yaml.safe_load(Path(path).read_text())
+                    prompt_tokens: int | None = None, overrides: Sequence[str] = ()) -> tuple[dict[str, float], str]:
+    """``(budget, printed table)`` for the config file at ``path`` (with ``overrides``, see :func:`apply_overrides`)."""
+    config = apply_overrides(yaml.safe_load(Path(path).read_text()), overrides)
     model_path = ((config.get("model") or {}).get("init_args") or {}).get("model_path")
     dims, source = resolve_model_dims(model_path, architecture)
     published = "published dimensions" in source  # a known architecture: its processor's max_pixels applies
@@ -217,6 +236,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--devices", type=int, default=None, help="device count (default: trainer.devices x num_nodes)")
     parser.add_argument("--arch", choices=sorted(KNOWN_ARCHITECTURES), default=None,
                         help="use published dimensions instead of model_path's config.json")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                        help="override a config value, e.g. --set model.init_args.lora_rank=64 "
+                             "--set trainer.strategy=fsdp (repeatable; VALUE is YAML)")
     parser.add_argument("--comment", action="store_true",
                         help="print the memory comment the real-size configs carry (configs/vlm/*_qwen2_5_vl_*.yaml)")
     parser.add_argument("--update-config", action="store_true",
@@ -229,10 +251,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error(f"no config file {args.config!r}")
     try:
         budget, table = estimate_config(args.config, devices=args.devices, architecture=args.arch,
-                                        prompt_tokens=args.prompt_tokens)
+                                        prompt_tokens=args.prompt_tokens, overrides=args.set)
     except (ValueError, FileNotFoundError) as error:
         parser.error(str(error))
     if args.comment:
+        if args.set or args.devices is not None or args.prompt_tokens is not None:
+            parser.error("--comment describes the config as written: drop --set, --devices and --prompt-tokens")
         command = f"mmpo estimate -c {args.config}" + (f" --arch {args.arch}" if args.arch else "")
         comment = config_comment(budget, command)
         if args.update_config:

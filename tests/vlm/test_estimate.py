@@ -209,3 +209,17 @@ def test_update_config_comment(tmp_path):
     budget, _ = estimate_config(path, architecture="qwen2.5-vl-3b")
     assert config_comment(budget, f"mmpo estimate -c {path} --arch qwen2.5-vl-3b") in path.read_text()
     assert path.read_text().count("# Memory per device") == 1
+
+
+def test_set_overrides_change_the_budget():
+    path = REPO / "configs" / "vlm" / "grpo_qwen2_5_vl_7b.yaml"
+    full, _ = estimate_config(path)
+    lora, table = estimate_config(path, overrides=["model.init_args.lora_rank=64"])
+    assert "LoRA rank 64" in table and lora["reference"] == 0 and full["reference"] > 0
+    assert lora["optimizer"] < full["optimizer"] / 10
+    # 8 devices: sharding divides weights, gradients, AdamW and the reference by 8
+    sharded, _ = estimate_config(path, overrides=["trainer.strategy=fsdp"])
+    for key in ("weights", "gradients", "optimizer", "reference"):
+        assert sharded[key] == pytest.approx(full[key] / 8)
+    with pytest.raises(ValueError, match="KEY=VALUE"):
+        estimate_config(path, overrides=["lora_rank"])
