@@ -119,7 +119,8 @@ class GRPOModule(VLMPolicyModule):
         seed: seeds sampling (per step and rank) and minibatch shuffling.
         **kwargs: the settings every VLM module shares (:class:`~mmpo.algos.vlm_base.VLMPolicyModule`:
             weight_decay, warmup_steps, lr_schedule, max_prompt_length, logprob_chunk_size, dtype,
-            system_prompt ("default" = mmpo.data.SYSTEM_PROMPT), output_dir, max_consecutive_skips, ...).
+            system_prompt ("default" = mmpo.data.SYSTEM_PROMPT), output_dir, max_consecutive_skips, LoRA:
+            lora_rank, lora_alpha, lora_dropout, lora_target_modules, freeze_vision_tower; docs/scale.md).
     """
 
     def __init__(

@@ -237,3 +237,20 @@ def test_grpo_tiny_lora_config_runs_through_mmpo_fit(tiny_path, tmp_path, fit_vl
                            for n in changed)
     assert not any(".visual." in n for n in changed)
     assert (out / "adapter" / "adapter_config.json").is_file()
+
+
+def test_lora_checkpoint_restores_the_adapter(tiny_path, batch, tmp_path):
+    rows, rollout = batch
+    module = _lora_module(tiny_path)
+    module.fixed_rollout = rollout
+    trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=1, logger=False, enable_progress_bar=False,
+                        enable_model_summary=False, default_root_dir=tmp_path,
+                        callbacks=[L.pytorch.callbacks.ModelCheckpoint(dirpath=tmp_path / "ckpt", save_last=True)])
+    trainer.fit(module, DataLoader([rows], batch_size=None, collate_fn=lambda x: x))
+    checkpoint = torch.load(tmp_path / "ckpt" / "last.ckpt", weights_only=True)
+    fresh = _lora_module(tiny_path)
+    fresh.load_state_dict(checkpoint["state_dict"])  # strict: the same peft keys, nothing missing
+    trained = dict(module.model.named_parameters())
+    for name, p in fresh.model.named_parameters():
+        assert torch.equal(p, trained[name]), name
+    assert checkpoint["hyper_parameters"]["lora_rank"] == 4
