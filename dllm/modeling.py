@@ -130,16 +130,15 @@ def save_mask_predictor(
 ) -> None:
     """Save weights (safetensors), config, tokenizer and the dLLM marker with generation defaults.
 
-    A LoRA-wrapped model (``dllm.lora``) is saved as plain merged weights, loadable without peft,
+    A LoRA-wrapped model (``mmpo.training.lora``) is saved as plain merged weights, loadable without peft,
     and its adapter alone goes to ``path / "adapter"``.
     """
-    from dllm.lora import is_lora, merged_state_dict
+    from mmpo.training.lora import is_lora, save_merged_and_adapter
 
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     if is_lora(model):
-        model.get_base_model().save_pretrained(path, state_dict=merged_state_dict(model))
-        model.save_pretrained(path / "adapter")
+        save_merged_and_adapter(model, path)
     else:
         model.save_pretrained(path)
     tokenizer.save_pretrained(path)

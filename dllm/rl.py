@@ -46,7 +46,7 @@ from dllm.export_hooks import MaskPredictorExportHooks
 from dllm.hints import HintConfig, build_group_hints
 from dllm.igpo import all_wrong_groups, check_loss_choice, choose_replacements, hint_entropy_filter, igpo_loss
 from dllm.logprobs import completion_log_probs, perturb_for_scoring, structured_timesteps
-from dllm.lora import LoraSettings, wrap_with_lora
+from mmpo.training.lora import LoraSettings, wrap_with_lora
 from dllm.modeling import load_mask_predictor, mask_token_id
 from dllm.rewards import FORMAT_REWARDS, correctness_rewards_with_deadline, format_rewards
 from dllm.rollout import rollout

@@ -51,6 +51,7 @@ from mmpo.core import (
     policy_loss,
     rollout_is_weights,
 )
+from mmpo.training.lora import adapter_disabled, is_lora
 from mmpo.vlm.factory import make_reference_model
 from mmpo.vlm.logprobs import completion_log_probs, completion_token_statistics
 from mmpo.vlm.rollout import Rollout, concat_rollouts
@@ -74,7 +75,12 @@ class GRPOModule(VLMPolicyModule):
         temperature: sampling temperature (log-probs use the same temperature).
         top_p: nucleus sampling threshold (1.0 = off).
         lr: AdamW learning rate.
-        beta: coefficient of the KL penalty to the reference (initial) policy; 0 builds no reference.
+        beta: coefficient of the KL penalty to the reference (initial) policy; 0 builds no reference. With
+            LoRA (``lora_rank``) the reference is the policy with its adapter disabled: no copy.
+        ref_dtype: dtype of the frozen reference copy (no LoRA, beta > 0): None = the policy's ``dtype``;
+            "bfloat16" halves it under ``precision: bf16-mixed`` (the dtype its forward runs in anyway).
+        ref_offload: keep the reference copy in CPU memory, moving it to the device only for the
+            reference log-prob pass of each step (verl's ``ref.fsdp_config.param_offload``).
         kl_kind: KL estimator in the loss: k1, k2, k3, abs, verl's aliases kl, mse, low_var_kl, or a straight-through
             k1+ / k3+ / ... (docs/core.md, KL).
         loss: policy loss name in mmpo.core (ppo, gspo, gmpo, gppo, dcpo, aspo, cispo, sapo, gpg, clip_cov, kl_cov,
@@ -114,7 +120,8 @@ class GRPOModule(VLMPolicyModule):
         seed: seeds sampling (per step and rank) and minibatch shuffling.
         **kwargs: the settings every VLM module shares (:class:`~mmpo.algos.vlm_base.VLMPolicyModule`:
             weight_decay, warmup_steps, lr_schedule, max_prompt_length, logprob_chunk_size, dtype,
-            system_prompt ("default" = mmpo.data.SYSTEM_PROMPT), output_dir, max_consecutive_skips, ...).
+            system_prompt ("default" = mmpo.data.SYSTEM_PROMPT), output_dir, max_consecutive_skips, LoRA:
+            lora_rank, lora_alpha, lora_dropout, lora_target_modules, freeze_vision_tower; docs/scale.md).
     """
 
     # completions per prompt the module needs at least; single-stream modules (SPO) lower it to 1
@@ -133,6 +140,8 @@ class GRPOModule(VLMPolicyModule):
         top_p: float = 1.0,
         lr: float = 1e-6,
         beta: float = 0.01,
+        ref_dtype: str | None = None,
+        ref_offload: bool = False,
         kl_kind: str = "k3",
         loss: str = "ppo",
         clip_low: float | None = None,
@@ -163,8 +172,10 @@ class GRPOModule(VLMPolicyModule):
     ) -> None:
         super().__init__(model_path, lr=lr, save_hf_on_checkpoint=save_hf_on_checkpoint, **kwargs)
         self.automatic_optimization = False
-        # kept out of the module tree: not trained, not checkpointed (rebuilt from model_path)
-        self._reference = [make_reference_model(self.model, beta)]
+        # kept out of the module tree: not trained, not checkpointed (rebuilt from model_path).
+        # With LoRA the adapter-disabled policy is the reference: no copy at all.
+        self._reference = [None if is_lora(self.model) else make_reference_model(
+            self.model, beta, dtype=None if ref_dtype is None else getattr(torch, ref_dtype))]
         self.reward_weights = dict(reward_weights) if reward_weights is not None else dict(DEFAULT_REWARD_WEIGHTS)
 
     # ------------------------------------------------------------------ configuration
@@ -179,6 +190,8 @@ class GRPOModule(VLMPolicyModule):
         require(0 < h.top_p <= 1, f"top_p must be in (0, 1], got {h.top_p}")
         require(h.lr > 0, f"lr must be > 0, got {h.lr}")
         require(h.beta >= 0, f"beta must be >= 0, got {h.beta}")
+        require(h.ref_dtype in (None, "float32", "bfloat16", "float16"),
+                f"ref_dtype must be null, float32, bfloat16 or float16, got {h.ref_dtype!r}")
         require(h.kl_kind in KL_KINDS, f"unknown kl_kind {h.kl_kind!r}; valid: {list(KL_KINDS)}")
         require(h.loss in POLICY_LOSSES, f"unknown loss {h.loss!r}; valid: {POLICY_LOSSES.names()}")
         require(h.agg in AGGREGATION_MODES, f"unknown agg {h.agg!r}; valid: {list(AGGREGATION_MODES)}")
@@ -231,12 +244,11 @@ class GRPOModule(VLMPolicyModule):
 
     @property
     def reference_model(self) -> torch.nn.Module | None:
-        """Frozen initial policy for the KL term (None when beta == 0)."""
+        """Frozen copy of the initial policy for the KL term (None when beta == 0 or with LoRA)."""
         return self._reference[0]
 
     def on_fit_start(self) -> None:
-        if self.reference_model is not None:
-            self.reference_model.to(self.device)
+        self._place_reference()
         if self.hparams.reward_timeout_s is not None:
             # the reward worker's start-up (importing torch, sympy, math-verify: seconds) before step 1,
             # not inside it; should it fail, the first reward call reports it as before
@@ -246,6 +258,40 @@ class GRPOModule(VLMPolicyModule):
                 get_reward_worker().start()
             except WorkerUnavailable as exc:
                 log.warning("reward worker not started before training: %s", exc)
+
+    def _place_reference(self) -> None:
+        """Move the frozen KL reference to the device (unless offloaded) and log its size and dtype."""
+        reference = self.reference_model
+        if reference is None:
+            return
+        if not self.hparams.ref_offload:
+            reference.to(self.device)
+        gb = sum(p.numel() * p.element_size() for p in reference.parameters()) / 1e9
+        dtype = next(reference.parameters()).dtype
+        where = "CPU (offloaded; on the device only for its log-prob pass)" if self.hparams.ref_offload else self.device
+        log.info("KL reference: a frozen copy of the policy, %.2f GB in %s on %s", gb, dtype, where)
+        precision = str(self.trainer.precision) if self._trainer is not None else ""
+        if dtype == torch.float32 and precision.startswith(("bf16", "16")):
+            log.warning("the KL reference is kept in float32 (%.2f GB) while precision is %s: set ref_dtype: "
+                        "bfloat16 (half the memory) or ref_offload: true", gb, precision)
+
+    @contextmanager
+    def reference_policy(self) -> Iterator[torch.nn.Module]:
+        """The KL reference for one no-grad pass: the adapter-disabled policy with LoRA, else the frozen copy
+        (with ``ref_offload`` moved to the device for the pass and back to CPU after)."""
+        if is_lora(self.model):
+            with adapter_disabled(self.model):
+                yield self.model
+            return
+        reference = self.reference_model
+        if not self.hparams.ref_offload:
+            yield reference
+            return
+        reference.to(self.device)
+        try:
+            yield reference
+        finally:
+            reference.to("cpu")
 
     def _monitored_keys(self) -> set[str]:
         """Metric names the trainer's callbacks monitor (``monitor`` of ModelCheckpoint, EarlyStopping...)."""
@@ -449,7 +495,8 @@ class GRPOModule(VLMPolicyModule):
             old_log_probs = None if on_policy else self._log_probs_no_grad(self.model, rollout, micro_size)
         ref_log_probs = None
         if h.beta > 0:
-            ref_log_probs = self._log_probs_no_grad(self.reference_model, rollout, micro_size)
+            with self.reference_policy() as reference:
+                ref_log_probs = self._log_probs_no_grad(reference, rollout, micro_size)
 
         # 6. mu epochs over shuffled minibatches, one optimizer step each (hook: SFPO wraps it)
         t1 = time.perf_counter()

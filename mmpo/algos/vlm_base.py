@@ -14,8 +14,9 @@ import lightning as L
 import torch
 
 from mmpo.algos.config import VLMCheckpointHooks, make_optimizer, require
+from mmpo.training.lora import LoraSettings, unwrap, wrap_with_lora
 from mmpo.training.nonfinite import DEFAULT_MAX_CONSECUTIVE_SKIPS, NonFiniteGuard, NonFiniteGuardMixin
-from mmpo.vlm.factory import load_vlm
+from mmpo.vlm.factory import load_vlm, vision_tower_prefixes
 from mmpo.vlm.logprobs import DEFAULT_LOGPROB_CHUNK
 from mmpo.vlm.rollout import HFGenerateEngine
 
@@ -45,6 +46,15 @@ class VLMPolicyModule(NonFiniteGuardMixin, VLMCheckpointHooks, L.LightningModule
         max_consecutive_skips: optimizer steps with a non-finite loss or gradient norm are skipped (weights and
             optimizer state untouched, counted as perf/skipped_steps); this many in a row stop the run with
             NonFiniteTrainingError (mmpo.training.nonfinite).
+        lora_rank: train a peft LoRA adapter of this rank instead of all weights; 0 = full fine-tuning
+            (EasyR1's ``lora_rank``). With LoRA the KL reference is the adapter-disabled policy (no copy) and
+            the export is merged weights plus the adapter alone in ``output_dir/adapter``.
+        lora_alpha: LoRA scaling numerator: the update is (lora_alpha / lora_rank) * B A.
+        lora_dropout: dropout on the adapter input.
+        lora_target_modules: names (suffixes) of the Linear layers that get an adapter (Qwen-VL: q_proj, k_proj,
+            v_proj, o_proj, gate_proj, up_proj, down_proj; the vision tower's are qkv, proj, gate/up/down_proj).
+        freeze_vision_tower: the vision tower is not trained (EasyR1's ``freeze_vision_tower``): its weights get
+            no gradient, and with LoRA it gets no adapter.
     """
 
     def __init__(
@@ -66,21 +76,37 @@ class VLMPolicyModule(NonFiniteGuardMixin, VLMCheckpointHooks, L.LightningModule
         output_dir: str | None = None,
         overwrite_output: bool = False,
         max_consecutive_skips: int = DEFAULT_MAX_CONSECUTIVE_SKIPS,
+        lora_rank: int = 0,
+        lora_alpha: int = 64,
+        lora_dropout: float = 0.0,
+        lora_target_modules: list[str] | None = None,
+        freeze_vision_tower: bool = False,
     ) -> None:
         super().__init__()
         self.save_hyperparameters()  # also the subclasses' own init arguments (Lightning walks their frames)
         self.nonfinite = NonFiniteGuard(max_consecutive_skips)
         require(lr > 0, f"lr must be > 0, got {lr}")
+        require(lora_rank >= 0, f"lora_rank must be >= 0 (0 = no LoRA), got {lora_rank}")
         self._validate_settings()  # before the (slow) model load
         self.model, self.processor = load_vlm(
             model_path, dtype=getattr(torch, dtype), min_pixels=min_pixels, max_pixels=max_pixels
         )
         self.model.train()
+        vision = vision_tower_prefixes(self.model) if freeze_vision_tower else []
+        for name, param in self.model.named_parameters():
+            if name.startswith(tuple(vision)):
+                param.requires_grad_(False)
+        if lora_rank:
+            settings = LoraSettings(r=lora_rank, alpha=lora_alpha, dropout=lora_dropout)
+            if lora_target_modules is not None:
+                settings.target_modules = list(lora_target_modules)
+            self.model = wrap_with_lora(self.model, settings, exclude_prefixes=vision)
         if gradient_checkpointing:
             self.model.gradient_checkpointing_enable()
         self.system_prompt = self._resolve_system_prompt(system_prompt)
+        # generate through the transformers model: peft injects the adapters into it in place
         self.engine = HFGenerateEngine(
-            self.model, self.processor, system_prompt=self.system_prompt, max_prompt_length=max_prompt_length
+            unwrap(self.model), self.processor, system_prompt=self.system_prompt, max_prompt_length=max_prompt_length
         )
 
     def _validate_settings(self) -> None:

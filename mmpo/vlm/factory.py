@@ -317,20 +317,61 @@ def _tiny_video_processor(min_pixels: int, max_pixels: int):
     return Qwen2VLVideoProcessor(size={"shortest_edge": min_pixels, "longest_edge": max_pixels})
 
 
-def make_reference_model(model: torch.nn.Module, beta: float) -> torch.nn.Module | None:
-    """Frozen copy of ``model`` for the KL term; ``None`` when ``beta == 0`` (no KL, no memory)."""
+def make_reference_model(
+    model: torch.nn.Module, beta: float, *, dtype: torch.dtype | None = None
+) -> torch.nn.Module | None:
+    """Frozen copy of ``model`` for the KL term, in ``dtype`` (None = the model's own); ``None`` when
+    ``beta == 0`` (no KL, no memory).
+
+    The copy is cast tensor by tensor as it is made, so a bfloat16 reference of a float32 policy never
+    exists as a second float32 copy, not even for a moment.
+    """
     if beta == 0:
         return None
-    reference = copy.deepcopy(model)
+    if dtype is None:
+        reference = copy.deepcopy(model)
+    else:
+        # deepcopy's memo maps each parameter / buffer to its replacement: the copy gets the cast
+        # tensors directly (floating ones only: integer buffers keep their dtype)
+        memo: dict[int, Any] = {}
+        for tensor in [*model.parameters(), *model.buffers()]:
+            if tensor.is_floating_point():
+                cast = tensor.detach().to(dtype)
+                memo[id(tensor)] = torch.nn.Parameter(cast, requires_grad=False) if isinstance(
+                    tensor, torch.nn.Parameter) else cast
+        reference = copy.deepcopy(model, memo)
     reference.eval()
     reference.requires_grad_(False)
     return reference
 
 
+def vision_tower_prefixes(model: torch.nn.Module) -> list[str]:
+    """Module names of the vision tower(s) of an HF VLM (Qwen2/2.5/3-VL: ``model.visual``).
+
+    Raises ``ValueError`` when the model has none, so ``freeze_vision_tower`` never silently freezes nothing.
+    """
+    names = [name for name, _ in model.named_modules()
+             if name.rsplit(".", 1)[-1] in ("visual", "vision_tower", "vision_model")]
+    outermost = [n for n in names if not any(n.startswith(other + ".") for other in names if other != n)]
+    if not outermost:
+        raise ValueError(f"{type(model).__name__} has no vision tower (a module named visual, vision_tower or "
+                         "vision_model): freeze_vision_tower cannot apply")
+    return outermost
+
+
 def save_vlm(model: torch.nn.Module, processor: Any, output_dir: str | Path) -> Path:
-    """Write model (safetensors) and processor so :func:`load_vlm` can read them back."""
+    """Write model (safetensors) and processor so :func:`load_vlm` can read them back.
+
+    A LoRA model (``mmpo.training.lora``) is written as merged weights, loadable without peft,
+    with its adapter alone in ``output_dir / "adapter"``.
+    """
+    from mmpo.training.lora import is_lora, save_merged_and_adapter
+
     output_dir = Path(output_dir)
     output_dir.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(output_dir, safe_serialization=True)
+    if is_lora(model):
+        save_merged_and_adapter(model, output_dir)
+    else:
+        model.save_pretrained(output_dir, safe_serialization=True)
     processor.save_pretrained(output_dir)
     return output_dir

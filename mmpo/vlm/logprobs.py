@@ -20,8 +20,14 @@ DEFAULT_LOGPROB_CHUNK = 1024
 
 
 def _decoder(model: Any) -> Any:
-    """The multimodal backbone that returns hidden states (``model.model`` for HF VLMs)."""
-    backbone = getattr(model, "model", None)
+    """The multimodal backbone that returns hidden states (``model.model`` for HF VLMs).
+
+    A peft model is unwrapped first: its adapters live inside the transformers model (and
+    ``disable_adapter`` switches them there), while ``peft_model.model`` is the whole LM.
+    """
+    from mmpo.training.lora import unwrap
+
+    backbone = getattr(unwrap(model), "model", None)
     if backbone is None:
         raise TypeError(f"{type(model).__name__} has no .model backbone returning hidden states")
     return backbone

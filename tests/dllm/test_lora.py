@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from dllm.data import ArithmeticDataModule
-from dllm.lora import LoraSettings, is_lora, merged_state_dict, wrap_with_lora
+from mmpo.training.lora import LoraSettings, is_lora, merged_state_dict, wrap_with_lora
 from dllm.modeling import load_mask_predictor, mask_predictor_logits, save_mask_predictor
 from dllm.rl import DiffuGRPO
 from dllm.sampler import SamplerConfig

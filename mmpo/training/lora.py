@@ -1,6 +1,6 @@
-"""LoRA adapters (peft) for real-scale dLLM RL, as in IGPO's and d1's official runs.
+"""LoRA adapters (peft), shared by the dLLM modules (``dllm.rl``) and the VLM modules (``mmpo.algos``).
 
-Both official runs train a LoRA adapter (r 128, alpha 64, dropout 0.05 on q, k, v, o, up,
+IGPO's and d1's official dLLM runs train a LoRA adapter (r 128, alpha 64, dropout 0.05 on q, k, v, o, up,
 down, gate) on LLaDA-8B-Instruct, and their KL reference is the same network with the
 adapter switched off. ``wrap_with_lora`` applies peft's LoRA; ``merged_state_dict`` gives
 plain weights (base + adapter delta) under the base model's own key names, so the export
@@ -11,8 +11,10 @@ a rounding residue in bf16; computing the merged tensors out of place avoids bot
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from dataclasses import dataclass, field
-from typing import Any
+from pathlib import Path
+from typing import Any, ContextManager, Sequence
 
 import torch
 
@@ -33,20 +35,48 @@ class LoraSettings:
     """names (suffixes) of the Linear layers that get an adapter; model-specific"""
 
 
-def wrap_with_lora(model: torch.nn.Module, settings: LoraSettings) -> torch.nn.Module:
-    """``model`` with trainable LoRA adapters on ``settings.target_modules``; base weights frozen."""
+def wrap_with_lora(
+    model: torch.nn.Module, settings: LoraSettings, *, exclude_prefixes: Sequence[str] = ()
+) -> torch.nn.Module:
+    """``model`` with trainable LoRA adapters on ``settings.target_modules``; base weights frozen.
+
+    ``exclude_prefixes``: module-name prefixes that get no adapter (e.g. a VLM's vision tower,
+    ``freeze_vision_tower``); passed to peft as an ``exclude_modules`` regex.
+    """
+    import re
+
     from peft import LoraConfig, get_peft_model
 
-    present = {name.rsplit(".", 1)[-1] for name, module in model.named_modules() if isinstance(module, torch.nn.Linear)}
+    if settings.r < 1:
+        raise ValueError(f"LoRA rank r must be >= 1, got {settings.r}")
+    if not 0 <= settings.dropout < 1:
+        raise ValueError(f"LoRA dropout must be in [0, 1), got {settings.dropout}")
+    excluded = tuple(exclude_prefixes)
+    present = {
+        name.rsplit(".", 1)[-1]
+        for name, module in model.named_modules()
+        if isinstance(module, torch.nn.Linear) and not name.startswith(excluded)
+    }
     missing = [t for t in settings.target_modules if t not in present]
     if len(missing) == len(settings.target_modules):
         raise ValueError(
-            f"none of the LoRA target modules {settings.target_modules} is a Linear layer of this model; "
-            f"its Linear layers are named {sorted(present)}"
+            f"none of the LoRA target modules {settings.target_modules} is a Linear layer of this model"
+            f"{' outside ' + str(list(excluded)) if excluded else ''}; its Linear layers are named {sorted(present)}"
         )
+    exclude = "|".join(rf"{re.escape(prefix)}(\..*)?" for prefix in excluded) or None
     config = LoraConfig(r=settings.r, lora_alpha=settings.alpha, lora_dropout=settings.dropout,
-                        target_modules=list(settings.target_modules), bias="none")
+                        target_modules=list(settings.target_modules), exclude_modules=exclude, bias="none")
     return get_peft_model(model, config)
+
+
+def unwrap(model: torch.nn.Module) -> torch.nn.Module:
+    """The underlying transformers model (adapters stay active: peft injects them in place)."""
+    return model.get_base_model() if is_lora(model) else model
+
+
+def adapter_disabled(model: torch.nn.Module) -> ContextManager[Any]:
+    """Context in which a LoRA model computes as its base model (the KL reference); no-op otherwise."""
+    return model.disable_adapter() if is_lora(model) else nullcontext()
 
 
 def is_lora(model: torch.nn.Module) -> bool:
@@ -73,3 +103,10 @@ def merged_state_dict(model: torch.nn.Module) -> dict[str, Any]:
             value = value + deltas[key].to(value.dtype)
         state[key.replace(".base_layer.", ".")] = value
     return state
+
+
+def save_merged_and_adapter(model: torch.nn.Module, path: str | Path) -> None:
+    """Merged weights (loadable without peft) in ``path`` and the adapter alone in ``path / "adapter"``."""
+    path = Path(path)
+    model.get_base_model().save_pretrained(path, state_dict=merged_state_dict(model), safe_serialization=True)
+    model.save_pretrained(path / "adapter")
