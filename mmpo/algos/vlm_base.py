@@ -12,10 +12,13 @@ from typing import Any
 
 import lightning as L
 import torch
+from lightning.pytorch.strategies import ModelParallelStrategy
 
 from mmpo.algos.config import VLMCheckpointHooks, make_optimizer, require
 from mmpo.training.nonfinite import DEFAULT_MAX_CONSECUTIVE_SKIPS, NonFiniteGuard, NonFiniteGuardMixin
+from mmpo.training.fsdp import check_sharding_support
 from mmpo.vlm.factory import load_vlm
+from mmpo.vlm.fsdp import is_sharded, shard_vlm
 from mmpo.vlm.logprobs import DEFAULT_LOGPROB_CHUNK
 from mmpo.vlm.rollout import HFGenerateEngine
 
@@ -85,6 +88,22 @@ class VLMPolicyModule(NonFiniteGuardMixin, VLMCheckpointHooks, L.LightningModule
 
     def _validate_settings(self) -> None:
         """Hook: check the subclass's settings (``self.hparams``) before the model loads."""
+
+    def configure_model(self) -> None:
+        """Under ``FSDP2Strategy`` (a Lightning ``ModelParallelStrategy``): shard the policy and the
+        models of :meth:`_models_to_shard` with FSDP2 (mmpo.vlm.fsdp). Other strategies: nothing to do."""
+        strategy = self._trainer.strategy if self._trainer is not None else None
+        check_sharding_support(strategy)
+        if not isinstance(strategy, ModelParallelStrategy) or is_sharded(self.model):
+            return
+        mesh = self.device_mesh["data_parallel"]
+        shard_vlm(self.model, mesh)
+        for model in self._models_to_shard():
+            shard_vlm(model, mesh, frozen=True)
+
+    def _models_to_shard(self) -> list[torch.nn.Module]:
+        """Hook: frozen models besides the policy that FSDP2 shards too (GRPO's KL reference)."""
+        return []
 
     def _resolve_system_prompt(self, system_prompt: str | None) -> str | None:
         """Hook: the system prompt the engine uses ("default" is resolved by the engine)."""

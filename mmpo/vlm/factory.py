@@ -327,10 +327,15 @@ def make_reference_model(model: torch.nn.Module, beta: float) -> torch.nn.Module
     return reference
 
 
-def save_vlm(model: torch.nn.Module, processor: Any, output_dir: str | Path) -> Path:
-    """Write model (safetensors) and processor so :func:`load_vlm` can read them back."""
+def save_vlm(model: torch.nn.Module, processor: Any, output_dir: str | Path,
+             state_dict: dict[str, torch.Tensor] | None = None) -> Path:
+    """Write model (safetensors) and processor so :func:`load_vlm` can read them back.
+
+    ``state_dict``: the weights to write instead of ``model``'s own (the gathered full weights of
+    an FSDP2-sharded model, :func:`mmpo.vlm.fsdp.full_state_dict`).
+    """
     output_dir = Path(output_dir)
     output_dir.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(output_dir, safe_serialization=True)
+    model.save_pretrained(output_dir, safe_serialization=True, state_dict=state_dict)
     processor.save_pretrained(output_dir)
     return output_dir

@@ -14,6 +14,7 @@ from typing import Any, Mapping, Sequence
 import torch
 from transformers import BatchFeature, LogitsProcessor, LogitsProcessorList, TemperatureLogitsWarper, TopPLogitsWarper
 
+from mmpo.vlm.fsdp import full_weights
 from mmpo.vlm.processing import encode_prompts, model_inputs, repeat_rows, select_rows, vision_token_ids
 
 
@@ -159,16 +160,17 @@ class HFGenerateEngine:
         was_training = self.model.training
         self.model.eval()
         try:
-            output = self.model.generate(
-                **inputs,
-                max_new_tokens=max_new_tokens,
-                # greedy samples are identical: decode once, repeat below
-                num_return_sequences=num_samples if do_sample else 1,
-                eos_token_id=self.eos_token_id,
-                pad_token_id=self.pad_token_id,
-                use_cache=True,
-                **sampling,
-            )
+            with full_weights(self.model):  # FSDP2: gathered once for the whole decode (mmpo.vlm.fsdp)
+                output = self.model.generate(
+                    **inputs,
+                    max_new_tokens=max_new_tokens,
+                    # greedy samples are identical: decode once, repeat below
+                    num_return_sequences=num_samples if do_sample else 1,
+                    eos_token_id=self.eos_token_id,
+                    pad_token_id=self.pad_token_id,
+                    use_cache=True,
+                    **sampling,
+                )
         finally:
             self.model.train(was_training)
         prompt_width = inputs["input_ids"].shape[1]
