@@ -55,7 +55,12 @@ def decoder_layers(model: nn.Module) -> nn.ModuleList:
 
 
 def _call(function: Callable[..., T], *args: Any, **kwargs: Any) -> T:
-    return function(*args, **kwargs)
+    # FSDP2 hooks the root call's output tensors for backward; a view output would lose the hook to
+    # an in-place op (FSDP2 warns on every call), so views are returned as copies (small: (N, T) each)
+    from torch.utils._pytree import tree_map
+
+    return tree_map(lambda t: t.clone() if isinstance(t, torch.Tensor) and t._is_view() else t,
+                    function(*args, **kwargs))
 
 
 def shard_vlm(model: nn.Module, mesh: Any, *, frozen: bool = False,
