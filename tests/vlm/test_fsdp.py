@@ -44,9 +44,13 @@ def tiny(tmp_path_factory):
     return build_tiny_vlm(tmp_path_factory.mktemp("tiny"), vocab_size=400, hidden_size=64, intermediate_size=128)
 
 
-def test_sharded_model_matches_unsharded(one_rank_mesh, tiny):
+@pytest.mark.parametrize("checkpointing", [False, True], ids=["plain", "gradient-checkpointing"])
+def test_sharded_model_matches_unsharded(one_rank_mesh, tiny, checkpointing):
     model, processor = load_vlm(tiny)
     sharded = copy.deepcopy(model)
+    if checkpointing:  # as the real-size configs: recomputed layers inside FSDP2 units
+        sharded.gradient_checkpointing_enable()
+        sharded.train()
     shard_vlm(sharded, one_rank_mesh)
     assert is_sharded(sharded) and not is_sharded(model)
     rows = make_items("count_shapes", 1, seed=0) + make_items("arithmetic", 1, seed=0)  # image + text-only
