@@ -1,5 +1,5 @@
 """Shared by the data-parallel equivalence tests (tests/e2e/test_ddp_vlm.py, test_fsdp_vlm.py):
-the tiny VLM they train and the launcher of tests/fixed_grpo_worker.py."""
+the tiny VLM they train and the launchers of tests/fixed_grpo_worker.py and tests/fixed_sft_worker.py."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ import torch
 from safetensors.torch import load_file
 
 WORKER = Path(__file__).with_name("fixed_grpo_worker.py")
+SFT_WORKER = Path(__file__).with_name("fixed_sft_worker.py")
 
 
 def build_data_parallel_tiny(directory: Path) -> str:
@@ -26,14 +27,26 @@ def build_data_parallel_tiny(directory: Path) -> str:
 
 def run_fixed_grpo(tmp_path: Path, mode: str, tiny_path: str, name: str, *, agg: str = "token-mean",
                    steps: int = 1, beta: float = 0.0, momentum: float = 0.0, ckpt_dir: Path | str = "-",
-                   resume: Path | str = "-", expect_ok: bool = True) -> tuple[dict[str, torch.Tensor], str]:
-    """Run the worker (MODE single, ddp or fsdp); returns its final full weights and its stdout
-    (with ``expect_ok=False``: no weights, and stdout + stderr of a run that must fail)."""
+                   resume: Path | str = "-", max_grad_norm: float = 0.0, expect_ok: bool = True) -> tuple[dict[str, torch.Tensor], str]:
+    """Run tests/fixed_grpo_worker.py (MODE single, ddp or fsdp); returns its final full weights and its
+    stdout (with ``expect_ok=False``: no weights, and stdout + stderr of a run that must fail)."""
     out = tmp_path / f"{name}.safetensors"
+    args = [mode, tiny_path, str(out), agg, str(steps), str(beta), str(momentum), str(ckpt_dir), str(resume),
+            str(max_grad_norm)]
+    return run_worker(WORKER, args, tmp_path, out, expect_ok=expect_ok)
+
+
+def run_fixed_sft(tmp_path: Path, mode: str, tiny_path: str) -> dict[str, torch.Tensor]:
+    """Run tests/fixed_sft_worker.py (MODE ddp or fsdp); returns its final full weights."""
+    out = tmp_path / f"sft_{mode}.safetensors"
+    return run_worker(SFT_WORKER, [mode, tiny_path, str(out)], tmp_path, out)[0]
+
+
+def run_worker(script: Path, args: list[str], cwd: Path, out: Path, *,
+               expect_ok: bool = True) -> tuple[dict[str, torch.Tensor], str]:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
-    args = [mode, tiny_path, str(out), agg, str(steps), str(beta), str(momentum), str(ckpt_dir), str(resume)]
-    result = subprocess.run([sys.executable, str(WORKER), *args], env=env, capture_output=True, text=True,
-                            timeout=600, cwd=tmp_path)
+    result = subprocess.run([sys.executable, str(script), *args], env=env, capture_output=True, text=True,
+                            timeout=600, cwd=cwd)
     if not expect_ok:
         assert result.returncode != 0, result.stdout[-3000:]
         return {}, result.stdout + result.stderr

@@ -3,10 +3,10 @@
 Run as a script (through tests/distributed_support.py) by tests/e2e/test_ddp_vlm.py and
 tests/e2e/test_fsdp_vlm.py; not a test module:
 
-    python fixed_grpo_worker.py MODE MODEL_PATH OUT AGG STEPS BETA MOMENTUM CKPT_DIR RESUME
+    python fixed_grpo_worker.py MODE MODEL_PATH OUT AGG STEPS BETA MOMENTUM CKPT_DIR RESUME MAX_GRAD_NORM
 
 MODE is single, ddp or fsdp; CKPT_DIR "-" = no checkpoints, else one per step; RESUME "-" = fresh,
-else a checkpoint to resume from. The global rollout is 2 prompts x G 3 (seeded, the same in every
+else a checkpoint to resume from; MAX_GRAD_NORM 0 = no clipping. The global rollout is 2 prompts x G 3 (seeded, the same in every
 process), completions cut to unequal lengths so that a rank-local token mean would differ; a
 data-parallel rank keeps its prompt's group and trains with micro-batches of one completion.
 The optimizer is SGD (lr 1 without momentum: the weight change is minus the gradient). Rank 0
@@ -28,7 +28,7 @@ from mmpo.vlm.fsdp import full_state_dict, is_sharded
 from mmpo.vlm.rollout import HFGenerateEngine
 
 torch.set_num_threads(1)
-mode, model_path, out, agg, steps, beta, momentum, ckpt_dir, resume = sys.argv[1:10]
+mode, model_path, out, agg, steps, beta, momentum, ckpt_dir, resume, max_grad_norm = sys.argv[1:11]
 parallel = mode != "single"
 rows = make_items("count_shapes", 1, seed=0) + make_items("arithmetic", 1, seed=0)
 REWARDS = torch.tensor([1.0, 0.0, 0.5, 0.0, 1.0, 1.0])
@@ -59,7 +59,7 @@ class FixedGRPO(GRPOModule):
         return torch.optim.SGD(self.model.parameters(), lr=lr, momentum=float(momentum))
 
 
-module = FixedGRPO(model_path, num_generations=3, beta=float(beta), max_grad_norm=0.0, agg=agg,
+module = FixedGRPO(model_path, num_generations=3, beta=float(beta), max_grad_norm=float(max_grad_norm), agg=agg,
                    micro_batch_size=1 if parallel else None)
 callbacks = [ModelCheckpoint(dirpath=ckpt_dir, every_n_train_steps=1, save_top_k=-1)] if ckpt_dir != "-" else []
 trainer = L.Trainer(accelerator="cpu", devices=2 if parallel else 1, strategy=STRATEGIES[mode],
@@ -75,4 +75,4 @@ state = full_state_dict(module.model)  # under FSDP2 every rank joins the gather
 if trainer.is_global_zero:
     save_file({k: v.contiguous() for k, v in state.items()}, out)
     print("global_step", trainer.global_step, "kl", module.last_metrics.get("kl", 0.0), "losses/policy",
-          module.last_metrics["losses/policy"])
+          module.last_metrics["losses/policy"], "grad_norm", module.last_metrics["policy/grad_norm"])

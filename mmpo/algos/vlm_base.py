@@ -12,11 +12,10 @@ from typing import Any
 
 import lightning as L
 import torch
-from lightning.pytorch.strategies import ModelParallelStrategy
 
 from mmpo.algos.config import VLMCheckpointHooks, make_optimizer, require
 from mmpo.training.nonfinite import DEFAULT_MAX_CONSECUTIVE_SKIPS, NonFiniteGuard, NonFiniteGuardMixin
-from mmpo.training.fsdp import check_sharding_support
+from mmpo.training.fsdp import FSDP2Strategy, check_sharding_support
 from mmpo.vlm.factory import load_vlm
 from mmpo.vlm.fsdp import is_sharded, shard_vlm
 from mmpo.vlm.logprobs import DEFAULT_LOGPROB_CHUNK
@@ -90,11 +89,12 @@ class VLMPolicyModule(NonFiniteGuardMixin, VLMCheckpointHooks, L.LightningModule
         """Hook: check the subclass's settings (``self.hparams``) before the model loads."""
 
     def configure_model(self) -> None:
-        """Under ``FSDP2Strategy`` (a Lightning ``ModelParallelStrategy``): shard the policy and the
-        models of :meth:`_models_to_shard` with FSDP2 (mmpo.vlm.fsdp). Other strategies: nothing to do."""
+        """Under ``FSDP2Strategy``: shard the policy and the models of :meth:`_models_to_shard` with FSDP2
+        (mmpo.vlm.fsdp; called by Lightning before the optimizers exist). Other strategies: nothing to do;
+        Lightning's FSDP1 ``fsdp`` and tensor parallelism are refused (``check_sharding_support``)."""
         strategy = self._trainer.strategy if self._trainer is not None else None
         check_sharding_support(strategy)
-        if not isinstance(strategy, ModelParallelStrategy) or is_sharded(self.model):
+        if not isinstance(strategy, FSDP2Strategy) or is_sharded(self.model):
             return
         mesh = self.device_mesh["data_parallel"]
         shard_vlm(self.model, mesh)

@@ -15,9 +15,6 @@ checkpoint guarantees for the sharded (distributed) checkpoints it writes, which
 - **verified load**: every file must match the manifest (a directory without one loads with a
   warning), and the loaded weights and optimizer state must be finite; otherwise
   ``CorruptCheckpointError`` names the checkpoint.
-
-``save_distributed_checkpoint=False`` gathers full weights and optimizer states on rank 0 and writes
-one file through the Trainer's ``CheckpointIO`` (``VerifiedCheckpointIO`` under ``mmpo fit``).
 """
 
 from __future__ import annotations
@@ -38,6 +35,9 @@ from lightning.pytorch.utilities.model_helpers import is_overridden
 from mmpo.training.checkpoint import (
     CorruptCheckpointError,
     _fsync_directory,
+    _mismatch_reason,
+    checksum_status,
+    corrupt_checkpoint_error,
     file_sha256,
     previous_path,
 )
@@ -109,9 +109,10 @@ class FSDP2Strategy(ModelParallelStrategy):
     Use it as ``trainer.strategy: {class_path: mmpo.training.fsdp.FSDP2Strategy}`` with a module that
     shards itself in ``configure_model`` (mmpo's VLM modules: SFT and the GRPO family).
 
+    Checkpoints are always sharded (each rank writes its own shard into the checkpoint directory);
+    the full weights are the HF export (``output_dir``).
+
     Args:
-        save_distributed_checkpoint: each rank writes its own shard (a checkpoint directory); False
-            gathers everything on rank 0 into one file.
         process_group_backend: None = nccl on GPUs, gloo on CPU.
         timeout: collective timeout.
         keep_previous: keep the replaced sharded checkpoint as ``<name>.prev.ckpt`` when it verifies.
@@ -119,20 +120,13 @@ class FSDP2Strategy(ModelParallelStrategy):
 
     def __init__(
         self,
-        save_distributed_checkpoint: bool = True,
         process_group_backend: Optional[str] = None,
         timeout: Optional[timedelta] = default_pg_timeout,
         keep_previous: bool = True,
     ) -> None:
-        super().__init__(data_parallel_size="auto", tensor_parallel_size=1,
-                         save_distributed_checkpoint=save_distributed_checkpoint,
+        super().__init__(data_parallel_size="auto", tensor_parallel_size=1, save_distributed_checkpoint=True,
                          process_group_backend=process_group_backend, timeout=timeout)
         self.keep_previous = keep_previous
-
-    @property
-    def data_parallel_mesh(self) -> Any:
-        """The 1-D mesh the modules shard over."""
-        return self.device_mesh["data_parallel"]
 
     def setup_environment(self) -> None:
         # every process is a data-parallel rank (ModelParallelStrategy's "auto" is one per node)
@@ -151,8 +145,6 @@ class FSDP2Strategy(ModelParallelStrategy):
 
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH,
                         storage_options: Optional[Any] = None) -> None:
-        if not self._save_distributed_checkpoint:
-            return super().save_checkpoint(checkpoint, filepath, storage_options)
         path = Path(self.broadcast(filepath))
         staging = path.with_name(f".{path.name}.staging")
         if self.is_global_zero and staging.exists():
@@ -180,13 +172,21 @@ class FSDP2Strategy(ModelParallelStrategy):
                 warnings.warn(f"sharded checkpoint {path} has no {MANIFEST} (written by another tool?); loading it "
                               "with finite-value checks only", stacklevel=2)
             elif problem is not None:
-                raise CorruptCheckpointError(f"checkpoint {path} is damaged and was not loaded: {problem}. "
-                                             f"The previous checkpoint, when kept, is {previous_path(path)}.")
+                previous = previous_path(path)
+                hint = (f"The previous checkpoint {previous} verifies; resume from it (--ckpt_path {previous})."
+                        if previous.is_dir() and manifest_problem(previous) is None
+                        else "No verified previous checkpoint is kept beside it.")
+                raise CorruptCheckpointError(f"checkpoint {path} is damaged and was not loaded: {problem}. {hint}")
+        elif path.is_file():
+            # a single-file checkpoint (e.g. of a DDP run: Lightning loads it into the shards), read
+            # here without the CheckpointIO: at least its checksum sidecar is checked
+            if self.broadcast(checksum_status(path) == "mismatch" if self.is_global_zero else None):
+                raise corrupt_checkpoint_error(path, _mismatch_reason(path))
         metadata = super().load_checkpoint(path, weights_only=weights_only)
         finite = all_finite(self.lightning_module.state_dict(), [o.state_dict()["state"] for o in self.optimizers])
         if not self.reduce_boolean_decision(finite, all=True):
-            raise CorruptCheckpointError(f"checkpoint {path} is damaged and was not loaded: its weights or optimizer "
-                                         "state hold NaN or inf")
+            raise CorruptCheckpointError(f"checkpoint {path} is damaged: its weights or optimizer state hold NaN or "
+                                         "inf; the run stops before any step")
         return metadata
 
 
