@@ -148,12 +148,16 @@ class VLMCheckpointHooks(ExportOwnershipMixin):
         """Write model + processor in HF format (global rank 0 only) so ``load_vlm`` can read them."""
         from mmpo.vlm.factory import save_vlm
 
+        from mmpo.vlm.fsdp import full_state_dict, is_sharded
+
         output_dir = output_dir or self.hparams.output_dir
         if output_dir is None:
             return None
+        # FSDP2: every rank takes part in gathering the full weights; rank 0 writes them
+        state_dict = full_state_dict(self.model) if is_sharded(self.model) else None
         if self._trainer is not None and not self.trainer.is_global_zero:
             return None
         self.claim_export_dir(output_dir)
-        path = save_vlm(self.model, self.processor, output_dir)
+        path = save_vlm(self.model, self.processor, output_dir, state_dict=state_dict)
         self.mark_export_dir(path)
         return path

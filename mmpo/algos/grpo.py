@@ -53,6 +53,7 @@ from mmpo.core import (
 )
 from mmpo.training.lora import adapter_disabled, is_lora
 from mmpo.vlm.factory import make_reference_model
+from mmpo.vlm.fsdp import full_value, full_weights
 from mmpo.vlm.logprobs import completion_log_probs, completion_token_statistics
 from mmpo.vlm.rollout import Rollout, concat_rollouts
 
@@ -307,6 +308,9 @@ class GRPOModule(VLMPolicyModule):
         # Lightning's own decision (its LoggerConnector), read rather than re-derived
         return bool(getattr(self.trainer._logger_connector, "should_update_logs", True))
 
+    def _models_to_shard(self) -> list[torch.nn.Module]:
+        return [] if self.reference_model is None else [self.reference_model]
+
     # ------------------------------------------------------------------ hooks
 
     def build_rollout(self, rows: Sequence[Mapping[str, Any]]) -> Rollout:
@@ -443,19 +447,20 @@ class GRPOModule(VLMPolicyModule):
         step = self.trainer.global_step
         t0 = time.perf_counter()
 
-        # 1. rollout: G completions per prompt, grouped contiguously
-        with self._sampling_seed(step):
-            rollout = self.build_rollout(rows)
-        t_rollout = time.perf_counter() - t0
-        minibatch_size, micro_size = self._check_batch_size(len(rollout), len(rows))
-
-        # 2. rewards; with dynamic sampling, prompts whose G rewards all agree are sampled again
-        rewards, reward_metrics = self.compute_rewards(rollout)
-        metrics: dict[str, Any] = dict(reward_metrics)
-        if h.dynamic_sampling and h.dynamic_sampling_retries:
-            rollout, rewards, metrics["rewards/resampled_groups"] = self._resample_constant_groups(
-                rollout, rewards, step
-            )
+        # 1-2. rollout (G completions per prompt, grouped contiguously) and rewards; with dynamic
+        # sampling, prompts whose G rewards all agree are sampled again. Under FSDP2 the weights stay
+        # gathered for the whole phase: a rank's number of resamples is its own (mmpo.vlm.fsdp).
+        with full_weights(self.model):
+            with self._sampling_seed(step):
+                rollout = self.build_rollout(rows)
+            t_rollout = time.perf_counter() - t0
+            minibatch_size, micro_size = self._check_batch_size(len(rollout), len(rows))
+            rewards, reward_metrics = self.compute_rewards(rollout)
+            metrics: dict[str, Any] = dict(reward_metrics)
+            if h.dynamic_sampling and h.dynamic_sampling_retries:
+                rollout, rewards, metrics["rewards/resampled_groups"] = self._resample_constant_groups(
+                    rollout, rewards, step
+                )
 
         # 3. advantages (per prompt group)
         advantages, adv_metrics = self.compute_advantages(rewards.float(), rollout.group_ids, rollout)
@@ -719,9 +724,8 @@ class GRPOModule(VLMPolicyModule):
         if h.max_grad_norm > 0:
             grad_norm = torch.nn.utils.clip_grad_norm_(params, h.max_grad_norm)
         else:
-            grad_norm = torch.linalg.vector_norm(
-                torch.stack([p.grad.norm() for p in params if p.grad is not None])
-            )
+            grad_norm = torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None])
+        grad_norm = full_value(grad_norm)  # FSDP2: the norm over every rank's shard
         sums["policy/grad_norm"] = float(grad_norm)
         # a non-finite loss or gradient norm drops the gradients: the step below then changes nothing
         self.nonfinite_step_ok(sums["losses/total"], grad_norm, optimizer)

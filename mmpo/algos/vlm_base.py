@@ -16,7 +16,9 @@ import torch
 from mmpo.algos.config import VLMCheckpointHooks, make_optimizer, require
 from mmpo.training.lora import LoraSettings, unwrap, wrap_with_lora
 from mmpo.training.nonfinite import DEFAULT_MAX_CONSECUTIVE_SKIPS, NonFiniteGuard, NonFiniteGuardMixin
+from mmpo.training.fsdp import FSDP2Strategy, check_sharding_support
 from mmpo.vlm.factory import load_vlm, vision_tower_prefixes
+from mmpo.vlm.fsdp import is_sharded, shard_vlm
 from mmpo.vlm.logprobs import DEFAULT_LOGPROB_CHUNK
 from mmpo.vlm.rollout import HFGenerateEngine
 
@@ -111,6 +113,23 @@ class VLMPolicyModule(NonFiniteGuardMixin, VLMCheckpointHooks, L.LightningModule
 
     def _validate_settings(self) -> None:
         """Hook: check the subclass's settings (``self.hparams``) before the model loads."""
+
+    def configure_model(self) -> None:
+        """Under ``FSDP2Strategy``: shard the policy and the models of :meth:`_models_to_shard` with FSDP2
+        (mmpo.vlm.fsdp; called by Lightning before the optimizers exist). Other strategies: nothing to do;
+        Lightning's FSDP1 ``fsdp`` and tensor parallelism are refused (``check_sharding_support``)."""
+        strategy = self._trainer.strategy if self._trainer is not None else None
+        check_sharding_support(strategy)
+        if not isinstance(strategy, FSDP2Strategy) or is_sharded(self.model):
+            return
+        mesh = self.device_mesh["data_parallel"]
+        shard_vlm(self.model, mesh)
+        for model in self._models_to_shard():
+            shard_vlm(model, mesh, frozen=True)
+
+    def _models_to_shard(self) -> list[torch.nn.Module]:
+        """Hook: frozen models besides the policy that FSDP2 shards too (GRPO's KL reference)."""
+        return []
 
     def _resolve_system_prompt(self, system_prompt: str | None) -> str | None:
         """Hook: the system prompt the engine uses ("default" is resolved by the engine)."""

@@ -43,10 +43,14 @@ class NonFiniteTrainingError(RuntimeError):
 
 def gradient_norm(parameters: Iterable[Tensor]) -> Tensor:
     """Total L2 norm of the gradients of ``parameters`` (0 when none has a gradient)."""
-    norms = [torch.linalg.vector_norm(p.grad.detach()) for p in parameters if p.grad is not None]
-    if not norms:
+    from torch.distributed.tensor import DTensor
+
+    grads = [p.grad.detach() for p in parameters if p.grad is not None]
+    if not grads:
         return torch.zeros(())
-    return torch.linalg.vector_norm(torch.stack([n.to(norms[0].device) for n in norms]))
+    norm = torch.nn.utils.get_total_norm(grads)
+    # FSDP2 gradients are DTensor shards: the norm over every rank's shard
+    return norm.full_tensor() if isinstance(norm, DTensor) else norm
 
 
 def _as_float(value: Tensor | float | None) -> float | None:

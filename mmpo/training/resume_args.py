@@ -54,9 +54,30 @@ _INTERNAL_KEYS = ("_class_path", "_instantiator")
 _MISSING = object()
 
 
+def is_sharded_checkpoint(path: str | Path) -> bool:
+    """A sharded (FSDP2, torch.distributed.checkpoint) checkpoint: a directory with Lightning's ``meta.pt``."""
+    from lightning.fabric.utilities.load import _METADATA_FILENAME
+
+    return Path(path).is_dir() and (Path(path) / _METADATA_FILENAME).is_file()
+
+
 def read_checkpoint(path: str | Path) -> dict[str, Any]:
-    """The checkpoint's dict, memory-mapped (tensors are not read until used)."""
-    return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    """The checkpoint's dict, memory-mapped (tensors are not read until used).
+
+    For a sharded checkpoint: its ``meta.pt`` (hyperparameters, trainer state), with ``state_dict``
+    holding the saved weights' shapes (``torch.Size``, from the shards' metadata) instead of tensors.
+    """
+    if not is_sharded_checkpoint(path):
+        return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    from lightning.fabric.utilities.load import _METADATA_FILENAME
+    from torch.distributed.checkpoint import FileSystemReader
+
+    checkpoint = torch.load(Path(path) / _METADATA_FILENAME, map_location="cpu", weights_only=True)
+    prefix = "state_dict."  # FSDP2Strategy / ModelParallelStrategy save the weights under "state_dict"
+    stored = FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    checkpoint["state_dict"] = {key[len(prefix):]: torch.Size(meta.size) for key, meta in stored.items()
+                                if key.startswith(prefix) and hasattr(meta, "size")}
+    return checkpoint
 
 
 def _plain(value: Any) -> Any:
@@ -193,8 +214,8 @@ class ResumeArgsMixin:
             return
         ckpt_path = self.config[subcommand].get("ckpt_path")
         model_config = self.config[subcommand].get("model")
-        if not ckpt_path or not Path(ckpt_path).is_file():
-            return  # "last" / "best" / a directory: Lightning resolves them at fit time
+        if not ckpt_path or not (Path(ckpt_path).is_file() or is_sharded_checkpoint(ckpt_path)):
+            return  # "last" / "best": Lightning resolves them at fit time
         if model_config is None or not getattr(model_config, "class_path", None):
             super()._parse_ckpt_path()  # type: ignore[misc]  # nothing configured: the checkpoint's hparams
             return
@@ -231,8 +252,9 @@ class ResumeArgsMixin:
         checkpoint = getattr(self, "_resume_checkpoint", None)
         if checkpoint is None:
             return
-        saved = checkpoint.get("state_dict") or {}
-        problems = state_dict_mismatches(self.model, {k: tuple(v.shape) for k, v in saved.items()},
+        saved = checkpoint.get("state_dict") or {}  # tensors, or shapes (a sharded checkpoint, read_checkpoint)
+        shapes = {k: tuple(v) if isinstance(v, torch.Size) else tuple(v.shape) for k, v in saved.items()}
+        problems = state_dict_mismatches(self.model, shapes,
                                          strict=getattr(self.model, "strict_loading", True))
         if problems:
             shown = "; ".join(problems[:5]) + (f"; and {len(problems) - 5} more" if len(problems) > 5 else "")

@@ -7,7 +7,8 @@ run is simply taken over; a live holder makes the next run fail at once with its
 ``RunDirectoryLock`` is the Lightning callback that every ``mmpo fit`` Trainer gets: it locks each
 ``ModelCheckpoint`` directory in ``on_fit_start`` (once Lightning has resolved the directories and
 restored any checkpoint, before the first step can write one) and releases the locks in
-``teardown`` / ``on_exception``. Under the lock it also keeps ``last.ckpt`` the newest: Lightning
+``teardown`` / ``on_exception``. Under the lock (from ``on_train_start``, once every strategy has
+restored its checkpoint) it also keeps ``last.ckpt`` the newest: Lightning
 would write a fresh run's last checkpoint as ``last-v1.ckpt`` beside an earlier run's
 ``last.ckpt`` (so ``--ckpt_path .../last.ckpt`` resumed the old run); instead, the earlier run's
 ``last`` files are moved into ``<dir>/earlier-<time>/`` (nothing deleted) and this run writes
@@ -169,6 +170,13 @@ class RunDirectoryLock(Callback):
             return
         for directory in self._checkpoint_dirs(trainer):
             self._lock(directory)
+
+    def on_train_start(self, trainer: Any, pl_module: Any) -> None:
+        # Not in on_fit_start: a strategy that restores after setup (FSDP2Strategy, Lightning's
+        # ModelParallelStrategy) has not read the checkpoint yet there, so trainer.ckpt_path (the
+        # last.ckpt being resumed, which must stay) is still unset. No checkpoint is written before this.
+        if not trainer.is_global_zero:
+            return
         for checkpoint in trainer.checkpoint_callbacks:
             if isinstance(checkpoint, ModelCheckpoint):
                 keep_last_newest(checkpoint, trainer.ckpt_path)

@@ -150,6 +150,7 @@ def run_shape(config: Mapping[str, Any], *, devices: int | None = None, prompt_t
         freeze_vision_tower=bool(s.get("freeze_vision_tower")), devices=n_devices,
         sharded=_is_sharded(trainer.get("strategy", "auto")) and n_devices > 1, generates=bool(s["_is_rl"]),
         accumulates=accumulates, prompts_per_micro_batch=prompts_per_micro,
+        generation_prompts=batch if s["_is_rl"] else None,
     )
 
 

@@ -14,6 +14,7 @@ import torch
 from torch import Tensor
 
 from mmpo.core.logprobs import token_log_probs_from_hidden
+from mmpo.vlm.fsdp import as_root_forward
 from mmpo.vlm.shared_prompts import shared_prompt_hidden_states
 
 DEFAULT_LOGPROB_CHUNK = 1024
@@ -109,6 +110,21 @@ def completion_log_probs(
         ``(log_probs (N, T) float32, entropy (N, T) float32 or None)``; masked positions
         hold whatever the model computes there (mask them in the loss).
     """
+    # under FSDP2 the backbone and lm_head are used outside model.forward: run as the root's forward
+    return as_root_forward(model, _completion_log_probs, model, prompt_inputs, completion_ids, completion_mask,
+                           chunk_size=chunk_size, with_entropy=with_entropy, temperature=temperature)
+
+
+def _completion_log_probs(
+    model: Any,
+    prompt_inputs: Mapping[str, Any],
+    completion_ids: Tensor,
+    completion_mask: Tensor,
+    *,
+    chunk_size: int,
+    with_entropy: bool,
+    temperature: float,
+) -> tuple[Tensor, Tensor | None]:
     hidden = completion_hidden_states(model, prompt_inputs, completion_ids, completion_mask)
     head = model.get_output_embeddings()
     result = token_log_probs_from_hidden(
@@ -145,6 +161,14 @@ def completion_token_statistics(
     Returns:
         ``(log_probs (N, T) float32, sum_pi_squared (N, T) float32)``.
     """
+    return as_root_forward(model, _completion_token_statistics, model, prompt_inputs, completion_ids,
+                           completion_mask, chunk_size=chunk_size, temperature=temperature)
+
+
+def _completion_token_statistics(
+    model: Any, prompt_inputs: Mapping[str, Any], completion_ids: Tensor, completion_mask: Tensor, *,
+    chunk_size: int, temperature: float,
+) -> tuple[Tensor, Tensor]:
     hidden = completion_hidden_states(model, prompt_inputs, completion_ids, completion_mask)
     head = model.get_output_embeddings()
     flat = hidden.reshape(-1, hidden.shape[-1])

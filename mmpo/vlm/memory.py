@@ -176,6 +176,9 @@ class RunShape:
     # distinct prompts in one micro-batch: GRPO's training forward runs each distinct prompt (and its image)
     # once and indexes its KV cache out to its completions (mmpo.vlm.shared_prompts); None = one per completion
     prompts_per_micro_batch: int | None = None
+    # distinct prompts per generation call: the HF engine prefills each prompt once and copies its KV cache
+    # to its G samples (mmpo.vlm.rollout, prefill_once); None = one prefill per sequence
+    generation_prompts: int | None = None
 
 
 def trained_params(dims: ModelDims, run: RunShape) -> int:
@@ -258,7 +261,8 @@ def estimate_memory(dims: ModelDims, run: RunShape) -> dict[str, float]:
     out["kv_cache"] = 2 * dims.num_layers * dims.num_kv_heads * head_dim * length * n * c
     out["generation_logits"] = n * dims.vocab_size * 4 * 2  # logits, then the float32 softmax of sampling
     # prefill: no autograd, the widest transient is one MLP's gate, up and product over the prompts
-    out["prefill"] = n * run.prompt_tokens * (2 * h + 3 * i) * c
+    prefilled = n if run.generation_prompts is None or not run.generates else run.generation_prompts
+    out["prefill"] = prefilled * run.prompt_tokens * (2 * h + 3 * i) * c
 
     steady = out["weights"] + out["gradients"] + out["optimizer"] + out["reference"]
     out["steady"] = steady

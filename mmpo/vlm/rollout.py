@@ -14,6 +14,7 @@ from typing import Any, Mapping, Sequence
 import torch
 from transformers import BatchFeature, DynamicCache, LogitsProcessor, LogitsProcessorList, TemperatureLogitsWarper, TopPLogitsWarper
 
+from mmpo.vlm.fsdp import full_weights
 from mmpo.vlm.processing import encode_prompts, model_inputs, repeat_rows, select_rows, vision_token_ids
 
 
@@ -190,11 +191,12 @@ class HFGenerateEngine:
         try:
             # greedy samples are identical: decode once, repeat below
             copies = num_samples if do_sample else 1
-            if copies > 1 and self.prefill_once and inputs["input_ids"].shape[1] >= 2:
-                inputs, copies = self._prefill(inputs, copies, special), 1
-            output = self.model.generate(
-                **inputs, max_new_tokens=max_new_tokens, num_return_sequences=copies, **special, **sampling
-            )
+            with full_weights(self.model):  # FSDP2: gathered once for the prefill and the decode (mmpo.vlm.fsdp)
+                if copies > 1 and self.prefill_once and inputs["input_ids"].shape[1] >= 2:
+                    inputs, copies = self._prefill(inputs, copies, special), 1
+                output = self.model.generate(
+                    **inputs, max_new_tokens=max_new_tokens, num_return_sequences=copies, **special, **sampling
+                )
         finally:
             self.model.train(was_training)
         prompt_width = inputs["input_ids"].shape[1]

@@ -66,6 +66,8 @@ def shared_prompt_hidden_states(backbone: Any, inputs: Mapping[str, Any], prompt
 
     if "pixel_values" not in inputs or not hasattr(backbone, "get_rope_index") or width < 1:
         return None
+    if backbone.training and any(getattr(m, "gradient_checkpointing", False) for m in backbone.modules()):
+        return None  # HF turns use_cache off under gradient checkpointing: the prompt's cache would stay empty
     rows = distinct_prompt_rows(prompt_inputs)
     if rows is None or len(rows[0]) == len(rows[1]):
         return None

@@ -128,3 +128,24 @@ def test_qwen3_vl_shared_prompts_keep_deepstack_features_with_their_image():
     for name, grad in full_grads.items():
         # float32 sums in another order (the copies' prompt gradients are summed first): measured <= 6e-5
         assert float((shared_grads[name] - grad).abs().max()) <= 1e-4 * float(grad.abs().max()) + 1e-9, name
+
+
+def test_gradient_checkpointing_falls_back_to_the_full_forward(tiny, rollout):
+    """HF turns use_cache off in training under gradient checkpointing, so the prompt's cache would stay
+    empty and the completions would see no prompt: the shared path must step aside (found by the FSDP2
+    checkpointing test: 5% log-prob error before the fallback)."""
+    import copy
+
+    model, _processor = tiny
+    checkpointed = copy.deepcopy(model)
+    checkpointed.gradient_checkpointing_enable()
+    checkpointed.train()
+    model.train()
+    try:
+        args = (rollout.prompt_inputs, rollout.completion_ids, rollout.completion_mask)
+        got = completion_hidden_states(checkpointed, *args, share_prompts=True)
+        expected = completion_hidden_states(model, *args, share_prompts=False)
+        mask = rollout.completion_mask.bool()
+        torch.testing.assert_close(got[mask], expected[mask], atol=1e-5, rtol=0)
+    finally:
+        model.eval()

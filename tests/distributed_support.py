@@ -1,0 +1,54 @@
+"""Shared by the data-parallel equivalence tests (tests/e2e/test_ddp_vlm.py, test_fsdp_vlm.py):
+the tiny VLM they train and the launchers of tests/fixed_grpo_worker.py and tests/fixed_sft_worker.py."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+
+WORKER = Path(__file__).with_name("fixed_grpo_worker.py")
+SFT_WORKER = Path(__file__).with_name("fixed_sft_worker.py")
+
+
+def build_data_parallel_tiny(directory: Path) -> str:
+    """The tiny Qwen2.5-VL both prompts of the fixed rollout tokenize with (count_shapes, arithmetic)."""
+    from mmpo.data import SYSTEM_PROMPT
+    from mmpo.data.synthetic import corpus
+    from mmpo.vlm.factory import build_tiny_vlm
+
+    texts = [SYSTEM_PROMPT, *corpus(["count_shapes", "arithmetic"], n=20)]
+    return str(build_tiny_vlm(directory, corpus=texts, vocab_size=400, hidden_size=64, intermediate_size=128))
+
+
+def run_fixed_grpo(tmp_path: Path, mode: str, tiny_path: str, name: str, *, agg: str = "token-mean",
+                   steps: int = 1, beta: float = 0.0, momentum: float = 0.0, ckpt_dir: Path | str = "-",
+                   resume: Path | str = "-", max_grad_norm: float = 0.0, expect_ok: bool = True) -> tuple[dict[str, torch.Tensor], str]:
+    """Run tests/fixed_grpo_worker.py (MODE single, ddp or fsdp); returns its final full weights and its
+    stdout (with ``expect_ok=False``: no weights, and stdout + stderr of a run that must fail)."""
+    out = tmp_path / f"{name}.safetensors"
+    args = [mode, tiny_path, str(out), agg, str(steps), str(beta), str(momentum), str(ckpt_dir), str(resume),
+            str(max_grad_norm)]
+    return run_worker(WORKER, args, tmp_path, out, expect_ok=expect_ok)
+
+
+def run_fixed_sft(tmp_path: Path, mode: str, tiny_path: str) -> dict[str, torch.Tensor]:
+    """Run tests/fixed_sft_worker.py (MODE ddp or fsdp); returns its final full weights."""
+    out = tmp_path / f"sft_{mode}.safetensors"
+    return run_worker(SFT_WORKER, [mode, tiny_path, str(out)], tmp_path, out)[0]
+
+
+def run_worker(script: Path, args: list[str], cwd: Path, out: Path, *,
+               expect_ok: bool = True) -> tuple[dict[str, torch.Tensor], str]:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+    result = subprocess.run([sys.executable, str(script), *args], env=env, capture_output=True, text=True,
+                            timeout=600, cwd=cwd)
+    if not expect_ok:
+        assert result.returncode != 0, result.stdout[-3000:]
+        return {}, result.stdout + result.stderr
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    return load_file(out), result.stdout

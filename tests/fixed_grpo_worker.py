@@ -1,0 +1,78 @@
+"""One GRPO run on a fixed global rollout, in 1 process or as one rank of DDP / FSDP2 (2 CPU processes, gloo).
+
+Run as a script (through tests/distributed_support.py) by tests/e2e/test_ddp_vlm.py and
+tests/e2e/test_fsdp_vlm.py; not a test module:
+
+    python fixed_grpo_worker.py MODE MODEL_PATH OUT AGG STEPS BETA MOMENTUM CKPT_DIR RESUME MAX_GRAD_NORM
+
+MODE is single, ddp or fsdp; CKPT_DIR "-" = no checkpoints, else one per step; RESUME "-" = fresh,
+else a checkpoint to resume from; MAX_GRAD_NORM 0 = no clipping. The global rollout is 2 prompts x G 3 (seeded, the same in every
+process), completions cut to unequal lengths so that a rank-local token mean would differ; a
+data-parallel rank keeps its prompt's group and trains with micro-batches of one completion.
+The optimizer is SGD (lr 1 without momentum: the weight change is minus the gradient). Rank 0
+writes the final full weights to OUT (safetensors) and prints ``global_step`` and the last ``kl``.
+"""
+
+import sys
+
+import lightning as L
+import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
+from safetensors.torch import save_file
+from torch.utils.data import DataLoader
+
+from mmpo.algos.grpo import GRPOModule
+from mmpo.data.synthetic import make_items
+from mmpo.training.fsdp import FSDP2Strategy
+from mmpo.vlm.fsdp import full_state_dict, is_sharded
+from mmpo.vlm.rollout import HFGenerateEngine
+
+torch.set_num_threads(1)
+mode, model_path, out, agg, steps, beta, momentum, ckpt_dir, resume, max_grad_norm = sys.argv[1:11]
+parallel = mode != "single"
+rows = make_items("count_shapes", 1, seed=0) + make_items("arithmetic", 1, seed=0)
+REWARDS = torch.tensor([1.0, 0.0, 0.5, 0.0, 1.0, 1.0])
+STRATEGIES = {"single": "auto", "ddp": "ddp_find_unused_parameters_true", "fsdp": FSDP2Strategy()}
+
+
+class FixedGRPO(GRPOModule):
+    """Every process builds the same global rollout (seeded); a data-parallel rank keeps its prompt's group."""
+
+    def build_rollout(self, batch):
+        torch.manual_seed(0)
+        full = HFGenerateEngine(self.model, self.processor).generate(rows, num_samples=3, max_new_tokens=6)
+        # unequal lengths (as if EOS came early), so local and global normalisers differ:
+        # rank 0 holds 12 tokens, rank 1 holds 6
+        lengths = torch.tensor([6, 2, 4, 1, 2, 3])
+        keep = torch.arange(6).unsqueeze(0) < lengths.unsqueeze(1)
+        full.completion_mask = full.completion_mask * keep
+        full.completion_ids = full.completion_ids.masked_fill(~keep, 0)
+        if not parallel:
+            return full
+        return full.select(list(range(3 * self.global_rank, 3 * self.global_rank + 3)))
+
+    def compute_rewards(self, rollout):
+        return (REWARDS if not parallel else REWARDS[3 * self.global_rank : 3 * self.global_rank + 3]).clone(), {}
+
+    def configure_optimizers(self):
+        lr = 1.0 if float(momentum) == 0 else 0.5
+        return torch.optim.SGD(self.model.parameters(), lr=lr, momentum=float(momentum))
+
+
+module = FixedGRPO(model_path, num_generations=3, beta=float(beta), max_grad_norm=float(max_grad_norm), agg=agg,
+                   micro_batch_size=1 if parallel else None)
+callbacks = [ModelCheckpoint(dirpath=ckpt_dir, every_n_train_steps=1, save_top_k=-1)] if ckpt_dir != "-" else []
+trainer = L.Trainer(accelerator="cpu", devices=2 if parallel else 1, strategy=STRATEGIES[mode],
+                    max_steps=int(steps), logger=False, enable_checkpointing=bool(callbacks), callbacks=callbacks,
+                    enable_progress_bar=False, enable_model_summary=False, use_distributed_sampler=False)
+batch = [rows[0]] if parallel else rows  # prompts per rank: 1 in data parallel, both in one process
+trainer.fit(module, DataLoader([batch] * 2, batch_size=None, collate_fn=lambda x: x),
+            ckpt_path=None if resume == "-" else resume)
+assert is_sharded(module.model) == (mode == "fsdp")
+if module.reference_model is not None:
+    assert is_sharded(module.reference_model) == (mode == "fsdp")
+state = full_state_dict(module.model)  # under FSDP2 every rank joins the gather
+if trainer.is_global_zero:
+    save_file({k: v.contiguous() for k, v in state.items()}, out)
+    print("global_step", trainer.global_step, "kl", module.last_metrics.get("kl", 0.0), "losses/policy",
+          module.last_metrics["losses/policy"], "grad_norm", module.last_metrics["policy/grad_norm"])

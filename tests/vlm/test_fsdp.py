@@ -1,0 +1,137 @@
+"""FSDP2 pieces on one process (gloo, world size 1) and the sharded-checkpoint manifest.
+
+The 2-process equivalence and resume are tests/e2e/test_fsdp_vlm.py; here: a sharded model computes
+the same log-probs (and gradients) and samples the same tokens as the unsharded one, its full state
+dict is the original weights, and the checks that refuse damaged checkpoints or unsupported strategies.
+"""
+
+from __future__ import annotations
+
+import copy
+import socket
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from mmpo.data.synthetic import make_items
+from mmpo.training.checkpoint import CorruptCheckpointError  # noqa: F401  (the error the strategy raises)
+from mmpo.training.fsdp import MANIFEST, all_finite, check_sharding_support, manifest_problem, write_manifest
+from mmpo.vlm.factory import build_tiny_vlm, load_vlm
+from mmpo.vlm.fsdp import as_root_forward, full_state_dict, full_weights, is_sharded, shard_vlm
+from mmpo.vlm.logprobs import completion_log_probs
+from mmpo.vlm.rollout import HFGenerateEngine
+
+
+@pytest.fixture(scope="module")
+def one_rank_mesh():
+    from torch.distributed.device_mesh import init_device_mesh
+
+    if dist.is_initialized():
+        pytest.fail("a process group is already initialised in this test process")
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    try:
+        yield init_device_mesh("cpu", (1,))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return build_tiny_vlm(tmp_path_factory.mktemp("tiny"), vocab_size=400, hidden_size=64, intermediate_size=128)
+
+
+@pytest.mark.parametrize("checkpointing", [False, True], ids=["plain", "gradient-checkpointing"])
+def test_sharded_model_matches_unsharded(one_rank_mesh, tiny, checkpointing):
+    model, processor = load_vlm(tiny)
+    sharded = copy.deepcopy(model)
+    if checkpointing:  # as the real-size configs: recomputed layers inside FSDP2 units
+        sharded.gradient_checkpointing_enable()
+        sharded.train()
+    shard_vlm(sharded, one_rank_mesh)
+    assert is_sharded(sharded) and not is_sharded(model)
+    rows = make_items("count_shapes", 1, seed=0) + make_items("arithmetic", 1, seed=0)  # image + text-only
+
+    torch.manual_seed(0)
+    plain = HFGenerateEngine(model, processor).generate(rows, num_samples=2, max_new_tokens=5)
+    torch.manual_seed(0)
+    gathered = HFGenerateEngine(sharded, processor).generate(rows, num_samples=2, max_new_tokens=5)
+    assert torch.equal(plain.completion_ids, gathered.completion_ids)
+
+    def loss_and_grads(policy):
+        log_probs, _ = completion_log_probs(policy, plain.prompt_inputs, plain.completion_ids, plain.completion_mask)
+        loss = -(log_probs * plain.completion_mask).sum()
+        loss.backward()
+        grads = {n: (p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad)
+                 for n, p in policy.named_parameters() if p.grad is not None}
+        return log_probs.detach(), grads
+
+    expected, expected_grads = loss_and_grads(model)
+    got, got_grads = loss_and_grads(sharded)
+    torch.testing.assert_close(got, expected, atol=1e-6, rtol=1e-5)
+    assert set(got_grads) == set(expected_grads) and any("visual" in n for n in got_grads)
+    for name, grad in expected_grads.items():
+        torch.testing.assert_close(got_grads[name], grad, atol=1e-6, rtol=1e-5, msg=name)
+
+    full = full_state_dict(sharded)
+    for name, value in model.state_dict().items():
+        assert torch.equal(full[name], value), name
+
+
+def test_full_weights_keeps_units_gathered_and_nests(one_rank_mesh, tiny):
+    from torch.distributed.tensor import DTensor
+
+    model = shard_vlm(load_vlm(tiny)[0], one_rank_mesh)
+    weight = model.lm_head.weight
+    assert isinstance(weight, DTensor)
+    with full_weights(model):
+        assert not isinstance(model.lm_head.weight, DTensor)  # the gathered (plain) parameter
+        with full_weights(model):  # nested: no second gather, and leaving it keeps the weights gathered
+            pass
+        assert not isinstance(model.lm_head.weight, DTensor)
+    assert isinstance(model.lm_head.weight, DTensor)  # resharded on leaving the outer block
+
+
+def test_unsharded_model_passes_through():
+    layer = torch.nn.Linear(2, 2)
+    with full_weights(layer):
+        pass
+    assert as_root_forward(layer, lambda a, b: a + b, 2, b=3) == 5  # 2 + 3, called directly
+    assert full_state_dict(layer).keys() == {"weight", "bias"}
+
+
+def test_manifest_detects_changed_missing_and_extra_files(tmp_path):
+    (tmp_path / "a.distcp").write_bytes(b"shard a")
+    (tmp_path / "meta.pt").write_bytes(b"meta")
+    assert manifest_problem(tmp_path) == "missing"
+    write_manifest(tmp_path)
+    assert (tmp_path / MANIFEST).read_text().count("\n") == 2
+    assert manifest_problem(tmp_path) is None
+    (tmp_path / "a.distcp").write_bytes(b"shard b")
+    assert manifest_problem(tmp_path) == f"a.distcp does not match {MANIFEST} (bytes changed after it was written)"
+    write_manifest(tmp_path)
+    (tmp_path / "extra").write_bytes(b"x")
+    assert manifest_problem(tmp_path) == f"extra is not listed in {MANIFEST}"
+    (tmp_path / "extra").unlink()
+    (tmp_path / "meta.pt").unlink()
+    assert manifest_problem(tmp_path) == f"meta.pt listed in {MANIFEST} is missing"
+
+
+def test_all_finite_reads_nested_states():
+    assert all_finite({"w": torch.ones(2)}, [{"exp_avg": torch.zeros(3), "step": torch.tensor(1)}])
+    assert not all_finite({"w": torch.ones(2)}, [{"exp_avg": torch.tensor([0.0, float("nan")])}])
+    assert not all_finite({"w": torch.tensor([float("inf")])})
+
+
+def test_unsupported_strategies_are_refused_with_the_fix():
+    from lightning.pytorch.strategies import DDPStrategy, FSDPStrategy, ModelParallelStrategy
+
+    with pytest.raises(ValueError, match="FSDP1.*mmpo.training.fsdp.FSDP2Strategy"):
+        check_sharding_support(FSDPStrategy())
+    with pytest.raises(ValueError, match="tensor parallelism.*FSDP2Strategy"):
+        check_sharding_support(ModelParallelStrategy())
+    check_sharding_support(DDPStrategy())  # no error
+    check_sharding_support(None)
