@@ -46,7 +46,7 @@ from robotics.policy.dppo_math import (
     normalize_advantages,
     reduce_step_log_prob,
 )
-from robotics.policy.io import load_policy
+from robotics.policy.io import build_policy, load_policy
 
 EnvFactory = Callable[..., Any]
 
@@ -174,6 +174,10 @@ class DPPOModule(NonFiniteGuardMixin, pl.LightningModule):
         eval_ddpm_std_floor: the DDPM evaluation chain: None (default, the results recorded in
             bench/RESULTS.md) = the mean of every step; 1e-3 = the official DPPO evaluation, which adds noise
             with std max(std, 1e-3) on every step but the last.
+        rollout_ddim_steps: None (default) = fine-tune the BC policy's own DDPM chain; n = run rollouts, updates
+            and evaluation on a DDIM (eta = 1, exact Gaussian log-probs) chain of n strided steps of its K training
+            timesteps, with the same network (DPPO's DDIM fine-tuning; fewer network calls per env step).
+            ft_steps counts steps of that chain (1 <= ft_steps <= n).
         critic_hidden_dims: critic ResidualMLP widths ([256, 256, 256]).
         seed: env seed (env i: seed + i) and torch seed of sampling.
         env_factory: callable ``(num_envs=..., seed=..., act_steps=...) -> VectorEnv`` (SAME_STEP
@@ -229,6 +233,7 @@ class DPPOModule(NonFiniteGuardMixin, pl.LightningModule):
         eval_episodes: int = 50,
         eval_sampler: str | None = None,
         eval_ddpm_std_floor: float | None = None,
+        rollout_ddim_steps: int | None = None,
         critic_hidden_dims: list[int] | None = None,
         seed: int = 0,
         env_factory: EnvFactory | None = None,
@@ -273,6 +278,15 @@ class DPPOModule(NonFiniteGuardMixin, pl.LightningModule):
         """The policy to fine-tune and its checkpoint's metadata: the BC diffusion policy with a trainable
         copy of its last ``ft_steps`` denoising steps (a subclass loads another policy family)."""
         policy, metadata = load_policy(bc_checkpoint)
+        ddim_steps = self.hparams.rollout_ddim_steps
+        if ddim_steps is not None and policy.policy_config["sampler"] == "ddpm":
+            # Same eps network on a strided DDIM (eta = 1) chain of ddim_steps of the K training timesteps: each
+            # step stays Gaussian with an exact log-prob (DPPO's DDIM fine-tuning), at ddim_steps / K of the cost.
+            config = {**policy.policy_config, "sampler": "ddim", "ddim_steps": ddim_steps}
+            policy = build_policy({**metadata, "policy_config": config, "ft_steps": 0}, policy.state_dict())
+        elif ddim_steps is not None and policy.schedule.num_chain_steps != ddim_steps:
+            raise ValueError(f"rollout_ddim_steps={ddim_steps}, but {bc_checkpoint} already runs a "
+                             f"{policy.schedule.num_chain_steps}-step DDIM chain; leave it unset or equal")
         policy.enable_finetuning(ft_steps)
         return policy, metadata
 

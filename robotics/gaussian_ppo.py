@@ -31,7 +31,8 @@ from robotics.policy.networks import ResidualMLP
 GAUSSIAN_BC_PREFIX = "policy."
 # DPPOModule settings that exist only for a denoising chain: set here by construction or unused.
 _CHAIN_ONLY = ("ft_steps", "gamma_denoise", "clip_base", "clip_final", "clip_rate", "min_sampling_std",
-               "min_logprob_std", "logprob_min", "logprob_max", "eval_sampler", "eval_ddpm_std_floor")
+               "min_logprob_std", "logprob_min", "logprob_max", "eval_sampler", "eval_ddpm_std_floor",
+               "rollout_ddim_steps")
 
 
 @dataclass

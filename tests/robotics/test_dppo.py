@@ -121,6 +121,30 @@ def test_ratio_is_one_on_the_first_minibatch_after_a_rollout(bc_checkpoint):
     module.envs.close()
 
 
+def test_rollout_ddim_steps_fine_tunes_a_shorter_chain_with_the_same_network(bc_checkpoint, tmp_path):
+    """DDIM (eta = 1) over 3 of the BC policy's K = 5 timesteps: 3 network calls per env step instead of 5, the
+    stored chain and old log-probs are re-scored exactly (ratio 1 before the first step), and a checkpoint
+    rebuilds the same 3-step chain."""
+    bc, _ = load_policy(bc_checkpoint)
+    module = make_module(bc_checkpoint, num_envs=4, n_steps=6, num_iterations=2, ft_steps=2, rollout_ddim_steps=3,
+                         update_epochs=1)
+    policy = module.policy
+    assert (policy.schedule.num_chain_steps, policy.ft_steps, policy.policy_config["sampler"]) == (3, 2, "ddim")
+    assert policy.schedule.timesteps.tolist() != list(range(4, -1, -1))  # strided, not the 5 DDPM steps
+    assert all(torch.equal(a, b) for a, b in zip(policy.network.parameters(), bc.network.parameters()))
+    trainer = _trainer(tmp_path, enable_checkpointing=False)
+    trainer.fit(module)
+    assert module.last_metrics["policy/ratio_first_minibatch_maxdev"] < 1e-5
+    path = tmp_path / "ddim.ckpt"
+    trainer.save_checkpoint(path)
+    reloaded, metadata = load_policy(path)
+    assert (reloaded.schedule.num_chain_steps, metadata["ft_steps"]) == (3, 2)
+    with pytest.raises(ValueError, match=r"ft_steps \(K'\) must be in \[1, 3\]"):
+        make_module(bc_checkpoint, ft_steps=4, rollout_ddim_steps=3)
+    with pytest.raises(ValueError, match="already runs a 3-step DDIM chain"):
+        make_module(str(path), rollout_ddim_steps=2)
+
+
 def test_rollout_boundaries_use_final_obs_and_gae_bootstraps_truncations(bc_checkpoint):
     module = make_module(bc_checkpoint, num_envs=2, n_steps=8, reward_scale_running=False)
     module.envs = module.make_envs()
