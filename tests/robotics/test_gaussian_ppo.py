@@ -12,8 +12,8 @@ import torch
 from torch.utils.data import DataLoader, TensorDataset
 
 from robotics.gaussian_ppo import GaussianBCModule, GaussianChunkPolicy, GaussianPPOModule, load_gaussian_policy
-from tests.reliability.test_resume_robotics import assert_same_tensors, training_state, write_tiny_demos
-from tests.robotics.test_dppo import reach_envs
+from reliability.test_resume_robotics import assert_same_tensors, training_state, write_tiny_demos
+from robotics_reach import reach_envs
 
 REPO = Path(__file__).resolve().parents[2]
 
