@@ -12,6 +12,7 @@ import torch
 from torch.utils.data import DataLoader, TensorDataset
 
 from robotics.gaussian_ppo import GaussianBCModule, GaussianChunkPolicy, GaussianPPOModule, load_gaussian_policy
+from robotics.policy.io import load_policy
 from reliability.test_resume_robotics import assert_same_tensors, training_state, write_tiny_demos
 from robotics_reach import reach_envs
 
@@ -106,6 +107,8 @@ def test_two_ppo_iterations(gaussian_bc_checkpoint, tmp_path):
     trainer.save_checkpoint(path)
     reloaded, metadata = load_gaussian_policy(path)
     assert metadata["kind"] == "gaussian_ppo"
+    with pytest.raises(ValueError, match="holds a Gaussian policy"):
+        load_policy(path)  # the diffusion loader (mmpo rollout, DPPO's bc_checkpoint) names the mix-up
     assert all(torch.equal(value, after[key]) for key, value in reloaded.state_dict().items())
 
 
