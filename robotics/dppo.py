@@ -46,7 +46,7 @@ from robotics.policy.dppo_math import (
     normalize_advantages,
     reduce_step_log_prob,
 )
-from robotics.policy.io import load_policy
+from robotics.policy.io import build_policy, load_policy
 
 EnvFactory = Callable[..., Any]
 
@@ -174,6 +174,10 @@ class DPPOModule(NonFiniteGuardMixin, pl.LightningModule):
         eval_ddpm_std_floor: the DDPM evaluation chain: None (default, the results recorded in
             bench/RESULTS.md) = the mean of every step; 1e-3 = the official DPPO evaluation, which adds noise
             with std max(std, 1e-3) on every step but the last.
+        rollout_ddim_steps: None (default) = fine-tune the BC policy's own DDPM chain; n = run rollouts, updates
+            and evaluation on a DDIM (eta = 1, exact Gaussian log-probs) chain of n strided steps of its K training
+            timesteps, with the same network (DPPO's DDIM fine-tuning; fewer network calls per env step).
+            ft_steps counts steps of that chain (1 <= ft_steps <= n).
         critic_hidden_dims: critic ResidualMLP widths ([256, 256, 256]).
         seed: env seed (env i: seed + i) and torch seed of sampling.
         env_factory: callable ``(num_envs=..., seed=..., act_steps=...) -> VectorEnv`` (SAME_STEP
@@ -229,6 +233,7 @@ class DPPOModule(NonFiniteGuardMixin, pl.LightningModule):
         eval_episodes: int = 50,
         eval_sampler: str | None = None,
         eval_ddpm_std_floor: float | None = None,
+        rollout_ddim_steps: int | None = None,
         critic_hidden_dims: list[int] | None = None,
         seed: int = 0,
         env_factory: EnvFactory | None = None,
@@ -249,7 +254,7 @@ class DPPOModule(NonFiniteGuardMixin, pl.LightningModule):
         if eval_ddpm_std_floor is not None and eval_ddpm_std_floor < 0:
             raise ValueError(f"eval_ddpm_std_floor must be >= 0 or None, got {eval_ddpm_std_floor}")
         check_dppo_loss(loss, loss_settings)
-        policy, metadata = load_policy(bc_checkpoint)
+        policy, metadata = self.load_actor(bc_checkpoint, ft_steps)
         self.source_metadata = metadata
         self.task = task or metadata.get("task")
         self.act_steps = int(act_steps or metadata.get("act_steps") or policy.horizon)
@@ -257,7 +262,6 @@ class DPPOModule(NonFiniteGuardMixin, pl.LightningModule):
             raise ValueError(f"act_steps must be in [1, horizon={policy.horizon}], got {self.act_steps}")
         self.max_episode_steps = max_episode_steps or metadata.get("max_episode_steps")
         self.normalizer_path = normalizer_path or metadata.get("normalizer_path")
-        policy.enable_finetuning(ft_steps)
         self.policy: DiffusionPolicy = policy
         self.critic = CriticMLP(policy.obs_dim, critic_hidden_dims or [256, 256, 256])
         self.register_buffer("clip_ranges", clip_schedule(ft_steps, clip_base, clip_final, clip_rate), persistent=False)
@@ -269,6 +273,22 @@ class DPPOModule(NonFiniteGuardMixin, pl.LightningModule):
         self.train_tracker = EpisodeTracker(num_envs)
         self.iteration = 0
         self._generator = torch.Generator().manual_seed(seed)
+
+    def load_actor(self, bc_checkpoint: str, ft_steps: int) -> tuple[Any, dict[str, Any]]:
+        """The policy to fine-tune and its checkpoint's metadata: the BC diffusion policy with a trainable
+        copy of its last ``ft_steps`` denoising steps (a subclass loads another policy family)."""
+        policy, metadata = load_policy(bc_checkpoint)
+        ddim_steps = self.hparams.rollout_ddim_steps
+        if ddim_steps is not None and policy.policy_config["sampler"] == "ddpm":
+            # Same eps network on a strided DDIM (eta = 1) chain of ddim_steps of the K training timesteps: each
+            # step stays Gaussian with an exact log-prob (DPPO's DDIM fine-tuning), at ddim_steps / K of the cost.
+            config = {**policy.policy_config, "sampler": "ddim", "ddim_steps": ddim_steps}
+            policy = build_policy({**metadata, "policy_config": config, "ft_steps": 0}, policy.state_dict())
+        elif ddim_steps is not None and policy.schedule.num_chain_steps != ddim_steps:
+            raise ValueError(f"rollout_ddim_steps={ddim_steps}, but {bc_checkpoint} already runs a "
+                             f"{policy.schedule.num_chain_steps}-step DDIM chain; leave it unset or equal")
+        policy.enable_finetuning(ft_steps)
+        return policy, metadata
 
     # ------------------------------------------------------------------ environments
     def make_envs(self) -> Any:
@@ -326,18 +346,11 @@ class DPPOModule(NonFiniteGuardMixin, pl.LightningModule):
         obs_l, chain_l, logp_l, rew_l, term_l, trunc_l, start_l, reached_l = ([] for _ in range(8))
         for _ in range(hp.n_steps):
             obs_t = torch.as_tensor(self._obs, dtype=torch.float32, device=self.device)
-            sample = self.policy.sample(
-                obs_t, min_sampling_std=hp.min_sampling_std, noise_clip=hp.noise_clip,
-                return_log_probs=True, min_logprob_std=hp.min_logprob_std, generator=self._sampling_generator(),
-            )
-            logp = torch.stack(
-                [reduce_step_log_prob(sample.log_probs[:, i], self.act_steps, hp.logprob_min, hp.logprob_max)
-                 for i in range(self.policy.ft_steps)], dim=1,
-            )
-            next_obs, rewards, terminated, truncated, infos = self.envs.step(sample.actions.cpu().numpy())
+            actions, chain, logp = self.act(obs_t)
+            next_obs, rewards, terminated, truncated, infos = self.envs.step(actions.cpu().numpy())
             done = np.logical_or(terminated, truncated)
             obs_l.append(obs_t.cpu())
-            chain_l.append(sample.chain.cpu())
+            chain_l.append(chain.cpu())
             logp_l.append(logp.cpu())
             rew_l.append(np.asarray(rewards, dtype=np.float64) * hp.reward_scale_const)
             term_l.append(np.asarray(terminated, dtype=bool))
@@ -354,6 +367,21 @@ class DPPOModule(NonFiniteGuardMixin, pl.LightningModule):
             episode_start=torch.as_tensor(np.stack(start_l)),
             reached_obs=torch.as_tensor(np.stack(reached_l), dtype=torch.float32),
         )
+
+    def act(self, obs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """One batched policy call on all envs' obs (N, obs_dim): the action chunks (N, Ta, Da) to execute,
+        what the update re-scores (the last K'+1 chain states, (N, K'+1, Ta, Da)) and the per-step
+        log-probs (N, K') (std floor, clamp, mean over executed steps and dims)."""
+        hp = self.hparams
+        sample = self.policy.sample(
+            obs, min_sampling_std=hp.min_sampling_std, noise_clip=hp.noise_clip,
+            return_log_probs=True, min_logprob_std=hp.min_logprob_std, generator=self._sampling_generator(),
+        )
+        logp = torch.stack(
+            [reduce_step_log_prob(sample.log_probs[:, i], self.act_steps, hp.logprob_min, hp.logprob_max)
+             for i in range(self.policy.ft_steps)], dim=1,
+        )
+        return sample.actions, sample.chain, logp
 
     def _sampling_generator(self) -> torch.Generator | None:
         return self._generator if self.device.type == "cpu" else None
@@ -392,10 +420,7 @@ class DPPOModule(NonFiniteGuardMixin, pl.LightningModule):
         Returns: (policy loss, value loss, ratio (B,), metrics).
         """
         hp = self.hparams
-        elementwise = self.policy.chain_step_log_prob(
-            obs, chains, ft_index, min_logprob_std=hp.min_logprob_std
-        )
-        new_log_probs = reduce_step_log_prob(elementwise, self.act_steps, hp.logprob_min, hp.logprob_max)
+        new_log_probs = self.rescore(obs, chains, ft_index)
         adv = normalize_advantages(advantages) * denoising_discount(ft_index, self.policy.ft_steps, hp.gamma_denoise).to(advantages.device)
         # one core call: each pair's PPO clip range is its denoising step's (a (B, 1) tensor bound)
         clip = self.clip_ranges[ft_index].unsqueeze(1)
@@ -408,6 +433,12 @@ class DPPOModule(NonFiniteGuardMixin, pl.LightningModule):
         value_loss = 0.5 * ((values - returns) ** 2).mean()
         ratio = torch.exp((new_log_probs - old_log_probs).detach())
         return pg_loss, value_loss, ratio, metrics
+
+    def rescore(self, obs: torch.Tensor, chains: torch.Tensor, ft_index: torch.Tensor) -> torch.Tensor:
+        """Log-probs (B,) of the stored denoising steps under the current fine-tuned network."""
+        hp = self.hparams
+        elementwise = self.policy.chain_step_log_prob(obs, chains, ft_index, min_logprob_std=hp.min_logprob_std)
+        return reduce_step_log_prob(elementwise, self.act_steps, hp.logprob_min, hp.logprob_max)
 
     def ppo_update(self, rollout: Rollout, train_actor: bool) -> dict[str, float]:
         """``update_epochs`` passes over shuffled (env step, denoising step) pairs."""

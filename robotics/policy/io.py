@@ -71,6 +71,9 @@ def load_policy(path: str | Path) -> tuple[DiffusionPolicy, dict[str, Any]]:
     if "robotics" not in checkpoint:
         raise ValueError(f"{path} is not a robotics policy checkpoint (no 'robotics' metadata entry)")
     metadata = dict(checkpoint["robotics"])
+    if str(metadata.get("kind", "")).startswith("gaussian"):
+        raise ValueError(f"{path} holds a Gaussian policy (kind {metadata['kind']!r}), not a diffusion policy; "
+                         "load it with robotics.gaussian_ppo.load_gaussian_policy")
     prefix = metadata["policy_prefix"]
     state = {k[len(prefix):]: v for k, v in checkpoint["state_dict"].items() if k.startswith(prefix)}
     if not state:

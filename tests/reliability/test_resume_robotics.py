@@ -268,3 +268,44 @@ def test_dppo_fit_killed_with_sigkill_resumes_bit_exactly(tmp_path):
     actual = training_state(tmp_path / "resumed" / "checkpoints" / "last.ckpt")
     assert expected["dppo_state"]["iteration"] == 12
     assert assert_same_tensors(expected, actual) > len(expected["state_dict"])
+
+
+@pytest.mark.slow
+def test_dppo_fit_with_env_workers_killed_leaves_no_workers_and_resumes_bit_exactly(tmp_path):
+    """A long run's real setting: envs in worker processes (``asynchronous: true``). SIGKILL of the trainer
+    mid-run must not leave env workers (or their forkserver) running, and the resumed run (new workers, envs
+    reset at its first iteration) ends equal to an uninterrupted one."""
+    import psutil
+
+    from mmpo.cli import main
+
+    torch.manual_seed(0)
+    bc = BCModule(obs_dim=11, action_dim=3, horizon=2, act_steps=2, denoising_steps=3, hidden_dims=[8, 8, 8],
+                  export_safetensors=False, task="hopper")
+    bc_checkpoint = tmp_path / "bc.ckpt"
+    torch.save({"state_dict": bc.state_dict(), "robotics": bc.robotics_metadata()}, bc_checkpoint)
+    workers = ["--model.init_args.asynchronous", "true"]
+    killed = tmp_path / "killed" / "checkpoints"
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
+    process = subprocess.Popen([sys.executable, "-m", "mmpo.cli", *_dppo_cli_args(bc_checkpoint, tmp_path / "killed"),
+                                *workers], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    deadline = time.monotonic() + 240
+    while len(list(killed.glob("step=*.ckpt"))) < 3 and process.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.01)
+    children = psutil.Process(process.pid).children(recursive=True)
+    assert len(children) >= 2, children  # the env workers (and the forkserver they are forked from)
+    os.kill(process.pid, signal.SIGKILL)
+    _, stderr = process.communicate()
+    assert process.returncode == -signal.SIGKILL, stderr.decode()[-2000:]
+    _, alive = psutil.wait_procs(children, timeout=30)
+    assert not alive, f"env worker processes outlived the killed run: {alive}"
+    written = sorted(killed.glob("step=*.ckpt"), key=lambda path: int(path.stem.split("=")[1]))
+    resume_from = written[-2]  # the newest may have been cut mid-write
+    assert 1 <= torch.load(resume_from, weights_only=True)["dppo_state"]["iteration"] < 12
+
+    main([*_dppo_cli_args(bc_checkpoint, tmp_path / "resumed"), *workers, "--ckpt_path", str(resume_from)])
+    main([*_dppo_cli_args(bc_checkpoint, tmp_path / "uninterrupted"), *workers])
+    expected = training_state(tmp_path / "uninterrupted" / "checkpoints" / "last.ckpt")
+    actual = training_state(tmp_path / "resumed" / "checkpoints" / "last.ckpt")
+    assert expected["dppo_state"]["iteration"] == 12
+    assert assert_same_tensors(expected, actual) > len(expected["state_dict"])

@@ -20,36 +20,9 @@ from robotics.policy.io import load_policy
 from robotics.sfpo import SFPODPPOModule
 from mmpo.core.slow_fast import reposition
 
+from robotics_reach import Reach1D, reach_envs  # tests/ is on sys.path (tests/conftest.py)
+
 torch.set_num_threads(1)
-EPISODE_STEPS = 12
-
-
-class Reach1D(gym.Env):
-    """1-D reach: obs (pos, goal), action = velocity in [-1, 1]; reward 1 inside the goal band minus distance."""
-
-    def __init__(self) -> None:
-        self.observation_space = gym.spaces.Box(-1, 1, (2,), np.float32)
-        self.action_space = gym.spaces.Box(-1, 1, (1,), np.float32)
-
-    def reset(self, *, seed=None, options=None):
-        super().reset(seed=seed)
-        self.pos = float(self.np_random.uniform(-0.3, 0.3))
-        self.goal = float(self.np_random.choice([-0.6, 0.6]))
-        return self._obs(), {}
-
-    def _obs(self) -> np.ndarray:
-        return np.array([self.pos, self.goal], np.float32)
-
-    def step(self, action):
-        self.pos = float(np.clip(self.pos + 0.2 * float(np.clip(action[0], -1, 1)), -1, 1))
-        distance = abs(self.pos - self.goal)
-        reward = float(distance < 0.15) - distance
-        return self._obs(), reward, False, False, {"success": distance < 0.15}
-
-
-def reach_envs(num_envs: int, seed: int, act_steps: int) -> SyncVectorEnv:
-    makers = [lambda: ActionChunkWrapper(gym.wrappers.TimeLimit(Reach1D(), EPISODE_STEPS), act_steps)] * num_envs
-    return SyncVectorEnv(makers, autoreset_mode=AutoresetMode.SAME_STEP)
 
 
 @pytest.fixture(scope="module")
@@ -119,6 +92,30 @@ def test_ratio_is_one_on_the_first_minibatch_after_a_rollout(bc_checkpoint):
     # the stored old log-probs are the clamped means over (executed steps, dims): within [-5, 2]
     assert rollout.old_log_probs.min() >= -5.0 and rollout.old_log_probs.max() <= 2.0
     module.envs.close()
+
+
+def test_rollout_ddim_steps_fine_tunes_a_shorter_chain_with_the_same_network(bc_checkpoint, tmp_path):
+    """DDIM (eta = 1) over 3 of the BC policy's K = 5 timesteps: 3 network calls per env step instead of 5, the
+    stored chain and old log-probs are re-scored exactly (ratio 1 before the first step), and a checkpoint
+    rebuilds the same 3-step chain."""
+    bc, _ = load_policy(bc_checkpoint)
+    module = make_module(bc_checkpoint, num_envs=4, n_steps=6, num_iterations=2, ft_steps=2, rollout_ddim_steps=3,
+                         update_epochs=1)
+    policy = module.policy
+    assert (policy.schedule.num_chain_steps, policy.ft_steps, policy.policy_config["sampler"]) == (3, 2, "ddim")
+    assert policy.schedule.timesteps.tolist() != list(range(4, -1, -1))  # strided, not the 5 DDPM steps
+    assert all(torch.equal(a, b) for a, b in zip(policy.network.parameters(), bc.network.parameters()))
+    trainer = _trainer(tmp_path, enable_checkpointing=False)
+    trainer.fit(module)
+    assert module.last_metrics["policy/ratio_first_minibatch_maxdev"] < 1e-5
+    path = tmp_path / "ddim.ckpt"
+    trainer.save_checkpoint(path)
+    reloaded, metadata = load_policy(path)
+    assert (reloaded.schedule.num_chain_steps, metadata["ft_steps"]) == (3, 2)
+    with pytest.raises(ValueError, match=r"ft_steps \(K'\) must be in \[1, 3\]"):
+        make_module(bc_checkpoint, ft_steps=4, rollout_ddim_steps=3)
+    with pytest.raises(ValueError, match="already runs a 3-step DDIM chain"):
+        make_module(str(path), rollout_ddim_steps=2)
 
 
 def test_rollout_boundaries_use_final_obs_and_gae_bootstraps_truncations(bc_checkpoint):

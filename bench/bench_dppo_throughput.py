@@ -1,0 +1,130 @@
+"""Benchmark: DPPO collection env steps/s vs the raw single-environment simulator, side by side in one run.
+
+Three configurations, measured in ABBA order per round (raw, DDPM, DDIM, DDIM, DDPM, raw) so that drift
+in machine load hits them alike, then each policy alone (batched ``act`` calls, no env) once per round:
+
+- ``raw``: one robosuite env in this process, random actions (``robotics.envs.make_env``), no policy;
+- ``ddpm``: ``DPPOModule.collect_rollout`` on ``--num-envs`` subprocess envs, one batched policy call per
+  chunk step over all envs, the policy's own K-step DDPM chain (K = ``--denoising-steps``);
+- ``ddim``: the same with ``rollout_ddim_steps = --ddim-steps`` (DDIM eta = 1 over a strided subset of the
+  K timesteps, same network: fewer network calls per chunk step).
+
+The policy is a randomly initialised Lift-sized diffusion policy (MLP [512] x 3, Ta = 4): throughput does
+not depend on what it learned. Env construction is excluded; each rollout's env reset is included (as in
+training, reset_at_iteration). The issue's goal is ddpm/ddim >= 0.8 x raw x cores (1.6 x raw on 2 cores).
+
+    OMP_NUM_THREADS=1 python bench/bench_dppo_throughput.py --rounds 3 --num-envs 2 --n-steps 25
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import statistics
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+os.environ.setdefault("MKL_NUM_THREADS", "1")
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--task", default="lift")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--num-envs", type=int, default=2)
+    parser.add_argument("--n-steps", type=int, default=25, help="chunk steps per env per measured rollout")
+    parser.add_argument("--act-steps", type=int, default=4)
+    parser.add_argument("--raw-steps", type=int, default=300, help="simulator steps per raw measurement")
+    parser.add_argument("--denoising-steps", type=int, default=20)
+    parser.add_argument("--ft-steps", type=int, default=10)
+    parser.add_argument("--ddim-steps", type=int, default=5)
+    parser.add_argument("--max-episode-steps", type=int, default=300)
+    return parser.parse_args(argv)
+
+
+def raw_steps_per_s(env, steps: int, rng: np.random.Generator) -> float:
+    low, high = env.action_space.low, env.action_space.high
+    start = time.perf_counter()
+    for _ in range(steps):
+        _, _, terminated, truncated, _ = env.step(rng.uniform(low, high))
+        if terminated or truncated:
+            env.reset()
+    return steps / (time.perf_counter() - start)
+
+
+def collection_steps_per_s(module) -> float:
+    before = module.train_tracker.env_steps
+    start = time.perf_counter()
+    module.collect_rollout()
+    return (module.train_tracker.env_steps - before) / (time.perf_counter() - start)
+
+
+def policy_only_steps_per_s(module, n_steps: int) -> float:
+    """The policy's share alone: ``n_steps`` batched ``act`` calls on fixed obs, as env steps/s it could feed."""
+    obs = torch.zeros(module.hparams.num_envs, module.policy.obs_dim)
+    start = time.perf_counter()
+    with torch.no_grad():
+        for _ in range(n_steps):
+            module.act(obs)
+    return n_steps * module.hparams.num_envs * module.act_steps / (time.perf_counter() - start)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    torch.set_num_threads(1)
+    from robotics.bc import BCModule
+    from robotics.dppo import DPPOModule
+    from robotics.envs import make_env
+
+    torch.manual_seed(0)
+    bc = BCModule(obs_dim=19, action_dim=7, horizon=4, act_steps=args.act_steps, denoising_steps=args.denoising_steps,
+                  hidden_dims=[512, 512, 512], export_safetensors=False, task=args.task,
+                  max_episode_steps=args.max_episode_steps)
+    checkpoint = Path(tempfile.mkdtemp()) / "bc.ckpt"
+    torch.save({"state_dict": bc.state_dict(), "robotics": bc.robotics_metadata()}, checkpoint)
+    common = dict(num_envs=args.num_envs, n_steps=args.n_steps, seed=0, eval_every=0, asynchronous=True)
+    modules = {
+        "ddpm": DPPOModule(str(checkpoint), ft_steps=args.ft_steps, **common),
+        "ddim": DPPOModule(str(checkpoint), ft_steps=min(args.ft_steps, args.ddim_steps),
+                           rollout_ddim_steps=args.ddim_steps, **common),
+    }
+    for module in modules.values():
+        module.envs = module.make_envs()
+    raw_env = make_env(args.task, seed=0, max_episode_steps=args.max_episode_steps)
+    raw_env.reset(seed=0)
+    rng = np.random.default_rng(0)
+    results: dict[str, list[float]] = {"raw": [], "ddpm": [], "ddim": []}
+    try:
+        for _ in range(args.rounds):
+            for name in ("raw", "ddpm", "ddim", "ddim", "ddpm", "raw"):
+                value = (raw_steps_per_s(raw_env, args.raw_steps, rng) if name == "raw"
+                         else collection_steps_per_s(modules[name]))
+                results[name].append(value)
+            for name, module in modules.items():
+                results.setdefault(f"{name} policy only", []).append(policy_only_steps_per_s(module, args.n_steps))
+    finally:
+        raw_env.close()
+        for module in modules.values():
+            module.envs.close()
+
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    raw = statistics.mean(results["raw"])
+    print(f"- date: {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; commit {commit}; "
+          f"load average at the end {os.getloadavg()}; {os.cpu_count()} CPUs; {platform.processor() or platform.machine()}")
+    print(f"- settings: {vars(args)}")
+    print("\n| configuration | env steps/s (mean) | min | max | x raw |")
+    print("|---|---|---|---|---|")
+    for name, values in results.items():
+        print(f"| {name} | {statistics.mean(values):.1f} | {min(values):.1f} | {max(values):.1f} | "
+              f"{statistics.mean(values) / raw:.2f} |")
+
+
+if __name__ == "__main__":
+    main()
