@@ -215,6 +215,42 @@ def core_agreement_measured(work: Path, stdout: str) -> dict[str, float]:
     return {} if value is None else {"core naive and chunked paths agree (1 = yes)": value}
 
 
+# GRPO step vs TRL (issue 13): `python bench/bench_grpo_vs_trl.py --tokens 32 128 --rounds 3 --steps 5`; TRL comes
+# from the `bench` extra or a folder given by MMPO_TRL_PATH (passed as --trl-path)
+TRL_TOKENS = (32, 128)
+TRL_RATIO_TOLERANCE = 0.15  # wall-clock ratios of two interleaved subprocesses on a shared machine
+
+
+def trl_recorded(text: str) -> list[Claim]:
+    claims = []
+    for tokens in TRL_TOKENS:
+        text_of_section = section(text, "grpo-vs-trl")
+        header = f"| {tokens} tokens | mmpo | TRL | mmpo / TRL |"
+        start = text_of_section.find(header)
+        if start < 0:
+            raise KeyError(f"no {header!r} in bench/RESULTS.md")
+        rows = table_after("table\n" + text_of_section[start:], "table")  # the table starts at its own header
+        row = next(r for r in rows if r[f"{tokens} tokens"].startswith("s / step (wall)"))
+        claims.append(Claim(f"GRPO step mmpo / TRL wall at {tokens} tokens", number(row["mmpo / TRL"]),
+                            rel_tol=TRL_RATIO_TOLERANCE, decimals=2))
+    return claims
+
+
+def trl_commands(work: Path) -> list[list[str]]:
+    trl_path = os.environ.get("MMPO_TRL_PATH")
+    return [[sys.executable, "bench/bench_grpo_vs_trl.py", "--tokens", *map(str, TRL_TOKENS), "--rounds", "3",
+             "--steps", "5", "--json", str(work / "grpo_vs_trl.json"), *(["--trl-path", trl_path] if trl_path else [])]]
+
+
+def trl_measured(work: Path, stdout: str) -> dict[str, float]:
+    import statistics
+
+    runs = json.loads((work / "grpo_vs_trl.json").read_text())["runs"]
+    return {f"GRPO step mmpo / TRL wall at {tokens} tokens":
+            statistics.median(r["wall_s"] for r in runs[str(tokens)]["mmpo"])
+            / statistics.median(r["wall_s"] for r in runs[str(tokens)]["trl"]) for tokens in TRL_TOKENS}
+
+
 # dLLM tiny configs end to end: sft_tiny, grpo_tiny, igpo_tiny, then `mmpo eval ... --benchmarks dllm/arith`
 DLLM_MODELS = {"SFT": "sft_tiny", "GRPO": "grpo_tiny", "IGPO": "igpo_tiny"}
 
@@ -272,6 +308,9 @@ ITEMS = [
     Item("core_memory", "about 8-10 min, ~11 GB RAM (the recorded full size)", True,
          lambda work: [[sys.executable, "bench/bench_logprob_memory.py", "--out", str(work / "core_table.md")]],
          core_recorded, core_measured, note="peak RSS and memory ratios within 5% (timings are load-dependent)"),
+    Item("grpo_vs_trl", "about 3 min (2 lengths x 3 interleaved rounds of 5 steps per side); needs TRL (the bench "
+         "extra, or MMPO_TRL_PATH=DIR holding trl)", True, trl_commands, trl_recorded, trl_measured,
+         note=f"wall-clock ratio mmpo / TRL within {TRL_RATIO_TOLERANCE:.0%}"),
     Item("dllm_tiny", "about 40 min (SFT ~25 min, GRPO ~5 min, IGPO ~6 min, 3 evals)", True,
          dllm_commands, dllm_recorded, dllm_measured, extra_env=PINNED_SIMD,
          note="deterministic on CPU at one thread with the SIMD level pinned: exact to 3 decimals"),

@@ -168,3 +168,30 @@ def test_the_real_record_parses_for_every_item():
     for item in reproduce.ITEMS:
         claims = item.recorded(text)
         assert claims and all(claim.recorded is not None for claim in claims), item.name
+
+
+def test_grpo_vs_trl_ratio_read_from_results_and_from_the_benchmarks_json(tmp_path):
+    fake = """<a id="grpo-vs-trl"></a>
+
+## GRPO step time vs TRL
+
+| 32 tokens | mmpo | TRL | mmpo / TRL |
+|---|---|---|---|
+| s / step (wall) | 0.129 | 0.211 | **0.61x** |
+| CPU-s / step | 0.128 | 0.210 | **0.61x** |
+
+| 128 tokens | mmpo | TRL | mmpo / TRL |
+|---|---|---|---|
+| s / step (wall) | 0.436 | 0.544 | **0.80x** |
+"""
+    claims = reproduce.trl_recorded(fake)
+    assert [(c.name, c.recorded, c.rel_tol) for c in claims] == [
+        ("GRPO step mmpo / TRL wall at 32 tokens", 0.61, 0.15), ("GRPO step mmpo / TRL wall at 128 tokens", 0.80, 0.15)]
+    runs = {"32": {"mmpo": [{"wall_s": 0.2}, {"wall_s": 0.1}, {"wall_s": 0.3}],
+                   "trl": [{"wall_s": 0.4}, {"wall_s": 0.4}, {"wall_s": 0.5}]},
+            "128": {"mmpo": [{"wall_s": 0.9}], "trl": [{"wall_s": 1.0}]}}
+    (tmp_path / "grpo_vs_trl.json").write_text(json.dumps({"runs": runs}))
+    now = reproduce.trl_measured(tmp_path, "")
+    assert now == {"GRPO step mmpo / TRL wall at 32 tokens": pytest.approx(0.5),  # median 0.2 / median 0.4
+                   "GRPO step mmpo / TRL wall at 128 tokens": pytest.approx(0.9)}
+    assert [row[3] for row in reproduce.compare(claims, now)] == ["DIFFERS (+-15%)", "ok (+-15%)"]
