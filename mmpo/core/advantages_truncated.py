@@ -52,9 +52,8 @@ def truncated_gae(
     # next value: V(s_{t+1}) inside the row, the bootstrap after a truncated row's last token
     next_values = torch.cat([values[:, 1:], torch.zeros_like(values[:, :1])], dim=1)
     next_values = torch.where(last, bootstrap_values.to(values).unsqueeze(1).expand(n, width), next_values)
-    token_rewards = torch.where(last & completed.unsqueeze(1), rewards.to(values).unsqueeze(1).expand(n, width),
-                                torch.zeros_like(values))
     terminated = last & completed.unsqueeze(1)
+    token_rewards = torch.where(terminated, rewards.to(values).unsqueeze(1).expand(n, width), torch.zeros_like(values))
     truncated = (last & ~completed.unsqueeze(1)) | (mask == 0)
     advantages, returns = gae(token_rewards.T, values.T, next_values.T, terminated.T, truncated.T, gamma=gamma, lam=lam)
     return advantages.T * mask, returns.T * mask
