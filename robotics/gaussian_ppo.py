@@ -23,6 +23,7 @@ import lightning.pytorch as pl
 import torch
 from torch import nn
 
+from mmpo.training.nonfinite import DEFAULT_MAX_CONSECUTIVE_SKIPS, NonFiniteGuard, NonFiniteGuardMixin
 from robotics.bc import _unpack_batch
 from robotics.dppo import DPPOModule
 from robotics.policy.io import _read_checkpoint
@@ -115,20 +116,24 @@ def load_gaussian_policy(path: str | Path) -> tuple[GaussianChunkPolicy, dict[st
     return policy.eval(), metadata
 
 
-class GaussianBCModule(pl.LightningModule):
+class GaussianBCModule(NonFiniteGuardMixin, pl.LightningModule):
     """Behaviour cloning of the Gaussian policy's mean (MSE on the whole chunk) on a ChunkDataModule.
 
     Args: obs_dim, action_dim, horizon, hidden_dims, activation, init_std, min_std: the policy;
-        lr, weight_decay: AdamW; task, act_steps, max_episode_steps, normalizer_path: env settings
+        lr, weight_decay: AdamW; max_consecutive_skips: non-finite steps skipped in a row before the run stops;
+        task, act_steps, max_episode_steps, normalizer_path: env settings
         stored in the checkpoint for :class:`GaussianPPOModule` (normalizer_path default: the datamodule's).
     """
 
     def __init__(self, obs_dim: int, action_dim: int, horizon: int = 4, *, hidden_dims: list[int] | None = None,
                  activation: str = "mish", init_std: float = 0.1, min_std: float = 0.01, lr: float = 1e-3,
                  weight_decay: float = 1e-6, task: str = "lift", act_steps: int = 4,
-                 max_episode_steps: int | None = None, normalizer_path: str | None = None) -> None:
+                 max_episode_steps: int | None = None, normalizer_path: str | None = None,
+                 max_consecutive_skips: int = DEFAULT_MAX_CONSECUTIVE_SKIPS) -> None:
         super().__init__()
         self.save_hyperparameters()
+        # a NaN/inf loss or gradient skips the step (weights untouched), as in BCModule (mmpo.training.nonfinite)
+        self.nonfinite = NonFiniteGuard(max_consecutive_skips)
         if not 1 <= act_steps <= horizon:
             raise ValueError(f"act_steps must be in [1, horizon={horizon}], got {act_steps}")
         self.policy = GaussianChunkPolicy(obs_dim, action_dim, horizon, hidden_dims=hidden_dims, activation=activation,

@@ -163,3 +163,22 @@ def test_mmpo_fit_configs_run_and_ppo_resumes_bit_exactly(tmp_path):
     actual = training_state(tmp_path / "resumed" / "checkpoints" / "last.ckpt")
     assert expected["dppo_state"]["iteration"] == 3 and expected["dppo_state"]["env_steps"] == 3 * 2 * 3 * 2
     assert assert_same_tensors(expected, actual) > len(expected["state_dict"])
+
+
+def test_gaussian_bc_skips_a_nonfinite_step_and_keeps_the_weights():
+    import lightning.pytorch as pl
+    import torch
+
+    from robotics.gaussian_ppo import GaussianBCModule
+
+    module = GaussianBCModule(obs_dim=3, action_dim=2, horizon=2, act_steps=1, hidden_dims=[8])
+    before = {k: v.clone() for k, v in module.state_dict().items()}
+    nan_batch = (torch.zeros(4, 3), torch.full((4, 2, 2), float("nan")))  # NaN actions: a NaN loss
+    trainer = pl.Trainer(accelerator="cpu", max_steps=1, logger=False, enable_checkpointing=False,
+                         enable_progress_bar=False, enable_model_summary=False)
+    from torch.utils.data import DataLoader
+
+    trainer.fit(module, train_dataloaders=DataLoader([nan_batch], batch_size=None))
+    assert module.nonfinite.skipped_steps == 1
+    for key, value in module.state_dict().items():
+        assert torch.equal(value, before[key]), key
