@@ -7,7 +7,7 @@
   ``update_policy``: K fast passes of the ``inner_updates`` steps, reposition, one slow pass; the old
   log-probs stay theta_0's. The entropy switch reads the token-mean entropy of theta_0 on the batch
   (the old-policy entropies this module computes anyway; the official code reads the update's
-  entropy, which the dLLM loss does not compute).
+  entropy, which the default dLLM loss does not compute).
 - :class:`EPODiffuGRPO`: EPO's entropy bonus and historical-entropy smoothing penalty (arXiv 2509.22576,
   ``mmpo.core.entropy_reg``) on ``extra_loss_terms``, with the entropy history checkpointed.
 - :class:`HAPODiffuGRPO`: HAPO's advantage estimator and its adaptive-clip / advantage-redistribution loss
