@@ -27,7 +27,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from mmpo.core import KL_KINDS, POLICY_LOSSES, LossParts, aggregate, kl_penalty, policy_loss
+from mmpo.core import KL_KINDS, POLICY_LOSSES, LossParts, aggregate, kl_penalty, policy_loss, policy_loss_reads_entropy
 
 
 def all_wrong_groups(correct: Tensor, group_ids: Tensor) -> Tensor:
@@ -150,9 +150,12 @@ def check_loss_choice(
     if unused:
         raise ValueError(f"loss {name!r} has no clip bounds: {unused} would be ignored; leave them at {DEFAULT_CLIP} "
                          f"or set the loss's own settings in loss_settings")
+    if "entropy" in (loss_settings or {}):
+        raise ValueError("loss_settings 'entropy' is provided by the module (the update-time entropy); remove it")
     one = torch.zeros(1, 1)
     igpo_loss(one, one, None, one[:, 0], torch.ones(1, 1), ratio_level=ratio_level, clip_low=clip_low,
-              clip_high=clip_high, beta=0.0, agg=agg, loss=loss, kl_kind=kl_kind, loss_settings=loss_settings)
+              clip_high=clip_high, beta=0.0, agg=agg, loss=loss, kl_kind=kl_kind, loss_settings=loss_settings,
+              entropy=torch.ones(1, 1))
     return name
 
 
@@ -171,6 +174,7 @@ def igpo_loss(
     loss: str | None = None,
     kl_kind: str = "k3",
     loss_settings: dict[str, Any] | None = None,
+    entropy: Tensor | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """Clipped policy loss + beta * KL (``kl_kind``, default k3) over the (entropy-filtered) loss mask.
 
@@ -183,13 +187,16 @@ def igpo_loss(
     loss mask only: dropped tokens get no gradient.
     ``loss``: any registered core policy loss instead (see :func:`resolve_loss` for how it combines
     with ``ratio_level``); ``igpo_sequence`` always takes its ratio over all L positions, as above.
-    ``clip_low`` / ``clip_high`` go to the losses that have clip bounds, ``loss_settings`` to the loss.
+    ``clip_low`` / ``clip_high`` go to the losses that have clip bounds, ``loss_settings`` to the loss,
+    ``entropy`` (the update-time per-token entropy, detached here) to a loss that reads it (``hapo``).
 
     Args:
         log_probs, old_log_probs: ``(batch, L)``.
         ref_log_probs: ``(batch, L)`` reference log-probs, or None when ``beta == 0``.
         advantages: ``(batch,)`` or per token ``(batch, L)``.
         loss_mask: ``(batch, L)``.
+        entropy: ``(batch, L)`` per-token entropy of the policy being updated, or None (a loss that
+            reads it then fails, naming it).
     Returns:
         ``(loss, metrics)``: the sum of the named parts ``policy`` and ``kl`` (coefficient beta),
         logged as ``losses/policy``, ``losses/kl``, plus the core's ``policy/*``.
@@ -200,6 +207,8 @@ def igpo_loss(
     settings = {**loss_clip_settings(name, clip_low, clip_high), **(loss_settings or {})}
     if name == CORE_LOSS["sequence"]:
         settings.setdefault("ratio_mask", torch.ones_like(log_probs))
+    if entropy is not None and policy_loss_reads_entropy(name):
+        settings["entropy"] = entropy.detach()
     pg_loss, metrics = policy_loss(name, log_probs, old_log_probs, advantages, loss_mask, agg=agg, **settings)
     parts = LossParts().add("policy", pg_loss)
     if beta > 0:

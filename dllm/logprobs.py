@@ -104,6 +104,7 @@ def completion_log_probs(
     completion_mask_ratio: float = 1.0,
     seed: int | None = None,
     with_entropy: bool = False,
+    entropy_grad: bool = False,
     chunk_size: int = 1024,
 ) -> tuple[Tensor, Tensor | None]:
     """Per-token log-probs (and entropies) of ``completions`` by the one-pass estimator.
@@ -119,7 +120,10 @@ def completion_log_probs(
             estimator; < 1: IGPO's structured estimator, where only masked positions are scored,
             see ``perturb_for_scoring`` for which).
         seed: masking seed; use the same one for old and new log-probs.
-        with_entropy: also return the per-position entropy.
+        with_entropy: also return the per-position entropy (of the mask predictor's distribution at each
+            completion position, i.e. at the masked positions of this pass).
+        entropy_grad: let the gradient flow through that entropy (an entropy term in the loss, EPO's);
+            by default it is detached (a filter or loss input only).
         chunk_size: rows per chunk in the log-softmax (memory bound).
 
     Returns:
@@ -131,5 +135,5 @@ def completion_log_probs(
     )
     logits = mask_predictor_logits(model, input_ids, attention)[:, prompt_ids.shape[1] :]
     log_probs = token_log_probs(logits, completions, chunk_size)
-    entropy = entropy_from_logits(logits.detach(), chunk_size) if with_entropy else None
+    entropy = entropy_from_logits(logits if entropy_grad else logits.detach(), chunk_size) if with_entropy else None
     return log_probs, entropy

@@ -51,7 +51,7 @@ from dllm.modeling import load_mask_predictor, mask_token_id
 from dllm.rewards import FORMAT_REWARDS, correctness_rewards_with_deadline, format_rewards
 from dllm.rollout import rollout
 from dllm.sampler import SamplerConfig
-from mmpo.core import ADVANTAGE_ESTIMATORS, compute_advantages_with_metrics
+from mmpo.core import ADVANTAGE_ESTIMATORS, LossParts, compute_advantages_with_metrics, policy_loss_reads_entropy
 from mmpo.core.aggregate import AggregationMode
 from mmpo.training.nonfinite import DEFAULT_MAX_CONSECUTIVE_SKIPS, NonFiniteGuard, NonFiniteGuardMixin, gradient_norm
 from mmpo.training.lr_schedule import SCHEDULES, warmup_schedule
@@ -160,6 +160,9 @@ class DiffuGRPO(NonFiniteGuardMixin, MaskPredictorExportHooks, PlainHparamsMixin
         overwrite_output: allow exporting into a save_dir that holds another run's export (refused otherwise).
     """
 
+    entropy_in_loss: bool = False
+    """Subclasses whose :meth:`extra_loss_terms` differentiate the update-time entropy (EPO's bonus) set True."""
+
     def __init__(
         self,
         model_path: str = "runs/dllm/sft_tiny/model",
@@ -213,7 +216,9 @@ class DiffuGRPO(NonFiniteGuardMixin, MaskPredictorExportHooks, PlainHparamsMixin
             raise ValueError(f"inner_updates must be >= 1, got {inner_updates}")
         if loss_agg not in {mode.value for mode in AggregationMode}:
             raise ValueError(f"unknown loss_agg {loss_agg!r}; valid: {[mode.value for mode in AggregationMode]}")
-        check_loss_choice(ratio_level, loss, loss_settings, clip_low, clip_high, kl_kind, loss_agg)
+        loss_name = check_loss_choice(ratio_level, loss, loss_settings, clip_low, clip_high, kl_kind, loss_agg)
+        # HAPO's loss reads the update-time entropy: computed (detached) on every inner update when it is chosen
+        self.loss_reads_entropy = policy_loss_reads_entropy(loss_name)
         check_advantage_choice(advantage, advantage_settings, group_size)
         if format_reward is not None and format_reward not in FORMAT_REWARDS:
             raise ValueError(f"unknown format_reward {format_reward!r}; valid: {sorted(FORMAT_REWARDS)} or None")
@@ -373,12 +378,13 @@ class DiffuGRPO(NonFiniteGuardMixin, MaskPredictorExportHooks, PlainHparamsMixin
 
     # ------------------------------------------------------------------ training
 
-    def _log_probs(self, model: torch.nn.Module, batch: dict, key: tuple[int, float], with_entropy: bool = False):
+    def _log_probs(self, model: torch.nn.Module, batch: dict, key: tuple[int, float], with_entropy: bool = False,
+                   entropy_grad: bool = False):
         seed, ratio = key
         return completion_log_probs(
             model, batch["prompt_ids"], batch["prompt_mask"], batch["completions"], mask_token_id=self.mask_id,
             p_mask_prompt=self.settings["p_mask_prompt"], completion_mask_ratio=ratio, seed=seed,
-            with_entropy=with_entropy, chunk_size=self.settings["chunk"],
+            with_entropy=with_entropy, entropy_grad=entropy_grad, chunk_size=self.settings["chunk"],
         )
 
     def _reference_log_probs(self, batch: dict, keys: list[tuple[int, float]]) -> dict[tuple[int, float], Tensor]:
@@ -453,19 +459,13 @@ class DiffuGRPO(NonFiniteGuardMixin, MaskPredictorExportHooks, PlainHparamsMixin
         """One optimizer step per scoring key on the clipped loss + beta KL (hook: SFPO's slow-fast update).
 
         ``old`` / ``ref`` map a key to its (log-probs, entropy) / log-probs without grad. Returns the
-        metrics averaged over the steps and the last step's loss."""
-        s = self.settings
+        metrics averaged over the steps and the last step's loss (each step's: :meth:`inner_update_loss`)."""
         optimizer = self.optimizers()
         scheduler = self.lr_schedulers()
         self.model.train()
         metrics_sum: dict[str, float] = {}
         for key in keys:
-            log_probs, _ = self._log_probs(self.model, batch, key)
-            loss, metrics = igpo_loss(
-                log_probs, old[key][0], ref.get(key), advantages, loss_masks[key], ratio_level=s["ratio_level"],
-                clip_low=s["clip_low"], clip_high=s["clip_high"], beta=s["beta"], agg=s["loss_agg"],
-                loss=s["loss"], kl_kind=s["kl_kind"], loss_settings=s["loss_settings"],
-            )
+            loss, metrics = self.inner_update_loss(batch, key, old[key][0], ref.get(key), advantages, loss_masks[key])
             optimizer.zero_grad()
             self.manual_backward(loss)
             # a non-finite loss or gradient norm drops the gradients: the step below then changes nothing
@@ -478,6 +478,41 @@ class DiffuGRPO(NonFiniteGuardMixin, MaskPredictorExportHooks, PlainHparamsMixin
             for name, value in metrics.items():
                 metrics_sum[name] = metrics_sum.get(name, 0.0) + float(value) / len(keys)
         return metrics_sum, loss
+
+    def inner_update_loss(
+        self, batch: dict, key: tuple[int, float], old_log_probs: Tensor, ref_log_probs: Tensor | None,
+        advantages: Tensor, loss_mask: Tensor,
+    ) -> tuple[Tensor, dict[str, Tensor]]:
+        """The loss of one inner update on scoring ``key``: ``igpo_loss`` (policy + beta KL) plus the named parts
+        of :meth:`extra_loss_terms`, and the metrics of both.
+
+        The update-time entropy (the mask predictor's at every scored completion position) is computed when the
+        policy loss reads it (``hapo``, detached) or a subclass puts it in the loss (``entropy_in_loss``, with grad).
+        """
+        s = self.settings
+        with_entropy = self.loss_reads_entropy or self.entropy_in_loss
+        log_probs, entropy = self._log_probs(self.model, batch, key, with_entropy=with_entropy,
+                                             entropy_grad=self.entropy_in_loss)
+        loss, metrics = igpo_loss(
+            log_probs, old_log_probs, ref_log_probs, advantages, loss_mask, ratio_level=s["ratio_level"],
+            clip_low=s["clip_low"], clip_high=s["clip_high"], beta=s["beta"], agg=s["loss_agg"],
+            loss=s["loss"], kl_kind=s["kl_kind"], loss_settings=s["loss_settings"], entropy=entropy,
+        )
+        extra, extra_metrics = self.extra_loss_terms(entropy, loss_mask)
+        if len(extra):
+            clash = sorted(set(extra.metrics()) & set(metrics))
+            if clash:
+                raise ValueError(f"extra loss parts {clash} clash with the policy loss's parts")
+            loss = loss + extra.total()
+            metrics = {**metrics, **extra.metrics(), **extra_metrics}
+        return loss, metrics
+
+    def extra_loss_terms(self, entropy: Tensor | None, loss_mask: Tensor) -> tuple[LossParts, dict[str, Any]]:
+        """Named loss parts added to the inner update's loss, and metrics (hook: EPO's entropy terms).
+
+        ``entropy``: ``(N, L)`` update-time entropy (with grad when ``entropy_in_loss``; None when neither the
+        loss nor the subclass asked for it); ``loss_mask``: that update's ``(N, L)`` loss mask. Default: none."""
+        return LossParts(), {}
 
     def on_fit_start(self) -> None:
         self.model.train()  # from_pretrained returns eval mode; rollouts switch to eval themselves

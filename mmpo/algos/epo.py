@@ -22,35 +22,11 @@ from typing import Any, Mapping
 
 import torch
 
-from mmpo.algos.config import require
 from mmpo.algos.grpo import GRPOModule
 from mmpo.core import LossParts
-from mmpo.core.entropy_reg import EPO_MASK_MODES, epo_phase_weight, epo_smoothing_penalty
+from mmpo.core.entropy_reg import EntropyHistory, check_epo_settings, epo_phase_weight, epo_smoothing_penalty
 from mmpo.vlm.rollout import Rollout
 from mmpo.training.state_hooks import CheckpointedState
-
-
-class EntropyHistory:
-    """Running mean of past steps' token-mean entropies (EPO's H_hist), with a checkpointable state."""
-
-    def __init__(self) -> None:
-        self.total = 0.0
-        self.count = 0
-
-    @property
-    def mean(self) -> float | None:
-        """H_hist, or None before the first step (no history: no penalty)."""
-        return self.total / self.count if self.count else None
-
-    def update(self, step_mean: float) -> None:
-        self.total += step_mean
-        self.count += 1
-
-    def state_dict(self) -> dict[str, float | int]:
-        return {"total": self.total, "count": self.count}
-
-    def load_state_dict(self, state: Mapping[str, float | int]) -> None:
-        self.total, self.count = float(state["total"]), int(state["count"])
 
 
 class EPOModule(CheckpointedState, GRPOModule):
@@ -87,13 +63,9 @@ class EPOModule(CheckpointedState, GRPOModule):
         epo_phase_epochs: int = 150,
         **kwargs: Any,
     ) -> None:
-        require(entropy_coef > 0, f"EPO needs entropy_coef (lambda_H) > 0, got {entropy_coef}")
-        require(epo_smooth_coef >= 0, f"epo_smooth_coef must be >= 0, got {epo_smooth_coef}")
-        require(0 <= epo_min_ratio < epo_max_ratio,
-                f"EPO needs 0 <= epo_min_ratio < epo_max_ratio, got {epo_min_ratio}, {epo_max_ratio}")
-        require(epo_penalty >= 0, f"epo_penalty must be >= 0, got {epo_penalty}")
-        require(epo_mask_mode in EPO_MASK_MODES, f"unknown epo_mask_mode {epo_mask_mode!r}; valid: {list(EPO_MASK_MODES)}")
-        require(epo_phase_epochs >= 1, f"epo_phase_epochs must be >= 1, got {epo_phase_epochs}")
+        check_epo_settings(entropy_coef=entropy_coef, epo_smooth_coef=epo_smooth_coef, epo_min_ratio=epo_min_ratio,
+                           epo_max_ratio=epo_max_ratio, epo_penalty=epo_penalty, epo_mask_mode=epo_mask_mode,
+                           epo_phase_epochs=epo_phase_epochs)
         super().__init__(model_path, entropy_coef=entropy_coef, **kwargs)
         self.entropy_history = EntropyHistory()
         self._step_entropy = [0.0, 0.0]  # this step's sum of token entropies, token count
@@ -111,13 +83,10 @@ class EPOModule(CheckpointedState, GRPOModule):
         with torch.no_grad():
             self._step_entropy[0] += float((entropy.detach() * mask).sum())
             self._step_entropy[1] += float(mask.sum())
-        history = self.entropy_history.mean
-        if history is None:  # first step: no history, no penalty (the official code has no such case)
-            penalty, within = torch.zeros_like(entropy), torch.ones(())
-        else:
-            penalty, within = epo_smoothing_penalty(
-                entropy, mask, history, min_ratio=h.epo_min_ratio, max_ratio=h.epo_max_ratio,
-                penalty=h.epo_penalty, mode=h.epo_mask_mode)
+        history = self.entropy_history.mean  # None on the first step: no history, no penalty
+        penalty, within = epo_smoothing_penalty(
+            entropy, mask, history, min_ratio=h.epo_min_ratio, max_ratio=h.epo_max_ratio,
+            penalty=h.epo_penalty, mode=h.epo_mask_mode)
         weight = self.phase_weight()
         # loss = policy - lambda_H * H + lambda_H * kappa * w * P (the H part is GRPOModule's "entropy")
         parts = LossParts().add("epo_smooth", outputs["aggregation"](penalty * weight, mask), h.entropy_coef * h.epo_smooth_coef)

@@ -49,6 +49,7 @@ from mmpo.core import (
     check_rollout_is,
     kl_penalty,
     policy_loss,
+    policy_loss_reads_entropy,
     rollout_is_weights,
 )
 from mmpo.training.lora import adapter_disabled, is_lora
@@ -604,8 +605,7 @@ class GRPOModule(VLMPolicyModule):
     def _loss_entropy_input(self, entropy: Tensor) -> dict[str, Tensor]:
         """``{"entropy": detached (N, T) entropy}`` for the losses that read per-token entropy at
         update time (HAPO's adaptive clip / advantage); ``{}`` for the others."""
-        takes = "entropy" in inspect.signature(POLICY_LOSSES.get(self.hparams.loss)).parameters
-        return {"entropy": entropy.detach()} if takes else {}
+        return {"entropy": entropy.detach()} if policy_loss_reads_entropy(self.hparams.loss) else {}
 
     def _rollout_is_weights(self, part: Rollout, log_probs: Tensor, old: Tensor) -> tuple[Tensor | None, dict]:
         """This micro-batch's rollout IS weights pi_trainer / pi_rollout (None when off) and metrics.

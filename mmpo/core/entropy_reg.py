@@ -11,6 +11,7 @@ flows through it); the paper's differentiable smoothing term is UNVERIFIED (dige
 from __future__ import annotations
 
 import math
+from typing import Mapping
 
 import torch
 from torch import Tensor
@@ -20,10 +21,53 @@ from mmpo.core.masked import masked_mean
 EPO_MASK_MODES = ("token", "seq")
 
 
+class EntropyHistory:
+    """Running mean of past training steps' token-mean entropies (EPO's H_hist), with a checkpointable state
+    (the trainers save it as ``epo_entropy_history``)."""
+
+    def __init__(self) -> None:
+        self.total = 0.0
+        self.count = 0
+
+    @property
+    def mean(self) -> float | None:
+        """H_hist, or None before the first step (no history: no penalty)."""
+        return self.total / self.count if self.count else None
+
+    def update(self, step_mean: float) -> None:
+        self.total += step_mean
+        self.count += 1
+
+    def state_dict(self) -> dict[str, float | int]:
+        return {"total": self.total, "count": self.count}
+
+    def load_state_dict(self, state: Mapping[str, float | int]) -> None:
+        self.total, self.count = float(state["total"]), int(state["count"])
+
+
+def check_epo_settings(
+    *, entropy_coef: float, epo_smooth_coef: float, epo_min_ratio: float, epo_max_ratio: float, epo_penalty: float,
+    epo_mask_mode: str, epo_phase_epochs: int,
+) -> None:
+    """Raise ValueError naming the first invalid EPO setting (the trainers' shared setting names)."""
+    checks = (
+        (entropy_coef > 0, f"EPO needs entropy_coef (lambda_H) > 0, got {entropy_coef}"),
+        (epo_smooth_coef >= 0, f"epo_smooth_coef must be >= 0, got {epo_smooth_coef}"),
+        (0 <= epo_min_ratio < epo_max_ratio,
+         f"EPO needs 0 <= epo_min_ratio < epo_max_ratio, got {epo_min_ratio}, {epo_max_ratio}"),
+        (epo_penalty >= 0, f"epo_penalty must be >= 0, got {epo_penalty}"),
+        (epo_mask_mode in EPO_MASK_MODES, f"unknown epo_mask_mode {epo_mask_mode!r}; valid: {list(EPO_MASK_MODES)}"),
+        (epo_phase_epochs >= 1, f"epo_phase_epochs must be >= 1, got {epo_phase_epochs}"),
+    )
+    for ok, message in checks:
+        if not ok:
+            raise ValueError(message)
+
+
 def epo_smoothing_penalty(
     entropy: Tensor,
     mask: Tensor,
-    history_mean: float,
+    history_mean: float | None,
     *,
     min_ratio: float = 0.5,
     max_ratio: float = 1.5,
@@ -35,7 +79,8 @@ def epo_smoothing_penalty(
     Args:
         entropy: ``(N, T)`` per-token policy entropy.
         mask: ``(N, T)`` 1 on completion tokens.
-        history_mean: the historical mean entropy H_hist (> 0).
+        history_mean: the historical mean entropy H_hist (> 0); None before the first step (no history):
+            P = 0 everywhere and ``within_frac`` 1 (the official code has no such case).
         min_ratio, max_ratio: the band (min_ratio * H_hist, max_ratio * H_hist), bounds excluded.
         penalty: P outside the band (the official ``out_range_penalty``).
         mode: ``token`` (each token against the band) or ``seq`` (each sequence's mean entropy;
@@ -53,6 +98,8 @@ def epo_smoothing_penalty(
     if entropy.shape != mask.shape:
         raise ValueError(f"entropy {tuple(entropy.shape)} and mask {tuple(mask.shape)} must have the same shape")
     entropy = entropy.detach()
+    if history_mean is None:
+        return torch.zeros_like(entropy), torch.ones((), dtype=entropy.dtype, device=entropy.device)
     mask = mask.to(entropy.dtype)
     low, high = min_ratio * history_mean, max_ratio * history_mean
     if mode == "token":

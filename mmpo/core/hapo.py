@@ -91,6 +91,14 @@ def hapo_entropy_norm(
         return stats.normalise(work, signed=signed).to(entropy.dtype), stats
 
 
+def hapo_loss_settings(*, entropy_pivot: float, clip_alpha: float, adv_beta: float,
+                       signed_entropy: bool) -> dict[str, float | bool]:
+    """The ``hapo`` loss's own settings from the trainers' ``hapo_*`` options (VLM and dLLM modules)."""
+    if not 0 <= entropy_pivot <= 1:
+        raise ValueError(f"hapo_entropy_pivot must be in [0, 1], got {entropy_pivot}")
+    return dict(entropy_pivot=entropy_pivot, clip_alpha=clip_alpha, adv_beta=adv_beta, signed_entropy=signed_entropy)
+
+
 def adaptive_temperature(temperature: float, h_hat: Tensor, tau: float) -> Tensor:
     """HAPO's per-token sampling temperature T (1 + tau clamp(h^, -1, 1)) (the patched vLLM sampler)."""
     return temperature * (1.0 + tau * h_hat.clamp(-1.0, 1.0))

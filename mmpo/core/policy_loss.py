@@ -68,6 +68,12 @@ class PolicyLoss(str, Enum):
 POLICY_LOSSES: Registry[PolicyLossFn] = Registry("policy loss")
 
 
+def policy_loss_reads_entropy(name: str | PolicyLoss) -> bool:
+    """Whether policy loss ``name`` takes the per-token policy entropy at update time (setting ``entropy``,
+    e.g. HAPO's): the trainer must then compute it and pass it, detached."""
+    return "entropy" in inspect.signature(POLICY_LOSSES.get(name)).parameters
+
+
 def register_policy_loss(name: str | PolicyLoss) -> Callable[[PolicyLossFn], PolicyLossFn]:
     """Register ``fn(log_probs, old_log_probs, advantages, mask, *, aggregation, log_ratio_clamp,
     **settings) -> (loss, metrics)`` under ``name`` (see :func:`register_ratio_loss` for the short form)."""

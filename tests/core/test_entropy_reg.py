@@ -45,3 +45,15 @@ def test_bad_settings():
         epo_smoothing_penalty(ENTROPY, MASK, 1.0, mode="sequence")
     with pytest.raises(ValueError, match="min_ratio < max_ratio"):
         epo_smoothing_penalty(ENTROPY, MASK, 1.0, min_ratio=1.5, max_ratio=0.5)
+
+
+def test_no_history_means_no_penalty_and_the_history_is_a_running_mean():
+    from mmpo.core.entropy_reg import EntropyHistory
+
+    penalty, within = epo_smoothing_penalty(ENTROPY, MASK, None, penalty=0.1)
+    assert penalty.abs().sum() == 0 and float(within) == 1.0
+    history = EntropyHistory()
+    assert history.mean is None
+    history.update(0.5)
+    history.update(2.0)
+    assert history.mean == pytest.approx(1.25) and history.state_dict() == {"total": 2.5, "count": 2}

@@ -5,6 +5,8 @@ Rollouts are scripted (known texts, so known rewards); ``igpo_loss`` is wrapped 
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import lightning.pytorch as pl
 import pytest
 import torch
@@ -25,6 +27,7 @@ GREEDY = ["1+2=3\nA:3", "2*2=5\nA:5"]  # temperature-0 rollouts: prompt 0 right,
 CORRECT = [1.0, 0.0, 0.0, 1.0, 1.0, 0.0]
 REWARDS = [c + derivation_format_reward(t) for c, t in zip(CORRECT, PLAIN)]
 GROUP_IDS = torch.tensor([0, 0, 0, 1, 1, 1])
+REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture
@@ -70,13 +73,14 @@ def _module(start, tmp_path, **overrides) -> rl.DiffuGRPO:
     return rl.DiffuGRPO(**{**settings, **overrides})
 
 
-def _step(module: rl.DiffuGRPO) -> dict[str, torch.Tensor]:
-    """One training step (inner_updates optimizer steps); the weights after it."""
+def _step(module: rl.DiffuGRPO, batches: int = 1) -> dict[str, torch.Tensor]:
+    """``batches`` training steps (inner_updates optimizer steps each) on ROWS; the weights after them
+    (the last step's logged metrics stay in ``module.trainer.callback_metrics``)."""
     torch.manual_seed(0)
-    trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=module.settings["inner_updates"], logger=False,
-                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                         num_sanity_val_steps=0)
-    trainer.fit(module, DataLoader([ROWS], batch_size=None, collate_fn=lambda x: x))
+    trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=batches * module.settings["inner_updates"],
+                         logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                         enable_model_summary=False, num_sanity_val_steps=0)
+    trainer.fit(module, DataLoader([ROWS] * batches, batch_size=None, collate_fn=lambda x: x))
     return {name: p.detach().clone() for name, p in module.model.named_parameters()}
 
 
@@ -203,30 +207,35 @@ def test_estimators_needing_token_statistics_fail_clearly(start, tmp_path, name)
         _module(start, tmp_path, advantage=name)
 
 
-def test_config_override_trains_two_steps_through_mmpo_fit(start, tmp_path, monkeypatch):
-    """``mmpo fit -c configs/dllm/grpo_tiny.yaml --model.init_args.advantage=opo`` (+ loss / kl_kind) on a tiny model."""
+def _fit_grpo_tiny(start, out, *overrides: str) -> list[dict[str, str]]:
+    """``mmpo fit -c configs/dllm/grpo_tiny.yaml`` shrunk to the tiny test model (G 2, L 8, 2 prompts a batch)
+    with ``overrides`` after it; the metrics.csv rows of the newest run that logged a policy loss."""
     import csv
-    from pathlib import Path
 
     from mmpo.cli import main
 
-    repo = Path(__file__).resolve().parents[2]
-    monkeypatch.chdir(repo)
-    out = tmp_path / "run"
     main([
-        "fit", "-c", str(repo / "configs/dllm/grpo_tiny.yaml"), f"--model.init_args.model_path={start}",
+        "fit", "-c", str(REPO / "configs/dllm/grpo_tiny.yaml"), f"--model.init_args.model_path={start}",
         "--model.init_args.warmup_config=null", f"--model.init_args.save_dir={out / 'model'}",
         f"--trainer.default_root_dir={out}", f"--trainer.callbacks.init_args.dirpath={out / 'ckpt'}",
-        "--model.init_args.advantage=opo", "--model.init_args.loss=sapo", "--model.init_args.kl_kind=low_var_kl",
-        "--model.init_args.loss_settings={tau_pos: 1.0, tau_neg: 1.2}",
         "--model.init_args.group_size=2", "--model.init_args.sampler.gen_length=8", "--model.init_args.sampler.steps=4",
         "--trainer.max_steps=2", "--trainer.enable_progress_bar=false", "--model.init_args.reward_timeout_s=null",
         "--trainer.logger=lightning.pytorch.loggers.CSVLogger", f"--trainer.logger.init_args.save_dir={out}",
         "--data.init_args.batch_size=2", "--data.init_args.train_size=8", "--data.init_args.test_size=4",
-        "--data.init_args.val_size=2",
+        "--data.init_args.val_size=2", *overrides,
     ])
-    with open(sorted(out.rglob("metrics.csv"))[-1]) as handle:
-        rows = [r for r in csv.DictReader(handle) if r.get("losses/policy")]
+    newest = max(out.rglob("metrics.csv"), key=lambda path: path.stat().st_mtime)
+    with open(newest) as handle:
+        return [r for r in csv.DictReader(handle) if r.get("losses/policy")]
+
+
+def test_config_override_trains_two_steps_through_mmpo_fit(start, tmp_path, monkeypatch):
+    """``mmpo fit -c configs/dllm/grpo_tiny.yaml --model.init_args.advantage=opo`` (+ loss / kl_kind) on a tiny model."""
+    monkeypatch.chdir(REPO)
+    out = tmp_path / "run"
+    rows = _fit_grpo_tiny(start, out, "--model.init_args.advantage=opo", "--model.init_args.loss=sapo",
+                          "--model.init_args.kl_kind=low_var_kl",
+                          "--model.init_args.loss_settings={tau_pos: 1.0, tau_neg: 1.2}")
     assert len(rows) == 1  # 2 optimizer steps = 1 batch x inner_updates 2
     assert torch.isfinite(torch.tensor(float(rows[0]["losses/policy"])))
     hparams = (sorted(out.rglob("hparams.yaml"))[-1]).read_text()
@@ -294,3 +303,218 @@ def _settings(start, tmp_path, **overrides) -> dict:
                     sampler=SamplerConfig(gen_length=GEN, block_length=8, steps=4),
                     hints=HintConfig(min_chunk=1, max_chunk=2, free_tail=1))
     return {**settings, **overrides}
+
+
+# ---------------------------------------------------------------------- EPO and HAPO on the dLLM module (dllm/variants.py)
+
+
+def _masked_completion_entropy(module: rl.DiffuGRPO, prompt: torch.Tensor) -> torch.Tensor:
+    """(6, GEN) entropy, in plain torch, of the mask predictor's distribution at every completion position with the
+    whole completion masked after ``prompt`` (6, P) (the one-pass estimator of the loss)."""
+    canvas = torch.cat([prompt, torch.full((6, GEN), module.mask_id)], 1)
+    with torch.no_grad():
+        logits = module.model(input_ids=canvas, attention_mask=torch.ones_like(canvas)).logits[:, prompt.shape[1]:]
+    return -(logits.float().softmax(-1) * logits.float().log_softmax(-1)).sum(-1)
+
+
+def _epo(start, tmp_path, **overrides):
+    from dllm.variants import EPODiffuGRPO
+
+    return EPODiffuGRPO(**_settings(start, tmp_path, **overrides))
+
+
+def test_epo_terms_by_hand(start, tmp_path):
+    module = _epo(start, tmp_path)
+    entropy = torch.tensor([[0.2, 1.0, 2.0], [1.4, 0.6, 5.0]], requires_grad=True)
+    mask = torch.tensor([[True, True, True], [True, True, False]])
+    parts, metrics = module.extra_loss_terms(entropy, mask)
+    # no history yet: P = 0; H = token mean over the 5 loss tokens = 5.2 / 5
+    assert float(parts["entropy"].detach()) == pytest.approx(5.2 / 5) and parts.coefficient("entropy") == -0.001
+    assert float(parts["epo_smooth"]) == 0.0 and metrics["epo/history_mean"] == 0.0
+    parts.total().backward()
+    # d(-lambda_H * H)/dH_t = -0.001 / 5 on each loss token, 0 on the masked-out one
+    assert torch.allclose(entropy.grad, torch.tensor([[-0.0002] * 3, [-0.0002, -0.0002, 0.0]]))
+    entropy.grad = None
+    module.entropy_history.update(0.8)
+    module.entropy_history.update(1.2)  # H_hist = 1.0: band (0.5, 1.5)
+    parts, metrics = module.extra_loss_terms(entropy, mask)
+    # P = 0.1 on the tokens 0.2 and 2.0 -> token mean 0.2 / 5; coefficient lambda_H * kappa = 0.001
+    assert float(parts["epo_smooth"]) == pytest.approx(0.04) and parts.coefficient("epo_smooth") == 0.001
+    assert float(metrics["epo/within_frac"]) == pytest.approx(0.6) and metrics["epo/history_mean"] == 1.0
+    parts.total().backward()  # P is a constant: the gradient is the bonus's alone
+    assert torch.allclose(entropy.grad, torch.tensor([[-0.0002] * 3, [-0.0002, -0.0002, 0.0]]))
+    per_sequence = _epo(start, tmp_path, loss_agg="seq-mean-token-mean", epo_mask_mode="seq")
+    per_sequence.entropy_history.load_state_dict(module.entropy_history.state_dict())
+    parts, metrics = per_sequence.extra_loss_terms(entropy, mask)
+    # rows' mean entropies 3.2 / 3 = 1.067 and 2.0 / 2 = 1.0, both inside (0.5, 1.5): P = 0
+    assert float(parts["entropy"].detach()) == pytest.approx((3.2 / 3 + 2.0 / 2) / 2)
+    assert float(parts["epo_smooth"]) == 0.0 and float(metrics["epo/within_frac"]) == 1.0
+    per_sequence.entropy_history.load_state_dict({"total": 0.5, "count": 1})  # band (0.25, 0.75): both rows out
+    parts, _ = per_sequence.extra_loss_terms(entropy, mask)
+    assert float(parts["epo_smooth"]) == pytest.approx(0.1)  # mean over rows of each row's mean P (0.1)
+    with pytest.raises(ValueError, match="epo_mask_mode"):
+        _epo(start, tmp_path, epo_mask_mode="sequence")
+    with pytest.raises(ValueError, match="entropy_coef"):
+        _epo(start, tmp_path, entropy_coef=0.0)
+
+
+def test_epo_step_adds_the_mask_predictors_entropy_to_the_loss(start, tmp_path, scripted):
+    module = _epo(start, tmp_path, inner_updates=1, entropy_coef=0.5)
+    # every position is in the loss; the scripted prompts are all ones
+    expected_entropy = float(_masked_completion_entropy(module, torch.ones(6, 3, dtype=torch.long)).mean())
+    returned = []
+    plain_update = module.update_policy
+
+    def recording_update(*args):
+        metrics, loss = plain_update(*args)
+        returned.append(float(loss))
+        return metrics, loss
+
+    module.update_policy = recording_update
+    weights = _step(module)
+    logged = module.trainer.callback_metrics
+    assert float(logged["entropy"]) == pytest.approx(expected_entropy, rel=1e-5)
+    assert float(logged["losses/entropy"]) == pytest.approx(expected_entropy, rel=1e-5)
+    assert float(logged["losses/epo_smooth"]) == 0.0  # no history on the first step
+    # the loss stepped on: igpo_loss's value - lambda_H * H
+    assert returned[0] == pytest.approx(float(scripted[0]["value"]) - 0.5 * expected_entropy, rel=1e-5)
+    assert module.entropy_history.count == 1
+    assert module.entropy_history.mean == pytest.approx(expected_entropy, rel=1e-5)
+    plain = _step(_module(start, tmp_path, inner_updates=1))
+    # the bonus carries gradient (the entropy is not detached): the weights move differently
+    assert any(not torch.equal(weight, plain[name]) for name, weight in weights.items())
+
+
+def test_epo_penalty_changes_the_loss_not_the_weights(start, tmp_path, scripted):
+    # a band (0.1, 0.5) x H_hist that no token's entropy (about H_hist) is in on the second step: P everywhere
+    band = dict(inner_updates=1, epo_min_ratio=0.1, epo_max_ratio=0.5)
+    small, large = _epo(start, tmp_path, **band, epo_penalty=0.1), _epo(start, tmp_path, **band, epo_penalty=5.0)
+    small_weights, large_weights = _step(small, batches=2), _step(large, batches=2)
+    assert float(small.trainer.callback_metrics["epo/within_frac"]) == 0.0
+    assert float(small.trainer.callback_metrics["losses/epo_smooth"]) == pytest.approx(0.1)  # token mean of P
+    assert float(large.trainer.callback_metrics["losses/epo_smooth"]) == pytest.approx(5.0)
+    for name, weight in small_weights.items():  # P is a constant: no gradient, the same weights
+        assert torch.equal(weight, large_weights[name]), name
+
+
+def test_epo_fit_history_and_resume_from_last_ckpt(start, tmp_path, monkeypatch):
+    """``mmpo fit -c configs/dllm/grpo_tiny.yaml --model.class_path=dllm.variants.EPODiffuGRPO``: step 2's H_hist is
+    step 1's entropy; the history is read back from last.ckpt and a run resumed from it continues it."""
+    from dllm.variants import EPODiffuGRPO
+
+    monkeypatch.chdir(REPO)
+    out = tmp_path / "run"
+    epo = ["--model.class_path=dllm.variants.EPODiffuGRPO", "--model.init_args.inner_updates=1",
+           "--trainer.callbacks.init_args.every_n_train_steps=1"]
+    rows = _fit_grpo_tiny(start, out, *epo)
+    assert len(rows) == 2  # 2 optimizer steps = 2 batches x inner_updates 1
+    first, second = (float(r["entropy"]) for r in rows)
+    assert float(rows[0]["epo/history_mean"]) == 0.0  # step 1 has no history
+    assert float(rows[1]["epo/history_mean"]) == pytest.approx(first, rel=1e-6)
+    assert float(rows[1]["losses/entropy"]) == pytest.approx(second, rel=1e-6)  # token-mean: H = the logged entropy
+    checkpoint = torch.load(out / "ckpt" / "last.ckpt", weights_only=False, map_location="cpu")
+    state = checkpoint["epo_entropy_history"]
+    assert state["count"] == 2 and state["total"] == pytest.approx(first + second, rel=1e-6)
+    restored = EPODiffuGRPO(**_settings(start, tmp_path))
+    assert restored.entropy_history.mean is None
+    restored.on_load_checkpoint(checkpoint)
+    assert restored.entropy_history.mean == pytest.approx((first + second) / 2, rel=1e-6)
+    resumed = _fit_grpo_tiny(start, out, *epo, "--trainer.max_steps=3", f"--ckpt_path={out / 'ckpt' / 'last.ckpt'}")
+    assert len(resumed) == 1  # the third step only
+    assert float(resumed[0]["epo/history_mean"]) == pytest.approx((first + second) / 2, rel=1e-6)
+
+
+def _h_hat_by_hand(entropy: torch.Tensor, signed: bool) -> torch.Tensor:
+    """HAPO's h^ in plain torch: x = log H, m = sorted x[round(0.8 (n - 1))], s = sqrt(mean((x - m)^2)),
+    h = (x - m) / s; h / max(h) where h > 0, else h / min(h) (official: h^ >= 0) or h / -min(h) (signed)."""
+    x = entropy.log()
+    pivot = x.flatten().sort().values[round(0.8 * (x.numel() - 1))]
+    h = (x - pivot) / (x - pivot).square().mean().sqrt()
+    return torch.where(h > 0, h / h.max(), h / (-h.min() if signed else h.min()))
+
+
+def _hapo_loss_by_hand(h_hat: torch.Tensor, ratio: torch.Tensor, advantages: torch.Tensor) -> float:
+    """HAPO's token-mean loss for advantages A > 0 or at r = 1 (where the dual clip does nothing), eps 0.2 / 0.2,
+    alpha = beta = 1: adaptive bounds, redistribution inside / outside the neutral zone, PPO clip."""
+    advantages = advantages.unsqueeze(-1).expand_as(ratio)
+    low = torch.where(h_hat <= 0, 0.2 * (1 - h_hat), torch.tensor(0.2))
+    high = torch.where(h_hat > 0, 0.2 * (1 + h_hat), torch.tensor(0.2))
+    entropic = advantages * (1 + h_hat)
+    inside = (ratio > 1 - low / 2) & (ratio < 1 + high / 2)
+    adv = torch.where(h_hat > 0, torch.where(inside, advantages, entropic), torch.where(inside, entropic, advantages))
+    per_token = -torch.minimum(ratio * adv, ratio.clamp(1 - low, 1 + high) * adv)
+    return float(per_token.mean())
+
+
+@pytest.mark.parametrize("signed, expected", [(False, -1.25), (True, -0.8125)])
+def test_hapo_loss_on_a_hand_batch(start, tmp_path, signed, expected):
+    from dllm.igpo import igpo_loss
+    from dllm.variants import HAPODiffuGRPO
+
+    module = HAPODiffuGRPO(**_settings(start, tmp_path), hapo_signed_entropy=signed)
+    entropy = torch.tensor([[0.0, 1.0, 2.0, 3.0]]).exp()
+    ratio = torch.tensor([[1.0, 1.3, 1.05, 0.5]])
+    # m = x[round(2.4)] = 2, s = sqrt(1.5): h^ = (1, 0.5, 0, 1) officially, (-1, -0.5, 0, 1) signed
+    h_hat = _h_hat_by_hand(entropy, signed)
+    assert torch.allclose(h_hat, torch.tensor([[-1.0, -0.5, 0.0, 1.0]] if signed else [[1.0, 0.5, 0.0, 1.0]]))
+    # official, A = 1: token 0 inside its zone keeps A (-1); token 1 outside takes 1.5 A, capped at 1.3 (-1.95);
+    # token 2 (h^ = 0) inside takes A (1 + 0) (-1.05); token 3 below the zone takes 2 A, clipped at 0.8:
+    # -min(0.5 x 2, 0.8 x 2) = -1; mean -1.25. Signed: 0, -1.2, -1.05, -1; mean -0.8125
+    assert _hapo_loss_by_hand(h_hat, ratio, torch.ones(1)) == pytest.approx(expected)
+    loss, metrics = igpo_loss(ratio.log(), torch.zeros(1, 4), None, torch.ones(1), torch.ones(1, 4), beta=0.0,
+                              loss=module.settings["loss"], loss_settings=module.settings["loss_settings"],
+                              entropy=entropy)
+    assert float(loss) == pytest.approx(expected, abs=1e-6)
+    assert float(metrics["policy/hapo_high_entropy"]) == pytest.approx(0.25 if signed else 0.75)
+
+
+@pytest.mark.parametrize("signed", [False, True])
+def test_hapo_step_feeds_the_update_entropy_to_the_loss(start, tmp_path, scripted, monkeypatch, signed):
+    from dllm.variants import HAPODiffuGRPO
+
+    # one prompt per row, so the rows' entropies differ (with the one-pass estimator a row's entropies depend on
+    # its prompt alone: every completion position is a mask token)
+    prompts = (torch.arange(6).unsqueeze(1) + torch.arange(3)) % 7
+    original = rl.rollout
+
+    def with_prompts(*args, **kwargs):
+        out = original(*args, **kwargs)
+        return Rollout(prompts.clone(), out.prompt_attention_mask, out.completions, out.fixed_mask, out.texts)
+
+    monkeypatch.setattr(rl, "rollout", with_prompts)
+    module = HAPODiffuGRPO(**_settings(start, tmp_path, inner_updates=1), hapo_signed_entropy=signed)
+    entropy = _masked_completion_entropy(module, prompts)
+    _step(module)
+    call = scripted[0]
+    assert call["loss"] == "hapo" and call["loss_settings"]["dual_clip"] == 10.0
+    assert torch.allclose(call["entropy"], entropy, rtol=1e-5)
+    advantages = compute_advantages("hapo", torch.tensor(REWARDS), GROUP_IDS, mask=torch.ones(6, GEN))
+    assert torch.allclose(call["advantages"], advantages, atol=1e-6)
+    # on-policy (r = 1: inside every neutral zone): h^ > 0 tokens keep A, the others take A (1 + h^). h^ from the
+    # entropy the loss got (equal to the one above to 1e-5; a row's positions are near-ties, so the pivot's rank
+    # is sensitive to the last bits)
+    h_hat = _h_hat_by_hand(call["entropy"], signed)
+    by_hand = _hapo_loss_by_hand(h_hat, torch.ones(6, GEN), advantages[:, 0])
+    assert float(call["value"]) == pytest.approx(by_hand, abs=1e-5)
+    share = float((h_hat > 0).float().mean())
+    assert float(module.trainer.callback_metrics["policy/hapo_high_entropy"]) == pytest.approx(share)
+    assert 0 < share < 1
+
+
+def test_hapo_fit_two_steps_through_mmpo_fit(start, tmp_path, monkeypatch):
+    """``mmpo fit -c configs/dllm/grpo_tiny.yaml --model.class_path=dllm.variants.HAPODiffuGRPO``."""
+    monkeypatch.chdir(REPO)
+    out = tmp_path / "run"
+    rows = _fit_grpo_tiny(start, out, "--model.class_path=dllm.variants.HAPODiffuGRPO", "--model.init_args.beta=0.0",
+                          "--model.init_args.inner_updates=1")
+    assert len(rows) == 2
+    hparams = (sorted(out.rglob("hparams.yaml"))[-1]).read_text()
+    assert "loss: hapo" in hparams and "advantage: hapo" in hparams
+    for row in rows:
+        assert torch.isfinite(torch.tensor(float(row["losses/policy"])))
+        # G = 2 with equal lengths: |A| <= 1 < 5, so no group falls back to GRPO's advantage
+        assert float(row["advantages/hapo_fallback_groups"]) == 0.0
+        # 2 prompts x G 2 x 8 positions; a group's two rows share their entropies (same prompt, completion all
+        # masked), so tokens with h^ > 0 come in pairs, and the pivot's copies (h = 0) are not among them
+        high = float(row["policy/hapo_high_entropy"]) * 32
+        assert high == pytest.approx(round(high)) and round(high) % 2 == 0 and high <= 30
