@@ -9,6 +9,7 @@ mean over seeds with a t 95% interval (t = 4.30 for 3 seeds).
 
     python bench/bench_preference.py --sft runs/tiny/sft --seeds 3 --out runs/bench_preference
     python bench/bench_preference.py --methods dpo --override=--model.init_args.lr=1e-5 --out runs/bench_preference_dpo_lr1e-5
+    python bench/bench_preference.py --methods inpo --seeds 5 --first-seed 3 --out runs/bench_preference_inpo_confirm
 
 Results: ``--out/results.json`` (rewritten after every run; a rerun skips finished runs) and
 ``--out/summary.md``.
@@ -100,6 +101,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sft", default="runs/tiny/sft", help="the SFT checkpoint both methods start from")
     parser.add_argument("--seeds", type=int, default=3)
+    parser.add_argument("--first-seed", type=int, default=0,
+                        help="seeds first-seed .. first-seed + seeds - 1 (a confirmation run on seeds a sweep did not use)")
     parser.add_argument("--steps", type=int, default=60, help="optimizer steps per run (the tiny configs' 60)")
     parser.add_argument("--eval-per-task", type=int, default=32, help="held-out test items per task")
     parser.add_argument("--max-new-tokens", type=int, default=48)
@@ -123,7 +126,7 @@ def main(argv: list[str] | None = None) -> int:
     if "sft" not in results:
         results["sft"] = {"accuracy": heldout_accuracy(args.sft, rows, args.max_new_tokens)}
         save()
-    for seed in range(args.seeds):
+    for seed in range(args.first_seed, args.first_seed + args.seeds):
         for method in args.methods:
             key = f"{method}_seed{seed}"
             if key in results:

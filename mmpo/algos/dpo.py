@@ -9,8 +9,8 @@ DPO: arXiv 2305.18290. One training step, top to bottom (``training_step``):
 3. reference    the reference log-probs of every training pair, computed ONCE with the initial
                 policy before the first step (``on_fit_start``, TRL's ``precompute_ref_log_probs``),
                 kept in memory and in checkpoints: no second model is held during training
-4. loss         ``mmpo.core.preference_loss`` (``loss_type``: sigmoid, ipo, robust, hinge) and
-                TRL's metrics ``rewards/chosen``, ``rewards/rejected``, ``rewards/margins``,
+4. loss         ``mmpo.core.preference_loss`` (``loss_type``: sigmoid, ipo, robust, hinge; ``rpo_alpha``:
+                + the chosen completions' token-mean NLL, ``losses/sft``, RPO) and TRL's metrics ``rewards/chosen``, ``rewards/rejected``, ``rewards/margins``,
                 ``rewards/accuracies``; AdamW step (automatic optimisation, non-finite guard).
 
 Validation: greedy ``val/accuracy`` / ``val/format`` on held-out prompts, as SFT and GRPO.
@@ -47,6 +47,9 @@ class DPOModule(VLMPolicyModule):
         loss_type: sigmoid (DPO; cDPO with label_smoothing), ipo, robust, hinge (``mmpo.core.PREFERENCE_LOSSES``).
         label_smoothing: assumed label-flip rate eps (sigmoid: cDPO; robust: < 0.5); 0 = plain DPO.
         length_normalize: ipo only: divide each log-ratio by its completion length (TRL's IPO).
+        rpo_alpha: weight of the chosen completions' token-mean NLL added to the loss (RPO, arXiv
+            2404.19733; TRL 1.16.0's ``loss_type=["sigmoid", "sft"], loss_weights=[1.0, rpo_alpha]``);
+            0 = off. The paper uses 1.0.
         lr: AdamW learning rate (TRL's DPO default 1e-6).
         max_completion_length: truncate chosen / rejected completions to this many tokens (None = no limit).
         ref_batch_size: pairs per forward when the reference log-probs are precomputed.
@@ -63,6 +66,7 @@ class DPOModule(VLMPolicyModule):
         loss_type: str = "sigmoid",
         label_smoothing: float = 0.0,
         length_normalize: bool = False,
+        rpo_alpha: float = 0.0,
         lr: float = 1e-6,
         max_completion_length: int | None = None,
         ref_batch_size: int = 8,
@@ -82,6 +86,7 @@ class DPOModule(VLMPolicyModule):
         require(h.max_completion_length is None or h.max_completion_length >= 1,
                 f"max_completion_length must be >= 1 or None, got {h.max_completion_length}")
         require(h.ref_batch_size >= 1, f"ref_batch_size must be >= 1, got {h.ref_batch_size}")
+        require(h.rpo_alpha >= 0, f"rpo_alpha must be >= 0, got {h.rpo_alpha}")
 
     # ------------------------------------------------------------------ log-probs
 
@@ -147,7 +152,7 @@ class DPOModule(VLMPolicyModule):
         ref_chosen, ref_rejected = self._reference_for(rows)
         return preference_loss(h.loss_type, chosen, rejected, ref_chosen, ref_rejected, beta=h.beta,
                                label_smoothing=h.label_smoothing, length_normalize=h.length_normalize,
-                               chosen_lengths=chosen_len, rejected_lengths=rejected_len)
+                               chosen_lengths=chosen_len, rejected_lengths=rejected_len, rpo_alpha=h.rpo_alpha)
 
     def training_step(self, batch: Sequence[Mapping[str, Any]], batch_idx: int) -> Tensor:
         rows = list(batch)

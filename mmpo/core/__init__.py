@@ -23,8 +23,9 @@ Pieces (each a pure function behind a name registry where there are variants):
   :func:`token_log_probs_from_hidden`.
 - rollout correction: :func:`rollout_is_weights` (truncated / masked token- or sequence-level
   IS weights between the rollout engine's and the trainer's log-probs; TRL / verl).
-- preference losses: :func:`preference_loss` (``sigmoid`` DPO / cDPO, ``ipo``, ``robust``, ``hinge``)
-  and :func:`inpo_loss` (INPO) on sequence log-probs, with TRL's ``rewards/*`` metrics.
+- preference losses: :func:`preference_loss` (``sigmoid`` DPO / cDPO, ``ipo``, ``robust``, ``hinge``;
+  ``rpo_alpha``: + the chosen NLL, :func:`chosen_nll`) and :func:`inpo_loss` (INPO) on sequence
+  log-probs, with TRL's ``rewards/*`` metrics.
 - filters (:func:`dynamic_sampling_filter`, :func:`gfpo_filter`, :func:`lspo_filter`) and shaping
   (:func:`overlong_soft_punishment`, :func:`dither_rewards`).
 """
@@ -68,6 +69,7 @@ from mmpo.core.preference import (
     PREFERENCE_LOSSES,
     check_inpo_settings,
     check_preference_settings,
+    chosen_nll,
     implicit_reward_metrics,
     inpo_loss,
     preference_loss,
@@ -112,6 +114,7 @@ __all__ = [
     "check_inpo_settings",
     "check_preference_settings",
     "check_rollout_is",
+    "chosen_nll",
     "check_clip_range",
     "compute_advantages",
     "compute_advantages_with_metrics",

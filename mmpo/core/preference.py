@@ -16,6 +16,12 @@ DPO family (``preference_loss``; Delta = (l_w - l_w^ref) - (l_l - l_l^ref), one 
   + eps log sigma(-beta Delta)] / (1 - 2 eps), unbiased under label-flip rate eps < 0.5.
 - ``hinge``    SLiC-HF (arXiv 2305.10425): relu(1 - beta Delta).
 
+RPO (``rpo_alpha``; Pang et al., "Iterative Reasoning Preference Optimization", arXiv 2404.19733):
+any of the above plus rpo_alpha x the chosen completions' NLL, a token mean over every chosen token
+of the batch, -sum_i l_w,i / sum_i |y_w,i| (``chosen_nll``). That is TRL 1.16.0's
+``loss_type=["sigmoid", "sft"], loss_weights=[1.0, rpo_alpha]`` (earlier TRL releases: ``rpo_alpha``);
+the paper uses 1.0.
+
 INPO (``inpo_loss``; Zhang et al., "Iterative Nash Policy Optimization", arXiv 2407.00617): the
 online-mirror-descent step pi_{t+1} ~ pi_t^(1 - eta tau) pi_ref^(eta tau) exp(eta P(y > pi_t)) is
 fitted by the square loss on a preferred / dispreferred pair (y_w, y_l) sampled from pi_t:
@@ -29,7 +35,8 @@ eta tau = 1 the previous iterate drops out and INPO is online IPO with beta = 1 
 Metrics (TRL's names): ``rewards/chosen`` / ``rewards/rejected`` = the implicit rewards
 beta (l - l_anchor) averaged over pairs, ``rewards/margins`` their difference,
 ``rewards/accuracies`` the fraction of pairs with chosen > rejected (strictly), plus
-``logps/chosen`` / ``logps/rejected`` and ``losses/preference``. For INPO the anchor is the
+``logps/chosen`` / ``logps/rejected``, ``losses/preference`` (the DPO-family term) and, when the
+chosen lengths are given, ``losses/sft`` (the chosen NLL, logged whether or not ``rpo_alpha`` weights it). For INPO the anchor is the
 geometric mixture eta tau log pi_ref + (1 - eta tau) log pi_t and the scale is 1, so
 ``rewards/margins`` is the mean of h, the quantity regressed onto eta / 2.
 """
@@ -43,6 +50,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from mmpo.core.loss_parts import LossParts
 from mmpo.core.registry import Registry
 
 
@@ -111,6 +119,16 @@ def implicit_reward_metrics(chosen_rewards: Tensor, rejected_rewards: Tensor) ->
     }
 
 
+def chosen_nll(chosen_logps: Tensor, chosen_lengths: Tensor) -> Tensor:
+    """Token-mean NLL of the chosen completions over the whole batch: -sum(l_w) / sum(|y_w|).
+
+    The same value as TRL 1.16.0's ``sft`` loss type, ``-chosen_per_token_logps[chosen_mask].mean()``,
+    from the sequence log-probs and token counts (0 when the batch has no chosen token).
+    """
+    _check_pairs(chosen_logps, chosen_lengths)
+    return -chosen_logps.sum() / chosen_lengths.to(chosen_logps).sum().clamp(min=1.0)
+
+
 def preference_loss(
     name: str,
     chosen_logps: Tensor,
@@ -123,8 +141,9 @@ def preference_loss(
     length_normalize: bool = False,
     chosen_lengths: Tensor | None = None,
     rejected_lengths: Tensor | None = None,
+    rpo_alpha: float = 0.0,
 ) -> tuple[Tensor, dict[str, float]]:
-    """Mean DPO-family loss over pairs, and its metrics.
+    """Mean DPO-family loss over pairs (plus RPO's chosen NLL), and its metrics.
 
     Args:
         name: ``sigmoid`` (DPO / cDPO), ``ipo``, ``robust``, ``hinge`` (:data:`PREFERENCE_LOSSES`).
@@ -136,11 +155,18 @@ def preference_loss(
         label_smoothing: eps, the assumed label-flip rate (sigmoid: cDPO; robust: < 0.5).
         length_normalize: ``ipo`` only: divide each log-ratio by its completion's token count
             (TRL's IPO); needs ``chosen_lengths`` / ``rejected_lengths`` (P,).
+        rpo_alpha: weight of the chosen completions' token-mean NLL (:func:`chosen_nll`, needs
+            ``chosen_lengths``) added to the loss; 0 = the DPO-family loss alone.
 
     Returns:
-        ``(loss, metrics)``: the 0-d mean over pairs and the metrics in the module docstring.
+        ``(loss, metrics)``: the 0-d mean over pairs (+ rpo_alpha x NLL) and the metrics in the
+        module docstring.
     """
     check_preference_settings(name, beta, label_smoothing)
+    if not rpo_alpha >= 0:
+        raise ValueError(f"rpo_alpha must be >= 0, got {rpo_alpha}")
+    if rpo_alpha and chosen_lengths is None:
+        raise ValueError("rpo_alpha weights the chosen completions' token-mean NLL; it needs chosen_lengths")
     _check_pairs(chosen_logps, rejected_logps, ref_chosen_logps, ref_rejected_logps, chosen_lengths, rejected_lengths)
     chosen_ratio = chosen_logps - ref_chosen_logps
     rejected_ratio = rejected_logps - ref_rejected_logps
@@ -153,12 +179,14 @@ def preference_loss(
                  - rejected_ratio / rejected_lengths.to(rejected_ratio).clamp(min=1.0))
     else:
         delta = chosen_ratio - rejected_ratio
-    loss = PREFERENCE_LOSSES.get(name)(delta, beta, label_smoothing).mean()
+    parts = LossParts().add("preference", PREFERENCE_LOSSES.get(name)(delta, beta, label_smoothing).mean())
+    if chosen_lengths is not None:
+        parts.add("sft", chosen_nll(chosen_logps, chosen_lengths), coef=rpo_alpha)
     metrics = implicit_reward_metrics(beta * chosen_ratio, beta * rejected_ratio)
     metrics.update({"logps/chosen": float(chosen_logps.detach().mean()),
                     "logps/rejected": float(rejected_logps.detach().mean()),
-                    "losses/preference": float(loss.detach())})
-    return loss, metrics
+                    **{key: float(value) for key, value in parts.metrics().items()}})
+    return parts.total(), metrics
 
 
 def check_inpo_settings(eta: float, tau: float) -> None:

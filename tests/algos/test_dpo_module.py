@@ -66,6 +66,41 @@ def test_first_step_is_log2_and_training_separates_the_pairs(tiny_path):
     assert metrics["rewards/accuracies"] == 1.0 and metrics["rewards/margins"] > 0.5
 
 
+def test_rpo_alpha_combined_loss_by_hand(tiny_path, monkeypatch):
+    # hand sequence log-probs for two pairs: chosen -1 (2 tokens), -2 (4 tokens); rejected -3, -1;
+    # reference -2 / -2 and -1.5 / -1.5 -> Delta = 2 and -1; beta 0.5:
+    # DPO = (log(1 + e^-1) + log(1 + e^0.5)) / 2 = 0.6436694; chosen NLL = (1 + 2) / (2 + 4) = 0.5;
+    # rpo_alpha 1: loss = 1.1436694
+    module = DPOModule(tiny_path, beta=0.5, rpo_alpha=1.0)
+    rows = [{"id": "a"}, {"id": "b"}]
+    module.ref_log_probs = {"a": (-2.0, -2.0), "b": (-1.5, -1.5)}
+    hand = (torch.tensor([-1.0, -2.0]), torch.tensor([-3.0, -1.0]), torch.tensor([2, 4]), torch.tensor([3, 5]))
+    monkeypatch.setattr(DPOModule, "pair_log_probs", lambda self, model, batch: hand)
+    loss, metrics = module.dpo_loss(rows)
+    dpo = (math.log1p(math.exp(-1.0)) + math.log1p(math.exp(0.5))) / 2
+    assert loss.item() == pytest.approx(dpo + 0.5, rel=1e-6)
+    assert metrics["losses/preference"] == pytest.approx(dpo, rel=1e-6)
+    assert metrics["losses/sft"] == pytest.approx(0.5)
+    module.hparams.rpo_alpha = 0.0  # off: the same NLL is logged, the loss is DPO's
+    loss, metrics = module.dpo_loss(rows)
+    assert loss.item() == pytest.approx(dpo, rel=1e-6) and metrics["losses/sft"] == pytest.approx(0.5)
+
+
+def test_rpo_alpha_raises_the_chosen_likelihood(tiny_path):
+    # the same pairs, steps and lr: with the NLL term the chosen completions end more likely than without
+    dm = _datamodule()
+    rows = list(dm.train_rows)
+    nll = {}
+    for alpha in (0.0, 1.0):
+        torch.manual_seed(0)
+        module = DPOModule(tiny_path, lr=5e-3, beta=0.5, rpo_alpha=alpha)
+        trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=6, logger=False, enable_checkpointing=False,
+                            limit_val_batches=0, enable_progress_bar=False, enable_model_summary=False)
+        trainer.fit(module, datamodule=_datamodule())
+        nll[alpha] = module.dpo_loss(rows)[1]["losses/sft"]
+    assert nll[1.0] < nll[0.0], nll
+
+
 def test_reference_is_not_recomputed_and_survives_a_checkpoint(tiny_path):
     dm = _datamodule()
     module = DPOModule(tiny_path)
@@ -93,6 +128,8 @@ def test_config_errors(tiny_path):
         DPOModule(tiny_path, loss_type="dpo")
     with pytest.raises(ValueError, match="length_normalize .* needs loss_type 'ipo'"):
         DPOModule(tiny_path, length_normalize=True)
+    with pytest.raises(ValueError, match="rpo_alpha must be >= 0"):
+        DPOModule(tiny_path, rpo_alpha=-0.5)
     module = DPOModule(tiny_path)
     with pytest.raises(ValueError, match="no 'chosen' / 'rejected' completion"):
         module.pair_log_probs(module.model, [{"id": "a", "problem": "hi", "images": []}])

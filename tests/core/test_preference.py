@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from mmpo.core import PREFERENCE_LOSSES, inpo_loss, preference_loss
+from mmpo.core import PREFERENCE_LOSSES, chosen_nll, inpo_loss, preference_loss
 
 # pair 0: l_w = -1, l_l = -3, ref -2 / -2 -> chosen log-ratio 1, rejected -1, Delta = 2
 # pair 1: l_w = -2, l_l = -1, ref -1.5 / -1.5 -> chosen -0.5, rejected 0.5, Delta = -1
@@ -82,6 +82,40 @@ def test_ipo_length_normalized():
     assert loss.item() == pytest.approx(0.0625)
 
 
+def test_chosen_nll_is_a_token_mean_over_the_batch():
+    # chosen log-probs -1 over 2 tokens and -2 over 4 tokens: NLL = (1 + 2) / (2 + 4) = 0.5
+    # (not the mean of per-sequence means, (0.5 + 0.5) / 2, nor of sums, 1.5)
+    assert chosen_nll(CHOSEN, torch.tensor([2, 4])).item() == pytest.approx(0.5)
+    assert chosen_nll(torch.tensor([-3.0, -1.0]), torch.tensor([1, 3])).item() == pytest.approx(1.0)
+    assert chosen_nll(torch.zeros(2), torch.zeros(2)).item() == 0.0  # no chosen token: 0, not NaN
+
+
+def test_rpo_alpha_adds_the_chosen_nll_hand_value_and_gradient():
+    # sigmoid DPO at beta 0.5 is 0.6436694 (test_loss_hand_values); chosen lengths 2 and 4 -> NLL 0.5
+    # (test above); rpo_alpha 2: loss = 0.6436694 + 2 * 0.5 = 1.6436694
+    dpo = (_softplus(-1.0) + _softplus(0.5)) / 2
+    chosen = CHOSEN.clone().requires_grad_(True)
+    lengths = torch.tensor([2, 4])
+    loss, metrics = preference_loss("sigmoid", chosen, REJECTED, REF_CHOSEN, REF_REJECTED, beta=0.5,
+                                    chosen_lengths=lengths, rpo_alpha=2.0)
+    assert loss.item() == pytest.approx(dpo + 1.0, rel=1e-6)
+    assert metrics["losses/preference"] == pytest.approx(dpo, rel=1e-6)  # the parts, unweighted
+    assert metrics["losses/sft"] == pytest.approx(0.5)
+    loss.backward()
+    # DPO's gradient (test_dpo_gradient) plus d/dl_w [2 * -(l_w0 + l_w1) / 6] = -1/3 for each pair
+    sigma = lambda x: 1 / (1 + math.exp(-x))  # noqa: E731
+    assert chosen.grad.tolist() == pytest.approx([-0.25 * sigma(-1.0) - 1 / 3, -0.25 * sigma(0.5) - 1 / 3], rel=1e-6)
+    # rpo_alpha 0 (the default): the NLL is logged, the loss is DPO's alone
+    loss, metrics = preference_loss("sigmoid", CHOSEN, REJECTED, REF_CHOSEN, REF_REJECTED, beta=0.5,
+                                    chosen_lengths=lengths)
+    assert loss.item() == pytest.approx(dpo, rel=1e-6) and metrics["losses/sft"] == pytest.approx(0.5)
+    assert "losses/sft" not in preference_loss("sigmoid", CHOSEN, REJECTED, REF_CHOSEN, REF_REJECTED)[1]
+    # IPO with RPO: 2.5 (test_loss_hand_values) + 0.5 * 0.5
+    loss, _ = preference_loss("ipo", CHOSEN, REJECTED, REF_CHOSEN, REF_REJECTED, beta=0.5, chosen_lengths=lengths,
+                              rpo_alpha=0.5)
+    assert loss.item() == pytest.approx(2.75)
+
+
 def test_inpo_hand_value_and_gradient():
     # eta 0.5, tau 1 -> eta tau = 0.5; pair: l_w -1, l_l -3, ref -2 / -2, previous iterate -1.5 / -2.5
     # anchors: 0.5 * -2 + 0.5 * -1.5 = -1.75 and 0.5 * -2 + 0.5 * -2.5 = -2.25
@@ -119,5 +153,9 @@ def test_errors_name_the_valid_values():
         preference_loss("sigmoid", CHOSEN, REJECTED[:1], REF_CHOSEN, REF_REJECTED)
     with pytest.raises(ValueError, match="length_normalize needs"):
         preference_loss("ipo", CHOSEN, REJECTED, REF_CHOSEN, REF_REJECTED, length_normalize=True)
+    with pytest.raises(ValueError, match="rpo_alpha must be >= 0"):
+        preference_loss("sigmoid", CHOSEN, REJECTED, REF_CHOSEN, REF_REJECTED, rpo_alpha=-1.0)
+    with pytest.raises(ValueError, match="rpo_alpha .* needs chosen_lengths"):
+        preference_loss("sigmoid", CHOSEN, REJECTED, REF_CHOSEN, REF_REJECTED, rpo_alpha=1.0)
     with pytest.raises(ValueError, match=r"eta \* tau <= 1"):
         inpo_loss(CHOSEN, REJECTED, REF_CHOSEN, REF_REJECTED, CHOSEN, REJECTED, eta=1.0, tau=2.0)
