@@ -19,3 +19,13 @@ import torch  # noqa: E402
 sys.path.insert(0, str(Path(__file__).parent))
 
 torch.set_num_threads(1)
+
+
+def pytest_report_header(config):
+    """Whether the vLLM backend's tests run here (tests/vlm/conftest.py leaves them out without vLLM)."""
+    import importlib.util
+
+    if importlib.util.find_spec("vllm") is not None:
+        return "vllm: importable, tests/vlm/test_vllm_engine.py runs"
+    return ("vllm: not importable here, tests/vlm/test_vllm_engine.py not collected (run it in the vLLM venv: "
+            ".venv-vllm/bin/python -m pytest tests/vlm/test_vllm_engine.py; docs/vllm.md)")

