@@ -27,12 +27,14 @@ def build_data_parallel_tiny(directory: Path) -> str:
 
 def run_fixed_grpo(tmp_path: Path, mode: str, tiny_path: str, name: str, *, agg: str = "token-mean",
                    steps: int = 1, beta: float = 0.0, momentum: float = 0.0, ckpt_dir: Path | str = "-",
-                   resume: Path | str = "-", max_grad_norm: float = 0.0, expect_ok: bool = True) -> tuple[dict[str, torch.Tensor], str]:
-    """Run tests/fixed_grpo_worker.py (MODE single, ddp or fsdp); returns its final full weights and its
+                   resume: Path | str = "-", max_grad_norm: float = 0.0, lora: bool = False,
+                   expect_ok: bool = True) -> tuple[dict[str, torch.Tensor], str]:
+    """Run tests/fixed_grpo_worker.py (MODE single, ddp or fsdp; ``lora``: with grpo_tiny_lora.yaml's adapter);
+    returns its final full weights and its
     stdout (with ``expect_ok=False``: no weights, and stdout + stderr of a run that must fail)."""
     out = tmp_path / f"{name}.safetensors"
     args = [mode, tiny_path, str(out), agg, str(steps), str(beta), str(momentum), str(ckpt_dir), str(resume),
-            str(max_grad_norm)]
+            str(max_grad_norm), str(int(lora))]
     return run_worker(WORKER, args, tmp_path, out, expect_ok=expect_ok)
 
 

@@ -3,10 +3,14 @@
 Run as a script (through tests/distributed_support.py) by tests/e2e/test_ddp_vlm.py and
 tests/e2e/test_fsdp_vlm.py; not a test module:
 
-    python fixed_grpo_worker.py MODE MODEL_PATH OUT AGG STEPS BETA MOMENTUM CKPT_DIR RESUME MAX_GRAD_NORM
+    python fixed_grpo_worker.py MODE MODEL_PATH OUT AGG STEPS BETA MOMENTUM CKPT_DIR RESUME MAX_GRAD_NORM LORA
 
 MODE is single, ddp or fsdp; CKPT_DIR "-" = no checkpoints, else one per step; RESUME "-" = fresh,
-else a checkpoint to resume from; MAX_GRAD_NORM 0 = no clipping. The global rollout is 2 prompts x G 3 (seeded, the same in every
+else a checkpoint to resume from; MAX_GRAD_NORM 0 = no clipping; LORA 0 = full fine-tuning, else
+configs/vlm/grpo_tiny_lora.yaml's adapter (rank 16, alpha 32, every text projection, frozen vision tower);
+then the run also exports to OUT without its suffix + "_hf" (merged weights and the adapter) and OUT holds
+``reference_log_probs`` (the adapter-disabled policy, sharded under FSDP2), ``policy_log_probs`` and
+``base_log_probs`` (the unsharded model loaded from MODEL_PATH) of the fixed global rollout. The global rollout is 2 prompts x G 3 (seeded, the same in every
 process), completions cut to unequal lengths so that a rank-local token mean would differ; a
 data-parallel rank keeps its prompt's group and trains with micro-batches of one completion.
 The optimizer is SGD (lr 1 without momentum: the weight change is minus the gradient). Rank 0
@@ -24,11 +28,14 @@ from torch.utils.data import DataLoader
 from mmpo.algos.grpo import GRPOModule
 from mmpo.data.synthetic import make_items
 from mmpo.training.fsdp import FSDP2Strategy
+from mmpo.training.lora import unwrap
+from mmpo.vlm.factory import load_vlm
 from mmpo.vlm.fsdp import full_state_dict, is_sharded
+from mmpo.vlm.logprobs import completion_log_probs
 from mmpo.vlm.rollout import HFGenerateEngine
 
 torch.set_num_threads(1)
-mode, model_path, out, agg, steps, beta, momentum, ckpt_dir, resume, max_grad_norm = sys.argv[1:11]
+mode, model_path, out, agg, steps, beta, momentum, ckpt_dir, resume, max_grad_norm, lora = sys.argv[1:12]
 parallel = mode != "single"
 rows = make_items("count_shapes", 1, seed=0) + make_items("arithmetic", 1, seed=0)
 REWARDS = torch.tensor([1.0, 0.0, 0.5, 0.0, 1.0, 1.0])
@@ -40,7 +47,7 @@ class FixedGRPO(GRPOModule):
 
     def build_rollout(self, batch):
         torch.manual_seed(0)
-        full = HFGenerateEngine(self.model, self.processor).generate(rows, num_samples=3, max_new_tokens=6)
+        full = HFGenerateEngine(unwrap(self.model), self.processor).generate(rows, num_samples=3, max_new_tokens=6)
         # unequal lengths (as if EOS came early), so local and global normalisers differ:
         # rank 0 holds 12 tokens, rank 1 holds 6
         lengths = torch.tensor([6, 2, 4, 1, 2, 3])
@@ -59,8 +66,11 @@ class FixedGRPO(GRPOModule):
         return torch.optim.SGD(self.model.parameters(), lr=lr, momentum=float(momentum))
 
 
+LORA = {"lora_rank": 16, "lora_alpha": 32, "lora_dropout": 0.0, "freeze_vision_tower": True,
+        "lora_target_modules": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]}
+LORA = {**LORA, "output_dir": out.removesuffix(".safetensors") + "_hf"} if int(lora) else {}
 module = FixedGRPO(model_path, num_generations=3, beta=float(beta), max_grad_norm=float(max_grad_norm), agg=agg,
-                   micro_batch_size=1 if parallel else None)
+                   micro_batch_size=1 if parallel else None, **LORA)
 callbacks = [ModelCheckpoint(dirpath=ckpt_dir, every_n_train_steps=1, save_top_k=-1)] if ckpt_dir != "-" else []
 trainer = L.Trainer(accelerator="cpu", devices=2 if parallel else 1, strategy=STRATEGIES[mode],
                     max_steps=int(steps), logger=False, enable_checkpointing=bool(callbacks), callbacks=callbacks,
@@ -72,6 +82,15 @@ assert is_sharded(module.model) == (mode == "fsdp")
 if module.reference_model is not None:
     assert is_sharded(module.reference_model) == (mode == "fsdp")
 state = full_state_dict(module.model)  # under FSDP2 every rank joins the gather
+if LORA:  # the KL reference of a LoRA policy (its adapter disabled), sharded, against the base model
+    torch.manual_seed(0)
+    rollout = HFGenerateEngine(unwrap(module.model), module.processor).generate(rows, num_samples=3, max_new_tokens=6)
+    with torch.no_grad():
+        inputs = (rollout.prompt_inputs, rollout.completion_ids, rollout.completion_mask)
+        with module.reference_policy() as reference:
+            state["reference_log_probs"] = completion_log_probs(reference, *inputs)[0]
+        state["policy_log_probs"] = completion_log_probs(module.model, *inputs)[0]
+        state["base_log_probs"] = completion_log_probs(load_vlm(model_path)[0], *inputs)[0]
 if trainer.is_global_zero:
     save_file({k: v.contiguous() for k, v in state.items()}, out)
     print("global_step", trainer.global_step, "kl", module.last_metrics.get("kl", 0.0), "losses/policy",

@@ -99,7 +99,8 @@ class VLMPolicyModule(NonFiniteGuardMixin, VLMCheckpointHooks, L.LightningModule
             if name.startswith(tuple(vision)):
                 param.requires_grad_(False)
         if lora_rank:
-            settings = LoraSettings(r=lora_rank, alpha=lora_alpha, dropout=lora_dropout)
+            # a fixed adapter initialisation: every process of a sharded (FSDP2) run starts from the same one
+            settings = LoraSettings(r=lora_rank, alpha=lora_alpha, dropout=lora_dropout, init_seed=0)
             if lora_target_modules is not None:
                 settings.target_modules = list(lora_target_modules)
             self.model = wrap_with_lora(self.model, settings, exclude_prefixes=vision)

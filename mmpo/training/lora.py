@@ -33,6 +33,10 @@ class LoraSettings:
         default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "up_proj", "down_proj", "gate_proj"]
     )
     """names (suffixes) of the Linear layers that get an adapter; model-specific"""
+    init_seed: int | None = None
+    """seed of the adapter's random initialisation (peft's ``lora_A``; ``lora_B`` starts at zero), drawn
+    from a forked RNG so the global streams are untouched; None = the global RNG. FSDP2 shards each
+    process's own copy (it broadcasts nothing, unlike DDP), so sharded runs need the same seed everywhere"""
 
 
 def wrap_with_lora(
@@ -66,7 +70,11 @@ def wrap_with_lora(
     exclude = "|".join(rf"{re.escape(prefix)}(\..*)?" for prefix in excluded) or None
     config = LoraConfig(r=settings.r, lora_alpha=settings.alpha, lora_dropout=settings.dropout,
                         target_modules=list(settings.target_modules), exclude_modules=exclude, bias="none")
-    return get_peft_model(model, config)
+    if settings.init_seed is None:
+        return get_peft_model(model, config)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(settings.init_seed)
+        return get_peft_model(model, config)
 
 
 def unwrap(model: torch.nn.Module) -> torch.nn.Module:
@@ -85,28 +93,46 @@ def is_lora(model: torch.nn.Module) -> bool:
 
 
 @torch.no_grad()
-def merged_state_dict(model: torch.nn.Module) -> dict[str, Any]:
-    """Base weights + adapter deltas, keyed like the unwrapped base model's own state dict."""
+def merged_state_dict(model: torch.nn.Module, state: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Base weights + adapter deltas, keyed like the unwrapped base model's own state dict.
+
+    ``state``: the base model's weights to merge instead of its own ``state_dict()``, keyed the same way
+    (e.g. the gathered full weights of an FSDP2-sharded model, ``mmpo.vlm.fsdp.full_state_dict``). The
+    delta is peft's plain-LoRA ``scaling * B @ A`` (transposed for ``fan_in_fan_out``), in float32.
+    """
     from peft.tuners.lora import LoraLayer
+    from peft.utils.other import transpose
 
     base = model.get_base_model()
+    if state is None:
+        state = base.state_dict()
     deltas = {}
     for name, module in base.named_modules():
         if isinstance(module, LoraLayer):
-            delta = sum(module.get_delta_weight(adapter) for adapter in module.active_adapters)
+            delta = 0
+            for adapter in module.active_adapters:
+                if module.use_dora.get(adapter, False):
+                    raise NotImplementedError(f"merging a DoRA adapter ({name}) is not supported")
+                a, b = (state[f"{name}.lora_{part}.{adapter}.weight"].float() for part in "AB")
+                delta = delta + transpose(b @ a, module.fan_in_fan_out) * module.scaling[adapter]
             deltas[f"{name}.base_layer.weight"] = delta
-    state = {}
-    for key, value in base.state_dict().items():
+    merged = {}
+    for key, value in state.items():
         if "lora_" in key:
             continue
         if key in deltas:
-            value = value + deltas[key].to(value.dtype)
-        state[key.replace(".base_layer.", ".")] = value
-    return state
+            value = (value.float() + deltas[key]).to(value.dtype)
+        merged[key.replace(".base_layer.", ".")] = value
+    return merged
 
 
-def save_merged_and_adapter(model: torch.nn.Module, path: str | Path) -> None:
-    """Merged weights (loadable without peft) in ``path`` and the adapter alone in ``path / "adapter"``."""
+def save_merged_and_adapter(model: torch.nn.Module, path: str | Path, state: dict[str, Any] | None = None) -> None:
+    """Merged weights (loadable without peft) in ``path`` and the adapter alone in ``path / "adapter"``.
+
+    ``state``: the base model's full weights to write instead of its own (see :func:`merged_state_dict`).
+    """
     path = Path(path)
-    model.get_base_model().save_pretrained(path, state_dict=merged_state_dict(model), safe_serialization=True)
-    model.save_pretrained(path / "adapter")
+    model.get_base_model().save_pretrained(path, state_dict=merged_state_dict(model, state), safe_serialization=True)
+    # peft picks the adapter tensors out of the PeftModel's own state-dict keys (base_model.model.<base key>)
+    adapter = None if state is None else {f"base_model.model.{k}": v for k, v in state.items() if "lora_" in k}
+    model.save_pretrained(path / "adapter", state_dict=adapter)

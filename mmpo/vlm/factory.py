@@ -366,16 +366,15 @@ def save_vlm(model: torch.nn.Module, processor: Any, output_dir: str | Path,
     A LoRA model (``mmpo.training.lora``) is written as merged weights, loadable without peft,
     with its adapter alone in ``output_dir / "adapter"``. ``state_dict``: the weights to write instead
     of ``model``'s own (the gathered full weights of an FSDP2-sharded model,
-    :func:`mmpo.vlm.fsdp.full_state_dict`; LoRA under FSDP2 is not supported).
+    :func:`mmpo.vlm.fsdp.full_state_dict`, keyed like the transformers model; for LoRA the adapter
+    tensors included).
     """
     from mmpo.training.lora import is_lora, save_merged_and_adapter
 
     output_dir = Path(output_dir)
     output_dir.mkdir(parents=True, exist_ok=True)
     if is_lora(model):
-        if state_dict is not None:
-            raise ValueError("save_vlm: a LoRA model under FSDP2 (state_dict given) is not supported")
-        save_merged_and_adapter(model, output_dir)
+        save_merged_and_adapter(model, output_dir, state_dict)
     else:
         model.save_pretrained(output_dir, safe_serialization=True, state_dict=state_dict)
     processor.save_pretrained(output_dir)

@@ -37,11 +37,18 @@ _GATHER_DEPTH = "mmpo_fsdp_gather_depth"
 T = TypeVar("T")
 
 
+def fsdp_root(model: nn.Module) -> nn.Module:
+    """The module FSDP2 makes its root unit: the transformers model (under a peft wrapper for LoRA)."""
+    from mmpo.training.lora import unwrap
+
+    return unwrap(model)
+
+
 def is_sharded(model: nn.Module) -> bool:
     """True when ``model`` was sharded by :func:`shard_vlm`."""
     from torch.distributed.fsdp import FSDPModule
 
-    return isinstance(model, FSDPModule)
+    return isinstance(fsdp_root(model), FSDPModule)
 
 
 def decoder_layers(model: nn.Module) -> nn.ModuleList:
@@ -68,7 +75,8 @@ def shard_vlm(model: nn.Module, mesh: Any, *, frozen: bool = False,
     """Shard ``model`` in place with FSDP2 over the 1-D data-parallel ``mesh``; returns it.
 
     Args:
-        model: an HF VLM (``...ForConditionalGeneration``).
+        model: an HF VLM (``...ForConditionalGeneration``), or a peft LoRA model of one (sharded
+            through the VLM it wraps, :func:`fsdp_root`).
         mesh: a 1-D ``DeviceMesh`` (the data-parallel ranks).
         frozen: a model that never trains (the KL reference): its root is resharded after every
             forward too (there is no backward to keep it gathered for).
@@ -78,6 +86,7 @@ def shard_vlm(model: nn.Module, mesh: Any, *, frozen: bool = False,
 
     if is_sharded(model):
         raise RuntimeError(f"{type(model).__name__} is already sharded")
+    wrapper, model = model, fsdp_root(model)
     settings: dict[str, Any] = {"mesh": mesh, "mp_policy": mp_policy or MixedPrecisionPolicy()}
     units: list[tuple[nn.Module, bool]] = []
     for layer in decoder_layers(model):
@@ -93,12 +102,12 @@ def shard_vlm(model: nn.Module, mesh: Any, *, frozen: bool = False,
     object.__setattr__(model, _GATHER_DEPTH, 0)
     setattr(model, ROOT_CALL, _call)
     register_fsdp_forward_method(model, ROOT_CALL)
-    return model
+    return wrapper
 
 
 def as_root_forward(model: nn.Module, function: Callable[..., T], *args: Any, **kwargs: Any) -> T:
     """``function(*args, **kwargs)``, run as a forward of ``model``'s FSDP root unit when sharded."""
-    call = getattr(model, ROOT_CALL, None)
+    call = getattr(fsdp_root(model), ROOT_CALL, None)
     if call is None:
         return function(*args, **kwargs)
     return call(function, *args, **kwargs)
@@ -115,6 +124,7 @@ def full_weights(model: nn.Module) -> Iterator[None]:
     if not is_sharded(model):
         yield
         return
+    model = fsdp_root(model)
     depth = getattr(model, _GATHER_DEPTH)
     units: list[tuple[Any, bool]] = getattr(model, _RESHARD_FLAGS)
     if depth == 0:
@@ -133,13 +143,15 @@ def full_weights(model: nn.Module) -> Iterator[None]:
 
 
 def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
-    """The full (unsharded) state dict of ``model`` on CPU on rank 0 (empty elsewhere) when sharded;
-    ``model.state_dict()`` otherwise. Collective when sharded: every rank must call it."""
+    """The full (unsharded) state dict of ``model``'s :func:`fsdp_root` on CPU on rank 0 (empty elsewhere)
+    when sharded; its ``state_dict()`` otherwise. Collective when sharded: every rank must call it.
+    A LoRA model's keys are the transformers model's (``...q_proj.base_layer.weight``,
+    ``...q_proj.lora_A.default.weight``), without peft's ``base_model.model.`` prefix."""
     if not is_sharded(model):
-        return model.state_dict()
+        return fsdp_root(model).state_dict()
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    return get_model_state_dict(fsdp_root(model), options=StateDictOptions(full_state_dict=True, cpu_offload=True))
 
 
 def full_value(value: torch.Tensor) -> torch.Tensor:

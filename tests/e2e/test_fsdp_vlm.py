@@ -89,3 +89,53 @@ def test_fsdp2_sft_step_matches_ddp(tiny_path, tmp_path):
     for name, value in ddp.items():
         torch.testing.assert_close(sharded[name], value, atol=1e-6, rtol=1e-5, msg=name)
     assert sum(not torch.equal(v, initial[k]) for k, v in ddp.items()) > 10  # the step moved the weights
+
+
+def test_fsdp2_lora_two_processes_match_one_process(tiny_path, tmp_path):
+    """GRPO with configs/vlm/grpo_tiny_lora.yaml's adapter (rank 16, every text projection, frozen vision
+    tower) on 2 FSDP2 processes: the same adapter weights as 1 process, only adapter tensors changed, the
+    KL reference (the adapter-disabled policy, sharded) computes the base model's log-probs, and the
+    export (gathered from the shards) is the merged weights and the adapter of the 1-process run."""
+    from safetensors.torch import load_file
+
+    from mmpo.vlm.factory import load_vlm
+
+    initial = load_vlm(tiny_path)[0].state_dict()
+    settings = {"steps": 2, "beta": 0.5, "momentum": 0.9, "max_grad_norm": 0.05, "lora": True}
+    single, _ = run_fixed_grpo(tmp_path, "single", tiny_path, "single", **settings)
+    sharded, log = run_fixed_grpo(tmp_path, "fsdp", tiny_path, "fsdp", **settings)
+    assert "global_step 2" in log
+    assert float(log.split(" kl ")[1].split()[0]) > 0  # step 2's KL to the adapter-disabled reference
+
+    outputs = {"reference_log_probs", "policy_log_probs", "base_log_probs"}
+    adapters = [k for k in single if "lora_" in k]
+    assert len(adapters) == 2 * 7 * 2  # lora_A and lora_B on 7 projections of each of the 2 decoder layers
+    assert set(sharded) == set(single)
+    for name, value in single.items():
+        torch.testing.assert_close(sharded[name], value, atol=1e-5, rtol=1e-4, msg=name)
+        if name in outputs or "lora_" in name:
+            continue
+        # every base weight (the vision tower's included) is exactly the starting one
+        assert torch.equal(value, initial[name.replace(".base_layer.", ".")]), name
+        assert torch.equal(sharded[name], initial[name.replace(".base_layer.", ".")]), name
+    # lora_B starts at zero (peft): every one of them was trained
+    assert all(sharded[k].abs().sum() > 0 for k in adapters if "lora_B" in k)
+
+    # the reference: the adapter switched off computes the base model (to float rounding), the policy does not
+    for run in (single, sharded):
+        torch.testing.assert_close(run["reference_log_probs"], run["base_log_probs"], atol=1e-6, rtol=0)
+        assert (run["policy_log_probs"] - run["base_log_probs"]).abs().max() > 1e-4
+
+    # the export of the sharded run: merged weights (base + scaling B A) and the adapter, as the single run's
+    merged = {}
+    for run in ("single", "fsdp"):
+        merged[run] = load_vlm(tmp_path / f"{run}_hf")[0].state_dict()  # read without peft
+        adapter = load_file(tmp_path / f"{run}_hf" / "adapter" / "adapter_model.safetensors")
+        assert len(adapter) == len(adapters)
+    assert set(merged["fsdp"]) == set(initial)
+    for name, value in merged["single"].items():
+        torch.testing.assert_close(merged["fsdp"][name], value, atol=1e-5, rtol=1e-4, msg=name)
+    q = "model.language_model.layers.0.self_attn.q_proj"
+    delta = sharded[f"{q}.lora_B.default.weight"] @ sharded[f"{q}.lora_A.default.weight"] * (32 / 16)
+    torch.testing.assert_close(merged["fsdp"][f"{q}.weight"], initial[f"{q}.weight"] + delta, atol=1e-6, rtol=0)
+    assert not torch.equal(merged["fsdp"][f"{q}.weight"], initial[f"{q}.weight"])
