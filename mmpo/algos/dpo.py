@@ -59,6 +59,10 @@ class DPOModule(VLMPolicyModule):
         **kwargs: the settings every VLM module shares (:class:`~mmpo.algos.vlm_base.VLMPolicyModule`).
     """
 
+    # memory (mmpo estimate): the reference log-probs are computed once by the initial policy, so no frozen
+    # copy is held, whatever beta is
+    FROZEN_POLICY_COPIES = 0
+
     def __init__(
         self,
         model_path: str,

@@ -115,6 +115,9 @@ class INPOModule(VLMPolicyModule):
         **kwargs: the settings every VLM module shares (:class:`~mmpo.algos.vlm_base.VLMPolicyModule`).
     """
 
+    # memory (mmpo estimate): pi_ref and the anchor pi_t are two frozen copies of the policy, in its dtype
+    FROZEN_POLICY_COPIES = 2
+
     def __init__(
         self,
         model_path: str,

@@ -52,6 +52,8 @@ def module_settings(model_section: Mapping[str, Any]) -> dict[str, Any]:
                 settings[name] = param.default
     settings.update(model_section.get("init_args") or {})
     settings["_is_rl"] = "num_generations" in settings
+    # frozen whole-policy copies the module holds, where it says (DPO: none; INPO: two); None = the KL rule
+    settings["_frozen_policy_copies"] = getattr(cls, "FROZEN_POLICY_COPIES", None)
     return settings
 
 
@@ -145,6 +147,7 @@ def run_shape(config: Mapping[str, Any], *, devices: int | None = None, prompt_t
         gradient_checkpointing=bool(s.get("gradient_checkpointing")),
         logprob_chunk=int(s.get("logprob_chunk_size") or 1024), beta=float(s.get("beta") or 0.0),
         ref_dtype=s.get("ref_dtype"), ref_offload=bool(s.get("ref_offload")),
+        frozen_policy_copies=s.get("_frozen_policy_copies"),
         lora_rank=int(s.get("lora_rank") or 0),
         lora_targets=tuple(s.get("lora_target_modules") or _DEFAULT_LORA_TARGETS),
         freeze_vision_tower=bool(s.get("freeze_vision_tower")), devices=n_devices,

@@ -166,6 +166,9 @@ class RunShape:
     beta: float = 0.0
     ref_dtype: str | None = None  # None = dtype
     ref_offload: bool = False
+    # frozen copies of the whole policy kept beside it (in ref_dtype); None = the KL reference rule: one when
+    # beta > 0 without LoRA (LoRA's reference is the adapter-disabled model), else none
+    frozen_policy_copies: int | None = None
     lora_rank: int = 0
     lora_targets: tuple[str, ...] = ()
     freeze_vision_tower: bool = False
@@ -216,9 +219,10 @@ def estimate_memory(dims: ModelDims, run: RunShape) -> dict[str, float]:
     out["weights"] = dims.num_params * w / shard + (trained * w if run.lora_rank else 0)
     out["gradients"] = trained * w / (1 if run.lora_rank else shard)
     out["optimizer"] = 2 * trained * w / (1 if run.lora_rank else shard)
-    ref_bytes = 0.0
-    if run.beta > 0 and not run.lora_rank:
-        ref_bytes = dims.num_params * DTYPE_BYTES[run.ref_dtype or run.dtype] / shard
+    copies = run.frozen_policy_copies
+    if copies is None:
+        copies = 1 if run.beta > 0 and not run.lora_rank else 0
+    ref_bytes = copies * dims.num_params * DTYPE_BYTES[run.ref_dtype or run.dtype] / shard
     out["reference"] = 0.0 if run.ref_offload else ref_bytes
     # autocast keeps a bf16 copy of each float32 weight a forward uses (whole, even when sharded:
     # FSDP gathers a layer before its forward) until the forward ends

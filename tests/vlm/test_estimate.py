@@ -25,7 +25,10 @@ from mmpo.data.synthetic import make_items
 from mmpo.training.live_memory import LiveTensorBytes
 from mmpo.vlm.estimate_cli import config_comment, estimate_config, run_shape
 from mmpo.vlm.factory import load_vlm
-from mmpo.vlm.memory import ModelDims, RunShape, estimate_memory, model_dims, peak_gb, trained_params
+from mmpo.vlm.memory import (
+    DTYPE_BYTES, QWEN25_VL_MAX_PIXELS, ModelDims, RunShape, architecture_dims, estimate_memory, model_dims, peak_gb,
+    trained_params,
+)
 from mmpo.vlm.rollout import HFGenerateEngine
 
 REPO = Path(__file__).resolve().parents[2]
@@ -229,3 +232,20 @@ def test_set_overrides_change_the_budget():
         assert sharded[key] == pytest.approx(full[key] / 8)
     with pytest.raises(ValueError, match="KEY=VALUE"):
         estimate_config(path, overrides=["lora_rank"])
+
+
+@pytest.mark.parametrize(("name", "copies"), [("dpo", 0), ("inpo", 2), ("grpo", 1)])
+def test_frozen_policy_copies_per_module(name, copies):
+    """DPO holds no frozen copy (its reference log-probs are precomputed) though its beta is 0.1; INPO holds
+    two (pi_ref, pi_t) though it has no beta; GRPO (beta > 0, no LoRA) its one KL reference: each copy is the
+    whole model in the reference dtype."""
+    path = REPO / "configs" / "vlm" / f"{name}_qwen2_5_vl_7b.yaml"
+    budget, _ = estimate_config(path, architecture="qwen2.5-vl-7b")
+    config = yaml.safe_load(path.read_text())
+    dims = architecture_dims("qwen2.5-vl-7b")
+    run = run_shape(config, dims=dims, default_pixels=QWEN25_VL_MAX_PIXELS)
+    # INPO's copies and GRPO's reference are bfloat16 in these configs: 2 bytes a parameter
+    assert name == "dpo" or DTYPE_BYTES[run.ref_dtype or run.dtype] == 2
+    per_copy = dims.num_params * DTYPE_BYTES[run.ref_dtype or run.dtype] / (run.devices if run.sharded else 1)
+    assert run.frozen_policy_copies == (None if name == "grpo" else copies)
+    assert budget["reference"] == pytest.approx(copies * per_copy, rel=1e-12)
