@@ -204,6 +204,13 @@ def layer_activation_bytes(hidden: int, kv_hidden: int, intermediate: int, compu
     return elements * compute_bytes + upcast
 
 
+def frozen_policy_copies(run: RunShape) -> int:
+    """Whole-model frozen copies beside the policy: the module's own count, else the KL reference rule."""
+    if run.frozen_policy_copies is not None:
+        return run.frozen_policy_copies
+    return 1 if run.beta > 0 and not run.lora_rank else 0
+
+
 def estimate_memory(dims: ModelDims, run: RunShape) -> dict[str, float]:
     """Per-device bytes of each part (see the module docstring) and the peaks of the two phases.
 
@@ -219,10 +226,7 @@ def estimate_memory(dims: ModelDims, run: RunShape) -> dict[str, float]:
     out["weights"] = dims.num_params * w / shard + (trained * w if run.lora_rank else 0)
     out["gradients"] = trained * w / (1 if run.lora_rank else shard)
     out["optimizer"] = 2 * trained * w / (1 if run.lora_rank else shard)
-    copies = run.frozen_policy_copies
-    if copies is None:
-        copies = 1 if run.beta > 0 and not run.lora_rank else 0
-    ref_bytes = copies * dims.num_params * DTYPE_BYTES[run.ref_dtype or run.dtype] / shard
+    ref_bytes = frozen_policy_copies(run) * dims.num_params * DTYPE_BYTES[run.ref_dtype or run.dtype] / shard
     out["reference"] = 0.0 if run.ref_offload else ref_bytes
     # autocast keeps a bf16 copy of each float32 weight a forward uses (whole, even when sharded:
     # FSDP gathers a layer before its forward) until the forward ends
@@ -282,7 +286,7 @@ def estimate_memory(dims: ModelDims, run: RunShape) -> dict[str, float]:
     # reference log-prob pass (no grad): an offloaded reference is on the device for it
     ref_pass_tokens = run.micro_batch * (run.prompt_tokens + run.completion_tokens)
     out["peak_reference"] = (steady + (ref_bytes if run.ref_offload else 0.0)
-                             + ref_pass_tokens * (2 * h + 3 * i) * c + out["logprob_chunk"]) if run.beta > 0 else 0.0
+                             + ref_pass_tokens * (2 * h + 3 * i) * c + out["logprob_chunk"]) if ref_bytes > 0 or run.beta > 0 else 0.0
     out["peak"] = max(out["peak_training"], out["peak_generation"], out["peak_reference"])
     return out
 
@@ -296,8 +300,12 @@ def format_budget(budget: Mapping[str, float], dims: ModelDims, run: RunShape, *
 
     trained = trained_params(dims, run)
     strategy = f"sharded over {run.devices}" if run.sharded else ("replicated" if run.devices > 1 else "one device")
-    ref = ("none (beta 0)" if run.beta == 0 else "the adapter-disabled policy (no copy)" if run.lora_rank else
-           f"{run.ref_dtype or run.dtype} copy" + (", offloaded to CPU between passes" if run.ref_offload else ""))
+    copies = frozen_policy_copies(run)
+    if run.frozen_policy_copies is not None:  # the module's own frozen models (DPO: none, INPO: pi_ref and pi_t)
+        ref = f"{copies} frozen {run.ref_dtype or run.dtype} cop{'y' if copies == 1 else 'ies'} (the module's)"
+    else:
+        ref = ("none (beta 0)" if run.beta == 0 else "the adapter-disabled policy (no copy)" if run.lora_rank else
+               f"{run.ref_dtype or run.dtype} copy" + (", offloaded to CPU between passes" if run.ref_offload else ""))
     lines = [
         header,
         f"  parameters: {dims.num_params / 1e9:.3f} B (vision tower {dims.vision_params / 1e9:.3f} B), "
