@@ -112,7 +112,8 @@ def merged_state_dict(model: torch.nn.Module, state: dict[str, Any] | None = Non
             delta = 0
             for adapter in module.active_adapters:
                 if module.use_dora.get(adapter, False):
-                    raise NotImplementedError(f"merging a DoRA adapter ({name}) is not supported")
+                    raise ValueError(f"{name}: a DoRA adapter; the merged export adds plain LoRA deltas (B A x scaling) only, "
+                                     "and mmpo's LoRA settings never create DoRA (use_dora)")
                 a, b = (state[f"{name}.lora_{part}.{adapter}.weight"].float() for part in "AB")
                 delta = delta + transpose(b @ a, module.fan_in_fan_out) * module.scaling[adapter]
             deltas[f"{name}.base_layer.weight"] = delta

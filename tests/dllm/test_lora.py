@@ -87,3 +87,24 @@ def test_diffugrpo_with_lora_trains_the_adapter_against_the_disabled_adapter(tin
     assert torch.allclose(mask_predictor_logits(exported.eval(), input_ids, attention), adapted, atol=1e-5)
     assert not torch.allclose(adapted, disabled, atol=1e-4)
     assert (tmp_path / "out" / "adapter" / "adapter_config.json").is_file()
+
+
+def test_merged_state_dict_refuses_a_dora_adapter():
+    """The merged export adds plain LoRA deltas; a DoRA adapter (which mmpo's settings never build) would be
+    merged wrongly, so it is refused by name."""
+    import pytest
+    import torch
+    from peft import LoraConfig, get_peft_model
+
+    from mmpo.training.lora import merged_state_dict
+
+    class Net(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.proj = torch.nn.Linear(4, 4)
+
+    plain = get_peft_model(Net(), LoraConfig(r=2, target_modules=["proj"]))
+    assert torch.equal(merged_state_dict(plain)["proj.weight"], plain.get_base_model().proj.base_layer.weight)
+    dora = get_peft_model(Net(), LoraConfig(r=2, target_modules=["proj"], use_dora=True))
+    with pytest.raises(ValueError, match="proj: a DoRA adapter"):
+        merged_state_dict(dora)
