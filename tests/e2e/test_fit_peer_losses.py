@@ -9,6 +9,8 @@ from pathlib import Path
 import pytest
 import yaml
 
+from tiny_vlm_support import tiny_grpo_fit_args
+
 from mmpo.cli import main
 from mmpo.data import SYSTEM_PROMPT
 from mmpo.data.synthetic import corpus
@@ -38,18 +40,9 @@ def tiny_path(tmp_path_factory):
 @pytest.mark.parametrize(("loss", "kl_kind", "metric"), CASES)
 def test_peer_loss_trains_two_steps(tiny_path, tmp_path, loss, kl_kind, metric):
     clip = [] if loss in TAKES_CLIP else ["--model.init_args.clip_low=null", "--model.init_args.clip_high=null"]
-    assert main([
-        "fit", "-c", str(CONFIG),
-        f"--trainer.default_root_dir={tmp_path}", f"--trainer.logger.init_args.save_dir={tmp_path}",
-        f"--trainer.callbacks.init_args.dirpath={tmp_path / 'ckpt'}",
-        "--trainer.max_steps=2", "--trainer.limit_val_batches=0", "--trainer.enable_progress_bar=false",
-        f"--model.init_args.model_path={tiny_path}", f"--model.init_args.output_dir={tmp_path / 'hf'}",
-        "--model.init_args.num_generations=2", "--model.init_args.max_new_tokens=4",
+    assert main(tiny_grpo_fit_args(CONFIG, tiny_path, tmp_path,
         "--model.init_args.beta=0.01", f"--model.init_args.kl_kind={kl_kind}", f"--model.init_args.loss={loss}",
-        *clip,
-        "--data.init_args.tasks=[count_shapes,arithmetic]", "--data.init_args.train_size=4",
-        "--data.init_args.val_size=2", "--data.init_args.batch_size=2",
-    ]) == 0
+        *clip)) == 0
     (hparams,) = tmp_path.glob("**/hparams.yaml")
     saved = yaml.safe_load(hparams.read_text())
     assert (saved["loss"], saved["kl_kind"]) == (loss, kl_kind)

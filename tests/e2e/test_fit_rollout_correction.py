@@ -9,6 +9,8 @@ from pathlib import Path
 
 import pytest
 
+from tiny_vlm_support import tiny_grpo_fit_args
+
 from mmpo.cli import main
 from mmpo.data import SYSTEM_PROMPT
 from mmpo.data.synthetic import corpus
@@ -31,17 +33,8 @@ def tiny_path(tmp_path_factory):
     ["--model.init_args.rollout_bypass=true"],
 ])
 def test_rollout_correction_trains_two_steps(tiny_path, tmp_path, overrides):
-    assert main([
-        "fit", "-c", str(CONFIG),
-        f"--trainer.default_root_dir={tmp_path}", f"--trainer.logger.init_args.save_dir={tmp_path}",
-        f"--trainer.callbacks.init_args.dirpath={tmp_path / 'ckpt'}",
-        "--trainer.max_steps=2", "--trainer.limit_val_batches=0", "--trainer.enable_progress_bar=false",
-        f"--model.init_args.model_path={tiny_path}", f"--model.init_args.output_dir={tmp_path / 'hf'}",
-        "--model.init_args.num_generations=2", "--model.init_args.max_new_tokens=4",
-        *overrides,
-        "--data.init_args.tasks=[count_shapes,arithmetic]", "--data.init_args.train_size=4",
-        "--data.init_args.val_size=2", "--data.init_args.batch_size=2",
-    ]) == 0
+    assert main(tiny_grpo_fit_args(CONFIG, tiny_path, tmp_path,
+        *overrides)) == 0
     (path,) = tmp_path.glob("**/metrics.csv")
     rows = [r for r in csv.DictReader(path.open()) if r.get("losses/policy")]
     # mu = 2 makes both optimizer steps in one training step (one logged row, old log-probs recomputed)

@@ -17,6 +17,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from tiny_vlm_support import tiny_grpo_fit_args
+
 from mmpo.cli import main
 from mmpo.data import SYSTEM_PROMPT
 from mmpo.data.synthetic import corpus, make_items
@@ -164,17 +166,8 @@ def test_refuses_hf_logits_processors(engine):
 def test_fit_two_steps_with_the_vllm_config(tiny_path, tmp_path):
     """`mmpo fit -c configs/vlm/grpo_tiny_vllm.yaml`: 2 GRPO steps sampled by vLLM, with the IS correction
     reading the engine's log-probs (each trainer / engine ratio is 1 - the vision tokens' mass, ~1% here)."""
-    assert main([
-        "fit", "-c", str(CONFIG),
-        f"--trainer.default_root_dir={tmp_path}", f"--trainer.logger.init_args.save_dir={tmp_path}",
-        f"--trainer.callbacks.init_args.dirpath={tmp_path / 'ckpt'}",
-        "--trainer.max_steps=2", "--trainer.limit_val_batches=0", "--trainer.enable_progress_bar=false",
-        f"--model.init_args.model_path={tiny_path}", f"--model.init_args.output_dir={tmp_path / 'hf'}",
-        "--model.init_args.num_generations=2", "--model.init_args.max_new_tokens=4",
-        "--model.init_args.rollout_is=token_truncate",
-        "--data.init_args.tasks=[count_shapes,arithmetic]", "--data.init_args.train_size=4",
-        "--data.init_args.val_size=2", "--data.init_args.batch_size=2",
-    ]) == 0
+    assert main(tiny_grpo_fit_args(CONFIG, tiny_path, tmp_path,
+        "--model.init_args.rollout_is=token_truncate")) == 0
     (path,) = tmp_path.glob("**/metrics.csv")
     rows = [r for r in csv.DictReader(path.open()) if r.get("losses/policy")]
     assert len(rows) == 2
