@@ -16,6 +16,13 @@ mmpo's log-prob path calls the backbone (``model.model``) and the ``lm_head`` we
 pre/post-forward hooks (``register_fsdp_forward_method``), so its weights are gathered and its
 gradients reduce-scattered as for a forward call.
 
+Every rank must run the same FSDP units the same number of times per step (each unit forward is an
+all-gather, each backward a reduce-scatter). A choice that changes the number of backbone passes is
+made by all ranks together (:func:`all_ranks_agree`): the shared-prompt forward
+(:mod:`mmpo.vlm.shared_prompts`) runs the backbone twice, the plain forward once, and a rank with an
+image prompt shared by several completions beside a text-only rank would otherwise run twice the
+collectives (a hang in the first backward, after all-gathers exchanged between different layers).
+
 Generation (HF ``generate``) runs on full weights: :func:`full_weights` all-gathers every unit once
 and keeps it gathered until the block ends, so the token-by-token decoding makes no collective
 call and ranks may stop after different numbers of tokens (verl's hybrid engine and TRL gather
@@ -33,6 +40,7 @@ from torch import nn
 ROOT_CALL = "mmpo_fsdp_root_call"
 _RESHARD_FLAGS = "mmpo_fsdp_reshard_after_forward"
 _GATHER_DEPTH = "mmpo_fsdp_gather_depth"
+_MESH = "mmpo_fsdp_mesh"
 
 T = TypeVar("T")
 
@@ -100,6 +108,7 @@ def shard_vlm(model: nn.Module, mesh: Any, *, frozen: bool = False,
     # plain attributes (not submodules): the units and their settings, for full_weights()
     object.__setattr__(model, _RESHARD_FLAGS, units)
     object.__setattr__(model, _GATHER_DEPTH, 0)
+    object.__setattr__(model, _MESH, mesh)
     setattr(model, ROOT_CALL, _call)
     register_fsdp_forward_method(model, ROOT_CALL)
     return wrapper
@@ -111,6 +120,22 @@ def as_root_forward(model: nn.Module, function: Callable[..., T], *args: Any, **
     if call is None:
         return function(*args, **kwargs)
     return call(function, *args, **kwargs)
+
+
+def all_ranks_agree(model: nn.Module, flag: bool) -> bool:
+    """True when ``flag`` is True on every rank of ``model``'s FSDP2 mesh; ``flag`` itself when not sharded.
+
+    Collective when sharded (one scalar all-reduce): every rank must call it at the same point. For a
+    choice that changes which FSDP units run (and so which collectives), e.g. the shared-prompt forward
+    (:mod:`mmpo.vlm.shared_prompts`), so that every rank makes the same one."""
+    if not is_sharded(model):
+        return bool(flag)
+    import torch.distributed as dist
+
+    mesh = getattr(fsdp_root(model), _MESH)
+    value = torch.tensor([1 if flag else 0], device=mesh.device_type)
+    dist.all_reduce(value, op=dist.ReduceOp.MIN, group=mesh.get_group())
+    return bool(value.item())
 
 
 @contextmanager

@@ -8,13 +8,14 @@ so memory does not grow with the vocabulary (trl#2709: logits dominate GRPO memo
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Any, Mapping
 
 import torch
 from torch import Tensor
 
 from mmpo.core.logprobs import token_log_probs_from_hidden
-from mmpo.vlm.fsdp import as_root_forward
+from mmpo.vlm.fsdp import all_ranks_agree, as_root_forward, is_sharded
 from mmpo.vlm.shared_prompts import shared_prompt_hidden_states
 
 DEFAULT_LOGPROB_CHUNK = 1024
@@ -72,10 +73,12 @@ def completion_hidden_states(
     width = completion_ids.shape[1]
     if "pixel_values" in inputs:
         inputs["pixel_values"] = inputs["pixel_values"].to(next(model.parameters()).dtype)
-        if share_prompts:
-            shared = shared_prompt_hidden_states(backbone, inputs, prompt_inputs, prompt_width, width)
-            if shared is not None:
-                return shared
+    if share_prompts:
+        # under FSDP2 every rank takes the same path (the backbone passes differ: mmpo.vlm.shared_prompts)
+        agree = partial(all_ranks_agree, model) if is_sharded(model) else None
+        shared = shared_prompt_hidden_states(backbone, inputs, prompt_inputs, prompt_width, width, agree=agree)
+        if shared is not None:
+            return shared
     outputs = backbone(**inputs, use_cache=False)
     hidden = outputs.last_hidden_state
     # position p predicts token p + 1: completion token j is predicted at prompt_width - 1 + j

@@ -14,7 +14,7 @@ anything else takes the plain one-forward path.
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 import torch
 from torch import Tensor
@@ -56,20 +56,40 @@ def distinct_prompt_rows(prompt_inputs: Mapping[str, Any]) -> tuple[list[int], l
     return first, inverse
 
 
-def shared_prompt_hidden_states(backbone: Any, inputs: Mapping[str, Any], prompt_inputs: Mapping[str, Any],
-                                prompt_width: int, width: int) -> Tensor | None:
-    """(N, T, H) hidden states predicting each completion token, the prompt run once per distinct prompt;
-    None when this batch or backbone does not qualify (then run the plain forward).
-
-    ``inputs`` is :func:`mmpo.vlm.logprobs.sequence_inputs`' output for ``[prompt | completion]``."""
-    from mmpo.vlm.processing import select_rows
-
+def _shareable_rows(backbone: Any, inputs: Mapping[str, Any], prompt_inputs: Mapping[str, Any],
+                    width: int) -> tuple[list[int], list[int]] | None:
+    """:func:`distinct_prompt_rows` when this batch and backbone qualify for the shared forward, else None."""
     if "pixel_values" not in inputs or not hasattr(backbone, "get_rope_index") or width < 1:
         return None
     if backbone.training and any(getattr(m, "gradient_checkpointing", False) for m in backbone.modules()):
         return None  # HF turns use_cache off under gradient checkpointing: the prompt's cache would stay empty
     rows = distinct_prompt_rows(prompt_inputs)
     if rows is None or len(rows[0]) == len(rows[1]):
+        return None
+    return rows
+
+
+def shared_prompt_hidden_states(backbone: Any, inputs: Mapping[str, Any], prompt_inputs: Mapping[str, Any],
+                                prompt_width: int, width: int, *,
+                                agree: Callable[[bool], bool] | None = None) -> Tensor | None:
+    """(N, T, H) hidden states predicting each completion token, the prompt run once per distinct prompt;
+    None when this batch or backbone does not qualify (then run the plain forward).
+
+    ``inputs`` is :func:`mmpo.vlm.logprobs.sequence_inputs`' output for ``[prompt | completion]``.
+
+    ``agree`` (FSDP2, :func:`mmpo.vlm.fsdp.all_ranks_agree`): called once, on every rank, with whether
+    this rank's batch qualifies; the shared forward runs only when it returns True (every rank
+    qualifies). The shared forward calls the backbone twice (prompts, then completions), the plain one
+    once, and under FSDP2 each backbone call all-gathers every decoder layer: ranks taking different
+    paths would run different collectives (an image batch beside a text-only one: a hang, or worse,
+    one layer's shards exchanged for another's). Under ``agree`` a batch qualifies only with
+    completions of two or more tokens (one token skips the completion pass)."""
+    from mmpo.vlm.processing import select_rows
+
+    rows = _shareable_rows(backbone, inputs, prompt_inputs, width)
+    if agree is not None and not agree(rows is not None and width >= 2):
+        return None
+    if rows is None:
         return None
     first, inverse = rows
     device = inputs["input_ids"].device

@@ -1,8 +1,9 @@
 """FSDP2 pieces on one process (gloo, world size 1) and the sharded-checkpoint manifest.
 
-The 2-process equivalence and resume are tests/e2e/test_fsdp_vlm.py; here: a sharded model computes
-the same log-probs (and gradients) and samples the same tokens as the unsharded one, its full state
-dict is the original weights, and the checks that refuse damaged checkpoints or unsupported strategies.
+The 2-process equivalence and resume (GRPO, SFT, DPO, INPO) are tests/e2e/test_fsdp_vlm.py; here: a
+sharded model computes the same log-probs (and gradients) and samples the same tokens as the unsharded
+one, its log-probs ask every rank before choosing the shared-prompt forward, its full state dict is the
+original weights, and the checks that refuse damaged checkpoints or unsupported strategies.
 """
 
 from __future__ import annotations
@@ -79,6 +80,31 @@ def test_sharded_model_matches_unsharded(one_rank_mesh, tiny, checkpointing):
     full = full_state_dict(sharded)
     for name, value in model.state_dict().items():
         assert torch.equal(full[name], value), name
+
+
+def test_sharded_log_probs_let_every_rank_agree_on_the_shared_prompt_forward(one_rank_mesh, tiny, monkeypatch):
+    """The shared-prompt forward runs the backbone twice, the plain one once: under FSDP2 each call asks
+    every rank once (all_ranks_agree) with its own batch's answer, before any backbone pass."""
+    import mmpo.vlm.logprobs as logprobs
+    from mmpo.vlm import fsdp
+
+    model, processor = load_vlm(tiny)
+    shard_vlm(model, one_rank_mesh)
+    asked = []
+    monkeypatch.setattr(logprobs, "all_ranks_agree", lambda m, flag: asked.append(flag) or fsdp.all_ranks_agree(m, flag))
+    for task, expected in (("count_shapes", True), ("arithmetic", False)):  # repeated image prompt; text only
+        torch.manual_seed(0)
+        rollout = HFGenerateEngine(model, processor).generate(make_items(task, 1, seed=0), num_samples=2,
+                                                              max_new_tokens=5, do_sample=True)
+        with torch.no_grad():
+            completion_log_probs(model, rollout.prompt_inputs, rollout.completion_ids, rollout.completion_mask)
+        assert asked == [expected], task
+        asked.clear()
+    unsharded = load_vlm(tiny)[0]  # not sharded: nothing to agree on
+    with torch.no_grad():
+        completion_log_probs(unsharded, rollout.prompt_inputs, rollout.completion_ids, rollout.completion_mask)
+    assert asked == []
+    assert fsdp.all_ranks_agree(unsharded, True) and not fsdp.all_ranks_agree(model, False)
 
 
 def test_full_weights_keeps_units_gathered_and_nests(one_rank_mesh, tiny):
