@@ -1,5 +1,6 @@
 """Shared by the data-parallel equivalence tests (tests/e2e/test_ddp_vlm.py, test_fsdp_vlm.py):
-the tiny VLM they train and the launchers of tests/fixed_grpo_worker.py and tests/fixed_sft_worker.py."""
+the tiny VLM they train and the launchers of tests/fixed_grpo_worker.py, tests/fixed_sft_worker.py and
+tests/fixed_preference_worker.py."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from safetensors.torch import load_file
 
 WORKER = Path(__file__).with_name("fixed_grpo_worker.py")
 SFT_WORKER = Path(__file__).with_name("fixed_sft_worker.py")
+PREFERENCE_WORKER = Path(__file__).with_name("fixed_preference_worker.py")
 
 
 def build_data_parallel_tiny(directory: Path) -> str:
@@ -42,6 +44,18 @@ def run_fixed_sft(tmp_path: Path, mode: str, tiny_path: str) -> dict[str, torch.
     """Run tests/fixed_sft_worker.py (MODE ddp or fsdp); returns its final full weights."""
     out = tmp_path / f"sft_{mode}.safetensors"
     return run_worker(SFT_WORKER, [mode, tiny_path, str(out)], tmp_path, out)[0]
+
+
+def run_fixed_preference(tmp_path: Path, algo: str, mode: str, tiny_path: str, name: str, *, steps: int = 2,
+                         ckpt_dir: Path | str = "-", resume: Path | str = "-", pairs: str = "both",
+                         timeout_s: float = 120.0, agree: str = "ranks",
+                         expect_ok: bool = True) -> tuple[dict[str, torch.Tensor], str]:
+    """Run tests/fixed_preference_worker.py (ALGO dpo or inpo, MODE single or fsdp); returns its final full
+    weights (INPO: also ``anchor.`` and ``reference.`` ones) and its stdout (with ``expect_ok=False``: no
+    weights, and stdout + stderr of a run that must fail)."""
+    out = tmp_path / f"{name}.safetensors"
+    args = [algo, mode, tiny_path, str(out), str(steps), str(ckpt_dir), str(resume), pairs, str(timeout_s), agree]
+    return run_worker(PREFERENCE_WORKER, args, tmp_path, out, expect_ok=expect_ok)
 
 
 def run_worker(script: Path, args: list[str], cwd: Path, out: Path, *,

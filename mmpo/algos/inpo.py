@@ -36,6 +36,7 @@ from mmpo.algos.dpo import summed_log_probs
 from mmpo.algos.vlm_base import VLMPolicyModule
 from mmpo.core import check_inpo_settings, inpo_loss
 from mmpo.vlm.factory import make_reference_model
+from mmpo.vlm.fsdp import full_weights, is_sharded
 from mmpo.vlm.rollout import HFGenerateEngine, Rollout
 
 log = logging.getLogger(__name__)
@@ -170,6 +171,10 @@ class INPOModule(VLMPolicyModule):
         """pi_t: the previous iterate (samples the pairs and anchors the loss)."""
         return self._frozen["anchor"]
 
+    def _models_to_shard(self) -> list[torch.nn.Module]:
+        # FSDP2: pi_ref and pi_t are sharded as the policy (each rank holds 1 / world of each)
+        return [self.reference_model, self.anchor_model]
+
     def on_fit_start(self) -> None:
         for model in self._frozen.values():
             model.to(self.device)
@@ -195,9 +200,10 @@ class INPOModule(VLMPolicyModule):
     def training_step(self, batch: Sequence[Mapping[str, Any]], batch_idx: int) -> Tensor | None:
         h = self.hparams
         rows = list(batch)
-        # 1. sample from pi_t, seeded by (seed, step, rank) without touching the global RNG streams
+        # 1. sample from pi_t, seeded by (seed, step, rank) without touching the global RNG streams; under
+        # FSDP2 on pi_t's gathered full weights (decoding makes no collective call: lengths may differ per rank)
         devices = [self.device] if self.device.type == "cuda" else []
-        with torch.random.fork_rng(devices=devices):
+        with full_weights(self.anchor_model), torch.random.fork_rng(devices=devices):
             torch.manual_seed(step_seed(h.seed, self.trainer.global_step, self.global_rank))
             rollout = self.anchor_engine.generate(rows, num_samples=h.num_generations, max_new_tokens=h.max_new_tokens,
                                                   temperature=h.temperature, top_p=h.top_p, do_sample=True)
@@ -205,11 +211,16 @@ class INPOModule(VLMPolicyModule):
         pairs, metrics = self.preference_pairs(rollout)
         metrics["pairs/count"] = float(len(pairs))
         metrics["response/length_mean"] = float(rollout.completion_mask.sum(-1).float().mean())
-        if not pairs:  # every prompt tied: no update this batch (Lightning skips the optimizer step)
+        # the skip is decided over every process: one that skips while another trains would leave the
+        # other's gradient collectives (DDP all-reduce, FSDP2 all-gather / reduce-scatter) unanswered
+        if not self._any_process_has_pairs(bool(pairs)):  # every prompt tied: no update (no optimizer step)
             log.warning("step %s: the oracle preferred no completion of any prompt; batch skipped", self.global_step)
             self.log_dict(metrics, on_step=True, batch_size=len(rows))
             return None
-        index = [c for c, _ in pairs] + [r for _, r in pairs]
+        # a process without a pair of its own runs a stand-in pair (its first two completions) with weight
+        # 0: the same forwards and backward as the others, a zero gradient
+        weight = 1.0 if pairs else 0.0
+        index = [c for c, _ in pairs] + [r for _, r in pairs] if pairs else [0, 1]
         both = rollout.select(index).to(self.device)
         # 3. log-probs: policy (grad), pi_ref and pi_t (no grad)
         policy = self._pair_log_probs(self.model, both)
@@ -218,16 +229,28 @@ class INPOModule(VLMPolicyModule):
             anchor = self._pair_log_probs(self.anchor_model, both)
         # 4. the INPO loss
         loss, loss_metrics = inpo_loss(*policy.chunk(2), *reference.chunk(2), *anchor.chunk(2), eta=h.eta, tau=h.tau)
-        metrics.update(loss_metrics)
+        loss = loss * weight
+        if pairs:
+            metrics.update(loss_metrics)
         shown = {"rewards/accuracies", "rewards/total/mean"}
         self.log_dict({k: v for k, v in metrics.items() if k in shown}, on_step=True, prog_bar=True, batch_size=len(rows))
         self.log_dict({k: v for k, v in metrics.items() if k not in shown}, on_step=True, batch_size=len(rows))
         return loss
 
+    def _any_process_has_pairs(self, has_pairs: bool) -> bool:
+        strategy = self._trainer.strategy if self._trainer is not None else None
+        if strategy is None:
+            return has_pairs
+        return bool(strategy.reduce_boolean_decision(has_pairs, all=False))
+
     def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
-        # 5. a new iteration: pi_t <- the current policy (global_step counts optimizer steps taken)
+        self._refresh_anchor_if_due()
+
+    def _refresh_anchor_if_due(self) -> None:
+        # 5. a new iteration: pi_t <- the current policy (global_step counts optimizer steps taken); once per step
         step = self.trainer.global_step
         if step > 0 and step % self.hparams.iteration_steps == 0 and step != getattr(self, "_anchor_step", None):
+            # under FSDP2 both are sharded alike: each rank copies its own shards
             self.anchor_model.load_state_dict(self.model.state_dict())
             self._anchor_step = step
 
@@ -240,10 +263,21 @@ class INPOModule(VLMPolicyModule):
 
     # ------------------------------------------------------------------ checkpoints
 
+    def sharded_checkpoint_tensors(self) -> dict[str, Tensor]:
+        """Under FSDP2: pi_t's sharded weights, which ``FSDP2Strategy`` saves and loads per rank."""
+        if not is_sharded(self.anchor_model):
+            return {}
+        return dict(self.anchor_model.state_dict())
+
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         # pi_t is not the saved policy in the middle of an iteration; a resumed run needs it (pi_ref is
-        # rebuilt from model_path)
-        checkpoint["mmpo_inpo_anchor"] = {k: v.detach().cpu() for k, v in self.anchor_model.state_dict().items()}
+        # rebuilt from model_path). Sharded: FSDP2Strategy carries it (sharded_checkpoint_tensors).
+        # ModelCheckpoint saves in its on_train_batch_end, which Lightning calls before this module's: a
+        # checkpoint at the end of an iteration would hold the old pi_t, so the refresh due now comes first
+        if self._trainer is not None:
+            self._refresh_anchor_if_due()
+        if not is_sharded(self.anchor_model):
+            checkpoint["mmpo_inpo_anchor"] = {k: v.detach().cpu() for k, v in self.anchor_model.state_dict().items()}
         checkpoint["mmpo_inpo_anchor_step"] = getattr(self, "_anchor_step", None)
         super().on_save_checkpoint(checkpoint)
 

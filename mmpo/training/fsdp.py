@@ -15,6 +15,10 @@ checkpoint guarantees for the sharded (distributed) checkpoints it writes, which
 - **verified load**: every file must match the manifest (a directory without one loads with a
   warning), and the loaded weights and optimizer state must be finite; otherwise
   ``CorruptCheckpointError`` names the checkpoint.
+- **a module's own sharded state**: tensors a module names in ``sharded_checkpoint_tensors()`` (INPO's
+  anchor pi_t, a sharded frozen model outside the module tree) are saved by every rank into
+  ``extra_state/`` inside the checkpoint and loaded back into them in place (Lightning would write them
+  into ``meta.pt``, rank 0's shards only).
 """
 
 from __future__ import annotations
@@ -43,6 +47,11 @@ from mmpo.training.checkpoint import (
 )
 
 MANIFEST = "SHA256SUMS"
+#: a module's own sharded tensors beside its weights (INPO's anchor pi_t), a DCP checkpoint of its own
+EXTRA_STATE_DIR = "extra_state"
+#: the module method that names them: ``sharded_checkpoint_tensors() -> dict[str, Tensor]`` (live tensors,
+#: saved with the checkpoint and loaded back into them in place)
+EXTRA_STATE_HOOK = "sharded_checkpoint_tensors"
 
 
 def write_manifest(directory: Path) -> Path:
@@ -107,7 +116,7 @@ class FSDP2Strategy(ModelParallelStrategy):
     """FSDP2 over all processes (one data-parallel mesh dimension) with verified sharded checkpoints.
 
     Use it as ``trainer.strategy: {class_path: mmpo.training.fsdp.FSDP2Strategy}`` with a module that
-    shards itself in ``configure_model`` (mmpo's VLM modules: SFT and the GRPO family).
+    shards itself in ``configure_model`` (mmpo's VLM modules: SFT, the GRPO family, DPO, INPO).
 
     Checkpoints are always sharded (each rank writes its own shard into the checkpoint directory);
     the full weights are the HF export (``output_dir``).
@@ -137,9 +146,13 @@ class FSDP2Strategy(ModelParallelStrategy):
         module = self.lightning_module
         if module is not None and not is_overridden("configure_model", module):
             raise TypeError(f"{type(module).__name__} does not shard itself (no configure_model), so it cannot run "
-                            "under FSDP2Strategy. FSDP2 is supported for mmpo's VLM modules (SFTModule and the "
-                            "GRPO family); use strategy ddp for the others.")
+                            "under FSDP2Strategy. FSDP2 is supported for mmpo's VLM modules (SFTModule, the "
+                            "GRPO family, DPO and INPO); use strategy ddp for the others.")
         super().setup(trainer)
+
+    def _extra_tensors(self) -> dict[str, torch.Tensor]:
+        hook = getattr(self.lightning_module, EXTRA_STATE_HOOK, None)
+        return dict(hook()) if callable(hook) else {}
 
     # ------------------------------------------------------------------ checkpoints
 
@@ -151,6 +164,11 @@ class FSDP2Strategy(ModelParallelStrategy):
             shutil.rmtree(staging)  # left by a save that died
         self.barrier()
         super().save_checkpoint(checkpoint, staging, storage_options)
+        extra = self._extra_tensors()
+        if extra:  # every rank writes its shards of them (Lightning would put them in meta.pt, rank 0's only)
+            from torch.distributed.checkpoint import save
+
+            save({"extra": extra}, checkpoint_id=staging / EXTRA_STATE_DIR)
         self.barrier()  # every shard is written
         if self.is_global_zero:
             write_manifest(staging)
@@ -183,7 +201,16 @@ class FSDP2Strategy(ModelParallelStrategy):
             if self.broadcast(checksum_status(path) == "mismatch" if self.is_global_zero else None):
                 raise corrupt_checkpoint_error(path, _mismatch_reason(path))
         metadata = super().load_checkpoint(path, weights_only=weights_only)
-        finite = all_finite(self.lightning_module.state_dict(), [o.state_dict()["state"] for o in self.optimizers])
+        extra = self._extra_tensors()
+        if extra and path.is_dir():
+            from torch.distributed.checkpoint import load
+
+            if not (path / EXTRA_STATE_DIR).is_dir():
+                raise CorruptCheckpointError(f"checkpoint {path} has no {EXTRA_STATE_DIR}/ (the sharded state of "
+                                             f"{type(self.lightning_module).__name__} beside its weights)")
+            load({"extra": extra}, checkpoint_id=path / EXTRA_STATE_DIR)  # in place, each rank its shards
+        finite = all_finite(self.lightning_module.state_dict(), [o.state_dict()["state"] for o in self.optimizers],
+                            extra)
         if not self.reduce_boolean_decision(finite, all=True):
             raise CorruptCheckpointError(f"checkpoint {path} is damaged: its weights or optimizer state hold NaN or "
                                          "inf; the run stops before any step")

@@ -119,3 +119,28 @@ def test_inpo_tiny_config_fits_two_steps(tiny_path, tmp_path, first_judge, fit_p
     assert len(steps) == 2
     assert [float(r["pairs/count"]) for r in steps] == [8.0, 8.0]  # the judge prefers one of every prompt's two
     assert float(steps[0]["losses/preference"]) == pytest.approx(1.0, abs=1e-5)  # (eta / 2)^2 with eta 2
+
+
+def test_a_checkpoint_at_the_end_of_an_iteration_holds_the_new_anchor(tiny_path, first_judge):
+    """ModelCheckpoint saves in its on_train_batch_end, which Lightning calls before the module's (where pi_t
+    is refreshed): the checkpoint taken after step 2 (iteration_steps 2) must hold the refreshed pi_t, or a
+    run resumed from it samples step 3 from the previous iteration's anchor."""
+    module = INPOModule(tiny_path, eta=1.0, tau=0.5, iteration_steps=2, num_generations=2, max_new_tokens=5,
+                        lr=1e-2, judge=first_judge, reward_timeout_s=None)
+    saved = {}
+
+    class SaveLikeModelCheckpoint(L.Callback):
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            checkpoint: dict = {}
+            pl_module.on_save_checkpoint(checkpoint)
+            anchor = {k: v.clone() for k, v in checkpoint["mmpo_inpo_anchor"].items()}  # on CPU: the live tensors
+            saved[trainer.global_step] = {**checkpoint, "mmpo_inpo_anchor": anchor}
+
+    trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=2, logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False, callbacks=[SaveLikeModelCheckpoint()])
+    trainer.fit(module, DataLoader([make_items("arithmetic", 2, seed=0)] * 2, batch_size=None, collate_fn=lambda x: x))
+    policy = module.model.state_dict()
+    assert saved[1]["mmpo_inpo_anchor_step"] is None  # step 1: mid-iteration, the initial anchor
+    assert not all(torch.equal(saved[1]["mmpo_inpo_anchor"][k], v) for k, v in policy.items())
+    assert saved[2]["mmpo_inpo_anchor_step"] == 2
+    assert all(torch.equal(saved[2]["mmpo_inpo_anchor"][k], v) for k, v in policy.items())

@@ -12,6 +12,12 @@ reduce-scatter (zeros) without hanging. Generation runs on gathered full weights
 Four launches (~40 s of CPU): one process (2 steps); FSDP2 (2 steps, a sharded checkpoint after each
 step); FSDP2 resumed from the step-1 checkpoint; FSDP2 refused a damaged copy of it. SFT: one step on
 2 processes under FSDP2 equals the same step under DDP (tests/fixed_sft_worker.py).
+
+DPO and INPO (tests/fixed_preference_worker.py): rank 0 trains on an image prompt whose pair shares
+it, rank 1 on a text-only one, the case that hung before the ranks agreed on the shared-prompt
+forward (mmpo.vlm.shared_prompts: two backbone passes, so two all-gathers per decoder layer, on the
+image rank, one on the other). Every FSDP2 launch runs under a collective timeout, so a hang fails
+the test with an error instead of hanging it.
 """
 
 from __future__ import annotations
@@ -20,7 +26,7 @@ import shutil
 
 import pytest
 import torch
-from distributed_support import build_data_parallel_tiny, run_fixed_grpo, run_fixed_sft
+from distributed_support import build_data_parallel_tiny, run_fixed_grpo, run_fixed_preference, run_fixed_sft
 
 pytestmark = pytest.mark.slow
 
@@ -139,3 +145,78 @@ def test_fsdp2_lora_two_processes_match_one_process(tiny_path, tmp_path):
     delta = sharded[f"{q}.lora_B.default.weight"] @ sharded[f"{q}.lora_A.default.weight"] * (32 / 16)
     torch.testing.assert_close(merged["fsdp"][f"{q}.weight"], initial[f"{q}.weight"] + delta, atol=1e-6, rtol=0)
     assert not torch.equal(merged["fsdp"][f"{q}.weight"], initial[f"{q}.weight"])
+
+
+def _assert_same(got, expected, *, atol, rtol=0.0):
+    assert set(got) == set(expected)
+    for name, value in expected.items():
+        torch.testing.assert_close(got[name], value, atol=atol, rtol=rtol, msg=name)
+
+
+def _moved(run, initial, prefix=""):
+    return sum(not torch.equal(run[prefix + k], v) for k, v in initial.items())
+
+
+def _single_sharded_resumed(tmp_path, algo, tiny_path):
+    """1 process, FSDP2 (a sharded checkpoint per step), FSDP2 resumed from step 1: their weights and the
+    step-1 checkpoint; each run checked to have reached step 2, its sharded weights equal to 1 process's."""
+    single, _ = run_fixed_preference(tmp_path, algo, "single", tiny_path, "single")
+    sharded, log = run_fixed_preference(tmp_path, algo, "fsdp", tiny_path, "fsdp", ckpt_dir=tmp_path / "ckpt")
+    assert "global_step 2" in log
+    _assert_same(sharded, single, atol=1e-5, rtol=1e-4)
+    step1 = tmp_path / "ckpt" / "epoch=0-step=1.ckpt"
+    resumed, log = run_fixed_preference(tmp_path, algo, "fsdp", tiny_path, "resumed", resume=step1)
+    assert "global_step 2" in log
+    return single, sharded, resumed, step1
+
+
+def test_fsdp2_dpo_two_processes_match_one_process_and_resume(tiny_path, tmp_path):
+    """DPO (reference log-probs precomputed once on every rank, SGD with momentum), 2 steps: FSDP2 on 2
+    processes gives the weights of 1 process; resuming from the sharded step-1 checkpoint (which carries the
+    initial policy's reference log-probs) gives the uninterrupted run's weights."""
+    from mmpo.training.fsdp import MANIFEST
+    from mmpo.vlm.factory import load_vlm
+
+    initial = load_vlm(tiny_path)[0].state_dict()
+    single, sharded, resumed, step1 = _single_sharded_resumed(tmp_path, "dpo", tiny_path)
+    assert _moved(single, initial) > 10
+    assert any(not torch.equal(single[k], initial[k]) for k in single if "visual" in k)  # rank 0's image pair
+    assert (step1 / MANIFEST).is_file() and len(list(step1.glob("*.distcp"))) == 2
+    # recomputing the reference with the step-1 weights would change step 2: it is read from the checkpoint
+    _assert_same(resumed, sharded, atol=1e-7)
+
+
+def test_fsdp2_ranks_choosing_the_shared_prompt_forward_alone_are_stopped_by_the_timeout(tiny_path, tmp_path):
+    """The deadlock this suite guards against, reproduced: with each rank deciding the shared-prompt forward
+    by itself (the image rank runs the backbone twice, the text-only rank once), the ranks' collectives no
+    longer match; the 15 s collective timeout ends the run with an error instead of a hang."""
+    _, log = run_fixed_preference(tmp_path, "dpo", "fsdp", tiny_path, "local", timeout_s=15, agree="local",
+                                  expect_ok=False)
+    assert "Timed out waiting 15000ms" in log
+
+
+def test_fsdp2_inpo_two_processes_match_one_process_and_resume(tiny_path, tmp_path):
+    """INPO with pi_ref and pi_t sharded (pi_t samples on gathered weights, refreshed after every step): FSDP2
+    on 2 processes gives the policy, pi_t and pi_ref of 1 process; the sharded checkpoint carries pi_t
+    (``extra_state/``), so resuming from step 1 gives the uninterrupted run."""
+    from mmpo.training.fsdp import EXTRA_STATE_DIR
+    from mmpo.vlm.factory import load_vlm
+
+    initial = load_vlm(tiny_path)[0].state_dict()
+    single, sharded, resumed, step1 = _single_sharded_resumed(tmp_path, "inpo", tiny_path)
+    assert _moved(sharded, initial) > 10
+    for name, value in initial.items():
+        assert torch.equal(sharded[f"reference.{name}"], value), name  # pi_ref stays the initial policy
+        assert torch.equal(sharded[f"anchor.{name}"], sharded[name]), name  # pi_t = the policy after step 2
+    assert (step1 / EXTRA_STATE_DIR).is_dir() and len(list((step1 / EXTRA_STATE_DIR).glob("*.distcp"))) == 2
+    _assert_same(resumed, sharded, atol=1e-7)
+
+
+def test_fsdp2_inpo_a_rank_without_a_pair_joins_with_a_zero_gradient(tiny_path, tmp_path):
+    """The oracle pairs only rank 0's prompt: rank 1 runs a stand-in pair with weight 0 (the same forwards
+    and backward, no hang), so the update is half of rank 0's pair gradient: one process training on that
+    pair with half the learning rate gives the same weights."""
+    single, _ = run_fixed_preference(tmp_path, "inpo", "single", tiny_path, "single", pairs="first")
+    sharded, log = run_fixed_preference(tmp_path, "inpo", "fsdp", tiny_path, "fsdp", pairs="first")
+    assert "global_step 2" in log
+    _assert_same(sharded, single, atol=1e-5, rtol=1e-4)
