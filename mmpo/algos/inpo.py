@@ -118,6 +118,8 @@ class INPOModule(VLMPolicyModule):
 
     # memory (mmpo estimate): pi_ref and the anchor pi_t are two frozen copies of the policy, in its dtype
     FROZEN_POLICY_COPIES = 2
+    # and the model that samples is pi_t (under FSDP2 gathered whole for generate, in its dtype)
+    SAMPLES_FROM_FROZEN_COPY = True
 
     def __init__(
         self,

@@ -54,6 +54,7 @@ def module_settings(model_section: Mapping[str, Any]) -> dict[str, Any]:
     settings["_is_rl"] = "num_generations" in settings
     # frozen whole-policy copies the module holds, where it says (DPO: none; INPO: two); None = the KL rule
     settings["_frozen_policy_copies"] = getattr(cls, "FROZEN_POLICY_COPIES", None)
+    settings["_samples_from_frozen_copy"] = bool(getattr(cls, "SAMPLES_FROM_FROZEN_COPY", False))  # INPO's pi_t
     return settings
 
 
@@ -154,6 +155,7 @@ def run_shape(config: Mapping[str, Any], *, devices: int | None = None, prompt_t
         sharded=_is_sharded(trainer.get("strategy", "auto")) and n_devices > 1, generates=bool(s["_is_rl"]),
         accumulates=accumulates, prompts_per_micro_batch=prompts_per_micro,
         generation_prompts=batch if s["_is_rl"] else None,
+        samples_from_frozen_copy=bool(s.get("_samples_from_frozen_copy")),
     )
 
 
@@ -216,7 +218,9 @@ def config_comment(budget: Mapping[str, float], command: str) -> str:
         f"# weights {gb('weights')}, gradients {gb('gradients')}, AdamW {gb('optimizer')}, KL reference "
         f"{gb('reference')}, activations {gb('activations')}\n"
         f"# (checkpointing {gb('activations_checkpointing')}, none {gb('activations_no_checkpointing')}), "
-        f"generation KV cache {gb('kv_cache')} GB."
+        f"generation KV cache {gb('kv_cache')}"
+        + (f", full weights gathered for it {gb('gathered_weights')}" if budget.get("gathered_weights") else "")
+        + " GB."
     )
 
 

@@ -18,7 +18,9 @@ What is counted, per device, in bytes (GB below means 1e9 bytes):
   image per completion through the vision tower), with or without gradient checkpointing;
 - the chunked log-prob projection (``mmpo.core.logprobs``: one chunk x vocabulary slab at a time);
 - generation: the KV cache of all sequences sampled at once (prompts per device x G) at full length,
-  the last-position logits, and the prefill's largest transient.
+  the last-position logits, and the prefill's largest transient; sharded (FSDP2), the sampling model's
+  full weights too: ``mmpo.vlm.fsdp.full_weights`` gathers every unit for ``generate`` beside its
+  shards (the policy, or INPO's frozen pi_t in ``ref_dtype``).
 
 Activations per token and layer follow Korthikanti et al. 2022 (arXiv 2205.05198, sec. 4.1), redone
 for a Qwen2 decoder layer (RMSNorm, grouped-query attention with a memory-efficient kernel, so no
@@ -182,6 +184,8 @@ class RunShape:
     # distinct prompts per generation call: the HF engine prefills each prompt once and copies its KV cache
     # to its G samples (mmpo.vlm.rollout, prefill_once); None = one prefill per sequence
     generation_prompts: int | None = None
+    # the model that samples is one of the frozen copies (INPO's pi_t, in ref_dtype), not the policy
+    samples_from_frozen_copy: bool = False
 
 
 def trained_params(dims: ModelDims, run: RunShape) -> int:
@@ -216,7 +220,7 @@ def estimate_memory(dims: ModelDims, run: RunShape) -> dict[str, float]:
 
     Keys: weights, gradients, optimizer, reference, autocast_cache, activations,
     activations_no_checkpointing, activations_checkpointing, logprob_chunk, kv_cache, generation_logits,
-    prefill, steady, peak_training, peak_generation, peak_reference, peak.
+    prefill, gathered_weights, steady, peak_training, peak_generation, peak_reference, peak.
     """
     w = DTYPE_BYTES[run.dtype]
     c = DTYPE_BYTES[run.compute_dtype]
@@ -271,6 +275,9 @@ def estimate_memory(dims: ModelDims, run: RunShape) -> dict[str, float]:
     # prefill: no autograd, the widest transient is one MLP's gate, up and product over the prompts
     prefilled = n if run.generation_prompts is None or not run.generates else run.generation_prompts
     out["prefill"] = prefilled * run.prompt_tokens * (2 * h + 3 * i) * c
+    # sharded: generate runs on the sampling model's gathered full weights, allocated beside its shards
+    sampler = (run.ref_dtype or run.dtype) if run.samples_from_frozen_copy else run.dtype
+    out["gathered_weights"] = dims.num_params * DTYPE_BYTES[sampler] if run.sharded and run.generates else 0.0
 
     steady = out["weights"] + out["gradients"] + out["optimizer"] + out["reference"]
     out["steady"] = steady
@@ -282,7 +289,7 @@ def estimate_memory(dims: ModelDims, run: RunShape) -> dict[str, float]:
     out["peak_training"] = (steady - out["gradients"] + out["autocast_cache"] + gradients_and_activations
                             + out["logprob_chunk"])
     out["peak_generation"] = (steady + out["autocast_cache"] + out["kv_cache"] + out["generation_logits"]
-                              + out["prefill"]) if run.generates else 0.0
+                              + out["prefill"] + out["gathered_weights"]) if run.generates else 0.0
     # reference log-prob pass (no grad): an offloaded reference is on the device for it
     ref_pass_tokens = run.micro_batch * (run.prompt_tokens + run.completion_tokens)
     out["peak_reference"] = (steady + (ref_bytes if run.ref_offload else 0.0)
@@ -330,6 +337,8 @@ def format_budget(budget: Mapping[str, float], dims: ModelDims, run: RunShape, *
         f"  log-prob chunk             {gb(budget['logprob_chunk'])}",
         f"  generation KV cache        {gb(budget['kv_cache'])}",
         f"  generation logits + prefill{gb(budget['generation_logits'] + budget['prefill'])}",
+        f"  full weights for generation{gb(budget['gathered_weights'])}"
+        + ("  (sharded: gathered for generate)" if budget["gathered_weights"] else ""),
         "",
         f"  peak, training micro-batch {gb(budget['peak_training'])}",
         f"  peak, generation           {gb(budget['peak_generation'])}",

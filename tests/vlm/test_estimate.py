@@ -63,7 +63,9 @@ def test_budget_arithmetic_by_hand():
     # KV 2 x 2 layers x 1 head x 4 x 10 tokens x 4 seqs x 4 B = 2560; logits 4 x 100 x 4 x 2 = 3200;
     # prefill 4 x 6 x (2 x 8 + 3 x 16) x 4 = 6144
     assert (b["kv_cache"], b["generation_logits"], b["prefill"]) == (2560, 3200, 6144)
-    assert b["peak_generation"] == 10000 + 2560 + 3200 + 6144
+    # sharded: generate runs on the policy's gathered full weights, beside its shards: 1000 x 4 B
+    assert b["gathered_weights"] == 4000
+    assert b["peak_generation"] == 10000 + 2560 + 3200 + 6144 + 4000
     # reference pass: 10000 + 20 x (2 x 8 + 3 x 16) x 4 + 9600
     assert b["peak_reference"] == 24720
     assert b["peak"] == 46608
@@ -74,6 +76,13 @@ def test_budget_arithmetic_by_hand():
     # offloaded reference: off the device in steady state, on it during its own pass
     offload = estimate_memory(SMALL, RunShape(**{**SMALL_RUN.__dict__, "ref_offload": True}))
     assert offload["reference"] == 0 and offload["peak_reference"] == 24720 - 2000 + 2000
+    # replicated (DDP): the weights are whole already, nothing is gathered
+    replicated = estimate_memory(SMALL, RunShape(**{**SMALL_RUN.__dict__, "sharded": False}))
+    assert replicated["gathered_weights"] == 0 and replicated["peak_generation"] == 4000 * 5 + 2560 + 3200 + 6144
+    # INPO samples from its frozen pi_t: gathered in the copies' dtype (bf16: 1000 x 2 B)
+    frozen = estimate_memory(SMALL, RunShape(**{**SMALL_RUN.__dict__, "samples_from_frozen_copy": True,
+                                                "ref_dtype": "bfloat16"}))
+    assert frozen["gathered_weights"] == 2000
     # bf16-mixed over float32 weights: a 2 B copy of every weight while a forward runs; 16-bit activations
     mixed = estimate_memory(SMALL, RunShape(**{**SMALL_RUN.__dict__, "compute_dtype": "bfloat16"}))
     assert mixed["autocast_cache"] == 2000
@@ -249,3 +258,8 @@ def test_frozen_policy_copies_per_module(name, copies):
     per_copy = dims.num_params * DTYPE_BYTES[run.ref_dtype or run.dtype] / (run.devices if run.sharded else 1)
     assert run.frozen_policy_copies == (None if name == "grpo" else copies)
     assert budget["reference"] == pytest.approx(copies * per_copy, rel=1e-12)
+    # every 7B config shards (FSDP2) over 8 GPUs: the copies too; DPO does not sample, INPO samples on pi_t
+    # (its gathered bf16 weights), GRPO on the policy (float32)
+    assert run.sharded and run.devices == 8
+    sampler_bytes = {"dpo": 0, "inpo": 2, "grpo": 4}[name]
+    assert budget["gathered_weights"] == dims.num_params * sampler_bytes
