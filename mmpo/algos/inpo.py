@@ -36,7 +36,7 @@ from mmpo.algos.dpo import summed_log_probs
 from mmpo.algos.vlm_base import VLMPolicyModule
 from mmpo.core import check_inpo_settings, inpo_loss
 from mmpo.vlm.factory import make_reference_model
-from mmpo.vlm.fsdp import full_weights, is_sharded
+from mmpo.vlm.fsdp import is_sharded
 from mmpo.vlm.rollout import HFGenerateEngine, Rollout
 
 log = logging.getLogger(__name__)
@@ -203,9 +203,9 @@ class INPOModule(VLMPolicyModule):
         h = self.hparams
         rows = list(batch)
         # 1. sample from pi_t, seeded by (seed, step, rank) without touching the global RNG streams; under
-        # FSDP2 on pi_t's gathered full weights (decoding makes no collective call: lengths may differ per rank)
+        # FSDP2 the engine samples on pi_t's gathered full weights (no collective while decoding)
         devices = [self.device] if self.device.type == "cuda" else []
-        with full_weights(self.anchor_model), torch.random.fork_rng(devices=devices):
+        with torch.random.fork_rng(devices=devices):
             torch.manual_seed(step_seed(h.seed, self.trainer.global_step, self.global_rank))
             rollout = self.anchor_engine.generate(rows, num_samples=h.num_generations, max_new_tokens=h.max_new_tokens,
                                                   temperature=h.temperature, top_p=h.top_p, do_sample=True)

@@ -114,13 +114,10 @@ def test_every_vlm_config_parses(name, class_path, num_generations, capsys):
         assert model["init_args"]["num_generations"] == num_generations
 
 
-# DPO and INPO keep their own frozen copies (reference, INPO's anchor) that FSDP2 does not shard yet: their
-# real-size configs replicate with DDP (docs/preference.md); every other real-size config shards
-NOT_SHARDED = {"dpo_qwen2_5_vl_7b", "inpo_qwen2_5_vl_7b"}
-REAL_SIZE_CONFIGS = sorted(p.stem for p in CONFIGS.glob("*_qwen2_5_vl_*.yaml") if p.stem not in NOT_SHARDED)
+REAL_SIZE_CONFIGS = sorted(p.stem for p in CONFIGS.glob("*_qwen2_5_vl_*.yaml"))
 
 
-@pytest.mark.parametrize("name", [*REAL_SIZE_CONFIGS, "grpo_tiny_fsdp"])
+@pytest.mark.parametrize("name", [*REAL_SIZE_CONFIGS, "grpo_tiny_fsdp", "dpo_tiny_fsdp"])
 def test_sharded_configs_parse_with_fsdp2(name, capsys):
     """Every real-size config (and the tiny FSDP2 one) parses and shards with the tested FSDP2Strategy
     (tests/e2e/test_fsdp_vlm.py), not Lightning's FSDP1 ``fsdp``, which the VLM modules refuse."""
