@@ -50,8 +50,13 @@ def run(model_dir: str, mode: str, tokens: int, rollouts: int) -> dict:
     lean = mode.startswith("lean")
     engine = rollout_module.HFGenerateEngine(model, processor, prefill_once=mode != "hf_static_compile",
                                              lean_decode=lean)
-    if mode == "lean_dynamic_cache":
-        rollout_module._GrowingKVCache = lambda cache, extra: cache  # the loop appends to HF's cache instead
+    if mode == "lean_dynamic_cache":  # the loop appends to HF's cache (expanded to the G rows) instead
+
+        def dynamic_cache(cache, extra, copies):
+            cache.batch_repeat_interleave(copies)
+            return cache
+
+        rollout_module._GrowingKVCache = dynamic_cache
     if mode in ("static_compile", "hf_static_compile"):
         compile_config = CompileConfig(fullgraph=False, dynamic=False, mode="default")
         compile_config._compile_all_devices = True  # HF compiles on CUDA/XPU only unless told
@@ -61,11 +66,12 @@ def run(model_dir: str, mode: str, tokens: int, rollouts: int) -> dict:
     if mode == "static_compile":
         prefill = engine._prefill
 
-        def static_prefill(inputs, copies, special):
-            out = prefill(inputs, copies, special)
+        def static_prefill(inputs, copies, special, expand_cache=True):
+            out = prefill(inputs, copies, special)  # the cache expanded to the G rows here, then made static
             static = StaticCache(config=model.config, max_cache_len=out["input_ids"].shape[1] + tokens)
             for index, layer in enumerate(out["cache"].layers):
                 static.update(layer.keys, layer.values, index)
+            static.batch_repeat_interleave = lambda repeats: None  # so the engine's expansion is not repeated
             return {**out, "cache": static}
 
         engine._prefill = static_prefill

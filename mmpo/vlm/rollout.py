@@ -211,15 +211,18 @@ class HFGenerateEngine:
         try:
             # greedy samples are identical: decode once, repeat below
             copies = num_samples if do_sample else 1
+            cache_copies = 1  # rows each row of a prefilled cache becomes
             with full_weights(self.model):  # FSDP2: gathered once for the prefill and the decode (mmpo.vlm.fsdp)
                 if copies > 1 and self.prefill_once and inputs["input_ids"].shape[1] >= 2:
-                    inputs, copies = self._prefill(inputs, copies, special), 1
+                    inputs, cache_copies, copies = self._prefill(inputs, copies, special, expand_cache=False), copies, 1
                 blocker = "lean_decode=False" if not self.lean_decode else lean_decode_blocker(
                     self.model, inputs, do_sample=do_sample, max_new_tokens=max_new_tokens)
                 self.last_decode = blocker or "lean"
                 if blocker is None:
-                    output, engine_log_probs = self._lean_decode(inputs, **lean)
+                    output, engine_log_probs = self._lean_decode(inputs, cache_copies=cache_copies, **lean)
                 else:
+                    if cache_copies > 1:
+                        inputs["cache"].batch_repeat_interleave(cache_copies)
                     output = self.model.generate(
                         **inputs, max_new_tokens=max_new_tokens, num_return_sequences=copies, **special, **sampling
                     )
@@ -258,14 +261,17 @@ class HFGenerateEngine:
             extras=extras,
         )
 
-    def _prefill(self, inputs: dict[str, Any], copies: int, special: Mapping[str, Any]) -> dict[str, Any]:
+    def _prefill(self, inputs: dict[str, Any], copies: int, special: Mapping[str, Any], *,
+                 expand_cache: bool = True) -> dict[str, Any]:
         """Generate inputs for ``copies`` rows per prompt whose prompts are already in a KV cache.
 
         Each prompt but its last token runs once through the model (vision tower included); the cache
         is copied to ``copies`` rows (``Cache.batch_repeat_interleave``), and the decoding ``generate``
         then only feeds the last prompt token per row. Qwen-VL keeps the prompt's RoPE offsets in
         ``model.rope_deltas`` (one row per prompt); they are copied likewise, as HF's own
-        ``num_return_sequences`` expansion would have computed them per row.
+        ``num_return_sequences`` expansion would have computed them per row. ``expand_cache=False``
+        leaves the cache at one row per prompt (the lean loop copies it into its own buffers of
+        ``copies`` rows per prompt, :class:`_GrowingKVCache`, without an expanded copy in between).
         """
         head = {key: value[:, :-1] for key, value in inputs.items()
                 if key in ("input_ids", "attention_mask", "mm_token_type_ids")}
@@ -285,7 +291,8 @@ class HFGenerateEngine:
             cache = self.model.generate(**head, max_new_tokens=1, min_new_tokens=0, do_sample=False,
                                         temperature=None, top_p=None, top_k=None, return_dict_in_generate=True,
                                         **special).cache
-        cache.batch_repeat_interleave(copies)
+        if expand_cache:
+            cache.batch_repeat_interleave(copies)
         if getattr(backbone, "rope_deltas", None) is not None:
             backbone.rope_deltas = backbone.rope_deltas.repeat_interleave(copies, dim=0)
         # the image features live in the cache now: no pixel values (the vision tower does not run again)
@@ -301,13 +308,14 @@ class HFGenerateEngine:
     # not pay on CPU (bench/RESULTS.md). The loop below reproduces HF's ``_sample`` step for step (transformers
     # 5.24 ``GenerationMixin._sample``), so the same RNG state samples the same tokens (tests/vlm/test_lean_decode.py).
     @torch.no_grad()
-    def _lean_decode(self, inputs: Mapping[str, Any], *, max_new_tokens: int, temperature: float, top_p: float,
-                     logits_processors: Sequence[LogitsProcessor], return_log_probs: bool,
+    def _lean_decode(self, inputs: Mapping[str, Any], *, cache_copies: int, max_new_tokens: int, temperature: float,
+                     top_p: float, logits_processors: Sequence[LogitsProcessor], return_log_probs: bool,
                      ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Sample up to ``max_new_tokens`` tokens per row after :meth:`_prefill`, as HF ``_sample`` would.
 
         ``inputs``: ``input_ids`` / ``attention_mask`` (N, P) the left-padded prompts, ``cache`` holding all
-        but each prompt's last token, and the backbone's ``rope_deltas`` (N, 1) set. Per step, as HF: the
+        but each prompt's last token (N / ``cache_copies`` rows: each is row-repeated ``cache_copies`` times),
+        and the backbone's ``rope_deltas`` (N, 1) set. Per step, as HF: the
         last token through the text decoder at its position; the last logits in float32; vision tokens
         (and EOS while fewer than the generation config's ``min_new_tokens`` were drawn) to -inf; the user's
         ``logits_processors``; temperature and top-p (HF's warpers); ``torch.multinomial(softmax(scores), 1)``;
@@ -320,7 +328,7 @@ class HFGenerateEngine:
         prompt_ids, attention = inputs["input_ids"], inputs["attention_mask"]
         rows, width = prompt_ids.shape
         device = prompt_ids.device
-        cache = _GrowingKVCache(inputs["cache"], max_new_tokens)
+        cache = _GrowingKVCache(inputs["cache"], max_new_tokens, copies=cache_copies)
         # HF's positions (_prepare_position_ids_for_generation, then +1 a step) plus Qwen-VL's RoPE offsets: a new
         # token's position is the row's count of real tokens before it + the prompt's delta, equal on the 3 axes
         start = (attention.long().cumsum(-1) - 1).masked_fill(attention == 0, 0)[:, -1:] + model.model.rope_deltas
@@ -414,18 +422,21 @@ def lean_decode_blocker(model: Any, inputs: Mapping[str, Any], *, do_sample: boo
 
 
 class _GrowingKVCache:
-    """A prefilled ``DynamicCache``'s keys and values copied once into buffers with room for ``extra`` tokens,
-    then appended to in place (DynamicCache appends by ``torch.cat``, copying each layer's whole cache at every
-    step). Only ``update`` exists: the text decoder's attention layers are all that use it."""
+    """A prefilled ``DynamicCache``'s keys and values, each row repeated ``copies`` times (as
+    ``batch_repeat_interleave`` would), copied once into buffers with room for ``extra`` tokens, then appended to
+    in place (DynamicCache appends by ``torch.cat``, copying each layer's whole cache at every step). The buffers
+    are all the decode keeps: (rows x copies, kv heads, prompt + ``extra``, head dim) per layer for keys and for
+    values. Only ``update`` exists: the text decoder's attention layers are all that use it."""
 
-    def __init__(self, cache: DynamicCache, extra: int) -> None:
+    def __init__(self, cache: DynamicCache, extra: int, *, copies: int = 1) -> None:
         self.keys: list[torch.Tensor] = []
         self.values: list[torch.Tensor] = []
         self.lengths: list[int] = []
         for layer in cache.layers:
             for source, buffers in ((layer.keys, self.keys), (layer.values, self.values)):
-                buffer = source.new_empty((*source.shape[:2], source.shape[2] + extra, source.shape[3]))
-                buffer[:, :, :source.shape[2]] = source
+                rows, heads, length, dim = source.shape
+                buffer = source.new_empty((rows * copies, heads, length + extra, dim))
+                buffer[:, :, :length].unflatten(0, (rows, copies)).copy_(source.unsqueeze(1))
                 buffers.append(buffer)
             self.lengths.append(layer.keys.shape[2])
 
