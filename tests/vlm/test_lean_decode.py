@@ -79,7 +79,9 @@ def test_lean_loop_samples_hf_generates_tokens(tiny, sampling):
     assert lean.texts == hf.texts
     assert torch.equal(lean_after, hf_after)
     assert len({tuple(x) for x in lean.completion_ids[:4].tolist()}) > 1  # the G copies sample apart
+    assert not lean.completion_ids.is_inference()  # ordinary tensors (the loop runs in inference mode)
     if sampling.get("return_log_probs"):
+        assert not lean.extras["engine_log_probs"].is_inference()
         mask = lean.completion_mask.bool()
         torch.testing.assert_close(lean.extras["engine_log_probs"], hf.extras["engine_log_probs"], atol=1e-5, rtol=0)
         assert torch.isfinite(lean.extras["engine_log_probs"][mask]).all()
