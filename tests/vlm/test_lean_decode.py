@@ -248,3 +248,20 @@ def test_lean_decode_blocker_names_other_models_attention_and_caches(tiny, tiny_
     qwen3 = Qwen3VLForConditionalGeneration(tiny_qwen3_vl_config())
     assert lean_decode_blocker(qwen3, dynamic, do_sample=True, max_new_tokens=4) == (
         "model class Qwen3VLForConditionalGeneration")
+
+
+def test_rollouts_build_no_autograd_graph(tiny):
+    """In ``training_step`` grad is enabled; neither the prefill nor either decoder may record a graph (the
+    prefill used to, keeping its activations alive for nothing): every decoder-layer output is grad-free."""
+    model, processor = tiny
+    seen = []
+    hook = model.model.language_model.layers[0].register_forward_hook(
+        lambda module, args, out: seen.append(out.requires_grad))
+    try:
+        with torch.enable_grad():
+            for lean in (True, False):
+                torch.manual_seed(0)
+                HFGenerateEngine(model, processor, lean_decode=lean).generate(_rows(), num_samples=2, max_new_tokens=3)
+    finally:
+        hook.remove()
+    assert len(seen) > 4 and not any(seen)
