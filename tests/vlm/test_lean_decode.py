@@ -87,6 +87,15 @@ def test_lean_loop_samples_hf_generates_tokens(tiny, sampling):
         assert torch.isfinite(lean.extras["engine_log_probs"][mask]).all()
 
 
+def test_lean_loop_samples_hf_generates_tokens_in_bfloat16(tiny_path):
+    """bf16 weights (the GPU configs' dtype): the same tokens and log-probs (logits cast to float32 as HF)."""
+    model, processor = load_vlm(tiny_path, dtype=torch.bfloat16)
+    lean, hf, lean_after, hf_after = _both(model, processor, _rows(), num_samples=4, max_new_tokens=10,
+                                           temperature=0.8, top_p=0.9, return_log_probs=True)
+    assert torch.equal(lean.completion_ids, hf.completion_ids) and torch.equal(lean_after, hf_after)
+    torch.testing.assert_close(lean.extras["engine_log_probs"], hf.extras["engine_log_probs"], atol=1e-5, rtol=0)
+
+
 def test_lean_loop_matches_hf_when_rows_end_at_different_steps(tiny):
     """EOS logit + 3 (about 1 in 6 per step here): rows end mid-way at different steps (padded after their EOS), and
     the loop stops when all have ended or at max_new_tokens, exactly where HF does."""
