@@ -8,7 +8,8 @@ clip 0.2, token-mean loss (TRL's ``dapo``). Each run is its own subprocess with 
 (OMP/MKL 1, ``torch.set_num_threads(1)``); the runs are interleaved A B B A ... per round.
 
 Per run: wall and CPU seconds of each step after ``--warmup`` steps (CPU: the process, plus mmpo's reward
-worker process), the share of the step inside ``model.generate``, completion tokens per second, and
+worker process), the share of the step spent decoding (inside ``model.generate``, or mmpo's lean decoding loop
+``HFGenerateEngine._lean_decode``; mmpo's one prefill per prompt is outside both), completion tokens per second, and
 peak RSS (VmHWM; mmpo's reward worker separately). Printed: medians over steps, then the median
 over rounds, and the ratio mmpo / TRL. A parity run prints TRL's ``compute_loss`` and mmpo's loss and
 gradients on one fixed batch (so speed is never bought with a different loss).
@@ -75,22 +76,25 @@ def _cpu_s_of(pid: int | None) -> float:
 
 
 class StepClock:
-    """Wall / CPU seconds per step and seconds inside ``model.generate`` (wrapped on the instance)."""
+    """Wall / CPU seconds per step and seconds inside the decoders: ``model.generate`` and the other methods
+    named in ``decoders`` ((object, method name) pairs: mmpo's lean decoding loop), wrapped on the instances."""
 
-    def __init__(self, model, extra_cpu=lambda: 0.0) -> None:
+    def __init__(self, model, extra_cpu=lambda: 0.0, decoders=()) -> None:
         self.steps: list[dict] = []
         self._extra_cpu = extra_cpu
         self._gen = 0.0
-        generate = model.generate
+        for owner, name in [(model, "generate"), *decoders]:
+            setattr(owner, name, self._timed(getattr(owner, name)))
 
-        def timed_generate(*args, **kwargs):
+    def _timed(self, decode):
+        def timed(*args, **kwargs):
             start = time.perf_counter()
             try:
-                return generate(*args, **kwargs)
+                return decode(*args, **kwargs)
             finally:
                 self._gen += time.perf_counter() - start
 
-        model.generate = timed_generate
+        return timed
 
     def begin(self) -> None:
         self._gen = 0.0
@@ -126,7 +130,8 @@ def run_mmpo(model_dir: str, tokens: int, steps: int, warmup: int) -> dict:
                         reward_weights=REWARD_WEIGHTS)
     module.model.generation_config.min_new_tokens = tokens  # forced equal lengths (as TRL's side)
     worker = get_reward_worker()
-    clock = StepClock(module.model, extra_cpu=lambda: _cpu_s_of(worker.pid))
+    clock = StepClock(module.model, extra_cpu=lambda: _cpu_s_of(worker.pid),
+                      decoders=[(module.engine, "_lean_decode")])
 
     class Clock(L.Callback):
         def on_train_batch_start(self, *args):

@@ -15,6 +15,22 @@ def build_small_vlm(directory: Path, *, hidden_size: int = 32, intermediate_size
                               intermediate_size=intermediate_size))
 
 
+def tiny_qwen3_vl_config():
+    """A tiny random Qwen3-VL's config (mmpo builds no tiny Qwen3-VL processor): 2 text layers of width 32,
+    a 2-block vision tower whose deepstack features feed both layers; image / video / vision start / end
+    token ids 60 / 61 / 62 / 63 in a 64-token vocabulary."""
+    from transformers import Qwen3VLConfig
+
+    return Qwen3VLConfig(
+        text_config=dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                         rope_scaling={"rope_type": "default", "mrope_section": [1, 1, 2], "mrope_interleaved": True}),
+        vision_config=dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=4, out_hidden_size=32,
+                           patch_size=4, spatial_merge_size=2, temporal_patch_size=2, num_position_embeddings=16,
+                           deepstack_visual_indexes=[0, 1]),
+        image_token_id=60, video_token_id=61, vision_start_token_id=62, vision_end_token_id=63)
+
+
 def tiny_grpo_fit_args(config: Path, tiny_path: str, tmp_path: Path, *overrides: str) -> list[str]:
     """``mmpo fit`` arguments for 2 GRPO steps of ``config`` on a tiny VLM under ``tmp_path``: G = 2, 4 new
     tokens, 4 training rows of two tasks, 2 prompts a batch, no validation (``overrides`` go in between)."""

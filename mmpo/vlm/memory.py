@@ -17,10 +17,14 @@ What is counted, per device, in bytes (GB below means 1e9 bytes):
 - training activations of one micro-batch (completions x (prompt + completion) tokens and one
   image per completion through the vision tower), with or without gradient checkpointing;
 - the chunked log-prob projection (``mmpo.core.logprobs``: one chunk x vocabulary slab at a time);
-- generation: the KV cache of all sequences sampled at once (prompts per device x G) at full length,
-  the last-position logits, and the prefill's largest transient; sharded (FSDP2), the sampling model's
-  full weights too: ``mmpo.vlm.fsdp.full_weights`` gathers every unit for ``generate`` beside its
-  shards (the policy, or INPO's frozen pi_t in ``ref_dtype``).
+- generation: the KV cache of all sequences sampled at once (prompts per device x G) at full length
+  (the buffers of the HF engine's lean decoding loop, ``mmpo.vlm.rollout._GrowingKVCache``, filled
+  from the one-row-per-prompt prefill cache), the last-position logits, and the prefill's largest
+  transient. Where HF ``generate`` decodes instead (``HFGenerateEngine.last_decode`` names why), it
+  also holds the prefilled cache expanded to the G rows and ``DynamicCache``'s per-step copies: on
+  the tiny model 6.57 MiB against the lean loop's 4.48 (tests/vlm/test_estimate.py). Sharded (FSDP2),
+  the sampling model's full weights too: ``mmpo.vlm.fsdp.full_weights`` gathers every unit for
+  ``generate`` beside its shards (the policy, or INPO's frozen pi_t in ``ref_dtype``).
 
 Activations per token and layer follow Korthikanti et al. 2022 (arXiv 2205.05198, sec. 4.1), redone
 for a Qwen2 decoder layer (RMSNorm, grouped-query attention with a memory-efficient kernel, so no

@@ -1,20 +1,31 @@
-"""Rollouts: G sampled completions per prompt with HF ``generate``.
+"""Rollouts: G sampled completions per prompt with HF ``generate`` or a lean decoding loop.
 
-The engine interface is one method, ``generate(rows, ...) -> Rollout``; the default
-engine batches every prompt of a step into one ``model.generate`` call with
-``num_return_sequences=G`` (Qwen-VL's generate expands pixel values per sample).
+The engine interface is one method, ``generate(rows, ...) -> Rollout``; the default engine
+prefills every prompt of a step once, copies its KV cache to G rows and decodes them all in one
+batch: on a Qwen2.5-VL with a sampling configuration it covers, by its own loop
+(:meth:`HFGenerateEngine._lean_decode`, the same tokens as HF ``generate`` from the same RNG
+state), otherwise by ``model.generate`` (:func:`lean_decode_blocker` names why).
 The vLLM engine (``rollout_engine: vllm``, :mod:`mmpo.vlm.vllm_engine`) has the same method.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
 
 import torch
-from transformers import BatchFeature, DynamicCache, LogitsProcessor, LogitsProcessorList, TemperatureLogitsWarper, TopPLogitsWarper
+from transformers import (
+    BatchFeature,
+    DynamicCache,
+    GenerationConfig,
+    LogitsProcessor,
+    LogitsProcessorList,
+    TemperatureLogitsWarper,
+    TopPLogitsWarper,
+)
 
-from mmpo.vlm.fsdp import full_weights
+from mmpo.vlm.fsdp import full_weights, is_sharded
 from mmpo.vlm.processing import encode_prompts, model_inputs, repeat_rows, select_rows, vision_token_ids
 
 
@@ -97,7 +108,7 @@ def completion_mask_from_ids(
 
 
 class HFGenerateEngine:
-    """Batched sampling with ``model.generate`` (the default rollout engine).
+    """Batched sampling with transformers models (the default rollout engine).
 
     Args:
         model: a Qwen-VL ``...ForConditionalGeneration`` (or any HF VLM with generate).
@@ -108,12 +119,19 @@ class HFGenerateEngine:
             prompt once, then copy its KV cache to G rows and decode them (:meth:`_prefill`); False
             gives HF's own ``num_return_sequences`` path, which runs the vision tower and the prompt
             G times. Both sample the same tokens from the same log-probs (tests/vlm/test_rollout.py).
+        lean_decode: after that prefill, decode by :meth:`_lean_decode` (the same tokens as HF ``generate``
+            from the same RNG state, with less overhead per token) wherever :func:`lean_decode_blocker` finds
+            nothing it does not cover; False always decodes with ``model.generate``.
+
+    ``last_decode`` says how the last :meth:`generate` call decoded: ``"lean"``, or why ``model.generate`` did.
     """
 
     def __init__(self, model: Any, processor: Any, *, system_prompt: str | None = "default",
-                 max_prompt_length: int | None = None, prefill_once: bool = True) -> None:
+                 max_prompt_length: int | None = None, prefill_once: bool = True, lean_decode: bool = True) -> None:
         self.model = model
         self.prefill_once = prefill_once
+        self.lean_decode = lean_decode
+        self.last_decode = ""
         self.processor = processor
         self.system_prompt = system_prompt
         self.max_prompt_length = max_prompt_length
@@ -175,6 +193,8 @@ class HFGenerateEngine:
         # HF's SuppressTokensLogitsProcessor runs before user processors and warpers: the recorder below
         # sees the distribution the sampler really draws from (vision tokens at probability 0)
         sampling["suppress_tokens"] = self.suppressed_token_ids()
+        lean = dict(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
+                    logits_processors=list(logits_processors), return_log_probs=return_log_probs)
         recorder = _SampledLogProbRecorder() if return_log_probs else None
         if recorder is not None:
             # HF runs user processors before its own temperature / top-p warpers; to see the scores the
@@ -191,16 +211,26 @@ class HFGenerateEngine:
         try:
             # greedy samples are identical: decode once, repeat below
             copies = num_samples if do_sample else 1
-            with full_weights(self.model):  # FSDP2: gathered once for the prefill and the decode (mmpo.vlm.fsdp)
+            cache_copies = 1  # rows each row of a prefilled cache becomes
+            # FSDP2: gathered once for the prefill and the decode (mmpo.vlm.fsdp); no autograd graph for the prefill
+            with full_weights(self.model), torch.no_grad():
                 if copies > 1 and self.prefill_once and inputs["input_ids"].shape[1] >= 2:
-                    inputs, copies = self._prefill(inputs, copies, special), 1
-                output = self.model.generate(
-                    **inputs, max_new_tokens=max_new_tokens, num_return_sequences=copies, **special, **sampling
-                )
+                    inputs, cache_copies, copies = self._prefill(inputs, copies, special, expand_cache=False), copies, 1
+                blocker = "lean_decode=False" if not self.lean_decode else lean_decode_blocker(
+                    self.model, inputs, do_sample=do_sample, max_new_tokens=max_new_tokens)
+                self.last_decode = blocker or "lean"
+                if blocker is None:
+                    output, engine_log_probs = self._lean_decode(inputs, cache_copies=cache_copies, **lean)
+                else:
+                    if cache_copies > 1:
+                        inputs["cache"].batch_repeat_interleave(cache_copies)
+                    output = self.model.generate(
+                        **inputs, max_new_tokens=max_new_tokens, num_return_sequences=copies, **special, **sampling
+                    )
+                    engine_log_probs = None if recorder is None else recorder.finish(output)
         finally:
             self.model.train(was_training)
         prompt_width = inputs["input_ids"].shape[1]
-        engine_log_probs = None if recorder is None else recorder.finish(output)
         if not do_sample:
             output = output.repeat_interleave(num_samples, dim=0)
             if engine_log_probs is not None:
@@ -232,14 +262,17 @@ class HFGenerateEngine:
             extras=extras,
         )
 
-    def _prefill(self, inputs: dict[str, Any], copies: int, special: Mapping[str, Any]) -> dict[str, Any]:
+    def _prefill(self, inputs: dict[str, Any], copies: int, special: Mapping[str, Any], *,
+                 expand_cache: bool = True) -> dict[str, Any]:
         """Generate inputs for ``copies`` rows per prompt whose prompts are already in a KV cache.
 
         Each prompt but its last token runs once through the model (vision tower included); the cache
         is copied to ``copies`` rows (``Cache.batch_repeat_interleave``), and the decoding ``generate``
         then only feeds the last prompt token per row. Qwen-VL keeps the prompt's RoPE offsets in
         ``model.rope_deltas`` (one row per prompt); they are copied likewise, as HF's own
-        ``num_return_sequences`` expansion would have computed them per row.
+        ``num_return_sequences`` expansion would have computed them per row. ``expand_cache=False``
+        leaves the cache at one row per prompt (the lean loop copies it into its own buffers of
+        ``copies`` rows per prompt, :class:`_GrowingKVCache`, without an expanded copy in between).
         """
         head = {key: value[:, :-1] for key, value in inputs.items()
                 if key in ("input_ids", "attention_mask", "mm_token_type_ids")}
@@ -259,13 +292,175 @@ class HFGenerateEngine:
             cache = self.model.generate(**head, max_new_tokens=1, min_new_tokens=0, do_sample=False,
                                         temperature=None, top_p=None, top_k=None, return_dict_in_generate=True,
                                         **special).cache
-        cache.batch_repeat_interleave(copies)
+        if expand_cache:
+            cache.batch_repeat_interleave(copies)
         if getattr(backbone, "rope_deltas", None) is not None:
             backbone.rope_deltas = backbone.rope_deltas.repeat_interleave(copies, dim=0)
         # the image features live in the cache now: no pixel values (the vision tower does not run again)
         expanded = {key: value.repeat_interleave(copies, dim=0) for key, value in inputs.items()
                     if key in ("input_ids", "attention_mask", "mm_token_type_ids")}
         return {**expanded, "cache": cache}
+
+    # Why a hand-written loop: at the tiny widths mmpo trains on CPU, HF ``generate``'s per-token Python work (its
+    # logits-processor and stopping-criteria objects, ``prepare_inputs_for_generation``, the per-step kwargs
+    # updates, the Qwen-VL wrappers' position and mask set-up, DynamicCache's torch.cat) costs about as much as
+    # the model's arithmetic; no maintained library offers a low-overhead CPU decode loop for these models
+    # (vLLM's CPU build is a separate venv and install, docs/vllm.md), and a static cache with torch.compile does
+    # not pay on CPU (bench/RESULTS.md). The loop below reproduces HF's ``_sample`` step for step (transformers
+    # 5.24 ``GenerationMixin._sample``), so the same RNG state samples the same tokens (tests/vlm/test_lean_decode.py).
+    def _lean_decode(self, inputs: Mapping[str, Any], *, cache_copies: int, max_new_tokens: int, temperature: float,
+                     top_p: float, logits_processors: Sequence[LogitsProcessor], return_log_probs: bool,
+                     ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """:meth:`_lean_steps` under ``torch.inference_mode`` (no autograd bookkeeping at all, not even version
+        counters: ~5% of the loop's time, the same values) unless the user passed logits processors (those run
+        as under HF generate: no_grad, so any tensor they keep stays an ordinary one). The results are returned
+        as ordinary tensors: the training forward embeds these ids, and an inference tensor cannot be saved for
+        backward."""
+        with torch.no_grad(), torch.inference_mode(not logits_processors):
+            sequences, log_probs = self._lean_steps(
+                inputs, cache_copies=cache_copies, max_new_tokens=max_new_tokens, temperature=temperature,
+                top_p=top_p, logits_processors=logits_processors, return_log_probs=return_log_probs)
+        return sequences.clone(), None if log_probs is None else log_probs.clone()
+
+    def _lean_steps(self, inputs: Mapping[str, Any], *, cache_copies: int, max_new_tokens: int, temperature: float,
+                    top_p: float, logits_processors: Sequence[LogitsProcessor], return_log_probs: bool,
+                    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Sample up to ``max_new_tokens`` tokens per row after :meth:`_prefill`, as HF ``_sample`` would.
+
+        ``inputs``: ``input_ids`` / ``attention_mask`` (N, P) the left-padded prompts, ``cache`` holding all
+        but each prompt's last token (N / ``cache_copies`` rows: each is row-repeated ``cache_copies`` times),
+        and the backbone's ``rope_deltas`` (N, 1) set. Per step, as HF: the
+        last token through the text decoder at its position; the last logits in float32; vision tokens
+        (and EOS while fewer than the generation config's ``min_new_tokens`` were drawn) to -inf; the user's
+        ``logits_processors``; temperature and top-p (HF's warpers); ``torch.multinomial(softmax(scores), 1)``;
+        pad after a row's EOS; stop when every row has ended or at ``max_new_tokens``.
+
+        Returns the sequences (N, P + T) and, with ``return_log_probs``, the log-probs (N, T) float32 on CPU
+        of the sampled tokens under the distribution they were drawn from (:class:`_SampledLogProbRecorder`'s).
+        """
+        model, text = self.model, self.model.model.language_model
+        prompt_ids, attention = inputs["input_ids"], inputs["attention_mask"]
+        rows, width = prompt_ids.shape
+        device = prompt_ids.device
+        cache = _GrowingKVCache(inputs["cache"], max_new_tokens, copies=cache_copies)
+        # HF's positions (_prepare_position_ids_for_generation, then +1 a step) plus Qwen-VL's RoPE offsets: a new
+        # token's position is the row's count of real tokens before it + the prompt's delta, equal on the 3 axes
+        start = (attention.long().cumsum(-1) - 1).masked_fill(attention == 0, 0)[:, -1:] + model.model.rope_deltas
+        sequences = prompt_ids.new_full((rows, width + max_new_tokens), self.pad_token_id)
+        sequences[:, :width] = prompt_ids
+        # HF's sdpa mask for one query: none without padding, else the 2-D mask as (N, 1, 1, kv) booleans
+        visible = None
+        if not bool(attention.all()):
+            visible = torch.ones(rows, 1, 1, width + max_new_tokens, dtype=torch.bool, device=device)
+            visible[:, 0, 0, :width] = attention.bool()
+        # HF's SuppressTokens and MinNewTokensLength processors as one mask each (both set -inf; order is moot)
+        banned = torch.zeros(model.lm_head.weight.shape[0], dtype=torch.bool, device=device)
+        banned[self.suppressed_token_ids() or []] = True
+        banned_early = banned.clone()
+        banned_early[self.eos_token_id] = True
+        min_new_tokens = model.generation_config.min_new_tokens or 0
+        # after the user's processors, HF's warpers in HF's order (top_k = 0: none)
+        processors = [*logits_processors, *([TemperatureLogitsWarper(temperature)] if temperature != 1.0 else []),
+                      *([TopPLogitsWarper(top_p)] if top_p < 1.0 else [])]
+        unfinished = torch.ones(rows, dtype=torch.long, device=device)
+        columns: list[torch.Tensor] = []
+        length = width
+        for step in range(max_new_tokens):
+            hidden = text.embed_tokens(sequences[:, length - 1:length])
+            rope = text.rotary_emb(hidden, (start + step).view(1, rows, 1))
+            mask = None if visible is None else visible[..., :length]
+            for layer in text.layers:
+                hidden = layer(hidden, attention_mask=mask, position_embeddings=rope, position_ids=None, cache=cache,
+                               use_cache=True)
+            scores = model.lm_head(text.norm(hidden)[:, -1]).float()
+            scores = scores.masked_fill(banned_early if step < min_new_tokens else banned, -math.inf)
+            for processor in processors:
+                scores = processor(sequences[:, :length], scores)
+            tokens = torch.multinomial(torch.softmax(scores, dim=-1), num_samples=1).squeeze(1)
+            tokens = tokens * unfinished + self.pad_token_id * (1 - unfinished)
+            if return_log_probs:
+                columns.append(torch.log_softmax(scores, dim=-1).gather(-1, tokens[:, None]).squeeze(-1))
+            sequences[:, length] = tokens
+            length += 1
+            unfinished = unfinished & (tokens != self.eos_token_id).long()
+            if unfinished.max() == 0:
+                break
+        log_probs = torch.stack(columns, dim=1).cpu() if return_log_probs else None
+        return sequences[:, :length], log_probs
+
+
+# generation-config fields the lean loop reproduces, that the engine's call sets itself, or that do not change what
+# is sampled; any other field away from its default (repetition_penalty, num_beams, min_length, a static or compiled
+# cache, ...) leaves the decoding to HF generate
+_LEAN_GENERATION_FIELDS = frozenset({
+    "do_sample", "temperature", "top_p", "top_k", "suppress_tokens", "eos_token_id", "pad_token_id", "use_cache",
+    "max_new_tokens", "max_length", "num_return_sequences", "min_new_tokens", "bos_token_id", "decoder_start_token_id",
+    "output_attentions", "output_hidden_states", "transformers_version", "_from_model_config"})
+_LEAN_MODEL_CLASSES = ("Qwen2_5_VLForConditionalGeneration",)
+
+
+def lean_decode_blocker(model: Any, inputs: Mapping[str, Any], *, do_sample: bool, max_new_tokens: int) -> str | None:
+    """Why :meth:`HFGenerateEngine._lean_decode` cannot decode this call (then HF ``generate`` does), or None.
+
+    It covers: sampling after :meth:`HFGenerateEngine._prefill` (G > 1) on an unsharded Qwen2.5-VL with sdpa
+    attention and full-attention layers, a DynamicCache, Qwen-VL RoPE offsets set, and a generation config
+    with no field set outside :data:`_LEAN_GENERATION_FIELDS`. Greedy decoding, single samples, other models
+    (Qwen2-VL, Qwen3-VL, ...) and FSDP-sharded models go to HF.
+    """
+    if not do_sample:
+        return "greedy"
+    cache = inputs.get("cache")
+    if cache is None:
+        return "no prefilled cache (one sample per prompt, prefill_once=False or a one-token prompt)"
+    if type(model).__name__ not in _LEAN_MODEL_CLASSES:
+        return f"model class {type(model).__name__}"
+    if is_sharded(model):
+        return "FSDP-sharded model"
+    if type(cache) is not DynamicCache:
+        return f"cache {type(cache).__name__}"
+    text_config = model.config.text_config
+    if text_config._attn_implementation != "sdpa":
+        return f"attention {text_config._attn_implementation}"
+    if any(kind != "full_attention" for kind in text_config.layer_types):
+        return "sliding-window layers"
+    if getattr(model.model, "rope_deltas", None) is None:
+        return "no RoPE offsets"
+    if max_new_tokens < 1:
+        return f"max_new_tokens {max_new_tokens}"
+    defaults = GenerationConfig().to_dict()
+    for key, value in model.generation_config.to_dict().items():
+        default = defaults.get(key)
+        if key not in _LEAN_GENERATION_FIELDS and value != default and (value or default):
+            return f"generation_config.{key}={value!r}"
+    return None
+
+
+class _GrowingKVCache:
+    """A prefilled ``DynamicCache``'s keys and values, each row repeated ``copies`` times (as
+    ``batch_repeat_interleave`` would), copied once into buffers with room for ``extra`` tokens, then appended to
+    in place (DynamicCache appends by ``torch.cat``, copying each layer's whole cache at every step). The buffers
+    are all the decode keeps: (rows x copies, kv heads, prompt + ``extra``, head dim) per layer for keys and for
+    values. Only ``update`` exists: the text decoder's attention layers are all that use it."""
+
+    def __init__(self, cache: DynamicCache, extra: int, *, copies: int = 1) -> None:
+        self.keys: list[torch.Tensor] = []
+        self.values: list[torch.Tensor] = []
+        self.lengths: list[int] = []
+        for layer in cache.layers:
+            for source, buffers in ((layer.keys, self.keys), (layer.values, self.values)):
+                rows, heads, length, dim = source.shape
+                buffer = source.new_empty((rows * copies, heads, length + extra, dim))
+                buffer[:, :, :length].unflatten(0, (rows, copies)).copy_(source.unsqueeze(1))
+                buffers.append(buffer)
+            self.lengths.append(layer.keys.shape[2])
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any,
+               **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        start = self.lengths[layer_idx]
+        end = self.lengths[layer_idx] = start + key_states.shape[2]
+        self.keys[layer_idx][:, :, start:end] = key_states
+        self.values[layer_idx][:, :, start:end] = value_states
+        return self.keys[layer_idx][:, :, :end], self.values[layer_idx][:, :, :end]
 
 
 def _cut_by(completion_ids: torch.Tensor, *, eos_token_id: int | Sequence[int],

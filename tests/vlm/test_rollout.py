@@ -273,9 +273,9 @@ def test_prefill_once_runs_each_prompt_through_the_decoder_once(tiny):
     rows, copies, new_tokens = _rows(), 4, 3
     width = int(encode_prompts(processor, rows)["input_ids"].shape[1])
     positions = []
-    hook = model.model.language_model.register_forward_hook(
-        lambda module, args, kwargs, out: positions.append(kwargs["inputs_embeds"].shape[:2].numel()),
-        with_kwargs=True)
+    # the first decoder layer sees every position the text decoder processes (HF's forward and the lean loop alike)
+    hook = model.model.language_model.layers[0].register_forward_hook(
+        lambda module, args, out: positions.append(args[0].shape[:2].numel()))
     try:
         for prefill_once in (True, False):
             positions.clear()

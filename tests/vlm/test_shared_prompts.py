@@ -13,6 +13,7 @@ from mmpo.vlm.logprobs import completion_hidden_states, completion_log_probs
 from mmpo.vlm.processing import encode_prompts, select_rows
 from mmpo.vlm.rollout import HFGenerateEngine
 from mmpo.vlm.shared_prompts import distinct_prompt_rows
+from tiny_vlm_support import tiny_qwen3_vl_config
 
 CORPUS = [SYSTEM_PROMPT, "How many shapes? <think>3 shapes.</think><answer>3</answer> left right 0123456789"] * 20
 
@@ -93,17 +94,10 @@ def test_shared_prompt_log_probs_run_the_prompt_once_per_distinct_prompt(tiny, r
 def test_qwen3_vl_shared_prompts_keep_deepstack_features_with_their_image():
     """Qwen3-VL also injects per-image deepstack features into early decoder layers. A tiny random
     Qwen3-VL: rows 0-2 share a left-padded prompt with image A, row 3 has another prompt with image B."""
-    from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration
+    from transformers import Qwen3VLForConditionalGeneration
 
     torch.manual_seed(0)
-    config = Qwen3VLConfig(
-        text_config=dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, head_dim=8,
-                         rope_scaling={"rope_type": "default", "mrope_section": [1, 1, 2], "mrope_interleaved": True}),
-        vision_config=dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=4, out_hidden_size=32,
-                           patch_size=4, spatial_merge_size=2, temporal_patch_size=2, num_position_embeddings=16,
-                           deepstack_visual_indexes=[0, 1]),
-        image_token_id=60, video_token_id=61, vision_start_token_id=62, vision_end_token_id=63)
+    config = tiny_qwen3_vl_config()
     # float64: the two paths batch the image's rows differently, and in float32 the rounding of that reached
     # 1.1e-4 of a gradient's largest entry on an Intel AVX-512 machine (over the old 1e-4 tolerance); in float64
     # the largest is 2.5e-5 (some of Qwen3-VL's vision ops stay float32), so 1e-4 keeps a 4x margin
