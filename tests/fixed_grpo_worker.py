@@ -47,7 +47,9 @@ class FixedGRPO(GRPOModule):
 
     def build_rollout(self, batch):
         torch.manual_seed(0)
-        full = HFGenerateEngine(unwrap(self.model), self.processor).generate(rows, num_samples=3, max_new_tokens=6)
+        engine = HFGenerateEngine(unwrap(self.model), self.processor)
+        full = engine.generate(rows, num_samples=3, max_new_tokens=6)
+        self.decoders = getattr(self, "decoders", set()) | {engine.last_decode}
         # unequal lengths (as if EOS came early), so local and global normalisers differ:
         # rank 0 holds 12 tokens, rank 1 holds 6
         lengths = torch.tensor([6, 2, 4, 1, 2, 3])
@@ -94,4 +96,5 @@ if LORA:  # the KL reference of a LoRA policy (its adapter disabled), sharded, a
 if trainer.is_global_zero:
     save_file({k: v.contiguous() for k, v in state.items()}, out)
     print("global_step", trainer.global_step, "kl", module.last_metrics.get("kl", 0.0), "losses/policy",
-          module.last_metrics["losses/policy"], "grad_norm", module.last_metrics["policy/grad_norm"])
+          module.last_metrics["losses/policy"], "grad_norm", module.last_metrics["policy/grad_norm"],
+          "decoders", ",".join(sorted(getattr(module, "decoders", set()))) or "-")

@@ -25,7 +25,7 @@ from transformers import (
     TopPLogitsWarper,
 )
 
-from mmpo.vlm.fsdp import full_weights, is_sharded
+from mmpo.vlm.fsdp import full_weights
 from mmpo.vlm.processing import encode_prompts, model_inputs, repeat_rows, select_rows, vision_token_ids
 
 
@@ -405,17 +405,18 @@ def lean_decode_blocker(model: Any, inputs: Mapping[str, Any], *, do_sample: boo
     It covers: sampling after :meth:`HFGenerateEngine._prefill` (G > 1) on an unsharded Qwen2.5-VL with sdpa
     attention and full-attention layers, a DynamicCache, Qwen-VL RoPE offsets set, and a generation config
     with no field set outside :data:`_LEAN_GENERATION_FIELDS`. Greedy decoding, single samples, other models
-    (Qwen2-VL, Qwen3-VL, ...) and FSDP-sharded models go to HF.
+    (Qwen2-VL, Qwen3-VL, ...) go to HF. An FSDP2-sharded model decodes here too, on the weights
+    :func:`mmpo.vlm.fsdp.full_weights` gathered for the whole rollout (no collective call per token).
     """
     if not do_sample:
         return "greedy"
     cache = inputs.get("cache")
     if cache is None:
         return "no prefilled cache (one sample per prompt, prefill_once=False or a one-token prompt)"
-    if type(model).__name__ not in _LEAN_MODEL_CLASSES:
+    # under FSDP2 the model's class is FSDP<name>(FSDPModule, <name>): the class it wraps decides
+    model_class = next(cls for cls in type(model).__mro__ if not cls.__name__.startswith("FSDP"))
+    if model_class.__name__ not in _LEAN_MODEL_CLASSES:
         return f"model class {type(model).__name__}"
-    if is_sharded(model):
-        return "FSDP-sharded model"
     if type(cache) is not DynamicCache:
         return f"cache {type(cache).__name__}"
     text_config = model.config.text_config

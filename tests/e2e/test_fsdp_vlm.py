@@ -47,6 +47,8 @@ def test_fsdp2_two_processes_match_one_process_and_resume(tiny_path, tmp_path):
     ckpt = tmp_path / "ckpt"
     sharded, log = run_fixed_grpo(tmp_path, "fsdp", tiny_path, "fsdp", ckpt_dir=ckpt, **settings)
     assert "global_step 2" in log
+    # the rollout decoded by the lean loop on the gathered weights, as in the one-process run (mmpo.vlm.rollout)
+    assert "decoders lean" in log
     assert float(log.split(" kl ")[1].split()[0]) > 0  # step 2 saw a KL to the sharded reference
     # the gradient norm (over both ranks' shards) exceeded max_grad_norm: the equality below covers clipping
     assert float(log.split(" grad_norm ")[1].split()[0]) > 0.05

@@ -210,15 +210,12 @@ def test_vision_tokens_are_never_sampled_by_the_lean_loop(tiny):
     (dict(num_samples=3, generation_config={"repetition_penalty": 1.2}), "generation_config.repetition_penalty=1.2"),
     (dict(num_samples=3, generation_config={"no_repeat_ngram_size": 2}), "generation_config.no_repeat_ngram_size=2"),
     (dict(num_samples=3, generation_config={"min_length": 10}), "generation_config.min_length=10"),
-    (dict(num_samples=3, sharded=True), "FSDP-sharded model"),
 ])
 def test_hf_generate_decodes_what_the_lean_loop_does_not_cover(tiny, monkeypatch, case, expected):
     model, processor = tiny
     case = dict(case)
     for key, value in case.pop("generation_config", {}).items():
         monkeypatch.setattr(model.generation_config, key, value)
-    if case.pop("sharded", False):
-        monkeypatch.setattr(rollout_module, "is_sharded", lambda model: True)
     engine = HFGenerateEngine(model, processor, prefill_once=case.pop("prefill_once", True),
                               lean_decode=case.pop("lean_decode", True))
     calls = []
