@@ -104,3 +104,20 @@ def test_aggregate_pairs_episodes_on_their_keys(monkeypatch):
     assert result["methods"]["dppo"]["env_steps_per_s_overall"] == [100.0]
     assert result["unfinished"] == [{"seed": 1, "method": "dppo", "status": "rl", "iterations": 0, "env_steps": 0.0}]
     assert "| DPPO (diffusion) | 0 | 4 |" in bench.markdown(result)
+
+
+def test_episode_tracker_records_name_each_counted_episode_by_env_and_number():
+    from robotics.evaluate import EpisodeTracker
+
+    records: list = []
+    tracker = EpisodeTracker(2, quota=[2, 1], records=records)
+    no, yes = False, True
+    tracker.update(np.array([1.0, 0.5]), np.array([yes, no]), np.array([no, no]), {})
+    tracker.update(np.array([2.0, 0.5]), np.array([yes, no]), np.array([no, yes]), {})
+    tracker.update(np.array([3.0, 3.0]), np.array([yes, yes]), np.array([no, no]), {})  # both beyond their quota
+    assert records == [
+        {"env": 0, "ordinal": 0, "success": False, "return": 1.0, "length": 1},
+        {"env": 0, "ordinal": 1, "success": False, "return": 2.0, "length": 1},
+        {"env": 1, "ordinal": 0, "success": False, "return": 1.0, "length": 2},
+    ]
+    assert tracker.complete and len(tracker.returns) == 3
