@@ -28,6 +28,7 @@ import json
 import os
 import sys
 import time
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -286,26 +287,31 @@ def plot(records: list[dict], path: Path, window: int = 10) -> None:
             axes[0].plot(steps, train, color=colors[method], alpha=0.35, lw=1)
             curves.append((steps, train))
             evals = [(m["perf/env_steps_total"], m["eval/success_rate"]) for m in r["curve"] if "eval/success_rate" in m]
-            points = [(0.0, r["before"]["success_rate"])] if "before" in r else []
-            points += [(s, v) for s, v in evals]
-            if "after" in r:
-                points.append((r["env_steps"], r["after"]["success_rate"]))
-            if points:
-                xs, ys = zip(*points)
-                axes[1].plot(xs, ys, color=colors[method], alpha=0.35, lw=1, marker="o", ms=3)
-        length = min(c[0].size for c in curves)
-        mean_steps = np.mean([c[0][:length] for c in curves], axis=0)
-        mean_train = np.nanmean([c[1][:length] for c in curves], axis=0)
+            if evals:
+                axes[1].plot(*zip(*evals), color=colors[method], alpha=0.5, lw=0, marker=".", ms=6)
+            if r.get("status") == "done":
+                axes[1].plot([0.0, r["env_steps"]], [r["before"]["success_rate"], r["after"]["success_rate"]],
+                             color=colors[method], alpha=0.35, lw=1, marker="o", ms=4)
+        # mean over the seeds that reached each iteration (a run still going or cut short ends early)
+        length = max(c[0].size for c in curves)
+        padded = np.full((2, len(curves), length), np.nan)
+        for index, (steps, train) in enumerate(curves):
+            padded[0, index, :steps.size], padded[1, index, :train.size] = steps, train
+        with np.errstate(invalid="ignore"), warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)
+            mean_steps, mean_train = np.nanmean(padded[0], axis=0), np.nanmean(padded[1], axis=0)
         axes[0].plot(mean_steps, mean_train, color=colors[method], lw=2.5, label=f"{LABELS[method]} (mean of {len(runs)})")
         finished = [r for r in runs if r.get("status") == "done"]
         if finished:
             before = np.mean([r["before"]["success_rate"] for r in finished])
             after = np.mean([r["after"]["success_rate"] for r in finished])
             axes[1].plot([0, np.mean([r["env_steps"] for r in finished])], [before, after], color=colors[method],
-                         lw=2.5, marker="s", label=f"{LABELS[method]}: BC -> final (mean of {len(finished)})")
+                         lw=2.5, marker="s", label=f"{LABELS[method]}: BC -> final, {finished[0]['before']['episodes']:.0f} "
+                                                   f"episodes (mean of {len(finished)} seeds)")
     axes[0].set(title=f"training-rollout success (stochastic), trailing mean of {window} iterations",
                 xlabel="env steps", ylabel="success rate", ylim=(0, 1))
-    axes[1].set(title="deterministic eval (thin: per seed; BC at 0, in-run evals, final)", xlabel="env steps")
+    axes[1].set(title="deterministic eval: BC -> final per seed (thin), mean (thick); dots: in-run evals",
+                xlabel="env steps")
     for ax in axes:
         ax.grid(alpha=0.3)
         ax.legend(loc="lower right", fontsize=8)
