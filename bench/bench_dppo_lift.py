@@ -31,8 +31,9 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def build_parser(description: str | None = None) -> argparse.ArgumentParser:
+    """The bench's options (bench/bench_dppo_vs_gaussian.py adds its own to the same parser)."""
+    parser = argparse.ArgumentParser(description=description or __doc__.split("\n\n")[0])
     parser.add_argument("--out-dir", default="runs/bench_dppo_lift")
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--num-demos", type=int, default=100)
@@ -72,7 +73,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                              "actually used are reported")
     parser.add_argument("--demos", default=None, help="demo file (default: <out-dir>/lift_demos_n<N>_noise<X>.hdf5)")
     parser.add_argument("--demos-only", action="store_true", help="only generate the demo file, then exit")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def finish_args(args: argparse.Namespace) -> argparse.Namespace:
+    """Default ``--n-steps`` to one full episode; warn when rollouts cut every training episode."""
     if args.n_steps is None:
         args.n_steps = math.ceil(args.max_episode_steps / 4)
     elif args.n_steps * 4 < args.max_episode_steps:
@@ -82,8 +87,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    return finish_args(build_parser().parse_args(argv))
+
+
 def evaluate(policy, args, seed: int, normalizer_path: str, *, deterministic: bool = True,
-             episodes: int | None = None) -> dict[str, float]:
+             episodes: int | None = None, episode_records: list | None = None,
+             sampler: str | None = "args") -> dict[str, float]:
+    """Deterministic (or stochastic) evaluation on ``args.num_envs`` envs seeded ``100_000 + seed`` (env i:
+    + i), so every policy of a seed meets the same initial states; the chains' initial noise is seeded
+    alike. ``episode_records`` (a list) receives one dict per counted episode (see ``evaluate_policy``);
+    ``sampler``: the deterministic chain, default ``args.eval_sampler`` (None: the policy's own)."""
     from robotics.envs import make_vector_env
     from robotics.evaluate import evaluate_policy
 
@@ -96,7 +110,9 @@ def evaluate(policy, args, seed: int, normalizer_path: str, *, deterministic: bo
         start = time.perf_counter()
         result = evaluate_policy(policy.to(args.device), envs, episodes or args.eval_episodes,
                                  deterministic=deterministic, seed=100_000 + seed, progress=True,
-                                 deterministic_sampler=args.eval_sampler)
+                                 deterministic_sampler=args.eval_sampler if sampler == "args" else sampler,
+                                 generator=torch.Generator(device=args.device).manual_seed(100_000 + seed),
+                                 episode_records=episode_records)
         result["seconds"] = time.perf_counter() - start
     finally:
         envs.close()
@@ -117,26 +133,71 @@ class RolloutRate(pl.Callback):
               f"kl {m.get('policy/approx_kl', 0):.2e} env steps/s {m['perf/env_steps_per_s']:.0f}", flush=True)
 
 
-def run_seed(seed: int, args, demos: Path, out_dir: Path) -> dict[str, float]:
-    from mmpo.training.checkpoint import VerifiedCheckpointIO
-    from robotics.bc import BCModule, ChunkDataModule
-    from robotics.dppo import DPPOModule
-    from robotics.policy.io import load_policy
+def train_diffusion_bc(seed: int, args, demos: Path, seed_dir: Path) -> tuple[Path, float]:
+    """Diffusion BC (DDPM eps-MSE, EMA 0.995) on ``demos``: (checkpoint ``seed_dir/bc.ckpt``, seconds)."""
+    from robotics.bc import BCModule
 
     pl.seed_everything(seed, verbose=False)
-    seed_dir = out_dir / f"seed{seed}"
     bc = BCModule(obs_dim=19, action_dim=7, horizon=4, act_steps=4, denoising_steps=args.denoising_steps,
                   hidden_dims=[args.hidden] * 3, lr=args.bc_lr, lr_min=args.bc_lr / 10, warmup_steps=50,
                   task="lift", max_episode_steps=args.max_episode_steps, export_safetensors=False)
+    return fit_bc(bc, args, demos, seed_dir)
+
+
+def fit_bc(module: pl.LightningModule, args, demos: Path, seed_dir: Path) -> tuple[Path, float]:
+    """``--bc-epochs`` epochs of a BC module on ``demos`` (batch 256): (checkpoint ``seed_dir/bc.ckpt``, seconds)."""
+    from mmpo.training.checkpoint import VerifiedCheckpointIO
+    from robotics.bc import ChunkDataModule
+
     data = ChunkDataModule(str(demos), horizon=4, batch_size=256)
     start = time.perf_counter()
     trainer = pl.Trainer(max_epochs=args.bc_epochs, accelerator=args.device, logger=False, enable_checkpointing=False,
                          enable_progress_bar=False, enable_model_summary=False, default_root_dir=seed_dir,
                          plugins=[VerifiedCheckpointIO()])
-    trainer.fit(bc, data)
-    bc_seconds = time.perf_counter() - start
-    bc_ckpt = seed_dir / "bc.ckpt"
-    trainer.save_checkpoint(bc_ckpt)
+    trainer.fit(module, data)
+    seconds = time.perf_counter() - start
+    trainer.save_checkpoint(seed_dir / "bc.ckpt")
+    return seed_dir / "bc.ckpt", seconds
+
+
+def fit_rl(module: pl.LightningModule, args, seed_dir: Path, callback: pl.Callback, ckpt_name: str) -> tuple[Path, float]:
+    """One Lightning fit of a DPPO-style module (one batch = one iteration), capped by ``--dppo-max-minutes``:
+    (checkpoint ``seed_dir/ckpt_name``, seconds)."""
+    from mmpo.training.checkpoint import VerifiedCheckpointIO
+
+    start = time.perf_counter()
+    max_time = None if args.dppo_max_minutes is None else {"seconds": int(args.dppo_max_minutes * 60)}
+    trainer = pl.Trainer(max_epochs=1, accelerator=args.device, logger=False, enable_checkpointing=False,
+                         enable_progress_bar=False, enable_model_summary=False, default_root_dir=seed_dir,
+                         callbacks=[callback], max_time=max_time, plugins=[VerifiedCheckpointIO()])
+    trainer.fit(module)
+    seconds = time.perf_counter() - start
+    trainer.save_checkpoint(seed_dir / ckpt_name)
+    return seed_dir / ckpt_name, seconds
+
+
+def rl_iterations(args) -> int:
+    """Iterations that cover ``--dppo-env-steps`` (num_envs x n_steps chunk steps x 4 actions each)."""
+    return max(1, math.ceil(args.dppo_env_steps / (args.num_envs * args.n_steps * 4)))
+
+
+def dppo_module(bc_ckpt: Path, args, seed: int, **settings):
+    """The bench's DPPOModule (paper Lift settings, the budget knobs from ``args``); ``settings`` override."""
+    from robotics.dppo import DPPOModule
+
+    return DPPOModule(**{**dict(
+        bc_checkpoint=str(bc_ckpt), num_iterations=rl_iterations(args), num_envs=args.num_envs, n_steps=args.n_steps,
+        ft_steps=args.ft_steps, max_episode_steps=args.max_episode_steps, batch_size=args.batch_size,
+        update_epochs=args.update_epochs, actor_lr=args.actor_lr, clip_base=args.clip_base,
+        clip_final=args.clip_final, n_critic_warmup_itr=args.critic_warmup, eval_every=0, seed=seed,
+        asynchronous=not args.sync_envs), **settings})
+
+
+def run_seed(seed: int, args, demos: Path, out_dir: Path) -> dict[str, float]:
+    from robotics.policy.io import load_policy
+
+    seed_dir = out_dir / f"seed{seed}"
+    bc_ckpt, bc_seconds = train_diffusion_bc(seed, args, demos, seed_dir)
     policy, metadata = load_policy(bc_ckpt)
     print(f"[seed {seed}] BC done in {bc_seconds:.0f}s; evaluating", flush=True)
     bc_eval = evaluate(policy, args, seed, metadata["normalizer_path"])
@@ -147,24 +208,9 @@ def run_seed(seed: int, args, demos: Path, out_dir: Path) -> dict[str, float]:
                                  episodes=args.stochastic_eval_episodes)
         print(f"[seed {seed}] BC stochastic eval: {json.dumps(bc_stochastic)}", flush=True)
 
-    per_iteration = args.num_envs * args.n_steps * 4
-    iterations = max(1, math.ceil(args.dppo_env_steps / per_iteration))
-    dppo = DPPOModule(
-        str(bc_ckpt), num_iterations=iterations, num_envs=args.num_envs, n_steps=args.n_steps,
-        ft_steps=args.ft_steps, max_episode_steps=args.max_episode_steps, batch_size=args.batch_size,
-        update_epochs=args.update_epochs, actor_lr=args.actor_lr, clip_base=args.clip_base,
-        clip_final=args.clip_final, n_critic_warmup_itr=args.critic_warmup, eval_every=0, seed=seed,
-        asynchronous=not args.sync_envs,
-    )
+    dppo = dppo_module(bc_ckpt, args, seed)
     rates = RolloutRate()
-    start = time.perf_counter()
-    max_time = None if args.dppo_max_minutes is None else {"seconds": int(args.dppo_max_minutes * 60)}
-    trainer = pl.Trainer(max_epochs=1, accelerator=args.device, logger=False, enable_checkpointing=False,
-                         enable_progress_bar=False, enable_model_summary=False, default_root_dir=seed_dir,
-                         callbacks=[rates], max_time=max_time, plugins=[VerifiedCheckpointIO()])
-    trainer.fit(dppo)
-    dppo_seconds = time.perf_counter() - start
-    trainer.save_checkpoint(seed_dir / "dppo.ckpt")
+    _, dppo_seconds = fit_rl(dppo, args, seed_dir, rates, "dppo.ckpt")
     ft_policy, _ = load_policy(seed_dir / "dppo.ckpt")
     dppo_eval = evaluate(ft_policy, args, seed, metadata["normalizer_path"])
     print(f"[seed {seed}] DPPO eval: {json.dumps(dppo_eval)}", flush=True)

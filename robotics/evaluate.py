@@ -62,6 +62,7 @@ class EpisodeTracker:
     successes: list[bool] = field(default_factory=list)
     faults: int = 0
     env_steps: int = 0
+    records: list[dict[str, Any]] | None = None  # a list: one dict per recorded episode (env, ordinal, ...)
 
     def __post_init__(self) -> None:
         self._ret = np.zeros(self.num_envs)
@@ -93,6 +94,10 @@ class EpisodeTracker:
                     self.returns.append(float(self._ret[index]))
                     self.lengths.append(int(self._len[index]))
                     self.successes.append(bool(self._success[index]))
+                    if self.records is not None:
+                        self.records.append({"env": index, "ordinal": int(self.finished[index]),
+                                             "success": bool(self._success[index]), "return": float(self._ret[index]),
+                                             "length": int(self._len[index])})
                 self.finished[index] += 1
                 self._ret[index], self._len[index], self._success[index] = 0.0, 0, False
 
@@ -135,6 +140,7 @@ def evaluate_policy(
     deterministic_sampler: str | None = None,
     generator: torch.Generator | None = None,
     ddpm_eval_std_floor: float | None = None,
+    episode_records: list[dict[str, Any]] | None = None,
 ) -> dict[str, float]:
     """Roll out ``policy`` for ``num_episodes`` episodes on a SAME_STEP-autoreset vector chunk env.
 
@@ -151,6 +157,11 @@ def evaluate_policy(
             official evaluation noise floor (1e-3), see :meth:`DiffusionPolicy.sample`.
         generator: source of the chains' initial (and, stochastic, step) noise, on the policy's
             device; None = torch's global RNG.
+        episode_records: a list that receives one dict per recorded episode, in finishing order:
+            ``env`` (index i, seeded ``seed + i``), ``ordinal`` (the episode's number in that env since
+            the reset, 0-based), ``success``, ``return``, ``length``. With a ``seed``, (env, ordinal)
+            names the same initial state for every policy (resets draw placements and robot noise from
+            the env's seeded generator), so two policies' episodes can be paired on it.
 
     Returns:
         dict with ``return``, ``success_rate`` (NaN for tasks without success), ``episodes``,
@@ -159,7 +170,7 @@ def evaluate_policy(
     check_same_step_autoreset(envs)
     policy.eval()
     num_envs = envs.num_envs
-    tracker = EpisodeTracker(num_envs, quota=split_episodes(num_episodes, num_envs))
+    tracker = EpisodeTracker(num_envs, quota=split_episodes(num_episodes, num_envs), records=episode_records)
     obs, _ = envs.reset(seed=seed)
     device = next(policy.parameters()).device
     bar = tqdm(total=num_episodes, desc="eval episodes", disable=not progress, leave=False)

@@ -1,0 +1,358 @@
+"""Benchmark (issue 19): BC -> DPPO vs BC -> Gaussian-policy PPO on robosuite Lift, paired, with intervals.
+
+Per seed and method (``--methods dppo gaussian``), on the same demo file:
+
+- dppo: diffusion BC (bench_dppo_lift's recipe) -> deterministic eval -> DPPO for ``--dppo-env-steps``
+  -> deterministic eval (DDIM eta = 0 by default, ``--eval-sampler``);
+- gaussian: Gaussian-policy BC (MSE on the chunk mean, configs/robotics/gaussian_bc_lift.yaml's recipe)
+  -> deterministic eval (the mean) -> Gaussian PPO (robotics/gaussian_ppo.py) for the same env-step budget
+  and rollout shape -> deterministic eval.
+
+Every evaluation of a seed uses the same env seeds (100000 + seed + env index) and records each episode
+under (env index, episode number), so before/after and DPPO/Gaussian are paired on initial states. The
+curve is the training-rollout success of every iteration (stochastic sampling), plus, with
+``--curve-eval-every``, a small deterministic eval inside the run. Each (seed, method) writes
+``<out-dir>/seed<S>_<method>.json`` (atomically, after BC, after every RL iteration and at the end), so a
+killed run leaves its finished parts. ``--aggregate`` reads those files (any number of ``--out-dir``s via
+``--aggregate-dirs``), computes the gains with 95% intervals (bench/paired_intervals.py) and writes
+``aggregate.{json,md}`` and the plot (``--plot``).
+
+    python bench/bench_dppo_vs_gaussian.py --seeds 0 --methods dppo gaussian --dppo-env-steps 60000 ...
+    python bench/bench_dppo_vs_gaussian.py --aggregate --aggregate-dirs runs/a runs/b --plot bench/x.png
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import sys
+import time
+import warnings
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_dppo_lift import (  # noqa: E402  (sets OMP_NUM_THREADS before torch)
+    build_parser,
+    dppo_module,
+    evaluate,
+    finish_args,
+    fit_bc,
+    fit_rl,
+    rl_iterations,
+    train_diffusion_bc,
+)
+from paired_intervals import summarize_contrast  # noqa: E402
+
+import lightning.pytorch as pl  # noqa: E402
+import torch  # noqa: E402
+
+METHODS = ("dppo", "gaussian")
+LABELS = {"dppo": "DPPO (diffusion)", "gaussian": "Gaussian PPO"}
+
+
+def parse_args(argv: list[str] | None = None):
+    parser = build_parser(__doc__.split("\n\n")[0])
+    parser.set_defaults(out_dir="runs/bench_dppo_vs_gaussian", eval_episodes=100, num_envs=4, batch_size=600,
+                        sync_envs=False)
+    parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
+    parser.add_argument("--gaussian-clip", type=float, default=0.01, help="Gaussian PPO clip range (config: 0.01)")
+    parser.add_argument("--gaussian-batch-size", type=int, default=None,
+                        help="Gaussian PPO minibatch in env steps (default: --batch-size / --ft-steps, the same "
+                             "number of minibatches per epoch as DPPO's (env step, denoising step) pairs)")
+    parser.add_argument("--gaussian-bc-lr", type=float, default=1e-3)
+    parser.add_argument("--curve-eval-every", type=int, default=0,
+                        help="deterministic eval inside the RL run every this many iterations (0: none)")
+    parser.add_argument("--curve-eval-episodes", type=int, default=12)
+    parser.add_argument("--aggregate", action="store_true", help="only aggregate finished result files")
+    parser.add_argument("--aggregate-dirs", nargs="+", default=None, help="result dirs to aggregate (default --out-dir)")
+    parser.add_argument("--plot", default=None, help="PNG path for the success-vs-env-steps plot (with --aggregate)")
+    parser.add_argument("--n-boot", type=int, default=10_000)
+    args = finish_args(parser.parse_args(argv))
+    if args.gaussian_batch_size is None:
+        args.gaussian_batch_size = max(1, args.batch_size // args.ft_steps)
+    return args
+
+
+def write_json_atomic(path: Path, payload: dict) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(payload, indent=1))
+    os.replace(tmp, path)
+
+
+def utc_now() -> str:
+    return datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC")
+
+
+class CurveRecorder(pl.Callback):
+    """Appends each RL iteration's metrics to the task record and rewrites its JSON file."""
+
+    def __init__(self, record: dict, path: Path) -> None:
+        self.record, self.path = record, path
+
+    def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx) -> None:
+        m = {key: float(value) for key, value in module.last_metrics.items()}
+        self.record["curve"].append(m)
+        self.record["rl_seconds_so_far"] = time.perf_counter() - self.record["_rl_start"]
+        write_json_atomic(self.path, {k: v for k, v in self.record.items() if not k.startswith("_")})
+        print(f"  {self.record['method']} s{self.record['seed']} itr {len(self.record['curve'])}: env steps "
+              f"{m['perf/env_steps_total']:.0f} train success {m.get('charts/success_rate', float('nan')):.3f} "
+              f"eval {m.get('eval/success_rate', float('nan')):.3f} clipfrac {m.get('policy/clipfrac', 0):.3f} "
+              f"kl {m.get('policy/approx_kl', 0):.2e} env steps/s {m['perf/env_steps_per_s']:.0f}", flush=True)
+
+
+def train_gaussian_bc(seed: int, args, demos: Path, seed_dir: Path) -> tuple[Path, float]:
+    """Gaussian BC (MSE of the chunk mean; configs/robotics/gaussian_bc_lift.yaml) for ``--bc-epochs`` epochs."""
+    from robotics.gaussian_ppo import GaussianBCModule
+
+    pl.seed_everything(seed, verbose=False)
+    module = GaussianBCModule(obs_dim=19, action_dim=7, horizon=4, act_steps=4, hidden_dims=[args.hidden] * 3,
+                              init_std=0.1, min_std=0.01, lr=args.gaussian_bc_lr, weight_decay=1e-6, task="lift",
+                              max_episode_steps=args.max_episode_steps)
+    return fit_bc(module, args, demos, seed_dir)
+
+
+def run_task(seed: int, method: str, args, demos: Path, out_dir: Path) -> dict:
+    """BC -> eval -> RL -> eval for one (seed, method); the record is rewritten to disk at every stage."""
+    from robotics.gaussian_ppo import GaussianPPOModule, load_gaussian_policy
+    from robotics.policy.io import load_policy
+
+    seed_dir = out_dir / f"seed{seed}" / method
+    seed_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / f"seed{seed}_{method}.json"
+    record = {"seed": seed, "method": method, "status": "bc", "started": utc_now(), "demos": str(demos),
+              "args": {k: v for k, v in vars(args).items()}, "curve": []}
+    write_json_atomic(path, record)
+    if method == "dppo":
+        bc_ckpt, bc_seconds = train_diffusion_bc(seed, args, demos, seed_dir)
+        policy, metadata = load_policy(bc_ckpt)
+        sampler = args.eval_sampler
+    else:
+        bc_ckpt, bc_seconds = train_gaussian_bc(seed, args, demos, seed_dir)
+        policy, metadata = load_gaussian_policy(bc_ckpt)
+        sampler = None
+    normalizer = metadata["normalizer_path"]
+    print(f"[{method} s{seed}] BC done in {bc_seconds:.0f}s; evaluating", flush=True)
+    episodes: list[dict] = []
+    record["before"] = evaluate(policy, args, seed, normalizer, episode_records=episodes, sampler=sampler)
+    record.update(before_episodes=episodes, bc_seconds=bc_seconds, status="rl")
+    write_json_atomic(path, record)
+    print(f"[{method} s{seed}] BC eval: success {record['before']['success_rate']:.3f}", flush=True)
+
+    curve_eval = dict(eval_every=args.curve_eval_every, eval_episodes=args.curve_eval_episodes)
+    if method == "dppo":
+        module = dppo_module(bc_ckpt, args, seed, eval_sampler=args.eval_sampler, **curve_eval)
+    else:
+        module = GaussianPPOModule(
+            str(bc_ckpt), rl_iterations(args), clip_coef=args.gaussian_clip, num_envs=args.num_envs,
+            n_steps=args.n_steps, max_episode_steps=args.max_episode_steps, batch_size=args.gaussian_batch_size,
+            update_epochs=args.update_epochs, actor_lr=args.actor_lr, n_critic_warmup_itr=args.critic_warmup,
+            seed=seed, asynchronous=not args.sync_envs, **curve_eval)
+    record["_rl_start"] = time.perf_counter()
+    ckpt, rl_seconds = fit_rl(module, args, seed_dir, CurveRecorder(record, path), "rl.ckpt")
+    del record["_rl_start"]
+    policy = (load_policy if method == "dppo" else load_gaussian_policy)(ckpt)[0]
+    episodes = []
+    record["after"] = evaluate(policy, args, seed, normalizer, episode_records=episodes, sampler=sampler)
+    last = record["curve"][-1] if record["curve"] else {}
+    record.update(after_episodes=episodes, rl_seconds=rl_seconds, rl_iterations=len(record["curve"]),
+                  env_steps=last.get("perf/env_steps_total", 0.0), faults=last.get("perf/faults", 0.0),
+                  rollout_env_steps_per_s=float(np.mean([m["perf/env_steps_per_s"] for m in record["curve"]])),
+                  status="done", finished=utc_now())
+    write_json_atomic(path, record)
+    print(f"[{method} s{seed}] RL eval: success {record['after']['success_rate']:.3f} "
+          f"(BC {record['before']['success_rate']:.3f}), {record['env_steps']:.0f} env steps in {rl_seconds:.0f}s",
+          flush=True)
+    return record
+
+
+# ---------------------------------------------------------------------------------------------- aggregation
+def load_records(dirs: list[Path]) -> list[dict]:
+    return [json.loads(path.read_text()) for directory in dirs for path in sorted(directory.glob("seed*_*.json"))]
+
+
+def episode_successes(episodes: list[dict]) -> dict[tuple[int, int], float]:
+    return {(e["env"], e["ordinal"]): float(e["success"]) for e in episodes}
+
+
+def paired_table(records: list[dict], methods: list[str]) -> tuple[list[int], list[dict[str, np.ndarray]]]:
+    """Seeds where every method finished, and per seed the aligned 0/1 arrays ``<method>/before|after`` over
+    the episode keys all four evaluations share."""
+    done = {(r["seed"], r["method"]): r for r in records if r.get("status") == "done"}
+    seeds = sorted({s for s, _ in done if all((s, m) in done for m in methods)})
+    table = []
+    for seed in seeds:
+        maps = {f"{m}/{when}": episode_successes(done[(seed, m)][f"{when}_episodes"])
+                for m in methods for when in ("before", "after")}
+        keys = sorted(set.intersection(*(set(v) for v in maps.values())))
+        table.append({name: np.array([values[k] for k in keys]) for name, values in maps.items()})
+    return seeds, table
+
+
+def aggregate(records: list[dict], n_boot: int = 10_000) -> dict:
+    methods = [m for m in METHODS if any(r["method"] == m and r.get("status") == "done" for r in records)]
+    result: dict = {"methods": {}, "contrasts": {}}
+    for method in methods:
+        seeds, table = paired_table(records, [method])
+        done = sorted((r for r in records if r["method"] == method and r.get("status") == "done"), key=lambda r: r["seed"])
+        gain = {f"{method}/after": 1.0, f"{method}/before": -1.0}
+        result["methods"][method] = {
+            "seeds": seeds,
+            "before": [float(t[f"{method}/before"].mean()) for t in table],
+            "after": [float(t[f"{method}/after"].mean()) for t in table],
+            "episodes": [int(t[f"{method}/before"].size) for t in table],
+            "gain": summarize_contrast(table, gain, n_boot=n_boot) if table else None,
+            "env_steps": [r["env_steps"] for r in done],
+            "rl_iterations": [r["rl_iterations"] for r in done],
+            "rl_seconds": [r["rl_seconds"] for r in done],
+            "bc_seconds": [r["bc_seconds"] for r in done],
+            "rollout_env_steps_per_s": [r["rollout_env_steps_per_s"] for r in done],
+            "env_steps_per_s_overall": [r["env_steps"] / r["rl_seconds"] for r in done],
+            "faults": [r["faults"] for r in done],
+        }
+    if set(METHODS) <= set(methods):
+        seeds, table = paired_table(records, list(METHODS))
+        if table:
+            result["contrasts"]["dppo_gain_minus_gaussian_gain"] = {"seeds": seeds, **summarize_contrast(
+                table, {"dppo/after": 1.0, "dppo/before": -1.0, "gaussian/after": -1.0, "gaussian/before": 1.0},
+                n_boot=n_boot)}
+            result["contrasts"]["dppo_after_minus_gaussian_after"] = {"seeds": seeds, **summarize_contrast(
+                table, {"dppo/after": 1.0, "gaussian/after": -1.0}, n_boot=n_boot)}
+    result["unfinished"] = [{"seed": r["seed"], "method": r["method"], "status": r.get("status"),
+                             "iterations": len(r.get("curve", [])),
+                             "env_steps": (r["curve"][-1]["perf/env_steps_total"] if r.get("curve") else 0.0)}
+                            for r in records if r.get("status") != "done"]
+    return result
+
+
+def interval(pair) -> str:
+    return f"[{pair[0]:+.3f}, {pair[1]:+.3f}]"
+
+
+def markdown(result: dict) -> str:
+    lines = ["| method | seeds | episodes/seed | before (det.) per seed | after (det.) per seed | mean before -> after "
+             "| gain | 95% bootstrap (seeds x episodes) | 95% normal (episodes, seeds fixed) | 95% t (seeds) "
+             "| env steps/seed | RL s/seed | env steps/s (RL overall) |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for method, m in result["methods"].items():
+        g = m["gain"]
+        if g is None:
+            continue
+        lines.append(
+            f"| {LABELS[method]} | {', '.join(map(str, m['seeds']))} | {', '.join(map(str, m['episodes']))} | "
+            f"{' / '.join(f'{v:.2f}' for v in m['before'])} | {' / '.join(f'{v:.2f}' for v in m['after'])} | "
+            f"{np.mean(m['before']):.3f} -> {np.mean(m['after']):.3f} | **{g['estimate']:+.3f}** | "
+            f"**{interval(g['bootstrap'])}** | {interval(g['episode_normal'])} | {interval(g['seed_t'])} | "
+            f"{' / '.join(f'{v:,.0f}' for v in m['env_steps'])} | {' / '.join(f'{v:.0f}' for v in m['rl_seconds'])} | "
+            f"{' / '.join(f'{v:.0f}' for v in m['env_steps_per_s_overall'])} |")
+    for name, c in result["contrasts"].items():
+        lines.append(f"| {name} | {', '.join(map(str, c['seeds']))} | | per seed "
+                     f"{' / '.join(f'{v:+.2f}' for v in c['per_seed'])} | | | **{c['estimate']:+.3f}** | "
+                     f"**{interval(c['bootstrap'])}** | {interval(c['episode_normal'])} | {interval(c['seed_t'])} | | | |")
+    for u in result["unfinished"]:
+        lines.append(f"\n- unfinished: {u['method']} seed {u['seed']} (status {u['status']}, "
+                     f"{u['iterations']} RL iterations, {u['env_steps']:,.0f} env steps recorded)")
+    return "\n".join(lines)
+
+
+def smooth(values: np.ndarray, window: int) -> np.ndarray:
+    """Trailing mean over up to ``window`` finite values (NaN iterations, without finished episodes, skipped)."""
+    out = np.full(values.shape, np.nan)
+    for index in range(values.size):
+        chunk = values[max(0, index - window + 1): index + 1]
+        chunk = chunk[np.isfinite(chunk)]
+        if chunk.size:
+            out[index] = chunk.mean()
+    return out
+
+
+def plot(records: list[dict], path: Path, window: int = 10) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    colors = {"dppo": "tab:blue", "gaussian": "tab:orange"}
+    fig, axes = plt.subplots(1, 2, figsize=(13, 4.8), sharey=True)
+    for method in METHODS:
+        runs = sorted((r for r in records if r["method"] == method and r.get("curve")), key=lambda r: r["seed"])
+        if not runs:
+            continue
+        curves = []
+        for r in runs:
+            steps = np.array([m["perf/env_steps_total"] for m in r["curve"]])
+            train = smooth(np.array([m.get("charts/success_rate", np.nan) for m in r["curve"]]), window)
+            axes[0].plot(steps, train, color=colors[method], alpha=0.35, lw=1)
+            curves.append((steps, train))
+            evals = [(m["perf/env_steps_total"], m["eval/success_rate"]) for m in r["curve"] if "eval/success_rate" in m]
+            if evals:
+                axes[1].plot(*zip(*evals), color=colors[method], alpha=0.5, lw=0, marker=".", ms=6)
+            if r.get("status") == "done":
+                axes[1].plot([0.0, r["env_steps"]], [r["before"]["success_rate"], r["after"]["success_rate"]],
+                             color=colors[method], alpha=0.35, lw=1, marker="o", ms=4)
+        # mean over the seeds that reached each iteration (a run still going or cut short ends early)
+        length = max(c[0].size for c in curves)
+        padded = np.full((2, len(curves), length), np.nan)
+        for index, (steps, train) in enumerate(curves):
+            padded[0, index, :steps.size], padded[1, index, :train.size] = steps, train
+        with np.errstate(invalid="ignore"), warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)
+            mean_steps, mean_train = np.nanmean(padded[0], axis=0), np.nanmean(padded[1], axis=0)
+        axes[0].plot(mean_steps, mean_train, color=colors[method], lw=2.5, label=f"{LABELS[method]} (mean of {len(runs)})")
+        finished = [r for r in runs if r.get("status") == "done"]
+        if finished:
+            before = np.mean([r["before"]["success_rate"] for r in finished])
+            after = np.mean([r["after"]["success_rate"] for r in finished])
+            axes[1].plot([0, np.mean([r["env_steps"] for r in finished])], [before, after], color=colors[method],
+                         lw=2.5, marker="s", label=f"{LABELS[method]}: BC -> final, {finished[0]['before']['episodes']:.0f} "
+                                                   f"episodes (mean of {len(finished)} seeds)")
+    axes[0].set(title=f"training-rollout success (stochastic), trailing mean of {window} iterations",
+                xlabel="env steps", ylabel="success rate", ylim=(0, 1))
+    axes[1].set(title="deterministic eval: BC -> final per seed (thin), mean (thick); dots: in-run evals",
+                xlabel="env steps")
+    for ax in axes:
+        ax.grid(alpha=0.3)
+        ax.legend(loc="lower right", fontsize=8)
+    fig.suptitle("robosuite Lift: BC -> DPPO vs BC -> Gaussian PPO (same demos, same env-step budget)")
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    out_dir = Path(args.out_dir)
+    if args.aggregate:
+        dirs = [Path(d) for d in (args.aggregate_dirs or [args.out_dir])]
+        records = load_records(dirs)
+        result = aggregate(records, n_boot=args.n_boot)
+        block = markdown(result)
+        print(block)
+        out_dir.mkdir(parents=True, exist_ok=True)
+        write_json_atomic(out_dir / "aggregate.json", result)
+        (out_dir / "aggregate.md").write_text(block + "\n")
+        if args.plot:
+            plot(records, Path(args.plot))
+            print(f"plot: {args.plot}")
+        return 0
+    torch.set_num_threads(1)
+    from robotics.demos import generate_demos
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    demos = Path(args.demos) if args.demos else out_dir / f"lift_demos_n{args.num_demos}_noise{args.noise}.hdf5"
+    if not demos.exists():
+        stats = generate_demos("lift", args.num_demos, demos, noise=args.noise, seed=1234, keep_failures=False)
+        print(f"demos: {demos} expert success {stats['success_rate']}", flush=True)
+    if args.demos_only:
+        return 0
+    for seed in args.seeds:
+        for method in args.methods:
+            run_task(seed, method, args, demos, out_dir)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
