@@ -402,7 +402,7 @@ _LEAN_MODEL_CLASSES = ("Qwen2_5_VLForConditionalGeneration",)
 def lean_decode_blocker(model: Any, inputs: Mapping[str, Any], *, do_sample: bool, max_new_tokens: int) -> str | None:
     """Why :meth:`HFGenerateEngine._lean_decode` cannot decode this call (then HF ``generate`` does), or None.
 
-    It covers: sampling after :meth:`HFGenerateEngine._prefill` (G > 1) on an unsharded Qwen2.5-VL with sdpa
+    It covers: sampling after :meth:`HFGenerateEngine._prefill` (G > 1) on a Qwen2.5-VL with sdpa
     attention and full-attention layers, a DynamicCache, Qwen-VL RoPE offsets set, and a generation config
     with no field set outside :data:`_LEAN_GENERATION_FIELDS`. Greedy decoding, single samples, other models
     (Qwen2-VL, Qwen3-VL, ...) go to HF. An FSDP2-sharded model decodes here too, on the weights
