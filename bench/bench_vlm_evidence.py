@@ -1,0 +1,672 @@
+"""Evidence benchmark for the VLM algorithms (issue 18): each method on a task where its mechanism can act.
+
+Protocol (documented in ``bench/RESULTS.md``, section "VLM algorithms: evidence"):
+
+- One tiny Qwen2.5-VL (the quickstart's size and corpus-trained tokenizer), one SFT start per
+  experiment, then every algorithm of the experiment runs the same RL budget from that start with
+  the same seeds (data order and sampling): ``--rl-steps`` steps x 8 prompts x G 8, lr 1e-4.
+- Four experiments, one per mechanism:
+
+  ========== ============================= ============================= ===================================
+  experiment start (SFT)                   algorithms                    mechanism metric
+  ========== ============================= ============================= ===================================
+  main       think-answer, 300 steps       GRPO, PAPO-G, MAPO            perception gap (real vs masked
+             (count_shapes, compare_size,                                 image), perception-error share;
+             bar_chart: mid accuracy)                                     MAPO's lambda / success fraction
+  steps      "steps" style (R1-VL), same   GRPO (accuracy + StepRVR),    StepRAR key-step fraction,
+             tasks                         StepGRPO (StepRAR + StepRVR)  StepRVR validity
+  geometry   geometry_aux, SFT on a mix    GRPO, GCPO                    share of groups whose contrastive
+             with / without the auxiliary                                 mask is non-zero; aux rate by kind
+             construction
+  weak       think-answer, 40 steps        GRPO, AHPO                    gate-open share, expert token share
+             (accuracy ~0)
+  ========== ============================= ============================= ===================================
+
+- Held-out score: greedy accuracy on ``--eval-size`` test-split items per task (disjoint from the
+  training items by content hash), every ``--eval-every`` RL steps (the learning curve) and at
+  the end. Every run stores per-item correctness, so contrasts (algorithm - start, algorithm -
+  GRPO) get a hierarchical paired bootstrap interval over seeds and items and a Student-t
+  interval over the seed means (``bench/paired_intervals.py``).
+
+Stages (each resumable; finished work is skipped)::
+
+    python bench/bench_vlm_evidence.py starts --out runs/vlm_evidence          # SFT starts + their eval
+    python bench/bench_vlm_evidence.py runs --out runs/vlm_evidence --shard 0/2 &  # RL runs, one core each
+    python bench/bench_vlm_evidence.py runs --out runs/vlm_evidence --shard 1/2 &
+    python bench/bench_vlm_evidence.py report --out runs/vlm_evidence          # tables + curve plot
+
+Every run result is written atomically to ``OUT/runs/<experiment>__<algo>__s<seed>.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import os
+import re
+import statistics
+import sys
+import time
+import zlib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Sequence
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+os.environ.setdefault("MKL_NUM_THREADS", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+MAIN_TASKS = ("count_shapes", "compare_size", "bar_chart")
+GEOMETRY_TASKS = ("geometry_aux",)
+MODEL_SIZE = dict(hidden_size=128, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=384)
+EVAL_SEED = 1234
+MASK_SEED = 4321
+
+
+@dataclass(frozen=True)
+class Start:
+    """One SFT start: tasks, solution style, steps; ``aux_mix`` > 0 mixes the geometry solutions;
+    ``difficulty`` fixes the task level for SFT, RL and evaluation (None: levels 1-3 mixed)."""
+
+    tasks: tuple[str, ...]
+    style: str
+    steps_arg: str
+    aux_mix: float = 0.0
+    difficulty: int | None = None
+
+
+STARTS: dict[str, Start] = {
+    "sft": Start(MAIN_TASKS, "think-answer", "sft_steps"),
+    "sft_steps": Start(MAIN_TASKS, "steps", "sft_steps"),
+    # level 1 (angles multiples of 10): at levels 1-3 mixed the tiny model reached only 0.08 after 300 SFT steps
+    "sft_geo": Start(GEOMETRY_TASKS, "think-answer", "geo_sft_steps", aux_mix=0.5, difficulty=1),
+    "sft_weak": Start(MAIN_TASKS, "think-answer", "weak_sft_steps"),
+}
+
+
+@dataclass(frozen=True)
+class Experiment:
+    start: str
+    max_new_tokens: int
+    algos: dict[str, tuple[str, dict[str, Any]]] = field(default_factory=dict)
+
+
+GRPO = "mmpo.algos.grpo.GRPOModule"
+STEPS_GRPO_REWARD = {"accuracy": 0.9, "step_rvr": 0.1}  # GRPO's accuracy + format, format = the steps layout
+EXPERIMENTS: dict[str, Experiment] = {
+    "main": Experiment("sft", 48, {
+        "grpo": (GRPO, {}),
+        # PAPO-G with the paper's double-entropy regulariser (eta 0.05, its 7B GRPO setting), which the
+        # paper adds against KL_prcp hacking (section 5.3); run C of the earlier benchmark hacked without it
+        "papo_g": ("mmpo.algos.papo.PAPOModule", {"gamma": 0.02, "eta_orig": 0.05, "eta_masked": 0.05}),
+        "mapo": ("mmpo.algos.mapo.MAPOModule", {"advantage": "mapo"}),
+    }),
+    "steps": Experiment("sft_steps", 96, {
+        "grpo": (GRPO, {"system_prompt": "steps", "reward_weights": STEPS_GRPO_REWARD}),
+        "stepgrpo": ("mmpo.algos.stepgrpo.StepGRPOModule", {"beta": 0.04, "temperature": 1.0}),
+    }),
+    "geometry": Experiment("sft_geo", 96, {
+        "grpo": (GRPO, {}),
+        "gcpo": ("mmpo.algos.gcpo.GCPOModule", {"beta": 0.0}),
+    }),
+    "weak": Experiment("sft_weak", 48, {
+        "grpo": (GRPO, {}),
+        "ahpo": ("mmpo.algos.ahpo.AHPOModule", {"beta": 0.0}),
+    }),
+}
+
+
+# ----------------------------------------------------------------------------- data
+
+
+def mix_auxiliary(row: dict[str, Any], seed: int, share: float) -> dict[str, Any]:
+    """A geometry_aux training row whose solution uses the construction or not, flipped with prob ``share``.
+
+    The reference solutions always construct for ``exterior`` and never for ``interior``, so an SFT
+    policy never mixes and GCPO's contrastive mask stays 0. Flipped rows: an exterior solution
+    without the construction goes the long way (interior angle 180 - a - b, then 180 minus it: two
+    subtractions instead of one addition, so the construction really helps), and an interior one
+    with it copies the angles first (same arithmetic, longer). The choice is a hash of the row id.
+    """
+    from mmpo.data.geometry_aux import AUXILIARY_CONSTRUCTION
+
+    flip = (zlib.crc32(f"{seed}:{row['id']}".encode()) % 10_000) / 10_000 < share
+    if not flip:
+        return row
+    steps = list(row["steps"])
+    a, b = (int(word.rstrip(".")) for word in steps[0].split()[-3::2])
+    if row["aux_helps"]:
+        interior = 180 - a - b
+        steps = [steps[0], f"The interior angle at C is 180 - {a} - {b} = {interior}.",
+                 f"The exterior angle is 180 - {interior} = {a + b}."]
+    else:
+        steps = [steps[0], AUXILIARY_CONSTRUCTION, f"The parallel line copies angle A ({a}) and angle B ({b}) at C.",
+                 *steps[1:]]
+    row = dict(row, steps=steps)
+    from mmpo.data.solution import render_solution
+
+    row["expert_trace"] = render_solution(row)
+    return row
+
+
+def _datamodule(tasks: Sequence[str], *, train_size: int, seed: int, batch_size: int, aux_mix: float = 0.0,
+                difficulty: int | None = None):
+    from mmpo.data.datamodule import PromptDataModule
+
+    class MixedAuxDataModule(PromptDataModule):
+        def _synthetic(self, total: int, split: str):
+            rows = super()._synthetic(total, split)
+            if split != "train" or aux_mix <= 0:
+                return rows
+            return [mix_auxiliary(row, self.seed, aux_mix) if row["task"] == "geometry_aux" else row for row in rows]
+
+    return MixedAuxDataModule(tasks=list(tasks), train_size=train_size, val_size=0, seed=seed, batch_size=batch_size,
+                              difficulty=difficulty)
+
+
+def eval_rows(tasks: Sequence[str], size: int, difficulty: int | None = None) -> list[dict[str, Any]]:
+    import mmpo.data.geometry_aux  # noqa: F401  (registers geometry_aux)
+    from mmpo.data.synthetic import make_items
+
+    return [row for task in tasks for row in make_items(task, size, seed=EVAL_SEED, split="test", difficulty=difficulty)]
+
+
+def masked_rows(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The rows with PAPO's masked image (p 0.6 of the 14 px cells blacked out), one fixed mask per row."""
+    from mmpo.algos.papo import mask_seed, random_patch_blackening
+
+    return [dict(row, images=[random_patch_blackening(image, seed=mask_seed(MASK_SEED, 0, str(row["id"])))
+                              for image in row["images"]]) for row in rows]
+
+
+# ----------------------------------------------------------------------------- scoring
+
+
+def mentions(text: str, alternatives: Sequence[str]) -> bool:
+    """Whether ``text`` contains one of ``alternatives`` as whole words (case-insensitive): "3 shapes"
+    is found in "It shows 3 shapes." but not in "13 shapes"."""
+    return any(re.search(rf"(?<!\w){re.escape(alt.strip())}(?!\w)", text, flags=re.IGNORECASE)
+               for alt in ([alternatives] if isinstance(alternatives, str) else alternatives) if alt.strip())
+
+
+def perception_error(text: str, row: dict[str, Any], correct: bool) -> bool:
+    """A wrong answer whose first key step (the perceptual reading: the shape count, the bar count,
+    which shape is large) appears nowhere in the completion; False for correct answers.
+
+    The whole completion is searched (StepRAR's matcher reads only ``### Step`` sections, which the
+    think-answer style has none of)."""
+    key_steps = row.get("key_steps") or []
+    return (not correct) and bool(key_steps) and not mentions(text, key_steps[0])
+
+
+def score_texts(texts: Sequence[str], rows: Sequence[dict[str, Any]]) -> dict[str, list]:
+    """Per-item correctness, key-step fraction, StepRVR validity, auxiliary use and perception errors."""
+    from mmpo.rewards import accuracy_reward
+    from mmpo.rewards.gcpo import uses_auxiliary
+    from mmpo.rewards.step import key_step_match_fraction, step_rvr_reward
+
+    texts, rows = list(texts), list(rows)
+    correct = [bool(c) for c in accuracy_reward(texts, rows).tolist()]
+    return {
+        "texts": texts,
+        "correct": correct,
+        "key_step_frac": [key_step_match_fraction(t, r.get("key_steps") or []) for t, r in zip(texts, rows)],
+        "step_valid": [bool(v) for v in step_rvr_reward(texts, rows).tolist()],
+        "uses_aux": [bool(u) for u in uses_auxiliary(texts).tolist()],
+        "perception_error": [perception_error(t, r, c) for t, r, c in zip(texts, rows, correct)],
+    }
+
+
+def greedy_texts(model, processor, rows, *, system_prompt: str | None, max_new_tokens: int) -> list[str]:
+    import torch
+
+    from mmpo.vlm.rollout import HFGenerateEngine
+
+    engine = HFGenerateEngine(model, processor, system_prompt=system_prompt)
+    texts: list[str] = []
+    was_training = model.training
+    model.eval()
+    with torch.no_grad():
+        for start in range(0, len(rows), 16):
+            texts += engine.generate(rows[start:start + 16], num_samples=1, max_new_tokens=max_new_tokens,
+                                     do_sample=False).texts
+    model.train(was_training)
+    return texts
+
+
+def evaluate(model, processor, rows, *, system_prompt, max_new_tokens, masked: Sequence | None = None) -> dict:
+    result = score_texts(greedy_texts(model, processor, rows, system_prompt=system_prompt,
+                                      max_new_tokens=max_new_tokens), rows)
+    if masked is not None:
+        masked_scores = score_texts(greedy_texts(model, processor, masked, system_prompt=system_prompt,
+                                                 max_new_tokens=max_new_tokens), masked)
+        result["correct_masked"], result["texts_masked"] = masked_scores["correct"], masked_scores["texts"]
+    return result
+
+
+def system_prompt_for_start(kind: str) -> str:
+    from mmpo.data import STEPS_SYSTEM_PROMPT, SYSTEM_PROMPT
+
+    return STEPS_SYSTEM_PROMPT if STARTS[kind].style == "steps" else SYSTEM_PROMPT
+
+
+# ----------------------------------------------------------------------------- files
+
+
+def write_text_atomic(text: str, path: Path) -> None:
+    """Write to a temporary sibling, then rename: a killed run never leaves half a file."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    temporary = path.with_name(path.name + ".tmp")
+    temporary.write_text(text)
+    os.replace(temporary, path)
+
+
+def write_json_atomic(data: Any, path: Path) -> None:
+    write_text_atomic(json.dumps(data, indent=1), path)
+
+
+def run_path(out: Path, experiment: str, algo: str, seed: int) -> Path:
+    return out / "runs" / f"{experiment}__{algo}__s{seed}.json"
+
+
+# ----------------------------------------------------------------------------- stages
+
+
+def _trainer(root: Path, max_steps: int, callbacks: list) -> Any:
+    import lightning as L
+
+    from mmpo.training.quiet import quiet_lightning_notices
+
+    quiet_lightning_notices()
+    return L.Trainer(
+        accelerator="cpu", devices=1, max_steps=max_steps, max_epochs=-1,
+        logger=L.pytorch.loggers.CSVLogger(root, name="logs", flush_logs_every_n_steps=10),
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
+        limit_val_batches=0, log_every_n_steps=1, callbacks=callbacks,
+    )
+
+
+def build_init(out: Path) -> Path:
+    from mmpo.data.synthetic import corpus
+    from mmpo.vlm.factory import build_tiny_vlm
+
+    init = out / "init"
+    if not (init / "config.json").exists():
+        import mmpo.data.geometry_aux  # noqa: F401
+
+        texts = corpus([*MAIN_TASKS, *GEOMETRY_TASKS], n=200, seed=0)
+        build_tiny_vlm(init, seed=0, corpus=texts, **MODEL_SIZE)
+    return init
+
+
+def build_start(kind: str, init: Path, out: Path, args: argparse.Namespace) -> Path:
+    """SFT from ``init`` (quickstart settings: 600 items, 16 per step, lr 1e-3); cached."""
+    import lightning as L
+
+    from mmpo.algos.sft import SFTModule
+
+    spec = STARTS[kind]
+    target = out / "starts" / kind / "hf"
+    if (target / "config.json").exists():
+        return target
+    L.seed_everything(0, verbose=False)
+    data = _datamodule(spec.tasks, train_size=600, seed=0, batch_size=16, aux_mix=spec.aux_mix,
+                       difficulty=spec.difficulty)
+    module = SFTModule(model_path=str(init), lr=1e-3, style=spec.style, output_dir=str(target),
+                       save_hf_on_checkpoint=False)
+    t0 = time.perf_counter()
+    steps = getattr(args, spec.steps_arg)
+    _trainer(out / "starts" / kind, steps, []).fit(module, datamodule=data)
+    print(f"[evidence] start {kind}: {steps} SFT steps in {time.perf_counter() - t0:.0f} s", flush=True)
+    return target
+
+
+def stage_starts(args: argparse.Namespace) -> None:
+    from mmpo.vlm.factory import load_vlm
+
+    init = build_init(args.out)
+    for name in chosen_experiments(args):
+        experiment = EXPERIMENTS[name]
+        kind = experiment.start
+        path = build_start(kind, init, args.out, args)
+        result_path = args.out / "starts" / f"{kind}.json"
+        if result_path.exists():
+            continue
+        rows = eval_rows(STARTS[kind].tasks, args.eval_size, STARTS[kind].difficulty)
+        model, processor = load_vlm(path)
+        result = evaluate(model, processor, rows, system_prompt=system_prompt_for_start(kind),
+                          max_new_tokens=experiment.max_new_tokens,
+                          masked=masked_rows(rows) if name == "main" else None)
+        result["tasks"] = [row["task"] for row in rows]
+        write_json_atomic(result, result_path)
+        print(f"[evidence] start {kind}: accuracy {statistics.mean(result['correct']):.3f}", flush=True)
+
+
+def chosen_experiments(args: argparse.Namespace) -> list[str]:
+    chosen = [name.strip() for name in args.experiments.split(",")] if args.experiments else list(EXPERIMENTS)
+    unknown = [name for name in chosen if name not in EXPERIMENTS]
+    if unknown:
+        raise SystemExit(f"unknown experiment(s) {unknown}; valid: {list(EXPERIMENTS)}")
+    return chosen
+
+
+def jobs(args: argparse.Namespace) -> list[tuple[str, str, int]]:
+    """(experiment, algo, seed), seed-major so a cut-short run still covers every algorithm."""
+    return [(name, algo, seed) for seed in range(args.seeds) for name in chosen_experiments(args)
+            for algo in EXPERIMENTS[name].algos]
+
+
+def run_one(experiment: str, algo: str, seed: int, args: argparse.Namespace) -> dict[str, Any]:
+    import lightning as L
+
+    import mmpo.rewards.step  # noqa: F401  (registers step_rvr, the steps-experiment GRPO's format reward)
+
+    spec = EXPERIMENTS[experiment]
+    class_path, extra = spec.algos[algo]
+    module_name, class_name = class_path.rsplit(".", 1)
+    module_class = getattr(__import__(module_name, fromlist=[class_name]), class_name)
+    start = STARTS[spec.start]
+    rows = eval_rows(start.tasks, args.eval_size, start.difficulty)
+    masked = masked_rows(rows) if experiment == "main" else None
+    L.seed_everything(seed, verbose=False)
+    settings = dict(num_generations=8, max_new_tokens=spec.max_new_tokens, lr=args.rl_lr, beta=0.01,
+                    clip_low=0.2, clip_high=0.3, temperature=1.0, seed=seed + 1, reward_timeout_s=None)
+    settings.update(extra)
+    module = module_class(str(args.out / "starts" / spec.start / "hf"), **settings)
+    data = _datamodule(start.tasks, train_size=args.rl_steps * 8, seed=seed + 1, batch_size=8,
+                       aux_mix=start.aux_mix, difficulty=start.difficulty)
+    curve: dict[int, list[bool]] = {}
+
+    class Curve(L.Callback):
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+            step = trainer.global_step
+            if step % args.eval_every == 0 and step < args.rl_steps:
+                curve[step] = evaluate(pl_module.model, pl_module.processor, rows, system_prompt=pl_module.system_prompt,
+                                       max_new_tokens=spec.max_new_tokens)["correct"]
+
+    root = args.out / "logs" / f"{experiment}__{algo}__s{seed}"
+    t0 = time.perf_counter()
+    _trainer(root, args.rl_steps, [Curve()]).fit(module, datamodule=data)
+    train_s = time.perf_counter() - t0
+    final = evaluate(module.model, module.processor, rows, system_prompt=module.system_prompt,
+                     max_new_tokens=spec.max_new_tokens, masked=masked)
+    curve[args.rl_steps] = final["correct"]
+    return {"experiment": experiment, "algo": algo, "seed": seed, "settings": {k: str(v) for k, v in settings.items()},
+            "rl_steps": args.rl_steps, "train_s": train_s, "final": final, "tasks": [row["task"] for row in rows],
+            "aux_helps": [bool(row.get("aux_helps")) for row in rows],
+            "curve": {str(step): values for step, values in sorted(curve.items())},
+            "train_metrics": training_metrics(root)}
+
+
+def training_metrics(root: Path) -> dict[str, dict[str, float]]:
+    """Mean of every logged column over the first and the last fifth of the steps."""
+    files = sorted(root.glob("logs/version_*/metrics.csv"))
+    if not files:
+        return {}
+    with files[-1].open() as handle:
+        table = list(csv.DictReader(handle))
+    result: dict[str, dict[str, float]] = {}
+    for column in table[0].keys() if table else []:
+        values = [float(row[column]) for row in table if row.get(column) not in (None, "")]
+        if len(values) < 2 or column in ("epoch", "step"):
+            continue
+        fifth = max(1, len(values) // 5)
+        result[column] = {"first": statistics.mean(values[:fifth]), "last": statistics.mean(values[-fifth:])}
+    return result
+
+
+def stage_runs(args: argparse.Namespace) -> None:
+    index, count = (int(x) for x in args.shard.split("/"))
+    for number, (experiment, algo, seed) in enumerate(jobs(args)):
+        path = run_path(args.out, experiment, algo, seed)
+        if number % count != index or path.exists():
+            continue
+        if not (args.out / "starts" / f"{EXPERIMENTS[experiment].start}.json").exists():
+            raise SystemExit(f"run the 'starts' stage first: {EXPERIMENTS[experiment].start} is missing")
+        result = run_one(experiment, algo, seed, args)
+        write_json_atomic(result, path)
+        print(f"[evidence] {experiment} {algo} seed {seed}: accuracy {statistics.mean(result['final']['correct']):.3f}"
+              f" ({result['train_s']:.0f} s)", flush=True)
+
+
+# ----------------------------------------------------------------------------- report
+
+
+def _as_float(values: Sequence) -> Any:
+    import numpy as np
+
+    return np.asarray(values, dtype=float)
+
+
+def contrast(per_seed_a: list[Sequence], per_seed_b: list[Sequence], *, n_boot: int = 4000) -> dict[str, Any]:
+    """a - b per seed, paired by item: estimate, bootstrap over seeds and items, seed-t interval."""
+    from paired_intervals import summarize_contrast
+
+    per_seed = [{"a": _as_float(a), "b": _as_float(b)} for a, b in zip(per_seed_a, per_seed_b)]
+    return summarize_contrast(per_seed, {"a": 1.0, "b": -1.0}, n_boot=n_boot)
+
+
+def _interval(summary: dict[str, Any]) -> str:
+    low, high = summary["bootstrap"]
+    t_low, t_high = summary["seed_t"]
+    verdict = "excludes 0" if (low > 0 or high < 0) else "includes 0"
+    return f"{summary['estimate']:+.3f} [{low:+.3f}, {high:+.3f}] (seed-t [{t_low:+.3f}, {t_high:+.3f}]; {verdict})"
+
+
+def _mean(values: Sequence) -> float:
+    return float(statistics.mean(float(v) for v in values)) if len(values) else float("nan")
+
+
+def load_runs(out: Path) -> dict[tuple[str, str], list[dict[str, Any]]]:
+    grouped: dict[tuple[str, str], list[dict[str, Any]]] = {}
+    for path in sorted((out / "runs").glob("*.json")):
+        run = json.loads(path.read_text())
+        grouped.setdefault((run["experiment"], run["algo"]), []).append(run)
+    for runs in grouped.values():
+        runs.sort(key=lambda run: run["seed"])
+    return grouped
+
+
+def _metric(run: dict[str, Any], name: str, when: str = "last") -> float:
+    return run["train_metrics"].get(name, {}).get(when, float("nan"))
+
+
+def report(out: Path) -> str:
+    grouped = load_runs(out)
+    lines = ["# VLM algorithms evidence", ""]
+    for name, experiment in EXPERIMENTS.items():
+        start_path = out / "starts" / f"{experiment.start}.json"
+        if not start_path.exists():
+            continue
+        start = json.loads(start_path.read_text())
+        tasks = list(dict.fromkeys(start["tasks"]))
+        lines += [f"## {name} (start {experiment.start})", "",
+                  "| algo | seeds | " + " | ".join(tasks) + " | all | vs start, 95% CI | vs GRPO, 95% CI |",
+                  "|---" * (len(tasks) + 5) + "|"]
+
+        def per_task(correct: Sequence, task: str) -> float:
+            return _mean([c for c, t in zip(correct, start["tasks"]) if t == task])
+
+        lines.append(f"| start | - | " + " | ".join(f"{per_task(start['correct'], t):.3f}" for t in tasks)
+                     + f" | {_mean(start['correct']):.3f} | | |")
+        grpo_runs = {run["seed"]: run for run in grouped.get((name, "grpo"), [])}
+        for algo in experiment.algos:
+            runs = grouped.get((name, algo), [])
+            if not runs:
+                continue
+            finals = [run["final"]["correct"] for run in runs]
+            cells = [f"{_mean([per_task(f, t) for f in finals]):.3f}" for t in tasks]
+            vs_start = _interval(contrast(finals, [start["correct"]] * len(finals))) if len(runs) > 1 else "-"
+            paired = [(run["final"]["correct"], grpo_runs[run["seed"]]["final"]["correct"]) for run in runs
+                      if run["seed"] in grpo_runs]
+            vs_grpo = (_interval(contrast([a for a, _ in paired], [b for _, b in paired]))
+                       if algo != "grpo" and len(paired) > 1 else "-")
+            lines.append(f"| {algo} | {len(runs)} | " + " | ".join(cells)
+                         + f" | {_mean([_mean(f) for f in finals]):.3f} | {vs_start} | {vs_grpo} |")
+        lines += ["", *mechanism_lines(name, experiment, start, grouped), ""]
+        lines += curve_lines(name, experiment, start, grouped)
+    return "\n".join(lines) + "\n"
+
+
+def mechanism_lines(name: str, experiment: Experiment, start: dict, grouped) -> list[str]:
+    lines: list[str] = []
+    algos = [algo for algo in experiment.algos if grouped.get((name, algo))]
+    if name == "main":
+        gap = _mean(start["correct"]) - _mean(start["correct_masked"])
+        share = _mean(start["perception_error"]) / max(1e-9, 1 - _mean(start["correct"]))
+        lines.append(f"- start: accuracy with the masked image {_mean(start['correct_masked']):.3f}, perception gap "
+                     f"{gap:+.3f}; perception errors {share:.3f} of the errors")
+        for algo in algos:
+            runs = grouped[(name, algo)]
+            gaps = [_mean(r["final"]["correct"]) - _mean(r["final"]["correct_masked"]) for r in runs]
+            shares = [_mean(r["final"]["perception_error"]) / max(1e-9, 1 - _mean(r["final"]["correct"])) for r in runs]
+            gap_ci = contrast([[a - b for a, b in zip(r["final"]["correct"], r["final"]["correct_masked"])]
+                               for r in runs], [[0.0] * len(start["correct"])] * len(runs))
+            extra = ""
+            if algo == "papo_g":
+                extra = (f"; KL_prcp {_mean([_metric(r, 'papo/kl_prcp', 'first') for r in runs]):.3f} -> "
+                         f"{_mean([_metric(r, 'papo/kl_prcp') for r in runs]):.3f}, H(orig) "
+                         f"{_mean([_metric(r, 'papo/entropy_orig', 'first') for r in runs]):.3f} -> "
+                         f"{_mean([_metric(r, 'papo/entropy_orig') for r in runs]):.3f}")
+            if algo == "mapo":
+                extra = (f"; lambda mean {_mean([_metric(r, 'mapo/lambda_mean', 'first') for r in runs]):.3f} -> "
+                         f"{_mean([_metric(r, 'mapo/lambda_mean') for r in runs]):.3f}, success fraction "
+                         f"{_mean([_metric(r, 'mapo/success_frac', 'first') for r in runs]):.3f} -> "
+                         f"{_mean([_metric(r, 'mapo/success_frac') for r in runs]):.3f}")
+            lines.append(f"- {algo}: perception gap {_mean(gaps):+.3f} ({_interval(gap_ci)}), perception errors "
+                         f"{_mean(shares):.3f} of the errors (per seed {', '.join(f'{s:.2f}' for s in shares)}){extra}")
+    elif name == "steps":
+        lines.append(f"- start: key-step fraction {_mean(start['key_step_frac']):.3f}, StepRVR valid "
+                     f"{_mean(start['step_valid']):.3f}")
+        for algo in algos:
+            runs = grouped[(name, algo)]
+            key_ci = contrast([r["final"]["key_step_frac"] for r in runs], [start["key_step_frac"]] * len(runs))
+            lines.append(f"- {algo}: held-out key-step fraction {_mean([_mean(r['final']['key_step_frac']) for r in runs]):.3f}"
+                         f" (vs start {_interval(key_ci)}), StepRVR valid "
+                         f"{_mean([_mean(r['final']['step_valid']) for r in runs]):.3f}")
+    elif name == "geometry":
+        helps = [bool(h) for h in json.loads(json.dumps(grouped[(name, algos[0])][0]["aux_helps"]))] if algos else []
+
+        def aux_rate(result: dict, flag: bool) -> float:
+            return _mean([u for u, h in zip(result["uses_aux"], helps) if h is flag])
+
+        if helps:
+            lines.append(f"- start: uses the construction on {aux_rate(start, True):.3f} of exterior and "
+                         f"{aux_rate(start, False):.3f} of interior held-out items")
+        for algo in algos:
+            runs = grouped[(name, algo)]
+            extra = ""
+            if algo == "gcpo":
+                nonzero = [1 - _metric(r, "gcpo/mask_zero_frac", when) for r in runs for when in ("first", "last")]
+                extra = (f"; contrastive mask non-zero for {_mean(nonzero[0::2]):.3f} -> {_mean(nonzero[1::2]):.3f} of "
+                         f"the groups (first -> last fifth), one side empty "
+                         f"{_mean([_metric(r, 'gcpo/one_side_empty_frac', 'first') for r in runs]):.3f} -> "
+                         f"{_mean([_metric(r, 'gcpo/one_side_empty_frac') for r in runs]):.3f}")
+            lines.append(f"- {algo}: uses the construction on {_mean([aux_rate(r['final'], True) for r in runs]):.3f} "
+                         f"of exterior and {_mean([aux_rate(r['final'], False) for r in runs]):.3f} of interior items"
+                         f"{extra}")
+    elif name == "weak":
+        for algo in algos:
+            runs = grouped[(name, algo)]
+            extra = ""
+            if algo == "ahpo":
+                extra = (f"; gate open {_mean([_metric(r, 'ahpo/gate_on_frac', 'first') for r in runs]):.3f} -> "
+                         f"{_mean([_metric(r, 'ahpo/gate_on_frac') for r in runs]):.3f}, expert token share "
+                         f"{_mean([_metric(r, 'ahpo/off_policy_token_share', 'first') for r in runs]):.3f} -> "
+                         f"{_mean([_metric(r, 'ahpo/off_policy_token_share') for r in runs]):.3f}")
+            accuracy = [_metric(r, "rewards/accuracy/mean", when) for r in runs for when in ("first", "last")]
+            lines.append(f"- {algo}: training accuracy {_mean(accuracy[0::2]):.3f} -> {_mean(accuracy[1::2]):.3f}{extra}")
+    return lines
+
+
+def curve_lines(name: str, experiment: Experiment, start: dict, grouped) -> list[str]:
+    lines: list[str] = []
+    for algo in experiment.algos:
+        runs = grouped.get((name, algo), [])
+        if len(runs) < 2:
+            continue
+        steps = sorted({int(s) for run in runs for s in run["curve"]})
+        cells = []
+        for step in steps:
+            finished = [run["curve"][str(step)] for run in runs if str(step) in run["curve"]]
+            summary = contrast(finished, [start["correct"]] * len(finished), n_boot=1000)
+            low, high = summary["bootstrap"]
+            cells.append(f"{step}: {_mean([_mean(f) for f in finished]):.3f} ({summary['estimate']:+.3f} "
+                         f"[{low:+.3f}, {high:+.3f}])")
+        lines.append(f"- curve {algo} (step: accuracy (vs start, 95% CI)): " + "; ".join(cells))
+    return lines + ([""] if lines else [])
+
+
+def plot(out: Path) -> Path | None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    grouped = load_runs(out)
+    names = [n for n in EXPERIMENTS if (out / "starts" / f"{EXPERIMENTS[n].start}.json").exists()]
+    if not names:
+        return None
+    figure, axes = plt.subplots(1, len(names), figsize=(4.2 * len(names), 3.4), squeeze=False)
+    for axis, name in zip(axes[0], names):
+        start = json.loads((out / "starts" / f"{EXPERIMENTS[name].start}.json").read_text())
+        for algo in EXPERIMENTS[name].algos:
+            runs = grouped.get((name, algo), [])
+            if not runs:
+                continue
+            steps = sorted({int(s) for run in runs for s in run["curve"]})
+            means, lows, highs = [], [], []
+            for step in steps:
+                per_seed = [_mean(run["curve"][str(step)]) for run in runs if str(step) in run["curve"]]
+                mean = statistics.mean(per_seed)
+                spread = 1.96 * statistics.stdev(per_seed) / len(per_seed) ** 0.5 if len(per_seed) > 1 else 0.0
+                means.append(mean), lows.append(mean - spread), highs.append(mean + spread)
+            axis.plot([0, *steps], [_mean(start["correct"]), *means], label=f"{algo} ({len(runs)} seeds)")
+            axis.fill_between(steps, lows, highs, alpha=0.2)
+        axis.set_title(f"{name} (start {EXPERIMENTS[name].start})")
+        axis.set_xlabel("RL step")
+        axis.set_ylabel("held-out accuracy")
+        axis.legend(fontsize=7)
+    figure.tight_layout()
+    path = out / "vlm_evidence_curves.png"
+    figure.savefig(path, dpi=110)
+    plt.close(figure)
+    return path
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("stage", choices=["starts", "runs", "report"])
+    parser.add_argument("--out", type=Path, default=Path("runs/vlm_evidence"))
+    parser.add_argument("--experiments", default=None, help="comma-separated subset of " + ",".join(EXPERIMENTS))
+    parser.add_argument("--seeds", type=int, default=5)
+    parser.add_argument("--sft-steps", type=int, default=300, help="SFT steps of the main and steps starts")
+    parser.add_argument("--geo-sft-steps", type=int, default=600, help="SFT steps of the geometry start")
+    parser.add_argument("--weak-sft-steps", type=int, default=40, help="SFT steps of the weak start")
+    parser.add_argument("--rl-steps", type=int, default=200)
+    parser.add_argument("--rl-lr", type=float, default=1e-4)
+    parser.add_argument("--eval-size", type=int, default=100, help="held-out items per task")
+    parser.add_argument("--eval-every", type=int, default=50, help="RL steps between held-out evaluations")
+    parser.add_argument("--shard", default="0/1", help="I/N: run every N-th job starting at I (one process per core)")
+    args = parser.parse_args(argv)
+    import torch
+
+    torch.set_num_threads(1)
+    args.out.mkdir(parents=True, exist_ok=True)
+    if args.stage == "starts":
+        stage_starts(args)
+    elif args.stage == "runs":
+        stage_runs(args)
+    else:
+        text = report(args.out)
+        write_text_atomic(text, args.out / "summary.md")
+        figure = plot(args.out)
+        print(text + (f"\nplot: {figure}" if figure else ""))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,131 @@
+"""bench/bench_vlm_evidence.py (issue 18): the geometry solution mix, the perception-error rule, the scoring,
+the paired contrasts and the report, on hand-computed values."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCH = Path(__file__).resolve().parents[2] / "bench"
+sys.path.insert(0, str(BENCH))  # the script imports paired_intervals beside it
+_spec = importlib.util.spec_from_file_location("bench_vlm_evidence", BENCH / "bench_vlm_evidence.py")
+evidence = importlib.util.module_from_spec(_spec)
+sys.modules["bench_vlm_evidence"] = evidence  # dataclasses look their module up while the class is built
+_spec.loader.exec_module(evidence)
+
+AUX = "<auxiliary>Draw a line through C parallel to AB.</auxiliary>"
+EXTERIOR = {"id": "ext-1", "task": "geometry_aux", "aux_helps": True, "answer": "110", "steps": [
+    "The two angles are 30 and 80.", AUX, "The parallel line copies angle A (30) and angle B (80) at C.",
+    "30 + 80 = 110."]}
+INTERIOR = {"id": "int-1", "task": "geometry_aux", "aux_helps": False, "answer": "70", "steps": [
+    "The two angles are 30 and 80.", "30 + 80 = 110.", "180 - 110 = 70."]}
+
+
+def test_mix_auxiliary_rewrites_both_kinds_when_flipped():
+    exterior = evidence.mix_auxiliary(EXTERIOR, seed=0, share=1.0)
+    assert exterior["steps"] == ["The two angles are 30 and 80.", "The interior angle at C is 180 - 30 - 80 = 70.",
+                                 "The exterior angle is 180 - 70 = 110."]
+    assert exterior["expert_trace"] == ("<think>The two angles are 30 and 80. The interior angle at C is 180 - 30 - 80 "
+                                        "= 70. The exterior angle is 180 - 70 = 110.</think><answer>110</answer>")
+    interior = evidence.mix_auxiliary(INTERIOR, seed=0, share=1.0)
+    assert interior["steps"] == ["The two angles are 30 and 80.", AUX,
+                                 "The parallel line copies angle A (30) and angle B (80) at C.", "30 + 80 = 110.",
+                                 "180 - 110 = 70."]
+    assert EXTERIOR["steps"][1] == AUX  # the input row is not modified
+
+
+def test_mix_auxiliary_share_zero_keeps_the_row_and_the_choice_is_a_stable_hash():
+    assert evidence.mix_auxiliary(EXTERIOR, seed=0, share=0.0) is EXTERIOR
+    rows = [dict(EXTERIOR, id=f"ext-{k}") for k in range(400)]
+    flipped = [evidence.mix_auxiliary(row, seed=3, share=0.5) is not row for row in rows]
+    assert flipped == [evidence.mix_auxiliary(row, seed=3, share=0.5) is not row for row in rows]
+    assert 160 <= sum(flipped) <= 240  # a hash: about half, not a fixed pattern
+    assert flipped != [evidence.mix_auxiliary(row, seed=4, share=0.5) is not row for row in rows]
+
+
+COUNT_ROW = {"id": "c1", "task": "count_shapes", "answer": "2", "problem": "How many green shapes are in the image?",
+             "key_steps": [["3 shapes", "three shapes"], ["2 of them are green", "2 green"]]}
+
+
+def test_perception_error_is_a_wrong_answer_without_the_first_key_step():
+    right = "<think>The image shows 3 shapes. 2 of them are green.</think><answer>2</answer>"
+    misread = "<think>The image shows 4 shapes. 3 of them are green.</think><answer>3</answer>"
+    reasoning = "<think>The image shows 3 shapes. 3 of them are green.</think><answer>3</answer>"
+    assert evidence.perception_error(right, COUNT_ROW, True) is False
+    assert evidence.perception_error(misread, COUNT_ROW, False) is True
+    assert evidence.perception_error(reasoning, COUNT_ROW, False) is False
+    assert evidence.perception_error(misread, dict(COUNT_ROW, key_steps=[]), False) is False
+    # whole words only: "13 shapes" is not the reading "3 shapes"
+    assert evidence.perception_error("<think>13 shapes.</think><answer>3</answer>", COUNT_ROW, False) is True
+    assert evidence.mentions("It shows THREE shapes.", ["3 shapes", "three shapes"]) is True
+
+
+def test_score_texts_per_item_values():
+    steps_text = ("### Image Description: shapes.\n### Rationales: I count.\n### Step 1: The image shows 3 shapes.\n"
+                  "### Step 2: 2 of them are green.\n### The final answer is: 2")
+    aux_text = f"<think>{AUX} The image shows 4 shapes.</think><answer>1</answer>"
+    scores = evidence.score_texts([steps_text, aux_text], [COUNT_ROW, COUNT_ROW])
+    assert scores["texts"] == [steps_text, aux_text]
+    assert scores["correct"] == [True, False]
+    assert scores["key_step_frac"] == [1.0, 0.0]
+    assert scores["step_valid"] == [True, False]
+    assert scores["uses_aux"] == [False, True]
+    assert scores["perception_error"] == [False, True]
+
+
+def test_contrast_hand_values():
+    # seed 0: 2/4 -> 4/4 (+0.5); seed 1: 3/4 -> 4/4 (+0.25): estimate 0.375; seed-t half width
+    # t(0.975, 1) * sd / sqrt(2) = 12.7062 * 0.176777 / 1.414214 = 1.58828
+    summary = evidence.contrast([[1, 1, 1, 1], [1, 1, 1, 1]], [[0, 0, 1, 1], [0, 1, 1, 1]], n_boot=2000)
+    assert summary["estimate"] == pytest.approx(0.375)
+    assert summary["per_seed"] == pytest.approx([0.5, 0.25])
+    assert summary["seed_t"] == pytest.approx((0.375 - 1.58828, 0.375 + 1.58828), abs=1e-4)
+    low, high = summary["bootstrap"]
+    assert 0.0 <= low <= 0.375 <= high <= 1.0
+    assert "excludes 0" in evidence._interval({"estimate": 0.1, "bootstrap": (0.02, 0.2), "seed_t": (0.01, 0.3)})
+    assert "includes 0" in evidence._interval({"estimate": 0.1, "bootstrap": (-0.02, 0.2), "seed_t": (0.01, 0.3)})
+
+
+def test_training_metrics_first_and_last_fifth(tmp_path):
+    logs = tmp_path / "logs" / "version_0"
+    logs.mkdir(parents=True)
+    lines = ["epoch,step,x,sparse"] + [f"0,{k},{k},{'7' if k == 3 else ''}" for k in range(10)]
+    (logs / "metrics.csv").write_text("\n".join(lines) + "\n")
+    metrics = evidence.training_metrics(tmp_path)
+    assert metrics == {"x": {"first": 0.5, "last": 8.5}}  # epoch/step dropped, one-value columns dropped
+
+
+def _write_run(out: Path, experiment: str, algo: str, seed: int, correct: list[bool], **extra) -> None:
+    final = {"correct": correct, "key_step_frac": [0.0] * len(correct), "step_valid": [False] * len(correct),
+             "uses_aux": [False] * len(correct), "perception_error": [False] * len(correct)}
+    final.update(extra)
+    run = {"experiment": experiment, "algo": algo, "seed": seed, "final": final, "tasks": ["t1", "t1", "t2", "t2"],
+           "aux_helps": [False] * 4, "curve": {"2": correct}, "train_metrics": {"ahpo/gate_on_frac": {
+               "first": 1.0, "last": 0.5}, "rewards/accuracy/mean": {"first": 0.0, "last": 0.25}}}
+    evidence.write_json_atomic(run, evidence.run_path(out, experiment, algo, seed))
+
+
+def test_report_tables_from_run_files(tmp_path):
+    start = {"correct": [False, False, True, False], "tasks": ["t1", "t1", "t2", "t2"],
+             "key_step_frac": [0.0] * 4, "step_valid": [False] * 4, "uses_aux": [False] * 4,
+             "perception_error": [False] * 4}
+    evidence.write_json_atomic(start, tmp_path / "starts" / "sft_weak.json")
+    _write_run(tmp_path, "weak", "grpo", 0, [False, False, True, False])
+    _write_run(tmp_path, "weak", "grpo", 1, [False, False, True, False])
+    _write_run(tmp_path, "weak", "ahpo", 0, [True, True, True, False])
+    _write_run(tmp_path, "weak", "ahpo", 1, [True, False, True, True])
+    text = evidence.report(tmp_path)
+    # start: t1 0/2, t2 1/2, all 0.25; AHPO: t1 (2/2 + 1/2) / 2 = 0.75, t2 (1/2 + 2/2) / 2 = 0.75, all 0.75
+    assert "| start | - | 0.000 | 0.500 | 0.250 | | |" in text
+    assert "| grpo | 2 | 0.000 | 0.500 | 0.250 | +0.000 [+0.000, +0.000]" in text
+    ahpo = next(line for line in text.splitlines() if line.startswith("| ahpo |"))
+    assert ahpo.startswith("| ahpo | 2 | 0.750 | 0.750 | 0.750 | +0.500 [")
+    assert ahpo.count("+0.500 [") == 2  # vs start and vs GRPO: both +0.5 (GRPO stayed at the start)
+    assert "gate open 1.000 -> 0.500" in text and "training accuracy 0.000 -> 0.250" in text
+    assert "curve ahpo (step: accuracy (vs start, 95% CI)): 2: 0.750 (+0.500 [" in text
+    assert math.isfinite(json.loads((tmp_path / "runs" / "weak__ahpo__s1.json").read_text())["seed"])
