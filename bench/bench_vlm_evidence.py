@@ -199,14 +199,23 @@ def mentions(text: str, alternatives: Sequence[str]) -> bool:
                for alt in ([alternatives] if isinstance(alternatives, str) else alternatives) if alt.strip())
 
 
+# Which key steps of a task are readings of the image (the rest is reasoning on them): the shape count;
+# both size readings; the bar's value (the bar count is perceptual too but not needed for the answer).
+PERCEPTUAL_KEY_STEPS: dict[str, tuple[int, ...]] = {"count_shapes": (0,), "compare_size": (0, 1), "bar_chart": (1,)}
+
+
 def perception_error(text: str, row: dict[str, Any], correct: bool) -> bool:
-    """A wrong answer whose first key step (the perceptual reading: the shape count, the bar count,
-    which shape is large) appears nowhere in the completion; False for correct answers.
+    """A wrong answer with a wrong image reading: one of the task's perceptual key steps
+    (:data:`PERCEPTUAL_KEY_STEPS`, else the first) appears nowhere in the completion. False for correct
+    answers; a wrong answer whose readings are all right is a reasoning error.
 
     The whole completion is searched (StepRAR's matcher reads only ``### Step`` sections, which the
     think-answer style has none of)."""
     key_steps = row.get("key_steps") or []
-    return (not correct) and bool(key_steps) and not mentions(text, key_steps[0])
+    if correct or not key_steps:
+        return False
+    perceptual = PERCEPTUAL_KEY_STEPS.get(str(row.get("task")), (0,))
+    return any(not mentions(text, key_steps[k]) for k in perceptual if k < len(key_steps))
 
 
 def score_texts(texts: Sequence[str], rows: Sequence[dict[str, Any]]) -> dict[str, list]:
@@ -513,23 +522,51 @@ def report(out: Path) -> str:
                        if algo != "grpo" and len(paired) > 1 else "-")
             lines.append(f"| {algo} | {len(runs)} | " + " | ".join(cells)
                          + f" | {_mean([_mean(f) for f in finals]):.3f} | {vs_start} | {vs_grpo} |")
-        lines += ["", *mechanism_lines(name, experiment, start, grouped), ""]
+        lines += ["", *rollout_accuracy_lines(name, experiment, grouped), *mechanism_lines(name, experiment, start, grouped),
+                  ""]
         lines += curve_lines(name, experiment, start, grouped)
     return "\n".join(lines) + "\n"
+
+
+def rollout_accuracy_lines(name: str, experiment: Experiment, grouped) -> list[str]:
+    """Sampled accuracy of the rollouts, first vs last fifth of the run. Every RL prompt is new (one
+    epoch of ``rl_steps`` x 8 fresh training items), so this is accuracy on prompts the policy had not
+    seen, at the sampling temperature; the interval is Student-t over the seeds' changes."""
+    from paired_intervals import seed_t_interval
+
+    lines = []
+    for algo in experiment.algos:
+        runs = [run for run in grouped.get((name, algo), []) if "rewards/accuracy/mean" in run["train_metrics"]]
+        if len(runs) < 2:
+            continue
+        first = [_metric(run, "rewards/accuracy/mean", "first") for run in runs]
+        last = [_metric(run, "rewards/accuracy/mean") for run in runs]
+        low, high = seed_t_interval([b - a for a, b in zip(first, last)])
+        lines.append(f"- {algo}: rollout accuracy on new prompts {_mean(first):.3f} -> {_mean(last):.3f} (first -> last "
+                     f"fifth), change {_mean(last) - _mean(first):+.3f}, seed-t [{low:+.3f}, {high:+.3f}]")
+    return lines
 
 
 def mechanism_lines(name: str, experiment: Experiment, start: dict, grouped) -> list[str]:
     lines: list[str] = []
     algos = [algo for algo in experiment.algos if grouped.get((name, algo))]
     if name == "main":
+        rows = eval_rows(STARTS[experiment.start].tasks, len(start["correct"]) // len(set(start["tasks"])),
+                         STARTS[experiment.start].difficulty)
+
+        def perception_share(result: dict) -> float:
+            """Perception errors / errors, from the stored texts (the rule as it is now, not as it was at run time)."""
+            flags = [perception_error(t, r, c) for t, r, c in zip(result["texts"], rows, result["correct"])]
+            return sum(flags) / max(1, len(flags) - sum(result["correct"]))
+
         gap = _mean(start["correct"]) - _mean(start["correct_masked"])
-        share = _mean(start["perception_error"]) / max(1e-9, 1 - _mean(start["correct"]))
+        share = perception_share(start)
         lines.append(f"- start: accuracy with the masked image {_mean(start['correct_masked']):.3f}, perception gap "
                      f"{gap:+.3f}; perception errors {share:.3f} of the errors")
         for algo in algos:
             runs = grouped[(name, algo)]
             gaps = [_mean(r["final"]["correct"]) - _mean(r["final"]["correct_masked"]) for r in runs]
-            shares = [_mean(r["final"]["perception_error"]) / max(1e-9, 1 - _mean(r["final"]["correct"])) for r in runs]
+            shares = [perception_share(r["final"]) for r in runs]
             gap_ci = contrast([[a - b for a, b in zip(r["final"]["correct"], r["final"]["correct_masked"])]
                                for r in runs], [[0.0] * len(start["correct"])] * len(runs))
             extra = ""
@@ -636,7 +673,8 @@ def plot(out: Path) -> Path | None:
         axis.set_title(f"{name} (start {EXPERIMENTS[name].start})")
         axis.set_xlabel("RL step")
         axis.set_ylabel("held-out accuracy")
-        axis.legend(fontsize=7)
+        if axis.get_legend_handles_labels()[0]:
+            axis.legend(fontsize=7)
     figure.tight_layout()
     path = out / "vlm_evidence_curves.png"
     figure.savefig(path, dpi=110)

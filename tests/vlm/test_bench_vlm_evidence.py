@@ -63,6 +63,14 @@ def test_perception_error_is_a_wrong_answer_without_the_first_key_step():
     # whole words only: "13 shapes" is not the reading "3 shapes"
     assert evidence.perception_error("<think>13 shapes.</think><answer>3</answer>", COUNT_ROW, False) is True
     assert evidence.mentions("It shows THREE shapes.", ["3 shapes", "three shapes"]) is True
+    # bar_chart: the perceptual step is the bar's value (key step 1), not the bar count
+    bars = {"task": "bar_chart", "key_steps": [["2 bars"], ["red bar reaches line 3", "value is 3"]]}
+    assert evidence.perception_error("There are 2 shapes. The red bar reaches line 3.", bars, False) is False
+    assert evidence.perception_error("There are 2 bars. The red bar reaches line 4.", bars, False) is True
+    # compare_size: both size readings are perceptual
+    sizes = {"task": "compare_size", "key_steps": [["red shape is large"], ["green shape is small"]]}
+    assert evidence.perception_error("The red shape is large. The green shape is large.", sizes, False) is True
+    assert evidence.perception_error("The red shape is large. The green shape is small.", sizes, False) is False
 
 
 def test_score_texts_per_item_values():
@@ -129,3 +137,27 @@ def test_report_tables_from_run_files(tmp_path):
     assert "gate open 1.000 -> 0.500" in text and "training accuracy 0.000 -> 0.250" in text
     assert "curve ahpo (step: accuracy (vs start, 95% CI)): 2: 0.750 (+0.500 [" in text
     assert math.isfinite(json.loads((tmp_path / "runs" / "weak__ahpo__s1.json").read_text())["seed"])
+
+
+def test_report_perception_gap_and_error_share_from_texts(tmp_path):
+    from mmpo.data.solution import render_solution
+
+    rows = evidence.eval_rows(evidence.MAIN_TASKS, 1)
+    assert [row["task"] for row in rows] == list(evidence.MAIN_TASKS)
+    right = render_solution(rows[0])
+    # compare_size with a wrong size reading (perception error); bar_chart read right, answer wrong (reasoning)
+    big, small = rows[1]["key_steps"][0][0], rows[1]["key_steps"][1][0]
+    misread = render_solution(rows[1]).replace(small, small.replace("small", "large"))
+    assert big in misread and small not in misread
+    reasoning = render_solution(rows[2]).replace(f"<answer>{rows[2]['answer']}</answer>", "<answer>99</answer>")
+    result = {"texts": [right, misread, reasoning], "correct": [True, False, False],
+              "correct_masked": [False, False, False], "tasks": list(evidence.MAIN_TASKS)}
+    evidence.write_json_atomic(result, tmp_path / "starts" / "sft.json")
+    for seed in (0, 1):
+        _write_run(tmp_path, "main", "grpo", seed, [True, False, False], texts=result["texts"],
+                   correct_masked=[False, False, False])
+    text = evidence.report(tmp_path)
+    # start and runs: accuracy 1/3, masked 0 -> gap +0.333; errors 2, perception errors 1 -> share 0.5
+    assert "perception gap +0.333; perception errors 0.500 of the errors" in text
+    assert "- grpo: perception gap +0.333 (+0.333 [" in text
+    assert "perception errors 0.500 of the errors (per seed 0.50, 0.50)" in text
