@@ -236,7 +236,10 @@ def score_texts(texts: Sequence[str], rows: Sequence[dict[str, Any]]) -> dict[st
     }
 
 
-def greedy_texts(model, processor, rows, *, system_prompt: str | None, max_new_tokens: int) -> list[str]:
+def greedy_texts(model, processor, rows, *, system_prompt: str | None, max_new_tokens: int, samples: int = 0,
+                 temperature: float = 1.0) -> list[str]:
+    """Greedy completions, one per row; with ``samples`` > 0, that many sampled ones per row instead
+    (contiguous per row), from a fixed RNG state so every model is scored on the same draws' seed."""
     import torch
 
     from mmpo.vlm.rollout import HFGenerateEngine
@@ -245,17 +248,37 @@ def greedy_texts(model, processor, rows, *, system_prompt: str | None, max_new_t
     texts: list[str] = []
     was_training = model.training
     model.eval()
-    with torch.no_grad():
-        for start in range(0, len(rows), 16):
-            texts += engine.generate(rows[start:start + 16], num_samples=1, max_new_tokens=max_new_tokens,
-                                     do_sample=False).texts
+    with torch.no_grad(), torch.random.fork_rng(devices=[]):
+        torch.manual_seed(EVAL_SEED)
+        batch = 16 if samples <= 0 else max(1, 64 // samples)
+        for start in range(0, len(rows), batch):
+            texts += engine.generate(rows[start:start + batch], num_samples=max(1, samples),
+                                     max_new_tokens=max_new_tokens, do_sample=samples > 0,
+                                     temperature=temperature).texts
     model.train(was_training)
     return texts
 
 
-def evaluate(model, processor, rows, *, system_prompt, max_new_tokens, masked: Sequence | None = None) -> dict:
+def sampled_accuracy(model, processor, rows, *, system_prompt, max_new_tokens, samples: int,
+                     temperature: float) -> list[float]:
+    """Per row: the fraction of ``samples`` sampled completions that are correct (avg@k, the pass@1 estimate
+    at the RL sampling temperature: the quantity RL optimises, less jumpy than the greedy answer)."""
+    from mmpo.rewards import accuracy_reward
+
+    texts = greedy_texts(model, processor, rows, system_prompt=system_prompt, max_new_tokens=max_new_tokens,
+                         samples=samples, temperature=temperature)
+    correct = accuracy_reward(texts, [row for row in rows for _ in range(samples)]).tolist()
+    return [sum(correct[k * samples:(k + 1) * samples]) / samples for k in range(len(rows))]
+
+
+def evaluate(model, processor, rows, *, system_prompt, max_new_tokens, masked: Sequence | None = None,
+             samples: int = 0, temperature: float = 1.0) -> dict:
     result = score_texts(greedy_texts(model, processor, rows, system_prompt=system_prompt,
                                       max_new_tokens=max_new_tokens), rows)
+    if samples > 0:
+        result["sampled_accuracy"] = sampled_accuracy(model, processor, rows, system_prompt=system_prompt,
+                                                      max_new_tokens=max_new_tokens, samples=samples,
+                                                      temperature=temperature)
     if masked is not None:
         masked_scores = score_texts(greedy_texts(model, processor, masked, system_prompt=system_prompt,
                                                  max_new_tokens=max_new_tokens), masked)
@@ -355,7 +378,8 @@ def stage_starts(args: argparse.Namespace) -> None:
         model, processor = load_vlm(path)
         result = evaluate(model, processor, rows, system_prompt=system_prompt_for_start(kind),
                           max_new_tokens=experiment.max_new_tokens,
-                          masked=masked_rows(rows) if name == "main" else None)
+                          masked=masked_rows(rows) if name == "main" else None,
+                          samples=args.eval_samples, temperature=experiment.temperature)
         result["tasks"] = [row["task"] for row in rows]
         write_json_atomic(result, result_path)
         print(f"[evidence] start {kind}: accuracy {statistics.mean(result['correct']):.3f}", flush=True)
@@ -408,7 +432,8 @@ def run_one(experiment: str, algo: str, seed: int, args: argparse.Namespace) -> 
     _trainer(root, args.rl_steps, [Curve()]).fit(module, datamodule=data)
     train_s = time.perf_counter() - t0
     final = evaluate(module.model, module.processor, rows, system_prompt=module.system_prompt,
-                     max_new_tokens=spec.max_new_tokens, masked=masked)
+                     max_new_tokens=spec.max_new_tokens, masked=masked, samples=args.eval_samples,
+                     temperature=spec.temperature)
     curve[args.rl_steps] = final["correct"]
     return {"experiment": experiment, "algo": algo, "seed": seed, "settings": {k: str(v) for k, v in settings.items()},
             "rl_steps": args.rl_steps, "train_s": train_s, "final": final, "tasks": [row["task"] for row in rows],
@@ -522,10 +547,33 @@ def report(out: Path) -> str:
                        if algo != "grpo" and len(paired) > 1 else "-")
             lines.append(f"| {algo} | {len(runs)} | " + " | ".join(cells)
                          + f" | {_mean([_mean(f) for f in finals]):.3f} | {vs_start} | {vs_grpo} |")
-        lines += ["", *rollout_accuracy_lines(name, experiment, grouped), *mechanism_lines(name, experiment, start, grouped),
+        lines += ["", *sampled_accuracy_lines(name, experiment, start, grouped),
+                  *rollout_accuracy_lines(name, experiment, grouped), *mechanism_lines(name, experiment, start, grouped),
                   ""]
         lines += curve_lines(name, experiment, start, grouped)
     return "\n".join(lines) + "\n"
+
+
+def sampled_accuracy_lines(name: str, experiment: Experiment, start: dict, grouped) -> list[str]:
+    """Held-out sampled accuracy (avg@k at the experiment's temperature) vs the start and vs GRPO, for the
+    algorithms whose every run has it."""
+    if "sampled_accuracy" not in start:
+        return []
+    lines = []
+    grpo = {run["seed"]: run for run in grouped.get((name, "grpo"), [])}
+    for algo in experiment.algos:
+        runs = grouped.get((name, algo), [])
+        if len(runs) < 2 or any("sampled_accuracy" not in run["final"] for run in runs):
+            continue
+        finals = [run["final"]["sampled_accuracy"] for run in runs]
+        line = (f"- {algo}: held-out sampled accuracy {_mean([_mean(f) for f in finals]):.3f} (start "
+                f"{_mean(start['sampled_accuracy']):.3f}), vs start {_interval(contrast(finals, [start['sampled_accuracy']] * len(runs)))}")
+        paired = [(run["final"]["sampled_accuracy"], grpo[run["seed"]]["final"].get("sampled_accuracy"))
+                  for run in runs if run["seed"] in grpo]
+        if algo != "grpo" and len(paired) > 1 and all(b is not None for _, b in paired):
+            line += f", vs GRPO {_interval(contrast([a for a, _ in paired], [b for _, b in paired]))}"
+        lines.append(line)
+    return lines
 
 
 def rollout_accuracy_lines(name: str, experiment: Experiment, grouped) -> list[str]:
@@ -695,6 +743,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rl-lr", type=float, default=1e-4)
     parser.add_argument("--eval-size", type=int, default=100, help="held-out items per task")
     parser.add_argument("--eval-every", type=int, default=50, help="RL steps between held-out evaluations")
+    parser.add_argument("--eval-samples", type=int, default=8,
+                        help="sampled completions per held-out item for the sampled accuracy (0: greedy only)")
     parser.add_argument("--shard", default="0/1", help="I/N: run every N-th job starting at I (one process per core)")
     args = parser.parse_args(argv)
     import torch

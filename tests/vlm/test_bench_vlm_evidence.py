@@ -153,11 +153,21 @@ def test_report_perception_gap_and_error_share_from_texts(tmp_path):
     result = {"texts": [right, misread, reasoning], "correct": [True, False, False],
               "correct_masked": [False, False, False], "tasks": list(evidence.MAIN_TASKS)}
     evidence.write_json_atomic(result, tmp_path / "starts" / "sft.json")
+    result["sampled_accuracy"] = [0.5, 0.25, 0.0]
+    evidence.write_json_atomic(result, tmp_path / "starts" / "sft.json")
     for seed in (0, 1):
         _write_run(tmp_path, "main", "grpo", seed, [True, False, False], texts=result["texts"],
-                   correct_masked=[False, False, False])
+                   correct_masked=[False, False, False], sampled_accuracy=[0.75, 0.5, 0.0])
+        _write_run(tmp_path, "main", "mapo", seed, [True, False, False], texts=result["texts"],
+                   correct_masked=[False, False, False], sampled_accuracy=[0.75, 0.5, 0.25 * seed])
     text = evidence.report(tmp_path)
     # start and runs: accuracy 1/3, masked 0 -> gap +0.333; errors 2, perception errors 1 -> share 0.5
     assert "perception gap +0.333; perception errors 0.500 of the errors" in text
     assert "- grpo: perception gap +0.333 (+0.333 [" in text
     assert "perception errors 0.500 of the errors (per seed 0.50, 0.50)" in text
+    # sampled: start 0.25, GRPO 0.4167 (+0.1667 on every seed); MAPO seed 0 = GRPO, seed 1 +0.0833 above it
+    # (item diffs 0.25, 0.25, 0: the bootstrap over items varies; the seed-t interval is a point)
+    assert "- grpo: held-out sampled accuracy 0.417 (start 0.250), vs start +0.167 [" in text
+    assert "(seed-t [+0.167, +0.167]; excludes 0)" in text
+    assert "- mapo: held-out sampled accuracy 0.458 (start 0.250), vs start +0.208 [" in text
+    assert "vs GRPO +0.042 [" in text
