@@ -459,16 +459,32 @@ def training_metrics(root: Path) -> dict[str, dict[str, float]]:
     return result
 
 
+def claim(path: Path) -> bool:
+    """Atomically claim a run for this process (``<run>.claim`` created with O_EXCL), so several worker
+    processes can share one job list; a claim left by a killed worker is removed by hand."""
+    try:
+        descriptor = os.open(path.with_name(path.name + ".claim"), os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+    except FileExistsError:
+        return False
+    os.write(descriptor, str(os.getpid()).encode())
+    os.close(descriptor)
+    return True
+
+
 def stage_runs(args: argparse.Namespace) -> None:
     index, count = (int(x) for x in args.shard.split("/"))
+    (args.out / "runs").mkdir(parents=True, exist_ok=True)
     for number, (experiment, algo, seed) in enumerate(jobs(args)):
         path = run_path(args.out, experiment, algo, seed)
         if number % count != index or path.exists():
             continue
         if not (args.out / "starts" / f"{EXPERIMENTS[experiment].start}.json").exists():
             raise SystemExit(f"run the 'starts' stage first: {EXPERIMENTS[experiment].start} is missing")
+        if not claim(path):
+            continue
         result = run_one(experiment, algo, seed, args)
         write_json_atomic(result, path)
+        path.with_name(path.name + ".claim").unlink(missing_ok=True)
         print(f"[evidence] {experiment} {algo} seed {seed}: accuracy {statistics.mean(result['final']['correct']):.3f}"
               f" ({result['train_s']:.0f} s)", flush=True)
 
@@ -745,7 +761,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--eval-every", type=int, default=50, help="RL steps between held-out evaluations")
     parser.add_argument("--eval-samples", type=int, default=8,
                         help="sampled completions per held-out item for the sampled accuracy (0: greedy only)")
-    parser.add_argument("--shard", default="0/1", help="I/N: run every N-th job starting at I (one process per core)")
+    parser.add_argument("--shard", default="0/1", help="I/N: run every N-th job starting at I; workers started on the "
+                        "same --out also share the job list through claim files")
     args = parser.parse_args(argv)
     import torch
 

@@ -171,3 +171,11 @@ def test_report_perception_gap_and_error_share_from_texts(tmp_path):
     assert "(seed-t [+0.167, +0.167]; excludes 0)" in text
     assert "- mapo: held-out sampled accuracy 0.458 (start 0.250), vs start +0.208 [" in text
     assert "vs GRPO +0.042 [" in text
+
+
+def test_claim_lets_one_worker_take_a_run(tmp_path):
+    path = evidence.run_path(tmp_path, "main", "grpo", 0)
+    path.parent.mkdir(parents=True)
+    assert evidence.claim(path) is True
+    assert evidence.claim(path) is False  # a second worker skips it
+    assert path.with_name(path.name + ".claim").read_text().isdigit()
