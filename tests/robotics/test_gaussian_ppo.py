@@ -99,6 +99,8 @@ def test_two_ppo_iterations(gaussian_bc_checkpoint, tmp_path):
     # each minibatch's first ratio is exp(0): the rollout's log-probs are re-scored by the same weights
     assert metrics["policy/ratio_first_minibatch_maxdev"] < 1e-5
     assert all(math.isfinite(metrics[key]) for key in ("losses/policy", "losses/value", "eval/return"))
+    # 24 env steps / minibatch 8 = 3 minibatches x 2 epochs, none stopped (target_kl None)
+    assert metrics["policy/minibatches"] == 6.0
     # iteration 0 is critic warm-up, iteration 1 trains the mean and the std (entropy bonus moves log_std)
     after = module.policy.state_dict()
     assert not torch.equal(after["log_std"], before["log_std"])
@@ -182,3 +184,19 @@ def test_gaussian_bc_skips_a_nonfinite_step_and_keeps_the_weights():
     assert module.nonfinite.skipped_steps == 1
     for key, value in module.state_dict().items():
         assert torch.equal(value, before[key]), key
+
+
+def test_target_kl_stops_the_update_and_the_metrics_say_so(gaussian_bc_checkpoint, tmp_path):
+    # the first minibatch re-scores the rollout with the same weights (approx_kl ~0 < 1e-6); one step at lr 1e-2
+    # moves the policy past 1e-6, so the second minibatch stops the update: 2 of 2 x 3 minibatches ran
+    torch.manual_seed(0)
+    module = GaussianPPOModule(gaussian_bc_checkpoint, num_iterations=1, num_envs=4, n_steps=6, batch_size=8,
+                               update_epochs=2, n_critic_warmup_itr=0, gamma=0.99, critic_hidden_dims=[16],
+                               clip_coef=0.2, actor_lr=1e-2, target_kl=1e-6, env_factory=reach_envs)
+    trainer = pl.Trainer(max_epochs=1, logger=False, enable_progress_bar=False, enable_model_summary=False,
+                         enable_checkpointing=False, default_root_dir=tmp_path)
+    trainer.fit(module)
+    metrics = module.last_metrics
+    assert metrics["policy/minibatches"] == 2.0
+    assert metrics["policy/approx_kl_last"] > 1e-6
+    assert metrics["policy/approx_kl"] == pytest.approx(metrics["policy/approx_kl_last"] / 2, rel=1e-3)
