@@ -17,8 +17,19 @@ killed run leaves its finished parts. ``--aggregate`` reads those files (any num
 ``--aggregate-dirs``), computes the gains with 95% intervals (bench/paired_intervals.py) and writes
 ``aggregate.{json,md}`` and the plot (``--plot``).
 
+The Gaussian PPO update has its own ``--gaussian-actor-lr``, ``--gaussian-target-kl`` and
+``--gaussian-update-epochs`` (default: the shared ``--actor-lr`` / ``--update-epochs`` and the module's
+target_kl 1.0, the settings of every run before these options existed); each record stores the RL settings
+that ran under ``rl_settings``. ``--reuse-bc-from DIR`` starts every (seed, method) from the BC checkpoint
+an earlier run of this bench left in DIR (checked, copied and recorded) instead of training BC again, so a
+rerun of one method starts from exactly the policy the other method's records were paired with.
+``--aggregate-dirs`` entries may be ``METHOD=DIR`` (only that method's records from DIR), so a rerun of one
+method pairs with the other method's records from an earlier run; a (seed, method) found twice is an error.
+
     python bench/bench_dppo_vs_gaussian.py --seeds 0 --methods dppo gaussian --dppo-env-steps 60000 ...
     python bench/bench_dppo_vs_gaussian.py --aggregate --aggregate-dirs runs/a runs/b --plot bench/x.png
+    python bench/bench_dppo_vs_gaussian.py --aggregate --aggregate-dirs dppo=runs/a gaussian=runs/b \
+        --aggregate-seeds 0 1
 """
 
 from __future__ import annotations
@@ -87,7 +98,11 @@ def parse_args(argv: list[str] | None = None):
                         help="deterministic eval inside the RL run every this many iterations (0: none)")
     parser.add_argument("--curve-eval-episodes", type=int, default=12)
     parser.add_argument("--aggregate", action="store_true", help="only aggregate finished result files")
-    parser.add_argument("--aggregate-dirs", nargs="+", default=None, help="result dirs to aggregate (default --out-dir)")
+    parser.add_argument("--aggregate-dirs", nargs="+", default=None,
+                        help="result dirs to aggregate (default --out-dir); METHOD=DIR takes only METHOD's records "
+                             "from DIR (e.g. dppo=runs/i19/main gaussian=runs/i19/gauss_tuned)")
+    parser.add_argument("--aggregate-seeds", type=int, nargs="+", default=None,
+                        help="aggregate only these seeds (default: every seed found)")
     parser.add_argument("--plot", default=None, help="PNG path for the success-vs-env-steps plot (with --aggregate)")
     parser.add_argument("--n-boot", type=int, default=10_000)
     args = finish_args(parser.parse_args(argv))
@@ -268,8 +283,40 @@ def run_task(seed: int, method: str, args, demos: Path, out_dir: Path) -> dict:
 
 
 # ---------------------------------------------------------------------------------------------- aggregation
-def load_records(dirs: list[Path]) -> list[dict]:
-    return [json.loads(path.read_text()) for directory in dirs for path in sorted(directory.glob("seed*_*.json"))]
+def parse_sources(entries: list[str]) -> list[tuple[str | None, Path]]:
+    """``--aggregate-dirs`` entries: ``DIR`` (every method) or ``METHOD=DIR`` (only METHOD's records)."""
+    sources = []
+    for entry in entries:
+        method, sep, directory = str(entry).partition("=")
+        sources.append((method, Path(directory)) if sep and method in METHODS else (None, Path(entry)))
+    return sources
+
+
+def load_records(entries: list[str]) -> list[dict]:
+    """The records of ``entries`` (see :func:`parse_sources`), each with its file under ``source``. A (seed,
+    method) found twice is an error (which one to pair would be a silent choice)."""
+    records, seen = [], {}
+    for method, directory in parse_sources(entries):
+        if not directory.is_dir():
+            raise FileNotFoundError(f"--aggregate-dirs: {directory} is not a directory")
+        for path in sorted(directory.glob("seed*_*.json")):
+            record = json.loads(path.read_text())
+            if method is not None and record["method"] != method:
+                continue
+            key = (record["seed"], record["method"])
+            if key in seen:
+                raise ValueError(f"seed {key[0]} {key[1]} is in {seen[key]} and in {path}: name the method to take "
+                                 "from each directory (METHOD=DIR)")
+            seen[key] = path
+            records.append({**record, "source": str(path)})
+    return records
+
+
+def record_settings(record: dict) -> dict | None:
+    """The RL settings a record ran: stored since --gaussian-actor-lr existed, else derived from its args."""
+    if record.get("rl_settings"):
+        return record["rl_settings"]
+    return rl_settings(record["method"], record["args"]) if "args" in record else None
 
 
 def episode_successes(episodes: list[dict]) -> dict[tuple[int, int], float]:
@@ -310,6 +357,9 @@ def aggregate(records: list[dict], n_boot: int = 10_000) -> dict:
             "rollout_env_steps_per_s": [r["rollout_env_steps_per_s"] for r in done],
             "env_steps_per_s_overall": [r["env_steps"] / r["rl_seconds"] for r in done],
             "faults": [r["faults"] for r in done],
+            "rl_settings": [record_settings(r) for r in done],
+            "sources": [r.get("source") for r in done],
+            "bc_reused_from": [r.get("bc_reused", {}).get("from") for r in done],
         }
     if set(METHODS) <= set(methods):
         seeds, table = paired_table(records, list(METHODS))
@@ -353,7 +403,29 @@ def markdown(result: dict) -> str:
     for u in result["unfinished"]:
         lines.append(f"\n- unfinished: {u['method']} seed {u['seed']} (status {u['status']}, "
                      f"{u['iterations']} RL iterations, {u['env_steps']:,.0f} env steps recorded)")
+    lines.extend(settings_lines(result))
     return "\n".join(lines)
+
+
+def settings_lines(result: dict) -> list[str]:
+    """One line per method and distinct RL settings: which seeds ran them, from which records."""
+    lines = []
+    for method, m in result["methods"].items():
+        groups: dict[str, list[int]] = {}
+        for seed, settings in zip(m["seeds"], m["rl_settings"]):
+            text = ("not recorded" if settings is None else
+                    f"actor lr {settings['actor_lr']:g}, target_kl {settings['target_kl']}, update epochs "
+                    f"{settings['update_epochs']}, clip {settings['clip_base']:g}"
+                    + ("" if settings["clip_base"] == settings["clip_final"] else f" -> {settings['clip_final']:g}")
+                    + f", minibatch {settings['batch_size']} " + ("env steps" if method == "gaussian" else "pairs"))
+            groups.setdefault(text, []).append(seed)
+        dirs = sorted({str(Path(s).parent) for s in m["sources"] if s})
+        reused = sorted({str(Path(s).parents[2]) for s in m["bc_reused_from"] if s})
+        for text, seeds in groups.items():
+            lines.append(f"\n- {LABELS[method]} settings (seeds {', '.join(map(str, seeds))}): {text}"
+                         + (f"; records {', '.join(dirs)}" if dirs else "")
+                         + (f"; BC reused from {', '.join(reused)}" if reused else ""))
+    return lines
 
 
 def smooth(values: np.ndarray, window: int) -> np.ndarray:
@@ -425,8 +497,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     out_dir = Path(args.out_dir)
     if args.aggregate:
-        dirs = [Path(d) for d in (args.aggregate_dirs or [args.out_dir])]
-        records = load_records(dirs)
+        records = load_records(args.aggregate_dirs or [args.out_dir])
+        if args.aggregate_seeds is not None:
+            records = [r for r in records if r["seed"] in args.aggregate_seeds]
         result = aggregate(records, n_boot=args.n_boot)
         block = markdown(result)
         print(block)
