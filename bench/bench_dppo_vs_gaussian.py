@@ -17,15 +17,28 @@ killed run leaves its finished parts. ``--aggregate`` reads those files (any num
 ``--aggregate-dirs``), computes the gains with 95% intervals (bench/paired_intervals.py) and writes
 ``aggregate.{json,md}`` and the plot (``--plot``).
 
+The Gaussian PPO update has its own ``--gaussian-actor-lr``, ``--gaussian-target-kl`` and
+``--gaussian-update-epochs`` (default: the shared ``--actor-lr`` / ``--update-epochs`` and the module's
+target_kl 1.0, the settings of every run before these options existed); each record stores the RL settings
+that ran under ``rl_settings``. ``--reuse-bc-from DIR`` starts every (seed, method) from the BC checkpoint
+an earlier run of this bench left in DIR (checked, copied and recorded) instead of training BC again, so a
+rerun of one method starts from exactly the policy the other method's records were paired with.
+``--aggregate-dirs`` entries may be ``METHOD=DIR`` (only that method's records from DIR), so a rerun of one
+method pairs with the other method's records from an earlier run; a (seed, method) found twice is an error.
+
     python bench/bench_dppo_vs_gaussian.py --seeds 0 --methods dppo gaussian --dppo-env-steps 60000 ...
     python bench/bench_dppo_vs_gaussian.py --aggregate --aggregate-dirs runs/a runs/b --plot bench/x.png
+    python bench/bench_dppo_vs_gaussian.py --aggregate --aggregate-dirs dppo=runs/a gaussian=runs/b \
+        --aggregate-seeds 0 1
 """
 
 from __future__ import annotations
 
 import datetime
+import inspect
 import json
 import os
+import shutil
 import sys
 import time
 import warnings
@@ -51,6 +64,10 @@ import torch  # noqa: E402
 
 METHODS = ("dppo", "gaussian")
 LABELS = {"dppo": "DPPO (diffusion)", "gaussian": "Gaussian PPO"}
+# the options a reused BC checkpoint (--reuse-bc-from) must have been trained with (the demo file is checked
+# through the checkpoint's normaliser)
+BC_KEYS = {"dppo": ("num_demos", "noise", "bc_epochs", "hidden", "max_episode_steps", "bc_lr", "denoising_steps"),
+           "gaussian": ("num_demos", "noise", "bc_epochs", "hidden", "max_episode_steps", "gaussian_bc_lr")}
 
 
 def parse_args(argv: list[str] | None = None):
@@ -63,17 +80,79 @@ def parse_args(argv: list[str] | None = None):
                         help="Gaussian PPO minibatch in env steps (default: --batch-size / --ft-steps, the same "
                              "number of minibatches per epoch as DPPO's (env step, denoising step) pairs)")
     parser.add_argument("--gaussian-bc-lr", type=float, default=1e-3)
+    parser.add_argument("--gaussian-actor-lr", type=float, default=None,
+                        help="Gaussian PPO actor lr (default: --actor-lr, DPPO's; the DPPO paper's Gaussian Lift "
+                             "config: 1e-5)")
+    parser.add_argument("--gaussian-target-kl", type=float, default=None,
+                        help="Gaussian PPO: stop an iteration's update at the first minibatch whose approx_kl exceeds "
+                             "this (default: the module's 1.0). Its log-probs sum over the executed 4 x 7 chunk, so "
+                             "its approx_kl is ~28^2 times that of a per-dimension mean (the DPPO paper's)")
+    parser.add_argument("--gaussian-update-epochs", type=int, default=None,
+                        help="Gaussian PPO epochs per iteration (default: --update-epochs)")
+    parser.add_argument("--reuse-bc-from", default=None, metavar="DIR",
+                        help="start from DIR/seed<S>/<method>/bc.ckpt (a previous run of this bench with the same "
+                             "demos and BC settings, checked against its seed<S>_<method>.json) instead of training "
+                             "BC; the checkpoint is sha256-verified, copied into this run's seed dir and its source "
+                             "recorded (bc_seconds 0)")
     parser.add_argument("--curve-eval-every", type=int, default=0,
                         help="deterministic eval inside the RL run every this many iterations (0: none)")
     parser.add_argument("--curve-eval-episodes", type=int, default=12)
     parser.add_argument("--aggregate", action="store_true", help="only aggregate finished result files")
-    parser.add_argument("--aggregate-dirs", nargs="+", default=None, help="result dirs to aggregate (default --out-dir)")
+    parser.add_argument("--aggregate-dirs", nargs="+", default=None,
+                        help="result dirs to aggregate (default --out-dir); METHOD=DIR takes only METHOD's records "
+                             "from DIR (e.g. dppo=runs/i19/main gaussian=runs/i19/gauss_tuned)")
+    parser.add_argument("--aggregate-seeds", type=int, nargs="+", default=None,
+                        help="aggregate only these seeds (default: every seed found)")
     parser.add_argument("--plot", default=None, help="PNG path for the success-vs-env-steps plot (with --aggregate)")
     parser.add_argument("--n-boot", type=int, default=10_000)
     args = finish_args(parser.parse_args(argv))
     if args.gaussian_batch_size is None:
         args.gaussian_batch_size = max(1, args.batch_size // args.ft_steps)
     return args
+
+
+def module_default(name: str):
+    """A DPPOModule (and so GaussianPPOModule) default, e.g. ``target_kl`` (1.0), which the bench does not set."""
+    from robotics.dppo import DPPOModule
+
+    return inspect.signature(DPPOModule.__init__).parameters[name].default
+
+
+def gaussian_ppo_settings(args: dict) -> dict:
+    """The GaussianPPOModule update settings the options select. ``args``: ``vars(args)`` or a record's ``args``
+    (records written before --gaussian-actor-lr / -target-kl / -update-epochs existed lack them: they ran the
+    shared --actor-lr / --update-epochs and the module's target_kl, as an unset option does now)."""
+    def own(name: str, shared: str):
+        return args[shared] if args.get(name) is None else args[name]
+
+    target_kl = args.get("gaussian_target_kl")
+    return {"actor_lr": own("gaussian_actor_lr", "actor_lr"),
+            "update_epochs": own("gaussian_update_epochs", "update_epochs"),
+            "target_kl": module_default("target_kl") if target_kl is None else target_kl,
+            "clip_coef": args["gaussian_clip"], "batch_size": args["gaussian_batch_size"]}
+
+
+def rl_settings(method: str, args: dict) -> dict:
+    """A method's PPO update settings as records and the aggregate report them (``batch_size``: env steps for
+    gaussian, (env step, denoising step) pairs for dppo; gaussian has one clip range, clip_base = clip_final)."""
+    if method == "gaussian":
+        g = gaussian_ppo_settings(args)
+        return {"actor_lr": g["actor_lr"], "target_kl": g["target_kl"], "update_epochs": g["update_epochs"],
+                "batch_size": g["batch_size"], "clip_base": g["clip_coef"], "clip_final": g["clip_coef"]}
+    return {"actor_lr": args["actor_lr"], "target_kl": module_default("target_kl"),
+            "update_epochs": args["update_epochs"], "batch_size": args["batch_size"], "clip_base": args["clip_base"],
+            "clip_final": args["clip_final"]}
+
+
+def gaussian_module(bc_ckpt: Path, args, seed: int, **settings):
+    """The bench's GaussianPPOModule (the budget knobs from ``args``, the update from the --gaussian-* options);
+    ``settings`` override."""
+    from robotics.gaussian_ppo import GaussianPPOModule
+
+    return GaussianPPOModule(**{**dict(
+        bc_checkpoint=str(bc_ckpt), num_iterations=rl_iterations(args), num_envs=args.num_envs, n_steps=args.n_steps,
+        max_episode_steps=args.max_episode_steps, n_critic_warmup_itr=args.critic_warmup, seed=seed,
+        asynchronous=not args.sync_envs, **gaussian_ppo_settings(vars(args))), **settings})
 
 
 def write_json_atomic(path: Path, payload: dict) -> None:
@@ -100,7 +179,9 @@ class CurveRecorder(pl.Callback):
         print(f"  {self.record['method']} s{self.record['seed']} itr {len(self.record['curve'])}: env steps "
               f"{m['perf/env_steps_total']:.0f} train success {m.get('charts/success_rate', float('nan')):.3f} "
               f"eval {m.get('eval/success_rate', float('nan')):.3f} clipfrac {m.get('policy/clipfrac', 0):.3f} "
-              f"kl {m.get('policy/approx_kl', 0):.2e} env steps/s {m['perf/env_steps_per_s']:.0f}", flush=True)
+              f"kl {m.get('policy/approx_kl', 0):.2e} (last {m.get('policy/approx_kl_last', 0):.2e}, "
+              f"{m.get('policy/minibatches', 0):.0f} minibatches) env steps/s {m['perf/env_steps_per_s']:.0f}",
+              flush=True)
 
 
 def train_gaussian_bc(seed: int, args, demos: Path, seed_dir: Path) -> tuple[Path, float]:
@@ -114,27 +195,64 @@ def train_gaussian_bc(seed: int, args, demos: Path, seed_dir: Path) -> tuple[Pat
     return fit_bc(module, args, demos, seed_dir)
 
 
+def reuse_bc(seed: int, method: str, args, demos: Path, seed_dir: Path) -> tuple[Path, dict]:
+    """``--reuse-bc-from DIR``: DIR/seed<S>/<method>/bc.ckpt, checked (sha256 sidecar; DIR's record of that task
+    ran the same BC options; its normaliser is this run's demos') and copied with its sidecar to
+    ``seed_dir/bc.ckpt``. Returns (the copy, what the record stores about the source)."""
+    from mmpo.training.checkpoint import checksum_status, file_sha256, sidecar_path
+    from robotics.gaussian_ppo import load_gaussian_policy
+    from robotics.policy.io import load_policy
+
+    source_dir = Path(args.reuse_bc_from)
+    source, source_record = source_dir / f"seed{seed}" / method / "bc.ckpt", source_dir / f"seed{seed}_{method}.json"
+    if not (source.is_file() and source_record.is_file()):
+        raise FileNotFoundError(f"--reuse-bc-from {source_dir}: needs {source} and {source_record} (an out-dir of "
+                                "this bench that ran this seed and method)")
+    status = checksum_status(source)
+    if status != "ok":
+        raise ValueError(f"--reuse-bc-from: {source} fails its sha256 check ({status})")
+    previous = json.loads(source_record.read_text())
+    differ = {key: (previous["args"].get(key), getattr(args, key)) for key in BC_KEYS[method]
+              if previous["args"].get(key) != getattr(args, key)}
+    if differ:
+        raise ValueError(f"--reuse-bc-from: {source_record} trained BC with other settings (theirs, this run's): "
+                         f"{differ}")
+    metadata = (load_policy if method == "dppo" else load_gaussian_policy)(source)[1]
+    normalizer, expected = Path(metadata["normalizer_path"]), Path(f"{demos}.stats.json")
+    if not (normalizer.is_file() and expected.is_file() and os.path.samefile(normalizer, expected)):
+        raise ValueError(f"--reuse-bc-from: {source} was trained on the demos of normaliser {normalizer} (resolved "
+                         f"from {os.getcwd()}), not this run's {expected}: run where the source run ran, with its "
+                         "--demos")
+    target = seed_dir / "bc.ckpt"
+    shutil.copyfile(source, target)
+    shutil.copyfile(sidecar_path(source), sidecar_path(target))
+    return target, {"from": str(source), "sha256": file_sha256(target), "source_bc_seconds": previous.get("bc_seconds")}
+
+
 def run_task(seed: int, method: str, args, demos: Path, out_dir: Path) -> dict:
     """BC -> eval -> RL -> eval for one (seed, method); the record is rewritten to disk at every stage."""
-    from robotics.gaussian_ppo import GaussianPPOModule, load_gaussian_policy
+    from robotics.gaussian_ppo import load_gaussian_policy
     from robotics.policy.io import load_policy
 
     seed_dir = out_dir / f"seed{seed}" / method
     seed_dir.mkdir(parents=True, exist_ok=True)
     path = out_dir / f"seed{seed}_{method}.json"
     record = {"seed": seed, "method": method, "status": "bc", "started": utc_now(), "demos": str(demos),
-              "args": {k: v for k, v in vars(args).items()}, "curve": []}
+              "args": {k: v for k, v in vars(args).items()}, "rl_settings": rl_settings(method, vars(args)),
+              "curve": []}
     write_json_atomic(path, record)
-    if method == "dppo":
+    if args.reuse_bc_from:
+        bc_ckpt, record["bc_reused"] = reuse_bc(seed, method, args, demos, seed_dir)
+        bc_seconds = 0.0
+    elif method == "dppo":
         bc_ckpt, bc_seconds = train_diffusion_bc(seed, args, demos, seed_dir)
-        policy, metadata = load_policy(bc_ckpt)
-        sampler = args.eval_sampler
     else:
         bc_ckpt, bc_seconds = train_gaussian_bc(seed, args, demos, seed_dir)
-        policy, metadata = load_gaussian_policy(bc_ckpt)
-        sampler = None
+    policy, metadata = (load_policy if method == "dppo" else load_gaussian_policy)(bc_ckpt)
+    sampler = args.eval_sampler if method == "dppo" else None
     normalizer = metadata["normalizer_path"]
-    print(f"[{method} s{seed}] BC done in {bc_seconds:.0f}s; evaluating", flush=True)
+    print(f"[{method} s{seed}] BC " + (f"reused from {record['bc_reused']['from']}" if args.reuse_bc_from
+                                       else f"done in {bc_seconds:.0f}s") + "; evaluating", flush=True)
     episodes: list[dict] = []
     record["before"] = evaluate(policy, args, seed, normalizer, episode_records=episodes, sampler=sampler)
     record.update(before_episodes=episodes, bc_seconds=bc_seconds, status="rl")
@@ -145,11 +263,7 @@ def run_task(seed: int, method: str, args, demos: Path, out_dir: Path) -> dict:
     if method == "dppo":
         module = dppo_module(bc_ckpt, args, seed, eval_sampler=args.eval_sampler, **curve_eval)
     else:
-        module = GaussianPPOModule(
-            str(bc_ckpt), rl_iterations(args), clip_coef=args.gaussian_clip, num_envs=args.num_envs,
-            n_steps=args.n_steps, max_episode_steps=args.max_episode_steps, batch_size=args.gaussian_batch_size,
-            update_epochs=args.update_epochs, actor_lr=args.actor_lr, n_critic_warmup_itr=args.critic_warmup,
-            seed=seed, asynchronous=not args.sync_envs, **curve_eval)
+        module = gaussian_module(bc_ckpt, args, seed, **curve_eval)
     record["_rl_start"] = time.perf_counter()
     ckpt, rl_seconds = fit_rl(module, args, seed_dir, CurveRecorder(record, path), "rl.ckpt")
     del record["_rl_start"]
@@ -169,8 +283,40 @@ def run_task(seed: int, method: str, args, demos: Path, out_dir: Path) -> dict:
 
 
 # ---------------------------------------------------------------------------------------------- aggregation
-def load_records(dirs: list[Path]) -> list[dict]:
-    return [json.loads(path.read_text()) for directory in dirs for path in sorted(directory.glob("seed*_*.json"))]
+def parse_sources(entries: list[str]) -> list[tuple[str | None, Path]]:
+    """``--aggregate-dirs`` entries: ``DIR`` (every method) or ``METHOD=DIR`` (only METHOD's records)."""
+    sources = []
+    for entry in entries:
+        method, sep, directory = str(entry).partition("=")
+        sources.append((method, Path(directory)) if sep and method in METHODS else (None, Path(entry)))
+    return sources
+
+
+def load_records(entries: list[str]) -> list[dict]:
+    """The records of ``entries`` (see :func:`parse_sources`), each with its file under ``source``. A (seed,
+    method) found twice is an error (which one to pair would be a silent choice)."""
+    records, seen = [], {}
+    for method, directory in parse_sources(entries):
+        if not directory.is_dir():
+            raise FileNotFoundError(f"--aggregate-dirs: {directory} is not a directory")
+        for path in sorted(directory.glob("seed*_*.json")):
+            record = json.loads(path.read_text())
+            if method is not None and record["method"] != method:
+                continue
+            key = (record["seed"], record["method"])
+            if key in seen:
+                raise ValueError(f"seed {key[0]} {key[1]} is in {seen[key]} and in {path}: name the method to take "
+                                 "from each directory (METHOD=DIR)")
+            seen[key] = path
+            records.append({**record, "source": str(path)})
+    return records
+
+
+def record_settings(record: dict) -> dict | None:
+    """The RL settings a record ran: stored since --gaussian-actor-lr existed, else derived from its args."""
+    if record.get("rl_settings"):
+        return record["rl_settings"]
+    return rl_settings(record["method"], record["args"]) if "args" in record else None
 
 
 def episode_successes(episodes: list[dict]) -> dict[tuple[int, int], float]:
@@ -211,6 +357,9 @@ def aggregate(records: list[dict], n_boot: int = 10_000) -> dict:
             "rollout_env_steps_per_s": [r["rollout_env_steps_per_s"] for r in done],
             "env_steps_per_s_overall": [r["env_steps"] / r["rl_seconds"] for r in done],
             "faults": [r["faults"] for r in done],
+            "rl_settings": [record_settings(r) for r in done],
+            "sources": [r.get("source") for r in done],
+            "bc_reused_from": [r.get("bc_reused", {}).get("from") for r in done],
         }
     if set(METHODS) <= set(methods):
         seeds, table = paired_table(records, list(METHODS))
@@ -254,7 +403,29 @@ def markdown(result: dict) -> str:
     for u in result["unfinished"]:
         lines.append(f"\n- unfinished: {u['method']} seed {u['seed']} (status {u['status']}, "
                      f"{u['iterations']} RL iterations, {u['env_steps']:,.0f} env steps recorded)")
+    lines.extend(settings_lines(result))
     return "\n".join(lines)
+
+
+def settings_lines(result: dict) -> list[str]:
+    """One line per method and distinct RL settings: which seeds ran them, from which records."""
+    lines = []
+    for method, m in result["methods"].items():
+        groups: dict[str, list[int]] = {}
+        for seed, settings in zip(m["seeds"], m["rl_settings"]):
+            text = ("not recorded" if settings is None else
+                    f"actor lr {settings['actor_lr']:g}, target_kl {settings['target_kl']}, update epochs "
+                    f"{settings['update_epochs']}, clip {settings['clip_base']:g}"
+                    + ("" if settings["clip_base"] == settings["clip_final"] else f" -> {settings['clip_final']:g}")
+                    + f", minibatch {settings['batch_size']} " + ("env steps" if method == "gaussian" else "pairs"))
+            groups.setdefault(text, []).append(seed)
+        dirs = sorted({str(Path(s).parent) for s in m["sources"] if s})
+        reused = sorted({str(Path(s).parents[2]) for s in m["bc_reused_from"] if s})
+        for text, seeds in groups.items():
+            lines.append(f"\n- {LABELS[method]} settings (seeds {', '.join(map(str, seeds))}): {text}"
+                         + (f"; records {', '.join(dirs)}" if dirs else "")
+                         + (f"; BC reused from {', '.join(reused)}" if reused else ""))
+    return lines
 
 
 def smooth(values: np.ndarray, window: int) -> np.ndarray:
@@ -326,8 +497,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     out_dir = Path(args.out_dir)
     if args.aggregate:
-        dirs = [Path(d) for d in (args.aggregate_dirs or [args.out_dir])]
-        records = load_records(dirs)
+        records = load_records(args.aggregate_dirs or [args.out_dir])
+        if args.aggregate_seeds is not None:
+            records = [r for r in records if r["seed"] in args.aggregate_seeds]
         result = aggregate(records, n_boot=args.n_boot)
         block = markdown(result)
         print(block)

@@ -492,7 +492,13 @@ class DPPOModule(NonFiniteGuardMixin, pl.LightningModule):
             if stop:
                 break
         self.policy.eval()
-        return {key: float(np.mean(values)) for key, values in history.items() if values}
+        metrics = {key: float(np.mean(values)) for key, values in history.items() if values}
+        # how much of the update ran: fewer than update_epochs x minibatches when target_kl stopped it, and
+        # the drift from the rollout's policy when it ended (what target_kl is compared with)
+        metrics["policy/minibatches"] = float(len(history["policy/approx_kl"]))
+        if history["policy/approx_kl"]:
+            metrics["policy/approx_kl_last"] = history["policy/approx_kl"][-1]
+        return metrics
 
     # ------------------------------------------------------------------ Lightning loop
     def evaluate(self, num_episodes: int | None = None) -> dict[str, float]:

@@ -1,9 +1,14 @@
 """Gaussian-policy PPO baseline (robotics/gaussian_ppo.py): its log-prob and entropy by hand, BC of the
-mean, and a 2-iteration PPO run on the tiny reach task of test_dppo.py."""
+mean, and a 2-iteration PPO run on the tiny reach task of test_dppo.py; the Gaussian PPO options and BC reuse
+of bench/bench_dppo_vs_gaussian.py."""
 
 from __future__ import annotations
 
+import argparse
+import importlib.util
+import json
 import math
+import sys
 from pathlib import Path
 
 import lightning.pytorch as pl
@@ -99,6 +104,8 @@ def test_two_ppo_iterations(gaussian_bc_checkpoint, tmp_path):
     # each minibatch's first ratio is exp(0): the rollout's log-probs are re-scored by the same weights
     assert metrics["policy/ratio_first_minibatch_maxdev"] < 1e-5
     assert all(math.isfinite(metrics[key]) for key in ("losses/policy", "losses/value", "eval/return"))
+    # 24 env steps / minibatch 8 = 3 minibatches x 2 epochs, none stopped (target_kl None)
+    assert metrics["policy/minibatches"] == 6.0
     # iteration 0 is critic warm-up, iteration 1 trains the mean and the std (entropy bonus moves log_std)
     after = module.policy.state_dict()
     assert not torch.equal(after["log_std"], before["log_std"])
@@ -182,3 +189,126 @@ def test_gaussian_bc_skips_a_nonfinite_step_and_keeps_the_weights():
     assert module.nonfinite.skipped_steps == 1
     for key, value in module.state_dict().items():
         assert torch.equal(value, before[key]), key
+
+
+def test_target_kl_stops_the_update_and_the_metrics_say_so(gaussian_bc_checkpoint, tmp_path):
+    # the first minibatch re-scores the rollout with the same weights (approx_kl ~0 < 1e-6); one step at lr 1e-2
+    # moves the policy past 1e-6, so the second minibatch stops the update: 2 of 2 x 3 minibatches ran
+    torch.manual_seed(0)
+    module = GaussianPPOModule(gaussian_bc_checkpoint, num_iterations=1, num_envs=4, n_steps=6, batch_size=8,
+                               update_epochs=2, n_critic_warmup_itr=0, gamma=0.99, critic_hidden_dims=[16],
+                               clip_coef=0.2, actor_lr=1e-2, target_kl=1e-6, env_factory=reach_envs)
+    trainer = pl.Trainer(max_epochs=1, logger=False, enable_progress_bar=False, enable_model_summary=False,
+                         enable_checkpointing=False, default_root_dir=tmp_path)
+    trainer.fit(module)
+    metrics = module.last_metrics
+    assert metrics["policy/minibatches"] == 2.0
+    assert metrics["policy/approx_kl_last"] > 1e-6
+    assert metrics["policy/approx_kl"] == pytest.approx(metrics["policy/approx_kl_last"] / 2, rel=1e-3)
+
+
+# ---------------------------------------------------------------- bench/bench_dppo_vs_gaussian.py's Gaussian side
+BENCH = REPO / "bench"
+# Run E's settings (bench/RESULTS.md; runs/i19/launch.sh's COMMON without the paths)
+RUN_E = ["--num-demos", "100", "--noise", "0.5", "--bc-epochs", "100", "--hidden", "512", "--num-envs", "4",
+         "--n-steps", "38", "--max-episode-steps", "150", "--eval-episodes", "100", "--eval-sampler", "ddim",
+         "--batch-size", "600", "--dppo-env-steps", "100000", "--dppo-max-minutes", "30", "--curve-eval-every", "25",
+         "--curve-eval-episodes", "12", "--sync-envs"]
+
+
+def _bench():
+    sys.path.insert(0, str(BENCH))  # the bench imports bench_dppo_lift and paired_intervals from its folder
+    try:
+        spec = importlib.util.spec_from_file_location("bench_dppo_vs_gaussian", BENCH / "bench_dppo_vs_gaussian.py")
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+    finally:
+        sys.path.remove(str(BENCH))
+    return module
+
+
+def _update(module: GaussianPPOModule) -> tuple:
+    hp = module.hparams
+    actor, _ = module.configure_optimizers()
+    return (hp.actor_lr, actor.param_groups[0]["lr"], hp.target_kl, hp.update_epochs, hp.clip_base, hp.clip_final,
+            hp.batch_size, hp.num_iterations)
+
+
+def test_bench_gaussian_defaults_build_run_e_module(gaussian_bc_checkpoint):
+    bench = _bench()
+    args = bench.parse_args(RUN_E)
+    module = bench.gaussian_module(gaussian_bc_checkpoint, args, 0)
+    # Run E's construction (the bench's call before the --gaussian-* update options), written out
+    before = GaussianPPOModule(
+        gaussian_bc_checkpoint, bench.rl_iterations(args), clip_coef=args.gaussian_clip, num_envs=args.num_envs,
+        n_steps=args.n_steps, max_episode_steps=args.max_episode_steps, batch_size=args.gaussian_batch_size,
+        update_epochs=args.update_epochs, actor_lr=args.actor_lr, n_critic_warmup_itr=args.critic_warmup,
+        seed=0, asynchronous=not args.sync_envs)
+    assert dict(module.hparams) == dict(before.hparams)
+    # lr 1e-4, target_kl 1.0, 10 epochs, clip 0.01, 600 / K' 10 = 60 env steps, ceil(100000 / (4 x 38 x 4)) = 165
+    assert _update(module) == (1e-4, 1e-4, 1.0, 10, 0.01, 0.01, 60, 165)
+    expected = {"actor_lr": 1e-4, "target_kl": 1.0, "update_epochs": 10, "batch_size": 60, "clip_base": 0.01,
+                "clip_final": 0.01}
+    assert bench.rl_settings("gaussian", vars(args)) == expected
+    # a record written before the options existed (Run E's) reports the same settings
+    old = {k: v for k, v in vars(args).items()
+           if k not in ("gaussian_actor_lr", "gaussian_target_kl", "gaussian_update_epochs", "reuse_bc_from")}
+    assert bench.rl_settings("gaussian", old) == expected
+
+
+def test_bench_gaussian_options_reach_the_module_and_leave_dppo_alone(gaussian_bc_checkpoint):
+    bench = _bench()
+    args = bench.parse_args(RUN_E + ["--gaussian-actor-lr", "1e-5", "--gaussian-target-kl", "0.02",
+                                     "--gaussian-update-epochs", "5", "--gaussian-clip", "0.02"])
+    module = bench.gaussian_module(gaussian_bc_checkpoint, args, 3)
+    assert _update(module) == (1e-5, 1e-5, 0.02, 5, 0.02, 0.02, 60, 165)
+    assert module.hparams.seed == 3 and module.hparams.critic_lr == 1e-3  # the critic keeps its lr
+    assert bench.rl_settings("gaussian", vars(args)) == {"actor_lr": 1e-5, "target_kl": 0.02, "update_epochs": 5,
+                                                         "batch_size": 60, "clip_base": 0.02, "clip_final": 0.02}
+    dppo = {"actor_lr": 1e-4, "target_kl": 1.0, "update_epochs": 10, "batch_size": 600, "clip_base": 0.001,
+            "clip_final": 0.01}
+    assert bench.rl_settings("dppo", vars(args)) == bench.rl_settings("dppo", vars(bench.parse_args(RUN_E))) == dppo
+
+
+def _source_run(tmp_path: Path, checkpoint: str, demos: Path, **bc_args) -> Path:
+    """An out-dir of the bench that ran Gaussian seed 0: record + bc.ckpt (normaliser: ``demos``'s) + sidecar."""
+    from mmpo.training.checkpoint import file_sha256
+
+    source = tmp_path / "source"
+    (source / "seed0" / "gaussian").mkdir(parents=True)
+    state = torch.load(checkpoint, map_location="cpu", weights_only=True)
+    state["robotics"]["normalizer_path"] = f"{demos}.stats.json"
+    ckpt = source / "seed0" / "gaussian" / "bc.ckpt"
+    torch.save(state, ckpt)
+    ckpt.with_name("bc.ckpt.sha256").write_text(f"{file_sha256(ckpt)}  bc.ckpt\n")
+    (source / "seed0_gaussian.json").write_text(json.dumps({"seed": 0, "method": "gaussian", "bc_seconds": 67.0,
+                                                            "args": bc_args}))
+    return source
+
+
+def test_bench_reuse_bc_copies_a_checked_checkpoint(gaussian_bc_checkpoint, tmp_path):
+    bench = _bench()
+    demos, other = tmp_path / "demos.hdf5", tmp_path / "other.hdf5"
+    for path in (demos, other):
+        Path(f"{path}.stats.json").write_text("{}")
+    bc = dict(num_demos=100, noise=0.5, bc_epochs=100, hidden=32, max_episode_steps=150, gaussian_bc_lr=1e-3)
+    source = _source_run(tmp_path, gaussian_bc_checkpoint, demos, **bc)
+    args = argparse.Namespace(reuse_bc_from=str(source), **bc)
+    seed_dir = tmp_path / "new" / "seed0" / "gaussian"
+    seed_dir.mkdir(parents=True)
+    copy, info = bench.reuse_bc(0, "gaussian", args, demos, seed_dir)
+    original = source / "seed0" / "gaussian" / "bc.ckpt"
+    assert copy == seed_dir / "bc.ckpt" and copy.read_bytes() == original.read_bytes()
+    assert info == {"from": str(original), "sha256": original.with_name("bc.ckpt.sha256").read_text().split()[0],
+                    "source_bc_seconds": 67.0}
+    assert copy.with_name("bc.ckpt.sha256").read_text() == original.with_name("bc.ckpt.sha256").read_text()
+    with pytest.raises(ValueError, match=r"other settings .*'bc_epochs': \(100, 200\)"):
+        bench.reuse_bc(0, "gaussian", argparse.Namespace(**{**vars(args), "bc_epochs": 200}), demos, seed_dir)
+    with pytest.raises(ValueError, match="not this run's"):
+        bench.reuse_bc(0, "gaussian", args, other, seed_dir)
+    with pytest.raises(FileNotFoundError, match="seed1_gaussian.json"):
+        bench.reuse_bc(1, "gaussian", args, demos, seed_dir)
+    with open(original, "ab") as handle:
+        handle.write(b"x")
+    with pytest.raises(ValueError, match="sha256 check"):
+        bench.reuse_bc(0, "gaussian", args, demos, seed_dir)

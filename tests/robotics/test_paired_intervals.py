@@ -4,6 +4,7 @@ bench's aggregation of per-episode records into paired arrays."""
 from __future__ import annotations
 
 import importlib.util
+import json
 import math
 import sys
 from pathlib import Path
@@ -104,6 +105,63 @@ def test_aggregate_pairs_episodes_on_their_keys(monkeypatch):
     assert result["methods"]["dppo"]["env_steps_per_s_overall"] == [100.0]
     assert result["unfinished"] == [{"seed": 1, "method": "dppo", "status": "rl", "iterations": 0, "env_steps": 0.0}]
     assert "| DPPO (diffusion) | 0 | 4 |" in bench.markdown(result)
+
+
+def test_aggregate_pairs_one_method_rerun_with_the_other_methods_records(tmp_path):
+    """--aggregate-dirs dppo=A gaussian=B: B's Gaussian rerun pairs with A's DPPO on A's seeds; A B (both
+    holding Gaussian seed 0) is an error; --aggregate-seeds keeps the named seeds; the settings are reported."""
+    sys.path.insert(0, str(BENCH))
+    try:
+        bench = _load("bench_dppo_vs_gaussian")
+    finally:
+        sys.path.remove(str(BENCH))
+
+    def record(seed, method, before, after, **extra):
+        return {"seed": seed, "method": method, "status": "done", "env_steps": 1000.0, "rl_iterations": 2,
+                "rl_seconds": 10.0, "bc_seconds": 1.0, "rollout_env_steps_per_s": 100.0, "faults": 0.0, "curve": [],
+                "before_episodes": [{"env": 0, "ordinal": k, "success": v} for k, v in enumerate(before)],
+                "after_episodes": [{"env": 0, "ordinal": k, "success": v} for k, v in enumerate(after)], **extra}
+
+    run_e, rerun = tmp_path / "main", tmp_path / "gauss_tuned"
+    run_e.mkdir(), rerun.mkdir()
+    args = {"actor_lr": 1e-4, "update_epochs": 10, "batch_size": 600, "clip_base": 0.001, "clip_final": 0.01,
+            "gaussian_clip": 0.01, "gaussian_batch_size": 60}  # a record from before the --gaussian-* options
+    tuned = {"actor_lr": 1e-5, "target_kl": 0.02, "update_epochs": 10, "batch_size": 60, "clip_base": 0.01,
+             "clip_final": 0.01}
+    for seed in (0, 1):
+        # DPPO 0/4 -> 2/4 on both seeds; Run E's Gaussian 2/4 -> 2/4; the rerun's Gaussian 2/4 -> 4/4
+        (run_e / f"seed{seed}_dppo.json").write_text(
+            json.dumps(record(seed, "dppo", [0, 0, 0, 0], [1, 1, 0, 0], args=args)))
+        (run_e / f"seed{seed}_gaussian.json").write_text(
+            json.dumps(record(seed, "gaussian", [1, 1, 0, 0], [1, 1, 0, 0], args=args)))
+    (rerun / "seed0_gaussian.json").write_text(json.dumps(record(
+        0, "gaussian", [1, 1, 0, 0], [1, 1, 1, 1], rl_settings=tuned,
+        bc_reused={"from": str(run_e / "seed0" / "gaussian" / "bc.ckpt")})))
+    with pytest.raises(ValueError, match="seed 0 gaussian is in .*METHOD=DIR"):
+        bench.load_records([str(run_e), str(rerun)])
+
+    records = bench.load_records([f"dppo={run_e}", f"gaussian={rerun}"])
+    assert sorted((r["seed"], r["method"]) for r in records) == [(0, "dppo"), (0, "gaussian"), (1, "dppo")]
+    result = bench.aggregate(records, n_boot=50)
+    assert result["methods"]["gaussian"]["after"] == [1.0] and result["methods"]["dppo"]["seeds"] == [0, 1]
+    assert result["methods"]["gaussian"]["rl_settings"] == [tuned]
+    # DPPO gain 0.5 - Gaussian gain 0.5 = 0; DPPO final 0.5 - Gaussian final 1.0 = -0.5 (seed 0 only)
+    assert result["contrasts"]["dppo_gain_minus_gaussian_gain"]["estimate"] == 0.0
+    assert result["contrasts"]["dppo_after_minus_gaussian_after"]["estimate"] == -0.5
+    assert result["contrasts"]["dppo_gain_minus_gaussian_gain"]["seeds"] == [0]
+
+    out = tmp_path / "agg"
+    assert bench.main(["--aggregate", "--aggregate-dirs", f"dppo={run_e}", f"gaussian={rerun}", "--aggregate-seeds",
+                       "0", "--out-dir", str(out), "--n-boot", "50"]) == 0
+    saved = json.loads((out / "aggregate.json").read_text())
+    assert saved["methods"]["dppo"]["seeds"] == [0] and saved["methods"]["dppo"]["rl_settings"] == [
+        {"actor_lr": 1e-4, "target_kl": 1.0, "update_epochs": 10, "batch_size": 600, "clip_base": 0.001,
+         "clip_final": 0.01}]
+    text = (out / "aggregate.md").read_text()
+    assert (f"- Gaussian PPO settings (seeds 0): actor lr 1e-05, target_kl 0.02, update epochs 10, clip 0.01, "
+            f"minibatch 60 env steps; records {rerun}; BC reused from {run_e}") in text
+    assert f"- DPPO (diffusion) settings (seeds 0): actor lr 0.0001, target_kl 1.0, update epochs 10, clip 0.001 -> " \
+           f"0.01, minibatch 600 pairs; records {run_e}" in text
 
 
 def test_episode_tracker_records_name_each_counted_episode_by_env_and_number():
