@@ -134,7 +134,8 @@ def test_report_tables_from_run_files(tmp_path):
     ahpo = next(line for line in text.splitlines() if line.startswith("| ahpo |"))
     assert ahpo.startswith("| ahpo | 2 | 0.750 | 0.750 | 0.750 | +0.500 [")
     assert ahpo.count("+0.500 [") == 2  # vs start and vs GRPO: both +0.5 (GRPO stayed at the start)
-    assert "gate open 1.000 -> 0.500" in text and "training accuracy 0.000 -> 0.250" in text
+    assert "- ahpo: gate open 1.000 -> 0.500 of the prompts" in text
+    assert "- ahpo: rollout accuracy on new prompts 0.000 -> 0.250 (first -> last fifth), change +0.250" in text
     assert "curve ahpo (step: accuracy (vs start, 95% CI)): 2: 0.750 (+0.500 [" in text
     assert math.isfinite(json.loads((tmp_path / "runs" / "weak__ahpo__s1.json").read_text())["seed"])
 
