@@ -618,10 +618,15 @@ def mechanism_lines(name: str, experiment: Experiment, start: dict, grouped) -> 
         rows = eval_rows(STARTS[experiment.start].tasks, len(start["correct"]) // len(set(start["tasks"])),
                          STARTS[experiment.start].difficulty)
 
+        def perception_flags(result: dict) -> list[bool]:
+            """Per item, from the stored texts (the rule as it is now, not as it was at run time)."""
+            return [perception_error(t, r, c) for t, r, c in zip(result["texts"], rows, result["correct"])]
+
         def perception_share(result: dict) -> float:
-            """Perception errors / errors, from the stored texts (the rule as it is now, not as it was at run time)."""
-            flags = [perception_error(t, r, c) for t, r, c in zip(result["texts"], rows, result["correct"])]
-            return sum(flags) / max(1, len(flags) - sum(result["correct"]))
+            """Perception errors / errors."""
+            return sum(perception_flags(result)) / max(1, len(result["correct"]) - sum(result["correct"]))
+
+        grpo_by_seed = {run["seed"]: run for run in grouped.get((name, "grpo"), [])}
 
         gap = _mean(start["correct"]) - _mean(start["correct_masked"])
         share = perception_share(start)
@@ -644,8 +649,17 @@ def mechanism_lines(name: str, experiment: Experiment, start: dict, grouped) -> 
                          f"{_mean([_metric(r, 'mapo/lambda_mean') for r in runs]):.3f}, success fraction "
                          f"{_mean([_metric(r, 'mapo/success_frac', 'first') for r in runs]):.3f} -> "
                          f"{_mean([_metric(r, 'mapo/success_frac') for r in runs]):.3f}")
+            # the paper counts perception errors (-30.5% vs GRPO): per item, a perception error or not, paired
+            rates = [perception_flags(r["final"]) for r in runs]
+            paired = [(flags, perception_flags(grpo_by_seed[r["seed"]]["final"])) for flags, r in zip(rates, runs)
+                      if r["seed"] in grpo_by_seed]
+            rate = (f"perception-error rate {_mean([_mean(f) for f in rates]):.3f} of the items (start "
+                    f"{_mean(perception_flags(start)):.3f})")
+            if algo != "grpo" and len(paired) > 1:
+                rate += f", vs GRPO {_interval(contrast([a for a, _ in paired], [b for _, b in paired]))}"
             lines.append(f"- {algo}: perception gap {_mean(gaps):+.3f} ({_interval(gap_ci)}), perception errors "
-                         f"{_mean(shares):.3f} of the errors (per seed {', '.join(f'{s:.2f}' for s in shares)}){extra}")
+                         f"{_mean(shares):.3f} of the errors (per seed {', '.join(f'{s:.2f}' for s in shares)}); "
+                         f"{rate}{extra}")
     elif name == "steps":
         lines.append(f"- start: key-step fraction {_mean(start['key_step_frac']):.3f}, StepRVR valid "
                      f"{_mean(start['step_valid']):.3f}")

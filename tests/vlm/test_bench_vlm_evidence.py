@@ -165,7 +165,9 @@ def test_report_perception_gap_and_error_share_from_texts(tmp_path):
     # start and runs: accuracy 1/3, masked 0 -> gap +0.333; errors 2, perception errors 1 -> share 0.5
     assert "perception gap +0.333; perception errors 0.500 of the errors" in text
     assert "- grpo: perception gap +0.333 (+0.333 [" in text
-    assert "perception errors 0.500 of the errors (per seed 0.50, 0.50)" in text
+    assert "perception errors 0.500 of the errors (per seed 0.50, 0.50); perception-error rate 0.333 of the items " \
+           "(start 0.333)" in text
+    assert "- mapo: perception gap" in text and "(start 0.333), vs GRPO +0.000 [+0.000, +0.000]" in text
     # sampled: start 0.25, GRPO 0.4167 (+0.1667 on every seed); MAPO seed 0 = GRPO, seed 1 +0.0833 above it
     # (item diffs 0.25, 0.25, 0: the bootstrap over items varies; the seed-t interval is a point)
     assert "- grpo: held-out sampled accuracy 0.417 (start 0.250), vs start +0.167 [" in text
