@@ -745,7 +745,7 @@ def plot(out: Path) -> Path | None:
             axis.fill_between(steps, lows, highs, alpha=0.2)
         axis.set_title(f"{name} (start {EXPERIMENTS[name].start})")
         axis.set_xlabel("RL step")
-        axis.set_ylabel("held-out accuracy")
+        axis.set_ylabel("held-out greedy accuracy (band: ±1.96 SE over seeds)", fontsize=7)
         if axis.get_legend_handles_labels()[0]:
             axis.legend(fontsize=7)
     figure.tight_layout()
