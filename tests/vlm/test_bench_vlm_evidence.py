@@ -182,3 +182,20 @@ def test_claim_lets_one_worker_take_a_run(tmp_path):
     assert evidence.claim(path) is True
     assert evidence.claim(path) is False  # a second worker skips it
     assert path.with_name(path.name + ".claim").read_text().isdigit()
+
+
+def test_sampled_accuracy_averages_each_rows_contiguous_samples(monkeypatch):
+    rows = [dict(COUNT_ROW, id="a"), dict(COUNT_ROW, id="b", answer="3")]
+    texts = ["<answer>2</answer>", "<answer>1</answer>", "<answer>2</answer>",  # row a: 2 of 3 correct
+             "<answer>3</answer>", "<answer>3</answer>", "<answer>3</answer>"]  # row b: 3 of 3
+    seen = {}
+
+    def fake_texts(model, processor, rows_, **kwargs):
+        seen.update(kwargs)
+        return texts
+
+    monkeypatch.setattr(evidence, "greedy_texts", fake_texts)
+    values = evidence.sampled_accuracy(None, None, rows, system_prompt="s", max_new_tokens=8, samples=3,
+                                       temperature=0.7)
+    assert values == pytest.approx([2 / 3, 1.0])
+    assert seen["samples"] == 3 and seen["temperature"] == 0.7
