@@ -4,7 +4,8 @@ Protocol (documented in ``bench/RESULTS.md``, section "VLM algorithms: evidence"
 
 - One tiny Qwen2.5-VL (the quickstart's size and corpus-trained tokenizer), one SFT start per
   experiment, then every algorithm of the experiment runs the same RL budget from that start with
-  the same seeds (data order and sampling): ``--rl-steps`` steps x 8 prompts x G 8, lr 1e-4.
+  the same seeds (data order and sampling): ``--rl-steps`` steps x 8 prompts x G 8, lr 1e-4
+  (geometry: lr 5e-5, temperature 0.7; its start is geometry_aux level 1 after 600 SFT steps).
 - Four experiments, one per mechanism:
 
   ========== ============================= ============================= ===================================
@@ -24,15 +25,16 @@ Protocol (documented in ``bench/RESULTS.md``, section "VLM algorithms: evidence"
 
 - Held-out score: greedy accuracy on ``--eval-size`` test-split items per task (disjoint from the
   training items by content hash), every ``--eval-every`` RL steps (the learning curve) and at
-  the end. Every run stores per-item correctness, so contrasts (algorithm - start, algorithm -
-  GRPO) get a hierarchical paired bootstrap interval over seeds and items and a Student-t
-  interval over the seed means (``bench/paired_intervals.py``).
+  the end, plus at the end the sampled accuracy (``--eval-samples`` completions per item at the RL
+  temperature). Every run stores per-item results (and the completions), so contrasts (algorithm -
+  start, algorithm - GRPO) get a hierarchical paired bootstrap interval over seeds and items and a
+  Student-t interval over the seed means (``bench/paired_intervals.py``).
 
 Stages (each resumable; finished work is skipped)::
 
     python bench/bench_vlm_evidence.py starts --out runs/vlm_evidence          # SFT starts + their eval
-    python bench/bench_vlm_evidence.py runs --out runs/vlm_evidence --shard 0/2 &  # RL runs, one core each
-    python bench/bench_vlm_evidence.py runs --out runs/vlm_evidence --shard 1/2 &
+    python bench/bench_vlm_evidence.py runs --out runs/vlm_evidence &  # RL runs: one worker per core,
+    python bench/bench_vlm_evidence.py runs --out runs/vlm_evidence &  # sharing the jobs via claim files
     python bench/bench_vlm_evidence.py report --out runs/vlm_evidence          # tables + curve plot
 
 Every run result is written atomically to ``OUT/runs/<experiment>__<algo>__s<seed>.json``.
