@@ -85,10 +85,14 @@ def parse_args(argv: list[str] | None = None):
                              "config: 1e-5)")
     parser.add_argument("--gaussian-target-kl", type=float, default=None,
                         help="Gaussian PPO: stop an iteration's update at the first minibatch whose approx_kl exceeds "
-                             "this (default: the module's 1.0). Its log-probs sum over the executed 4 x 7 chunk, so "
+                             "this (default: the module's 1.0). With summed log-probs (4 x 7 chunk, the default), "
                              "its approx_kl is ~28^2 times that of a per-dimension mean (the DPPO paper's)")
     parser.add_argument("--gaussian-update-epochs", type=int, default=None,
                         help="Gaussian PPO epochs per iteration (default: --update-epochs)")
+    parser.add_argument("--gaussian-log-prob-reduction", default="sum", choices=("sum", "mean"),
+                        help="Gaussian PPO: sum (default) or average the log-probs (ratio, approx_kl) and entropy over "
+                             "the executed 4 x 7 chunk; mean is the DPPO paper's Gaussian baseline "
+                             "(model/rl/gaussian_vpg.py), on whose scale its clip 0.01 and target_kl 1 were set")
     parser.add_argument("--reuse-bc-from", default=None, metavar="DIR",
                         help="start from DIR/seed<S>/<method>/bc.ckpt (a previous run of this bench with the same "
                              "demos and BC settings, checked against its seed<S>_<method>.json) instead of training "
@@ -120,8 +124,9 @@ def module_default(name: str):
 
 def gaussian_ppo_settings(args: dict) -> dict:
     """The GaussianPPOModule update settings the options select. ``args``: ``vars(args)`` or a record's ``args``
-    (records written before --gaussian-actor-lr / -target-kl / -update-epochs existed lack them: they ran the
-    shared --actor-lr / --update-epochs and the module's target_kl, as an unset option does now)."""
+    (records written before --gaussian-actor-lr / -target-kl / -update-epochs / -log-prob-reduction existed lack
+    them: they ran the shared --actor-lr / --update-epochs, the module's target_kl and summed log-probs, as an unset
+    option does now)."""
     def own(name: str, shared: str):
         return args[shared] if args.get(name) is None else args[name]
 
@@ -129,7 +134,8 @@ def gaussian_ppo_settings(args: dict) -> dict:
     return {"actor_lr": own("gaussian_actor_lr", "actor_lr"),
             "update_epochs": own("gaussian_update_epochs", "update_epochs"),
             "target_kl": module_default("target_kl") if target_kl is None else target_kl,
-            "clip_coef": args["gaussian_clip"], "batch_size": args["gaussian_batch_size"]}
+            "clip_coef": args["gaussian_clip"], "batch_size": args["gaussian_batch_size"],
+            "log_prob_reduction": args.get("gaussian_log_prob_reduction") or "sum"}
 
 
 def rl_settings(method: str, args: dict) -> dict:
@@ -138,7 +144,8 @@ def rl_settings(method: str, args: dict) -> dict:
     if method == "gaussian":
         g = gaussian_ppo_settings(args)
         return {"actor_lr": g["actor_lr"], "target_kl": g["target_kl"], "update_epochs": g["update_epochs"],
-                "batch_size": g["batch_size"], "clip_base": g["clip_coef"], "clip_final": g["clip_coef"]}
+                "batch_size": g["batch_size"], "clip_base": g["clip_coef"], "clip_final": g["clip_coef"],
+                "log_prob_reduction": g["log_prob_reduction"]}
     return {"actor_lr": args["actor_lr"], "target_kl": module_default("target_kl"),
             "update_epochs": args["update_epochs"], "batch_size": args["batch_size"], "clip_base": args["clip_base"],
             "clip_final": args["clip_final"]}
@@ -417,7 +424,10 @@ def settings_lines(result: dict) -> list[str]:
                     f"actor lr {settings['actor_lr']:g}, target_kl {settings['target_kl']}, update epochs "
                     f"{settings['update_epochs']}, clip {settings['clip_base']:g}"
                     + ("" if settings["clip_base"] == settings["clip_final"] else f" -> {settings['clip_final']:g}")
-                    + f", minibatch {settings['batch_size']} " + ("env steps" if method == "gaussian" else "pairs"))
+                    + f", minibatch {settings['batch_size']} " + ("env steps" if method == "gaussian" else "pairs")
+                    # shown when not the default sum (records written before the option existed summed)
+                    + ("" if settings.get("log_prob_reduction", "sum") == "sum"
+                       else f", log-probs {settings['log_prob_reduction']} over the chunk"))
             groups.setdefault(text, []).append(seed)
         dirs = sorted({str(Path(s).parent) for s in m["sources"] if s})
         reused = sorted({str(Path(s).parents[2]) for s in m["bc_reused_from"] if s})

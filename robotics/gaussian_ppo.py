@@ -7,8 +7,11 @@ fine-tunes it with PPO + GAE on the same env interface, rollout, reward scaling,
 resume machinery as :class:`~robotics.dppo.DPPOModule`: it is a DPPO run whose "chain" is one Gaussian
 step (K' = 1), so there is no denoising discount and one PPO clip range, ``clip_coef``.
 
-Log-probs sum over the executed chunk prefix (act_steps x Da), the usual PPO likelihood of the executed
-action (the diffusion policy's denoising steps use DPPO's per-dimension mean instead).
+Log-probs sum over the executed chunk prefix (act_steps x Da) by default, the usual PPO likelihood of the
+executed action (the diffusion policy's denoising steps use DPPO's per-dimension mean instead);
+``log_prob_reduction="mean"`` averages them over those act_steps x Da entries, as the DPPO paper's Gaussian
+baseline does (irom-lab/dppo ``model/rl/gaussian_vpg.py``, ``get_logprobs``: ``log_prob.mean(-1)`` and
+``dist.entropy().mean()``), which puts the PPO log-ratio, clip range and approx_kl on its 1/(act_steps x Da) scale.
 """
 
 from __future__ import annotations
@@ -34,6 +37,13 @@ GAUSSIAN_BC_PREFIX = "policy."
 _CHAIN_ONLY = ("ft_steps", "gamma_denoise", "clip_base", "clip_final", "clip_rate", "min_sampling_std",
                "min_logprob_std", "logprob_min", "logprob_max", "eval_sampler", "eval_ddpm_std_floor",
                "rollout_ddim_steps")
+LOG_PROB_REDUCTIONS = ("sum", "mean")
+
+
+def check_log_prob_reduction(reduction: str) -> str:
+    if reduction not in LOG_PROB_REDUCTIONS:
+        raise ValueError(f"log_prob_reduction must be one of {LOG_PROB_REDUCTIONS}, got {reduction!r}")
+    return reduction
 
 
 @dataclass
@@ -77,14 +87,20 @@ class GaussianChunkPolicy(nn.Module):
         """(Ta, Da) std, floored so the PPO ratio stays bounded."""
         return self.log_std.exp().clamp_min(self.min_std)
 
-    def log_prob(self, obs: torch.Tensor, actions: torch.Tensor, act_steps: int) -> torch.Tensor:
-        """log N(actions | mean(obs), std^2) summed over the executed prefix (act_steps, Da): (B,)."""
+    def log_prob(self, obs: torch.Tensor, actions: torch.Tensor, act_steps: int, reduction: str = "sum") -> torch.Tensor:
+        """log N(actions | mean(obs), std^2) over the executed prefix (act_steps, Da), summed (``reduction="sum"``)
+        or averaged per entry (``"mean"``, the DPPO paper's Gaussian baseline): (B,)."""
+        check_log_prob_reduction(reduction)
         dist = torch.distributions.Normal(self.mean(obs)[:, :act_steps], self.std()[:act_steps])
-        return dist.log_prob(actions[:, :act_steps]).sum(dim=(1, 2))
+        elementwise = dist.log_prob(actions[:, :act_steps])
+        return elementwise.sum(dim=(1, 2)) if reduction == "sum" else elementwise.mean(dim=(1, 2))
 
-    def entropy(self, act_steps: int) -> torch.Tensor:
-        """Entropy of the executed prefix: sum of 0.5 * log(2 pi e) + log std (state-independent std)."""
-        return torch.distributions.Normal(torch.zeros(()), self.std()[:act_steps]).entropy().sum()
+    def entropy(self, act_steps: int, reduction: str = "sum") -> torch.Tensor:
+        """Entropy of the executed prefix: 0.5 * log(2 pi e) + log std per entry (state-independent std), summed
+        or averaged over the act_steps x Da entries as ``reduction`` says (as :meth:`log_prob`)."""
+        check_log_prob_reduction(reduction)
+        entries = torch.distributions.Normal(torch.zeros(()), self.std()[:act_steps]).entropy()
+        return entries.sum() if reduction == "sum" else entries.mean()
 
     def sample(self, obs: torch.Tensor, *, deterministic: bool = False, noise_clip: float | None = None,
                generator: torch.Generator | None = None, **_diffusion_only: Any) -> GaussianSample:
@@ -171,6 +187,9 @@ class GaussianPPOModule(DPPOModule):
         num_iterations: PPO iterations (rollout + update).
         clip_coef: PPO clip range of the ratio (one range: there are no denoising steps).
         ent_coef: entropy bonus coefficient on the executed chunk's Gaussian entropy (0: none).
+        log_prob_reduction: "sum" (default) or "mean" over the executed chunk's act_steps x Da entries, for the
+            log-probs of the PPO ratio and approx_kl (rollout and update alike) and the entropy bonus; "mean" is
+            the DPPO paper's Gaussian baseline (log-ratio, clip range and approx_kl on a 1/(act_steps x Da) scale).
         **kwargs: the :class:`~robotics.dppo.DPPOModule` settings of the env, rollout, GAE, critic, optimizers,
             reward scaling, evaluation and resume (``batch_size`` counts env steps here); the denoising-chain
             settings (ft_steps, gamma_denoise, clip_base/final/rate, std floors, log-prob clamp, eval samplers)
@@ -178,7 +197,8 @@ class GaussianPPOModule(DPPOModule):
     """
 
     def __init__(self, bc_checkpoint: str, num_iterations: int = 81, *, clip_coef: float = 0.01,
-                 ent_coef: float = 0.0, **kwargs: Any) -> None:
+                 ent_coef: float = 0.0, log_prob_reduction: str = "sum", **kwargs: Any) -> None:
+        check_log_prob_reduction(log_prob_reduction)
         # `mmpo fit` passes every DPPOModule default through **kwargs: only a changed value is an error
         defaults = inspect.signature(DPPOModule.__init__).parameters
         given = sorted(name for name in _CHAIN_ONLY if name in kwargs and kwargs[name] != defaults[name].default)
@@ -195,15 +215,17 @@ class GaussianPPOModule(DPPOModule):
     def act(self, obs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Sampled chunks (N, Ta, Da), stored as the "chain" (what the update re-scores), and log-probs (N, 1)."""
         actions = self.policy.sample(obs, noise_clip=self.hparams.noise_clip, generator=self._sampling_generator()).actions
-        return actions, actions, self.policy.log_prob(obs, actions, self.act_steps).unsqueeze(1)
+        reduction = self.hparams.log_prob_reduction
+        return actions, actions, self.policy.log_prob(obs, actions, self.act_steps, reduction).unsqueeze(1)
 
     def rescore(self, obs: torch.Tensor, chains: torch.Tensor, ft_index: torch.Tensor) -> torch.Tensor:
-        return self.policy.log_prob(obs, chains, self.act_steps)
+        return self.policy.log_prob(obs, chains, self.act_steps, self.hparams.log_prob_reduction)
 
     def minibatch_loss(self, *args: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
         pg_loss, value_loss, ratio, metrics = super().minibatch_loss(*args)
         if self.hparams.ent_coef:
-            pg_loss = pg_loss - self.hparams.ent_coef * self.policy.entropy(self.act_steps)
+            pg_loss = pg_loss - self.hparams.ent_coef * self.policy.entropy(self.act_steps,
+                                                                         self.hparams.log_prob_reduction)
         return pg_loss, value_loss, ratio, metrics
 
     def robotics_metadata(self) -> dict[str, Any]:

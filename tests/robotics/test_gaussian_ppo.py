@@ -54,6 +54,58 @@ def test_log_prob_and_entropy_by_hand():
     assert policy.entropy(2).item() == pytest.approx(4 * per_entry + math.log(0.5) + math.log(2.0), abs=1e-6)  # 5.675756
 
 
+def test_mean_log_prob_reduction_by_hand():
+    policy = _hand_policy()
+    obs, actions = torch.zeros(1, 1), torch.tensor([[[1.0, 0.0], [0.0, 0.0]]])
+    half_log_2pi = 0.5 * math.log(2 * math.pi)
+    summed = (-0.5 - math.log(0.5) - half_log_2pi) + (-0.125 - half_log_2pi) \
+        + (-0.125 - math.log(2.0) - half_log_2pi) + (-2.0 - half_log_2pi)  # 2 steps x 2 dims: -6.425754
+    assert summed == pytest.approx(-6.425754, abs=1e-6)
+    assert policy.log_prob(obs, actions, act_steps=2).item() == pytest.approx(summed, abs=1e-6)  # default: sum
+    assert policy.log_prob(obs, actions, act_steps=2, reduction="mean").item() == pytest.approx(summed / 4, abs=1e-6)
+    assert policy.log_prob(obs, actions, 1, "mean").item() == pytest.approx(
+        ((-0.5 - math.log(0.5) - half_log_2pi) + (-0.125 - half_log_2pi)) / 2, abs=1e-6)  # 1 step x 2 dims
+    per_entry = 0.5 * math.log(2 * math.pi * math.e)
+    assert policy.entropy(2, "mean").item() == pytest.approx(per_entry + (math.log(0.5) + math.log(2.0)) / 4, abs=1e-6)
+    # PPO ratio of the 2 x 2 chunk after moving the std of entry (1, 1) from 1 to 2: exp((new - old) / 4) under mean
+    old_sum, old_mean = policy.log_prob(obs, actions, 2).item(), policy.log_prob(obs, actions, 2, "mean").item()
+    with torch.no_grad():
+        policy.log_std[1, 1] = math.log(2.0)
+    new_sum, new_mean = policy.log_prob(obs, actions, 2).item(), policy.log_prob(obs, actions, 2, "mean").item()
+    # N(0 | 2, 2) - N(0 | 2, 1) = (-0.5 - log 2) - (-2) = 0.806853 (summed log-ratio)
+    assert new_sum - old_sum == pytest.approx(1.5 - math.log(2.0), abs=1e-6)
+    assert math.exp(new_mean - old_mean) == pytest.approx(math.exp((1.5 - math.log(2.0)) / 4), abs=1e-6)  # 1.223...
+    with pytest.raises(ValueError, match=r"log_prob_reduction must be one of \('sum', 'mean'\), got 'avg'"):
+        policy.log_prob(obs, actions, 2, "avg")
+
+
+def test_mean_reduction_ppo_ratio_is_the_summed_log_ratio_over_the_entries(gaussian_bc_checkpoint):
+    """GaussianPPOModule(log_prob_reduction="mean"): rollout and update log-probs, ratio and approx_kl all use
+    the per-entry mean (act_steps 2 x Da 1 = 2 entries here; the by-hand 2 x 2 = 4 case is the test above)."""
+    torch.manual_seed(0)
+    common = dict(num_envs=2, n_steps=2, batch_size=4, critic_hidden_dims=[8], env_factory=reach_envs)
+    module = GaussianPPOModule(gaussian_bc_checkpoint, 1, log_prob_reduction="mean", **common)
+    assert module.hparams.log_prob_reduction == "mean"
+    assert GaussianPPOModule(gaussian_bc_checkpoint, 1, **common).hparams.log_prob_reduction == "sum"
+    with pytest.raises(ValueError, match="log_prob_reduction must be one of"):
+        GaussianPPOModule(gaussian_bc_checkpoint, 1, log_prob_reduction="Mean", **common)
+    entries = module.act_steps * module.policy.action_dim
+    obs = torch.rand(5, 2)
+    with torch.no_grad():
+        chains, _, old = module.act(obs)
+        old_sum = module.policy.log_prob(obs, chains, module.act_steps, "sum")
+        assert torch.allclose(old.squeeze(1), old_sum / entries, atol=1e-6)
+        module.policy.mean_net.output.bias.add_(0.05)  # the "new" policy
+        module.policy.log_std.add_(0.1)
+        new_sum = module.policy.log_prob(obs, chains, module.act_steps, "sum")
+        _, _, ratio, metrics = module.minibatch_loss(obs, chains, torch.zeros(5, dtype=torch.long), old.squeeze(1),
+                                                     torch.randn(5), torch.zeros(5))
+    assert torch.allclose(ratio, torch.exp((new_sum - old_sum) / entries), atol=1e-6)
+    assert not torch.allclose(ratio, torch.exp(new_sum - old_sum), atol=1e-3)  # the sum's ratio differs
+    log_ratio = (new_sum - old_sum) / entries  # approx_kl on the mean's log-ratio scale
+    assert metrics["policy/approx_kl"].item() == pytest.approx(((log_ratio.exp() - 1) - log_ratio).mean().item(),
+                                                               rel=1e-4)
+
 def test_std_floor_and_sampling():
     policy = _hand_policy()
     with torch.no_grad():
@@ -248,11 +300,13 @@ def test_bench_gaussian_defaults_build_run_e_module(gaussian_bc_checkpoint):
     # lr 1e-4, target_kl 1.0, 10 epochs, clip 0.01, 600 / K' 10 = 60 env steps, ceil(100000 / (4 x 38 x 4)) = 165
     assert _update(module) == (1e-4, 1e-4, 1.0, 10, 0.01, 0.01, 60, 165)
     expected = {"actor_lr": 1e-4, "target_kl": 1.0, "update_epochs": 10, "batch_size": 60, "clip_base": 0.01,
-                "clip_final": 0.01}
+                "clip_final": 0.01, "log_prob_reduction": "sum"}
+    assert module.hparams.log_prob_reduction == "sum"
     assert bench.rl_settings("gaussian", vars(args)) == expected
     # a record written before the options existed (Run E's) reports the same settings
     old = {k: v for k, v in vars(args).items()
-           if k not in ("gaussian_actor_lr", "gaussian_target_kl", "gaussian_update_epochs", "reuse_bc_from")}
+           if k not in ("gaussian_actor_lr", "gaussian_target_kl", "gaussian_update_epochs", "reuse_bc_from",
+                        "gaussian_log_prob_reduction")}
     assert bench.rl_settings("gaussian", old) == expected
 
 
@@ -264,10 +318,29 @@ def test_bench_gaussian_options_reach_the_module_and_leave_dppo_alone(gaussian_b
     assert _update(module) == (1e-5, 1e-5, 0.02, 5, 0.02, 0.02, 60, 165)
     assert module.hparams.seed == 3 and module.hparams.critic_lr == 1e-3  # the critic keeps its lr
     assert bench.rl_settings("gaussian", vars(args)) == {"actor_lr": 1e-5, "target_kl": 0.02, "update_epochs": 5,
-                                                         "batch_size": 60, "clip_base": 0.02, "clip_final": 0.02}
+                                                         "batch_size": 60, "clip_base": 0.02, "clip_final": 0.02,
+                                                         "log_prob_reduction": "sum"}
     dppo = {"actor_lr": 1e-4, "target_kl": 1.0, "update_epochs": 10, "batch_size": 600, "clip_base": 0.001,
             "clip_final": 0.01}
     assert bench.rl_settings("dppo", vars(args)) == bench.rl_settings("dppo", vars(bench.parse_args(RUN_E))) == dppo
+
+
+def test_bench_gaussian_log_prob_reduction_reaches_the_module(gaussian_bc_checkpoint):
+    bench = _bench()
+    args = bench.parse_args(RUN_E + ["--gaussian-log-prob-reduction", "mean"])
+    module = bench.gaussian_module(gaussian_bc_checkpoint, args, 0)
+    assert module.hparams.log_prob_reduction == "mean"
+    assert _update(module) == (1e-4, 1e-4, 1.0, 10, 0.01, 0.01, 60, 165)  # nothing else moves
+    assert bench.rl_settings("gaussian", vars(args))["log_prob_reduction"] == "mean"
+    assert "log_prob_reduction" not in bench.rl_settings("dppo", vars(args))
+    with pytest.raises(SystemExit):
+        bench.parse_args(RUN_E + ["--gaussian-log-prob-reduction", "avg"])
+    # the aggregate's settings line names a non-default reduction only
+    result = {"methods": {"gaussian": {"seeds": [0, 1], "sources": [None, None], "bc_reused_from": [None, None],
+                                       "rl_settings": [bench.rl_settings("gaussian", vars(args)),
+                                                       bench.rl_settings("gaussian", vars(bench.parse_args(RUN_E)))]}}}
+    lines = bench.settings_lines(result)
+    assert len(lines) == 2 and "log-probs mean over the chunk" in lines[0] and "log-probs" not in lines[1]
 
 
 def _source_run(tmp_path: Path, checkpoint: str, demos: Path, **bc_args) -> Path:
