@@ -238,7 +238,7 @@ def score_texts(texts: Sequence[str], rows: Sequence[dict[str, Any]]) -> dict[st
     }
 
 
-def greedy_texts(model, processor, rows, *, system_prompt: str | None, max_new_tokens: int, samples: int = 0,
+def generate_texts(model, processor, rows, *, system_prompt: str | None, max_new_tokens: int, samples: int = 0,
                  temperature: float = 1.0) -> list[str]:
     """Greedy completions, one per row; with ``samples`` > 0, that many sampled ones per row instead
     (contiguous per row), from a fixed RNG state so every model is scored on the same draws' seed."""
@@ -267,7 +267,7 @@ def sampled_accuracy(model, processor, rows, *, system_prompt, max_new_tokens, s
     at the RL sampling temperature: the quantity RL optimises, less jumpy than the greedy answer)."""
     from mmpo.rewards import accuracy_reward
 
-    texts = greedy_texts(model, processor, rows, system_prompt=system_prompt, max_new_tokens=max_new_tokens,
+    texts = generate_texts(model, processor, rows, system_prompt=system_prompt, max_new_tokens=max_new_tokens,
                          samples=samples, temperature=temperature)
     correct = accuracy_reward(texts, [row for row in rows for _ in range(samples)]).tolist()
     return [sum(correct[k * samples:(k + 1) * samples]) / samples for k in range(len(rows))]
@@ -275,14 +275,14 @@ def sampled_accuracy(model, processor, rows, *, system_prompt, max_new_tokens, s
 
 def evaluate(model, processor, rows, *, system_prompt, max_new_tokens, masked: Sequence | None = None,
              samples: int = 0, temperature: float = 1.0) -> dict:
-    result = score_texts(greedy_texts(model, processor, rows, system_prompt=system_prompt,
+    result = score_texts(generate_texts(model, processor, rows, system_prompt=system_prompt,
                                       max_new_tokens=max_new_tokens), rows)
     if samples > 0:
         result["sampled_accuracy"] = sampled_accuracy(model, processor, rows, system_prompt=system_prompt,
                                                       max_new_tokens=max_new_tokens, samples=samples,
                                                       temperature=temperature)
     if masked is not None:
-        masked_scores = score_texts(greedy_texts(model, processor, masked, system_prompt=system_prompt,
+        masked_scores = score_texts(generate_texts(model, processor, masked, system_prompt=system_prompt,
                                                  max_new_tokens=max_new_tokens), masked)
         result["correct_masked"], result["texts_masked"] = masked_scores["correct"], masked_scores["texts"]
     return result
@@ -297,16 +297,11 @@ def system_prompt_for_start(kind: str) -> str:
 # ----------------------------------------------------------------------------- files
 
 
-def write_text_atomic(text: str, path: Path) -> None:
-    """Write to a temporary sibling, then rename: a killed run never leaves half a file."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    temporary = path.with_name(path.name + ".tmp")
-    temporary.write_text(text)
-    os.replace(temporary, path)
-
-
 def write_json_atomic(data: Any, path: Path) -> None:
-    write_text_atomic(json.dumps(data, indent=1), path)
+    """A killed run never leaves half a file (temp file + rename: ``robotics.files.atomic_write_text``)."""
+    from robotics.files import atomic_write_text
+
+    atomic_write_text(path, json.dumps(data, indent=1))
 
 
 def run_path(out: Path, experiment: str, algo: str, seed: int) -> Path:
@@ -494,17 +489,12 @@ def stage_runs(args: argparse.Namespace) -> None:
 # ----------------------------------------------------------------------------- report
 
 
-def _as_float(values: Sequence) -> Any:
-    import numpy as np
-
-    return np.asarray(values, dtype=float)
-
-
 def contrast(per_seed_a: list[Sequence], per_seed_b: list[Sequence], *, n_boot: int = 4000) -> dict[str, Any]:
     """a - b per seed, paired by item: estimate, bootstrap over seeds and items, seed-t interval."""
+    import numpy as np
     from paired_intervals import summarize_contrast
 
-    per_seed = [{"a": _as_float(a), "b": _as_float(b)} for a, b in zip(per_seed_a, per_seed_b)]
+    per_seed = [{"a": np.asarray(a, dtype=float), "b": np.asarray(b, dtype=float)} for a, b in zip(per_seed_a, per_seed_b)]
     return summarize_contrast(per_seed, {"a": 1.0, "b": -1.0}, n_boot=n_boot)
 
 
@@ -672,7 +662,7 @@ def mechanism_lines(name: str, experiment: Experiment, start: dict, grouped) -> 
                          f" (vs start {_interval(key_ci)}), StepRVR valid "
                          f"{_mean([_mean(r['final']['step_valid']) for r in runs]):.3f}")
     elif name == "geometry":
-        helps = [bool(h) for h in json.loads(json.dumps(grouped[(name, algos[0])][0]["aux_helps"]))] if algos else []
+        helps = [bool(h) for h in grouped[(name, algos[0])][0]["aux_helps"]] if algos else []
 
         def aux_rate(result: dict, flag: bool) -> float:
             return _mean([u for u, h in zip(result["uses_aux"], helps) if h is flag])
@@ -785,7 +775,9 @@ def main(argv: list[str] | None = None) -> int:
         stage_runs(args)
     else:
         text = report(args.out)
-        write_text_atomic(text, args.out / "summary.md")
+        from robotics.files import atomic_write_text
+
+        atomic_write_text(args.out / "summary.md", text)
         figure = plot(args.out)
         print(text + (f"\nplot: {figure}" if figure else ""))
     return 0
