@@ -160,9 +160,10 @@ def fit_bc(module: pl.LightningModule, args, demos: Path, seed_dir: Path) -> tup
     return seed_dir / "bc.ckpt", seconds
 
 
-def fit_rl(module: pl.LightningModule, args, seed_dir: Path, callback: pl.Callback, ckpt_name: str) -> tuple[Path, float]:
+def fit_rl(module: pl.LightningModule, args, seed_dir: Path, callback: pl.Callback, ckpt_name: str,
+           ckpt_path: Path | None = None) -> tuple[Path, float]:
     """One Lightning fit of a DPPO-style module (one batch = one iteration), capped by ``--dppo-max-minutes``:
-    (checkpoint ``seed_dir/ckpt_name``, seconds)."""
+    (checkpoint ``seed_dir/ckpt_name``, seconds). ``ckpt_path``: resume from it (Lightning's ``fit(ckpt_path=)``)."""
     from mmpo.training.checkpoint import VerifiedCheckpointIO
 
     start = time.perf_counter()
@@ -170,7 +171,7 @@ def fit_rl(module: pl.LightningModule, args, seed_dir: Path, callback: pl.Callba
     trainer = pl.Trainer(max_epochs=1, accelerator=args.device, logger=False, enable_checkpointing=False,
                          enable_progress_bar=False, enable_model_summary=False, default_root_dir=seed_dir,
                          callbacks=[callback], max_time=max_time, plugins=[VerifiedCheckpointIO()])
-    trainer.fit(module)
+    trainer.fit(module, ckpt_path=ckpt_path)
     seconds = time.perf_counter() - start
     trainer.save_checkpoint(seed_dir / ckpt_name)
     return seed_dir / ckpt_name, seconds

@@ -25,11 +25,18 @@ an earlier run of this bench left in DIR (checked, copied and recorded) instead 
 rerun of one method starts from exactly the policy the other method's records were paired with.
 ``--aggregate-dirs`` entries may be ``METHOD=DIR`` (only that method's records from DIR), so a rerun of one
 method pairs with the other method's records from an earlier run; a (seed, method) found twice is an error.
+``--continue-from DIR`` runs a finished (seed, method) of DIR further, to this run's larger ``--dppo-env-steps``:
+its last RL checkpoint (policy, critic, both optimizers, reward scaler, RNG and iteration; Lightning's loop state
+rewritten from "epoch done" to "mid-epoch") resumes exactly as a killed run would, so the result is the longer
+run (its only extra is the shorter run's final in-run eval, which has its own RNG). Every other option must be
+the source run's; the record keeps the source's curve, evaluation and seconds under ``continued_from``.
 
     python bench/bench_dppo_vs_gaussian.py --seeds 0 --methods dppo gaussian --dppo-env-steps 60000 ...
     python bench/bench_dppo_vs_gaussian.py --aggregate --aggregate-dirs runs/a runs/b --plot bench/x.png
     python bench/bench_dppo_vs_gaussian.py --aggregate --aggregate-dirs dppo=runs/a gaussian=runs/b \
         --aggregate-seeds 0 1
+    python bench/bench_dppo_vs_gaussian.py <the options of runs/a> --dppo-env-steps 300000 --continue-from runs/a \
+        --out-dir runs/a300k --seeds 0 --methods dppo
 """
 
 from __future__ import annotations
@@ -70,6 +77,11 @@ BC_KEYS = {"dppo": ("num_demos", "noise", "bc_epochs", "hidden", "max_episode_st
            "gaussian": ("num_demos", "noise", "bc_epochs", "hidden", "max_episode_steps", "gaussian_bc_lr")}
 
 
+# the options --continue-from may change: the budget, where results go and what to run (any other must be the source's)
+CONTINUE_FREE = {"out_dir", "seeds", "methods", "dppo_env_steps", "dppo_max_minutes", "continue_from", "reuse_bc_from",
+                 "aggregate", "aggregate_dirs", "aggregate_seeds", "plot", "n_boot", "demos_only"}
+
+
 def parse_args(argv: list[str] | None = None):
     parser = build_parser(__doc__.split("\n\n")[0])
     parser.set_defaults(out_dir="runs/bench_dppo_vs_gaussian", eval_episodes=100, num_envs=4, batch_size=600,
@@ -98,6 +110,10 @@ def parse_args(argv: list[str] | None = None):
                              "demos and BC settings, checked against its seed<S>_<method>.json) instead of training "
                              "BC; the checkpoint is sha256-verified, copied into this run's seed dir and its source "
                              "recorded (bc_seconds 0)")
+    parser.add_argument("--continue-from", default=None, metavar="DIR",
+                        help="run each (seed, method) that finished in DIR (an out-dir of this bench, same options) "
+                             "further, from DIR/seed<S>/<method>/rl.ckpt to this run's larger --dppo-env-steps; BC is "
+                             "reused from DIR (implies --reuse-bc-from DIR)")
     parser.add_argument("--curve-eval-every", type=int, default=0,
                         help="deterministic eval inside the RL run every this many iterations (0: none)")
     parser.add_argument("--curve-eval-episodes", type=int, default=12)
@@ -112,6 +128,10 @@ def parse_args(argv: list[str] | None = None):
     args = finish_args(parser.parse_args(argv))
     if args.gaussian_batch_size is None:
         args.gaussian_batch_size = max(1, args.batch_size // args.ft_steps)
+    if args.continue_from:
+        if args.reuse_bc_from not in (None, args.continue_from):
+            parser.error("--continue-from DIR reuses DIR's BC: leave --reuse-bc-from out or give the same DIR")
+        args.reuse_bc_from = args.continue_from
     return args
 
 
@@ -166,6 +186,17 @@ def write_json_atomic(path: Path, payload: dict) -> None:
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text(json.dumps(payload, indent=1))
     os.replace(tmp, path)
+
+
+def code_commit() -> str | None:
+    """The git commit the bench runs at (None outside a git checkout), recorded with every run."""
+    import subprocess
+
+    try:
+        return subprocess.run(["git", "rev-parse", "HEAD"], cwd=Path(__file__).resolve().parent, check=True,
+                              capture_output=True, text=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return None
 
 
 def utc_now() -> str:
@@ -236,6 +267,56 @@ def reuse_bc(seed: int, method: str, args, demos: Path, seed_dir: Path) -> tuple
     return target, {"from": str(source), "sha256": file_sha256(target), "source_bc_seconds": previous.get("bc_seconds")}
 
 
+def continuation_checkpoint(source: Path, target: Path) -> int:
+    """Write ``source`` (the checkpoint a finished one-epoch RL fit saved) to ``target`` as Lightning's mid-epoch
+    state, so ``fit(ckpt_path=target)`` with more iterations continues at the next one instead of stopping at
+    "max_epochs reached". Returns the iterations already run. The module's ``dppo_state`` (iteration, RNGs, env
+    steps, reward scaler) is untouched: the DPPO loop resumes exactly as from a checkpoint taken mid-run."""
+    from mmpo.training.checkpoint import VerifiedCheckpointIO, atomic_torch_save
+
+    checkpoint = VerifiedCheckpointIO().load_checkpoint(source)
+    loop = checkpoint["loops"]["fit_loop"]
+    batches = loop["epoch_loop.batch_progress"]["current"]["completed"]
+    if loop["epoch_progress"]["current"]["completed"] != 1 or batches != checkpoint["dppo_state"]["iteration"]:
+        raise ValueError(f"{source} is not the end of a finished one-epoch RL fit (epochs "
+                         f"{loop['epoch_progress']['current']}, batches {batches}, iteration "
+                         f"{checkpoint['dppo_state']['iteration']})")
+    for progress in (loop["epoch_progress"]["current"], loop["epoch_progress"]["total"]):
+        progress.update(processed=0, completed=0)
+    loop["epoch_loop.batch_progress"]["is_last_batch"] = False
+    checkpoint["epoch"] = 0
+    atomic_torch_save(checkpoint, target, keep_previous=False)
+    return int(batches)
+
+
+def continuation_source(seed: int, method: str, args) -> tuple[Path, dict]:
+    """``--continue-from DIR``: DIR's finished record of (seed, method) and its RL checkpoint (sha256-checked),
+    after checking that every option but the budget and bookkeeping (CONTINUE_FREE) is the source run's."""
+    from mmpo.training.checkpoint import checksum_status
+
+    source_dir = Path(args.continue_from)
+    ckpt, record_path = source_dir / f"seed{seed}" / method / "rl.ckpt", source_dir / f"seed{seed}_{method}.json"
+    if not (ckpt.is_file() and record_path.is_file()):
+        raise FileNotFoundError(f"--continue-from {source_dir}: needs {ckpt} and {record_path}")
+    record = json.loads(record_path.read_text())
+    if record.get("status") != "done":
+        raise ValueError(f"--continue-from: {record_path} did not finish (status {record.get('status')!r})")
+    status = checksum_status(ckpt)
+    if status != "ok":
+        raise ValueError(f"--continue-from: {ckpt} fails its sha256 check ({status})")
+    mine = vars(args)
+    differ = {key: (value, mine.get(key)) for key, value in record["args"].items()
+              if key not in CONTINUE_FREE and value != mine.get(key)}
+    if record_settings(record) != rl_settings(method, mine):
+        differ["rl_settings"] = (record_settings(record), rl_settings(method, mine))
+    if differ:
+        raise ValueError(f"--continue-from: {record_path} ran other options (theirs, this run's): {differ}")
+    if rl_iterations(args) <= record["rl_iterations"]:
+        raise ValueError(f"--continue-from: --dppo-env-steps {args.dppo_env_steps} is {rl_iterations(args)} "
+                         f"iterations, not more than the {record['rl_iterations']} {record_path} ran")
+    return ckpt, {**record, "source": str(record_path)}
+
+
 def run_task(seed: int, method: str, args, demos: Path, out_dir: Path) -> dict:
     """BC -> eval -> RL -> eval for one (seed, method); the record is rewritten to disk at every stage."""
     from robotics.gaussian_ppo import load_gaussian_policy
@@ -244,7 +325,8 @@ def run_task(seed: int, method: str, args, demos: Path, out_dir: Path) -> dict:
     seed_dir = out_dir / f"seed{seed}" / method
     seed_dir.mkdir(parents=True, exist_ok=True)
     path = out_dir / f"seed{seed}_{method}.json"
-    record = {"seed": seed, "method": method, "status": "bc", "started": utc_now(), "demos": str(demos),
+    record = {"seed": seed, "method": method, "status": "bc", "started": utc_now(), "commit": code_commit(),
+              "demos": str(demos),
               "args": {k: v for k, v in vars(args).items()}, "rl_settings": rl_settings(method, vars(args)),
               "curve": []}
     write_json_atomic(path, record)
@@ -271,9 +353,29 @@ def run_task(seed: int, method: str, args, demos: Path, out_dir: Path) -> dict:
         module = dppo_module(bc_ckpt, args, seed, eval_sampler=args.eval_sampler, **curve_eval)
     else:
         module = gaussian_module(bc_ckpt, args, seed, **curve_eval)
-    record["_rl_start"] = time.perf_counter()
-    ckpt, rl_seconds = fit_rl(module, args, seed_dir, CurveRecorder(record, path), "rl.ckpt")
+    resume_from, seconds_before = None, 0.0
+    if args.continue_from:
+        source_ckpt, source = continuation_source(seed, method, args)
+        resume_from = seed_dir / "continue_from.ckpt"
+        iterations_before = continuation_checkpoint(source_ckpt, resume_from)
+        seconds_before = source["rl_seconds"]
+        record["curve"] = list(source["curve"])
+        record["continued_from"] = {
+            "record": source["source"], "rl_ckpt": str(source_ckpt), "rl_iterations": iterations_before,
+            "env_steps": source["env_steps"], "rl_seconds": seconds_before, "after": source["after"],
+            "after_episodes": source["after_episodes"], "before_matches": (
+                episode_successes(source["before_episodes"]) == episode_successes(record["before_episodes"])),
+            "commit": source.get("commit")}
+        if not record["continued_from"]["before_matches"]:
+            print(f"[{method} s{seed}] warning: the BC evaluation differs from {source['source']}'s", flush=True)
+        print(f"[{method} s{seed}] continuing {source_ckpt} from iteration {iterations_before} to "
+              f"{rl_iterations(args)}", flush=True)
+    record["_rl_start"] = time.perf_counter() - seconds_before
+    ckpt, rl_seconds = fit_rl(module, args, seed_dir, CurveRecorder(record, path), "rl.ckpt", ckpt_path=resume_from)
+    rl_seconds += seconds_before
     del record["_rl_start"]
+    if resume_from is not None:
+        resume_from.unlink()  # a full copy of the source's checkpoint; the source keeps its own
     policy = (load_policy if method == "dppo" else load_gaussian_policy)(ckpt)[0]
     episodes = []
     record["after"] = evaluate(policy, args, seed, normalizer, episode_records=episodes, sampler=sampler)

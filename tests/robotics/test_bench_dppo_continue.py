@@ -1,0 +1,132 @@
+"""bench/bench_dppo_vs_gaussian.py --continue-from: a finished RL fit run further equals the longer fit run at
+once (every tensor of the final checkpoint), and a source run with other options is refused."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import lightning.pytorch as pl
+import pytest
+import torch
+
+from mmpo.training.checkpoint import atomic_torch_save
+from reliability.test_resume_robotics import (  # noqa: F401  (pendulum_bc_checkpoint is a fixture)
+    _pendulum_envs,
+    _SaveAfterIterations,
+    assert_same_tensors,
+    pendulum_bc_checkpoint,
+    training_state,
+)
+from robotics.dppo import DPPOModule
+
+BENCH = Path(__file__).resolve().parents[2] / "bench"
+
+
+def _bench():
+    sys.path.insert(0, str(BENCH))  # the bench imports bench_dppo_lift and paired_intervals from its folder
+    try:
+        spec = importlib.util.spec_from_file_location("bench_dppo_vs_gaussian", BENCH / "bench_dppo_vs_gaussian.py")
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        return module
+    finally:
+        sys.path.remove(str(BENCH))
+
+
+def _fit(bc_checkpoint: Path, root: Path, num_iterations: int, ckpt_path: Path | None = None) -> DPPOModule:
+    """test_resume_robotics' tiny Pendulum DPPO fit, ``num_iterations`` long; saves ``end.ckpt`` when done (as the
+    bench's fit_rl does) and ``iteration=4.ckpt`` on the way."""
+    torch.manual_seed(0)
+    module = DPPOModule(str(bc_checkpoint), num_iterations=num_iterations, num_envs=3, n_steps=6, ft_steps=3,
+                        batch_size=12, update_epochs=2, n_critic_warmup_itr=1, eval_every=2, eval_episodes=3,
+                        gamma=0.99, critic_hidden_dims=[16, 16], actor_lr=1e-3, target_kl=None, seed=5,
+                        env_factory=_pendulum_envs)
+    trainer = pl.Trainer(max_epochs=1, logger=False, enable_progress_bar=False, enable_model_summary=False,
+                         enable_checkpointing=False, callbacks=[_SaveAfterIterations(root, {4})], default_root_dir=root)
+    trainer.fit(module, ckpt_path=ckpt_path)
+    trainer.save_checkpoint(root / "end.ckpt")
+    return module
+
+
+def test_a_finished_fit_continued_equals_the_longer_fit(pendulum_bc_checkpoint, tmp_path):
+    bench = _bench()
+    full = _fit(pendulum_bc_checkpoint, tmp_path / "full", 4)
+    short = _fit(pendulum_bc_checkpoint, tmp_path / "short", 3)
+    assert short.iteration == 3
+    # without the rewrite Lightning sees a finished epoch and runs nothing
+    stopped = _fit(pendulum_bc_checkpoint, tmp_path / "stopped", 4, tmp_path / "short" / "end.ckpt")
+    assert stopped.iteration == 3
+    assert bench.continuation_checkpoint(tmp_path / "short" / "end.ckpt", tmp_path / "continue.ckpt") == 3
+    continued = _fit(pendulum_bc_checkpoint, tmp_path / "continued", 4, tmp_path / "continue.ckpt")
+    assert continued.iteration == 4
+    expected = training_state(tmp_path / "full" / "iteration=4.ckpt")
+    actual = training_state(tmp_path / "continued" / "iteration=4.ckpt")
+    # weights, both AdamW states, the generator and RNG streams, the reward scaler, env steps
+    assert assert_same_tensors(expected, actual) > len(expected["state_dict"]) + 10
+    assert actual["dppo_state"]["env_steps"] == 4 * 3 * 6 * 2
+    for key, value in full.last_metrics.items():
+        if not key.startswith("perf/env_steps_per_s"):
+            assert value == continued.last_metrics[key] or (value != value and continued.last_metrics[key] != continued.last_metrics[key]), key
+
+
+def test_only_the_end_of_a_finished_fit_is_continued(pendulum_bc_checkpoint, tmp_path):
+    bench = _bench()
+    _fit(pendulum_bc_checkpoint, tmp_path / "full", 4)
+    checkpoint = torch.load(tmp_path / "full" / "end.ckpt", weights_only=False)
+    checkpoint["dppo_state"]["iteration"] = 2  # loop state and DPPO iteration disagree
+    atomic_torch_save(checkpoint, tmp_path / "odd.ckpt")
+    with pytest.raises(ValueError, match="not the end of a finished one-epoch RL fit"):
+        bench.continuation_checkpoint(tmp_path / "odd.ckpt", tmp_path / "continue.ckpt")
+    # a mid-run checkpoint (epoch not finished) is a plain resume, not a continuation
+    with pytest.raises(ValueError, match="not the end of a finished one-epoch RL fit"):
+        bench.continuation_checkpoint(tmp_path / "full" / "iteration=4.ckpt", tmp_path / "continue.ckpt")
+
+
+RUN = ["--num-envs", "4", "--n-steps", "38", "--max-episode-steps", "150", "--batch-size", "600",
+       "--bc-epochs", "100", "--hidden", "512", "--sync-envs"]
+
+
+def _source(tmp_path: Path, bench, extra: list[str], status: str = "done", iterations: int = 165) -> Path:
+    """A source out-dir holding a (seed 0, dppo) record made with RUN + ``extra`` and an RL checkpoint file."""
+    source = tmp_path / "source"
+    (source / "seed0" / "dppo").mkdir(parents=True)
+    args = bench.parse_args(RUN + ["--dppo-env-steps", "99000", *extra])
+    record = {"seed": 0, "method": "dppo", "status": status, "args": vars(args),
+              "rl_settings": bench.rl_settings("dppo", vars(args)), "rl_iterations": iterations, "curve": []}
+    (source / "seed0_dppo.json").write_text(json.dumps(record))
+    atomic_torch_save({"x": torch.zeros(1)}, source / "seed0" / "dppo" / "rl.ckpt")
+    return source
+
+
+def test_continue_from_checks_the_source(tmp_path):
+    bench = _bench()
+    source = _source(tmp_path, bench, [])
+    args = bench.parse_args(RUN + ["--dppo-env-steps", "300000", "--continue-from", str(source), "--out-dir", "x"])
+    assert args.reuse_bc_from == str(source)  # BC comes from the source run
+    assert bench.rl_iterations(args) == 494  # ceil(300000 / (4 x 38 x 4))
+    ckpt, record = bench.continuation_source(0, "dppo", args)
+    assert ckpt == source / "seed0" / "dppo" / "rl.ckpt" and record["rl_iterations"] == 165
+    with pytest.raises(ValueError, match="actor_lr"):
+        bench.continuation_source(0, "dppo", bench.parse_args(
+            RUN + ["--dppo-env-steps", "300000", "--continue-from", str(source), "--actor-lr", "1e-5"]))
+    with pytest.raises(ValueError, match="not more than the 165"):
+        bench.continuation_source(0, "dppo", bench.parse_args(
+            RUN + ["--dppo-env-steps", "99000", "--continue-from", str(source)]))
+    with pytest.raises(FileNotFoundError):
+        bench.continuation_source(1, "dppo", args)
+    (source / "seed0" / "dppo" / "rl.ckpt.sha256").write_text("0" * 64 + "\n")
+    with pytest.raises(ValueError, match="sha256"):
+        bench.continuation_source(0, "dppo", args)
+    with pytest.raises(SystemExit):
+        bench.parse_args(RUN + ["--continue-from", str(source), "--reuse-bc-from", "elsewhere"])
+
+
+def test_an_unfinished_source_is_refused(tmp_path):
+    bench = _bench()
+    source = _source(tmp_path, bench, [], status="rl")
+    args = bench.parse_args(RUN + ["--dppo-env-steps", "300000", "--continue-from", str(source)])
+    with pytest.raises(ValueError, match="did not finish"):
+        bench.continuation_source(0, "dppo", args)
