@@ -432,15 +432,26 @@ def episode_successes(episodes: list[dict]) -> dict[tuple[int, int], float]:
     return {(e["env"], e["ordinal"]): float(e["success"]) for e in episodes}
 
 
-def paired_table(records: list[dict], methods: list[str]) -> tuple[list[int], list[dict[str, np.ndarray]]]:
-    """Seeds where every method finished, and per seed the aligned 0/1 arrays ``<method>/before|after`` over
-    the episode keys all four evaluations share."""
-    done = {(r["seed"], r["method"]): r for r in records if r.get("status") == "done"}
+def evaluations(record: dict) -> dict[str, list[dict]]:
+    """A finished record's 100-episode evaluations: ``before`` (BC), ``after`` and, for a ``--continue-from`` run,
+    ``mid`` (the source run's final evaluation, at its budget)."""
+    found = {"before": record["before_episodes"], "after": record["after_episodes"]}
+    if "continued_from" in record:
+        found["mid"] = record["continued_from"]["after_episodes"]
+    return found
+
+
+def paired_table(records: list[dict], methods: list[str],
+                 whens: tuple[str, ...] = ("before", "after")) -> tuple[list[int], list[dict[str, np.ndarray]]]:
+    """Seeds where every method finished (with every evaluation of ``whens``), and per seed the aligned 0/1 arrays
+    ``<method>/<when>`` over the episode keys all those evaluations share."""
+    done = {(r["seed"], r["method"]): r for r in records
+            if r.get("status") == "done" and set(whens) <= set(evaluations(r))}
     seeds = sorted({s for s, _ in done if all((s, m) in done for m in methods)})
     table = []
     for seed in seeds:
-        maps = {f"{m}/{when}": episode_successes(done[(seed, m)][f"{when}_episodes"])
-                for m in methods for when in ("before", "after")}
+        maps = {f"{m}/{when}": episode_successes(evaluations(done[(seed, m)])[when])
+                for m in methods for when in whens}
         keys = sorted(set.intersection(*(set(v) for v in maps.values())))
         table.append({name: np.array([values[k] for k in keys]) for name, values in maps.items()})
     return seeds, table
@@ -470,6 +481,17 @@ def aggregate(records: list[dict], n_boot: int = 10_000) -> dict:
             "sources": [r.get("source") for r in done],
             "bc_reused_from": [r.get("bc_reused", {}).get("from") for r in done],
         }
+        # --continue-from runs: the source's final evaluation (same episodes) and what the extra budget added
+        mid_seeds, mid_table = paired_table(records, [method], ("before", "mid", "after"))
+        if mid_table:
+            sources = {r["seed"]: r["continued_from"] for r in done if "continued_from" in r}
+            result["methods"][method]["continued"] = {
+                "seeds": mid_seeds, "mid_env_steps": [sources[s]["env_steps"] for s in mid_seeds],
+                "mid": [float(t[f"{method}/mid"].mean()) for t in mid_table],
+                "gain_to_mid": summarize_contrast(mid_table, {f"{method}/mid": 1.0, f"{method}/before": -1.0},
+                                                  n_boot=n_boot),
+                "after_minus_mid": summarize_contrast(mid_table, {f"{method}/after": 1.0, f"{method}/mid": -1.0},
+                                                      n_boot=n_boot)}
     if set(METHODS) <= set(methods):
         seeds, table = paired_table(records, list(METHODS))
         if table:
@@ -505,6 +527,17 @@ def markdown(result: dict) -> str:
             f"**{interval(g['bootstrap'])}** | {interval(g['episode_normal'])} | {interval(g['seed_t'])} | "
             f"{' / '.join(f'{v:,.0f}' for v in m['env_steps'])} | {' / '.join(f'{v:.0f}' for v in m['rl_seconds'])} | "
             f"{' / '.join(f'{v:.0f}' for v in m['env_steps_per_s_overall'])} |")
+    for method, m in result["methods"].items():
+        c = m.get("continued")
+        if c is None:
+            continue
+        for name, contrast in (("gain at the source's budget (BC -> mid)", c["gain_to_mid"]),
+                               ("added by the extra budget (mid -> after)", c["after_minus_mid"])):
+            lines.append(
+                f"| {LABELS[method]}: {name} | {', '.join(map(str, c['seeds']))} | | mid per seed "
+                f"{' / '.join(f'{v:.2f}' for v in c['mid'])} at {' / '.join(f'{v:,.0f}' for v in c['mid_env_steps'])} "
+                f"env steps | | | **{contrast['estimate']:+.3f}** | **{interval(contrast['bootstrap'])}** | "
+                f"{interval(contrast['episode_normal'])} | {interval(contrast['seed_t'])} | | | |")
     for name, c in result["contrasts"].items():
         lines.append(f"| {name} | {', '.join(map(str, c['seeds']))} | | per seed "
                      f"{' / '.join(f'{v:+.2f}' for v in c['per_seed'])} | | | **{c['estimate']:+.3f}** | "
@@ -573,8 +606,10 @@ def plot(records: list[dict], path: Path, window: int = 10) -> None:
             if evals:
                 axes[1].plot(*zip(*evals), color=colors[method], alpha=0.5, lw=0, marker=".", ms=6)
             if r.get("status") == "done":
-                axes[1].plot([0.0, r["env_steps"]], [r["before"]["success_rate"], r["after"]["success_rate"]],
-                             color=colors[method], alpha=0.35, lw=1, marker="o", ms=4)
+                points = [(0.0, r["before"]["success_rate"]), (r["env_steps"], r["after"]["success_rate"])]
+                if "continued_from" in r:  # the source run's final evaluation, on the same episodes
+                    points.insert(1, (r["continued_from"]["env_steps"], r["continued_from"]["after"]["success_rate"]))
+                axes[1].plot(*zip(*points), color=colors[method], alpha=0.35, lw=1, marker="o", ms=4)
         # mean over the seeds that reached each iteration (a run still going or cut short ends early)
         length = max(c[0].size for c in curves)
         padded = np.full((2, len(curves), length), np.nan)
@@ -588,12 +623,16 @@ def plot(records: list[dict], path: Path, window: int = 10) -> None:
         if finished:
             before = np.mean([r["before"]["success_rate"] for r in finished])
             after = np.mean([r["after"]["success_rate"] for r in finished])
-            axes[1].plot([0, np.mean([r["env_steps"] for r in finished])], [before, after], color=colors[method],
-                         lw=2.5, marker="s", label=f"{LABELS[method]}: BC -> final, {finished[0]['before']['episodes']:.0f} "
+            points = [(0.0, before), (np.mean([r["env_steps"] for r in finished]), after)]
+            if all("continued_from" in r for r in finished):
+                points.insert(1, (np.mean([r["continued_from"]["env_steps"] for r in finished]),
+                                  np.mean([r["continued_from"]["after"]["success_rate"] for r in finished])))
+            axes[1].plot(*zip(*points), color=colors[method], lw=2.5, marker="s", label=f"{LABELS[method]}: BC -> final, {finished[0]['before']['episodes']:.0f} "
                                                    f"episodes (mean of {len(finished)} seeds)")
     axes[0].set(title=f"training-rollout success (stochastic), trailing mean of {window} iterations",
                 xlabel="env steps", ylabel="success rate", ylim=(0, 1))
-    axes[1].set(title="deterministic eval: BC -> final per seed (thin), mean (thick); dots: in-run evals",
+    axes[1].set(title="deterministic eval: BC -> (continued-from run's end ->) final per seed (thin), mean (thick);"
+                      "\ndots: in-run evals",
                 xlabel="env steps")
     for ax in axes:
         ax.grid(alpha=0.3)

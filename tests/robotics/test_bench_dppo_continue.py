@@ -130,3 +130,42 @@ def test_an_unfinished_source_is_refused(tmp_path):
     args = bench.parse_args(RUN + ["--dppo-env-steps", "300000", "--continue-from", str(source)])
     with pytest.raises(ValueError, match="did not finish"):
         bench.continuation_source(0, "dppo", args)
+
+
+def test_aggregate_reports_the_continued_from_evaluation():
+    """A --continue-from record carries its source's final evaluation (mid): BC 1/4 -> mid 2/4 -> after 4/4 on
+    seed 0, 0/4 -> 2/4 -> 2/4 on seed 1 (same episode keys)."""
+    bench = _bench()
+
+    def episodes(successes):
+        return [{"env": k % 2, "ordinal": k // 2, "success": v} for k, v in enumerate(successes)]
+
+    def record(seed, before, mid, after):
+        return {"seed": seed, "method": "dppo", "status": "done", "env_steps": 3000.0, "rl_iterations": 6,
+                "rl_seconds": 30.0, "bc_seconds": 1.0, "rollout_env_steps_per_s": 100.0, "faults": 0.0, "curve": [],
+                "before_episodes": episodes(before), "after_episodes": episodes(after),
+                "continued_from": {"env_steps": 1000.0, "after_episodes": episodes(mid)}}
+
+    records = [record(0, [1, 0, 0, 0], [1, 1, 0, 0], [1, 1, 1, 1]), record(1, [0, 0, 0, 0], [0, 1, 1, 0], [1, 0, 1, 0])]
+    result = bench.aggregate(records, n_boot=200)
+    dppo = result["methods"]["dppo"]
+    assert dppo["gain"]["per_seed"] == [0.75, 0.5]
+    continued = dppo["continued"]
+    assert continued["mid"] == [0.5, 0.5] and continued["mid_env_steps"] == [1000.0, 1000.0]
+    assert continued["gain_to_mid"]["per_seed"] == [0.25, 0.5]
+    assert continued["after_minus_mid"]["per_seed"] == [0.5, 0.0]
+    assert continued["after_minus_mid"]["estimate"] == 0.25
+    text = bench.markdown(result)
+    assert "added by the extra budget (mid -> after) | 0, 1 | | mid per seed 0.50 / 0.50 at 1,000 / 1,000" in text
+    # a record without a source has no mid: nothing reported
+    plain = {k: v for k, v in records[0].items() if k != "continued_from"}
+    assert "continued" not in bench.aggregate([plain], n_boot=50)["methods"]["dppo"]
+
+
+def test_plot_draws_continued_records(tmp_path):
+    bench = _bench()
+    curve = [{"perf/env_steps_total": 600.0 * (i + 1), "charts/success_rate": 0.5} for i in range(5)]
+    base = {"status": "done", "env_steps": 3000.0, "curve": curve, "before": {"success_rate": 0.2, "episodes": 4},
+            "after": {"success_rate": 0.6}, "continued_from": {"env_steps": 1200.0, "after": {"success_rate": 0.4}}}
+    bench.plot([{**base, "seed": 0, "method": "dppo"}, {**base, "seed": 0, "method": "gaussian"}], tmp_path / "p.png")
+    assert (tmp_path / "p.png").stat().st_size > 10_000
