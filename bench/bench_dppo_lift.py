@@ -55,7 +55,8 @@ def build_parser(description: str | None = None) -> argparse.ArgumentParser:
                              "paper's Can config (irom-lab/dppo cfg/robomimic/finetune/can/ft_ppo_diffusion_mlp.yaml) "
                              "gives Can 300-step episodes; its horizon 4, act_steps 4, K 20, K' 10, MLP [512]x3, clip "
                              "0.001 -> 0.01, 10 update epochs and 2 critic warm-up iterations are this bench's for both "
-                             "tasks")
+                             "tasks; its actor lr 1e-5, 50 envs and batch 7500 are not (--actor-lr, --num-envs and "
+                             "--batch-size keep this bench's defaults for both tasks)")
     parser.add_argument("--out-dir", default="runs/bench_dppo_lift")
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--num-demos", type=int, default=100)
