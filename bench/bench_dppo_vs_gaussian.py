@@ -1,4 +1,11 @@
-"""Benchmark (issue 19): BC -> DPPO vs BC -> Gaussian-policy PPO on robosuite Lift, paired, with intervals.
+"""Benchmark (issue 19): BC -> DPPO vs BC -> Gaussian-policy PPO on robosuite Lift or Can, paired, with intervals.
+
+``--task lift`` (default) or ``--task can`` (PickPlaceCan): the task sets the demos (its scripted expert, default
+file ``<out-dir>/<task>_demos_n<N>_noise<X>.hdf5``), the policies' obs/action dims (robotics/envs/tasks.py), the
+evaluation and RL envs, the plot title and the options left unset (bench_dppo_lift.TASK_DEFAULTS: Can takes noise
+0.3 and the DPPO paper's 300-step Can episodes; lift keeps every default it had). Each record stores the task
+(``task``; records from before the option are lift); --continue-from / --reuse-bc-from refuse a source of another
+task, and an aggregate refuses records of more than one task (and of a task other than ``--task``).
 
 Per seed and method (``--methods dppo gaussian``), on the same demo file:
 
@@ -37,6 +44,8 @@ the source run's; the record keeps the source's curve, evaluation and seconds un
         --aggregate-seeds 0 1
     python bench/bench_dppo_vs_gaussian.py <the options of runs/a> --dppo-env-steps 300000 --continue-from runs/a \
         --out-dir runs/a300k --seeds 0 --methods dppo
+    python bench/bench_dppo_vs_gaussian.py --task can --seeds 0 --out-dir runs/can ...
+    python bench/bench_dppo_vs_gaussian.py --task can --aggregate --aggregate-dirs runs/can --plot bench/can.png
 """
 
 from __future__ import annotations
@@ -56,12 +65,16 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_dppo_lift import (  # noqa: E402  (sets OMP_NUM_THREADS before torch)
     build_parser,
+    check_demos,
+    default_demos,
     dppo_module,
     evaluate,
     finish_args,
     fit_bc,
     fit_rl,
     rl_iterations,
+    task_of,
+    task_spec,
     train_diffusion_bc,
 )
 from paired_intervals import summarize_contrast  # noqa: E402
@@ -72,7 +85,7 @@ import torch  # noqa: E402
 METHODS = ("dppo", "gaussian")
 LABELS = {"dppo": "DPPO (diffusion)", "gaussian": "Gaussian PPO"}
 # the options a reused BC checkpoint (--reuse-bc-from) must have been trained with (the demo file is checked
-# through the checkpoint's normaliser)
+# through the checkpoint's normaliser; the task, lift when a record lacks it, too)
 BC_KEYS = {"dppo": ("num_demos", "noise", "bc_epochs", "hidden", "max_episode_steps", "bc_lr", "denoising_steps"),
            "gaussian": ("num_demos", "noise", "bc_epochs", "hidden", "max_episode_steps", "gaussian_bc_lr")}
 
@@ -172,8 +185,8 @@ def rl_settings(method: str, args: dict) -> dict:
 
 
 def gaussian_module(bc_ckpt: Path, args, seed: int, **settings):
-    """The bench's GaussianPPOModule (the budget knobs from ``args``, the update from the --gaussian-* options);
-    ``settings`` override."""
+    """The bench's GaussianPPOModule (the budget knobs from ``args``, the update from the --gaussian-* options; the
+    task comes with the BC checkpoint); ``settings`` override."""
     from robotics.gaussian_ppo import GaussianPPOModule
 
     return GaussianPPOModule(**{**dict(
@@ -223,13 +236,15 @@ class CurveRecorder(pl.Callback):
 
 
 def train_gaussian_bc(seed: int, args, demos: Path, seed_dir: Path) -> tuple[Path, float]:
-    """Gaussian BC (MSE of the chunk mean; configs/robotics/gaussian_bc_lift.yaml) for ``--bc-epochs`` epochs."""
+    """Gaussian BC (MSE of the chunk mean; configs/robotics/gaussian_bc_lift.yaml's recipe, the task's dims) for
+    ``--bc-epochs`` epochs."""
     from robotics.gaussian_ppo import GaussianBCModule
 
+    spec = task_spec(args)
     pl.seed_everything(seed, verbose=False)
-    module = GaussianBCModule(obs_dim=19, action_dim=7, horizon=4, act_steps=4, hidden_dims=[args.hidden] * 3,
-                              init_std=0.1, min_std=0.01, lr=args.gaussian_bc_lr, weight_decay=1e-6, task="lift",
-                              max_episode_steps=args.max_episode_steps)
+    module = GaussianBCModule(obs_dim=spec.obs_dim, action_dim=spec.action_dim, horizon=4, act_steps=4,
+                              hidden_dims=[args.hidden] * 3, init_std=0.1, min_std=0.01, lr=args.gaussian_bc_lr,
+                              weight_decay=1e-6, task=args.task, max_episode_steps=args.max_episode_steps)
     return fit_bc(module, args, demos, seed_dir)
 
 
@@ -252,6 +267,8 @@ def reuse_bc(seed: int, method: str, args, demos: Path, seed_dir: Path) -> tuple
     previous = json.loads(source_record.read_text())
     differ = {key: (previous["args"].get(key), getattr(args, key)) for key in BC_KEYS[method]
               if previous["args"].get(key) != getattr(args, key)}
+    if task_of(previous["args"]) != task_of(vars(args)):
+        differ["task"] = (task_of(previous["args"]), task_of(vars(args)))
     if differ:
         raise ValueError(f"--reuse-bc-from: {source_record} trained BC with other settings (theirs, this run's): "
                          f"{differ}")
@@ -307,6 +324,8 @@ def continuation_source(seed: int, method: str, args) -> tuple[Path, dict]:
     mine = vars(args)
     differ = {key: (value, mine.get(key)) for key, value in record["args"].items()
               if key not in CONTINUE_FREE and value != mine.get(key)}
+    if task_of(record["args"]) != task_of(mine):  # a record from before --task ran lift
+        differ["task"] = (task_of(record["args"]), task_of(mine))
     if record_settings(record) != rl_settings(method, mine):
         differ["rl_settings"] = (record_settings(record), rl_settings(method, mine))
     if differ:
@@ -325,8 +344,8 @@ def run_task(seed: int, method: str, args, demos: Path, out_dir: Path) -> dict:
     seed_dir = out_dir / f"seed{seed}" / method
     seed_dir.mkdir(parents=True, exist_ok=True)
     path = out_dir / f"seed{seed}_{method}.json"
-    record = {"seed": seed, "method": method, "status": "bc", "started": utc_now(), "commit": code_commit(),
-              "demos": str(demos),
+    record = {"seed": seed, "method": method, "task": args.task, "status": "bc", "started": utc_now(),
+              "commit": code_commit(), "demos": str(demos),
               "args": {k: v for k, v in vars(args).items()}, "rl_settings": rl_settings(method, vars(args)),
               "curve": []}
     write_json_atomic(path, record)
@@ -338,6 +357,8 @@ def run_task(seed: int, method: str, args, demos: Path, out_dir: Path) -> dict:
     else:
         bc_ckpt, bc_seconds = train_gaussian_bc(seed, args, demos, seed_dir)
     policy, metadata = (load_policy if method == "dppo" else load_gaussian_policy)(bc_ckpt)
+    if metadata.get("task") != args.task:
+        raise ValueError(f"{bc_ckpt} is a BC policy for task {metadata.get('task')!r}, not {args.task!r}")
     sampler = args.eval_sampler if method == "dppo" else None
     normalizer = metadata["normalizer_path"]
     print(f"[{method} s{seed}] BC " + (f"reused from {record['bc_reused']['from']}" if args.reuse_bc_from
@@ -421,6 +442,24 @@ def load_records(entries: list[str]) -> list[dict]:
     return records
 
 
+def record_task(record: dict) -> str:
+    """The task a record ran (stored since --task existed; before, every run was lift)."""
+    return record.get("task") or task_of(record.get("args") or {})
+
+
+def records_task(records: list[dict]) -> str:
+    """The one task of ``records`` (lift when there are none); records of more than one task are an error, as
+    an aggregate or plot pairing Lift with Can episodes would be meaningless."""
+    tasks: dict[str, list[str]] = {}
+    for record in records:
+        tasks.setdefault(record_task(record), []).append(record.get("source") or f"seed {record['seed']} "
+                                                                                  f"{record['method']}")
+    if len(tasks) > 1:
+        raise ValueError("records of more than one task: " + "; ".join(
+            f"{task}: {', '.join(sources)}" for task, sources in sorted(tasks.items())))
+    return next(iter(tasks), "lift")
+
+
 def record_settings(record: dict) -> dict | None:
     """The RL settings a record ran: stored since --gaussian-actor-lr existed, else derived from its args."""
     if record.get("rl_settings"):
@@ -458,8 +497,9 @@ def paired_table(records: list[dict], methods: list[str],
 
 
 def aggregate(records: list[dict], n_boot: int = 10_000) -> dict:
+    task = records_task(records)
     methods = [m for m in METHODS if any(r["method"] == m and r.get("status") == "done" for r in records)]
-    result: dict = {"methods": {}, "contrasts": {}}
+    result: dict = {"task": task, "methods": {}, "contrasts": {}}
     for method in methods:
         seeds, table = paired_table(records, [method])
         done = sorted((r for r in records if r["method"] == method and r.get("status") == "done"), key=lambda r: r["seed"])
@@ -546,6 +586,8 @@ def markdown(result: dict) -> str:
         lines.append(f"\n- unfinished: {u['method']} seed {u['seed']} (status {u['status']}, "
                      f"{u['iterations']} RL iterations, {u['env_steps']:,.0f} env steps recorded)")
     lines.extend(settings_lines(result))
+    if "task" in result:
+        lines.append(f"\n- task: {result['task']}")
     return "\n".join(lines)
 
 
@@ -590,6 +632,9 @@ def plot(records: list[dict], path: Path, window: int = 10) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    from robotics.envs.tasks import get_task
+
+    sim_name = get_task(records_task(records)).sim_name
     colors = {"dppo": "tab:blue", "gaussian": "tab:orange"}
     fig, axes = plt.subplots(1, 2, figsize=(13, 4.8), sharey=True)
     for method in METHODS:
@@ -637,7 +682,7 @@ def plot(records: list[dict], path: Path, window: int = 10) -> None:
     for ax in axes:
         ax.grid(alpha=0.3)
         ax.legend(loc="lower right", fontsize=8)
-    fig.suptitle("robosuite Lift: BC -> DPPO vs BC -> Gaussian PPO (same demos, same env-step budget)")
+    fig.suptitle(f"robosuite {sim_name}: BC -> DPPO vs BC -> Gaussian PPO (same demos, same env-step budget)")
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
@@ -651,6 +696,10 @@ def main(argv: list[str] | None = None) -> int:
         records = load_records(args.aggregate_dirs or [args.out_dir])
         if args.aggregate_seeds is not None:
             records = [r for r in records if r["seed"] in args.aggregate_seeds]
+        task = records_task(records)
+        if records and task != args.task:
+            raise ValueError(f"--aggregate: the records are {task} runs; aggregate them with --task {task} "
+                             f"(this run's --task is {args.task})")
         result = aggregate(records, n_boot=args.n_boot)
         block = markdown(result)
         print(block)
@@ -665,10 +714,11 @@ def main(argv: list[str] | None = None) -> int:
     from robotics.demos import generate_demos
 
     out_dir.mkdir(parents=True, exist_ok=True)
-    demos = Path(args.demos) if args.demos else out_dir / f"lift_demos_n{args.num_demos}_noise{args.noise}.hdf5"
+    demos = default_demos(args, out_dir)
     if not demos.exists():
-        stats = generate_demos("lift", args.num_demos, demos, noise=args.noise, seed=1234, keep_failures=False)
+        stats = generate_demos(args.task, args.num_demos, demos, noise=args.noise, seed=1234, keep_failures=False)
         print(f"demos: {demos} expert success {stats['success_rate']}", flush=True)
+    check_demos(demos, args)
     if args.demos_only:
         return 0
     for seed in args.seeds:
