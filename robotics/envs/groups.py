@@ -10,8 +10,9 @@ the simulator the caller computes the next group's actions (:meth:`robotics.dppo
 with ``env_groups > 1``). A group without ``step_async`` (an in-process ``SyncVectorEnv``) steps at its wait.
 
 Dead workers: each group restarts its own (:mod:`robotics.envs.workers`); with ``max_worker_restarts`` set,
-the groups share one budget: a group may restart a worker as long as all groups together have restarted
-fewer than ``max_worker_restarts`` (the limit one vector env of all envs would have).
+the groups share one :class:`~robotics.envs.workers.RestartBudget`: a group may restart a worker as long as
+all groups together have restarted fewer than ``max_worker_restarts`` (the limit one vector env of all envs
+would have, with the same error message).
 """
 
 from __future__ import annotations
@@ -22,6 +23,8 @@ from typing import Any
 import gymnasium as gym
 import numpy as np
 from gymnasium.vector.utils import batch_space
+
+from robotics.envs.workers import RestartBudget
 
 
 def group_sizes(num_envs: int, num_groups: int) -> list[int]:
@@ -89,7 +92,11 @@ class EnvGroups(gym.vector.VectorEnv):
         self.action_space = batch_space(self.single_action_space, self.num_envs)
         self.metadata = dict(first.metadata)
         self.render_mode = getattr(first, "render_mode", None)
-        self.max_worker_restarts = max_worker_restarts
+        if max_worker_restarts is not None:
+            budget = RestartBudget(max_worker_restarts)
+            for group in self.groups:
+                if hasattr(group, "restart_budget"):
+                    group.restart_budget = budget
         self._pending_actions: list[Any] = [None] * len(self.groups)
         self.closed = False
 
@@ -100,15 +107,6 @@ class EnvGroups(gym.vector.VectorEnv):
     @property
     def worker_restarts(self) -> int:
         return int(sum(getattr(group, "worker_restarts", 0) for group in self.groups))
-
-    def _share_restart_budget(self) -> None:
-        """Let each group restart workers while the groups' total stays under the shared budget."""
-        if self.max_worker_restarts is None:
-            return
-        left = max(self.max_worker_restarts - self.worker_restarts, 0)
-        for group in self.groups:
-            if hasattr(group, "max_restarts"):
-                group.max_restarts = getattr(group, "worker_restarts", 0) + left
 
     # ------------------------------------------------------------------ one group
     def step_group_async(self, index: int, actions: Any) -> None:
@@ -121,7 +119,6 @@ class EnvGroups(gym.vector.VectorEnv):
 
     def step_group_wait(self, index: int) -> tuple[Any, np.ndarray, np.ndarray, np.ndarray, dict[str, Any]]:
         """Group ``index``'s step result (its envs only), as its vector env returns it."""
-        self._share_restart_budget()
         group = self.groups[index]
         if hasattr(group, "step_wait"):
             return group.step_wait()
@@ -141,13 +138,11 @@ class EnvGroups(gym.vector.VectorEnv):
             seeds = [None if seed is None else int(seed) + start for start in self.starts]
         else:
             seeds = [list(seed)[part] for part in self.slices]
-        self._share_restart_budget()
         for group, group_seed in zip(self.groups, seeds):
             if hasattr(group, "reset_async"):
                 group.reset_async(seed=group_seed, options=options)
         results = []
         for group, group_seed in zip(self.groups, seeds):
-            self._share_restart_budget()
             if hasattr(group, "reset_wait"):
                 results.append(group.reset_wait())
             else:
