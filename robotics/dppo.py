@@ -195,6 +195,12 @@ class DPPOModule(NonFiniteGuardMixin, pl.LightningModule):
             simulator, this process computes the next group's actions. The rollout has the same layout,
             bookkeeping and chain noise (drawn for all envs at once and split by rows); the policy's outputs
             differ from env_groups=1 only by float rounding (a smaller batch in the network's matmuls).
+        prefetch_reset: False (default) = each rollout starts with a blocking env reset. True (with
+            reset_at_iteration and subprocess envs) = the next iteration's reset is sent to the workers right
+            after the rollout, so they reset (a robosuite hard reset rebuilds the model: ~0.1 s per env) while
+            this process runs GAE and the PPO update; the next rollout only collects the result. The reset is
+            the same (its seed depends only on the iteration), so the run is unchanged; not done before an
+            evaluation (which resets the envs itself) or after the last iteration.
     """
 
     def __init__(
@@ -247,6 +253,7 @@ class DPPOModule(NonFiniteGuardMixin, pl.LightningModule):
         max_consecutive_skips: int = DEFAULT_MAX_CONSECUTIVE_SKIPS,
         max_env_worker_restarts: int = 3,
         env_groups: int = 1,
+        prefetch_reset: bool = False,
     ) -> None:
         super().__init__()
         self.save_hyperparameters(ignore=["env_factory"])
@@ -279,6 +286,7 @@ class DPPOModule(NonFiniteGuardMixin, pl.LightningModule):
         self.reward_scaler = RunningRewardScaler(num_envs, gamma=reward_scale_gamma) if reward_scale_running else None
         self._obs: np.ndarray | None = None
         self._episode_start: np.ndarray | None = None
+        self._prefetched_reset_seed: int | None = None  # the seed of a reset sent to the workers, not yet collected
         self.train_tracker = EpisodeTracker(num_envs)
         self.iteration = 0
         self._generator = torch.Generator().manual_seed(seed)
@@ -348,6 +356,7 @@ class DPPOModule(NonFiniteGuardMixin, pl.LightningModule):
             self.envs = self.make_envs()
 
     def teardown(self, stage: str) -> None:
+        self._prefetched_reset_seed = None
         if self.envs is not None:
             self.envs.close()
             self.envs = None
@@ -362,9 +371,33 @@ class DPPOModule(NonFiniteGuardMixin, pl.LightningModule):
         return [actor, critic]
 
     # ------------------------------------------------------------------ rollout
+    def _reset_seed(self, iteration: int) -> int:
+        return self.hparams.seed + 1000 * iteration if self.hparams.reset_at_iteration else self.hparams.seed
+
+    def start_reset(self, iteration: int) -> bool:
+        """Send the reset that iteration ``iteration``'s rollout starts with to the env workers and return at
+        once (``prefetch_reset``); the rollout collects it. False where the envs cannot reset asynchronously.
+        Safe: the reset's outcome depends only on its seed (robosuite reseeds every generator it draws from),
+        not on when it runs, and nothing else uses the envs until the rollout collects it."""
+        if self.envs is None or not hasattr(self.envs, "reset_async") or self._prefetched_reset_seed is not None:
+            return False
+        seed = self._reset_seed(iteration)
+        self.envs.reset_async(seed=seed)
+        self._prefetched_reset_seed = seed
+        return True
+
+    def _collect_prefetched_reset(self) -> Any:
+        """The pending prefetched reset's result (None if there is none)."""
+        if self._prefetched_reset_seed is None:
+            return None
+        self._prefetched_reset_seed = None
+        return self.envs.reset_wait()
+
     def _reset_envs(self) -> None:
-        seed = self.hparams.seed + 1000 * self.iteration if self.hparams.reset_at_iteration else self.hparams.seed
-        obs, _ = self.envs.reset(seed=seed)
+        seed = self._reset_seed(self.iteration)
+        prefetched = self._prefetched_reset_seed
+        result = self._collect_prefetched_reset()
+        obs, _ = result if result is not None and prefetched == seed else self.envs.reset(seed=seed)
         self._obs = np.asarray(obs, dtype=np.float32)
         self._episode_start = np.ones(self.hparams.num_envs, dtype=bool)
         self.train_tracker.reset()
@@ -594,6 +627,7 @@ class DPPOModule(NonFiniteGuardMixin, pl.LightningModule):
 
         Envs and the chains' initial noise are seeded by the iteration, so a resumed run evaluates alike."""
         seed = self.hparams.seed + 10_000 + self.iteration
+        self._collect_prefetched_reset()  # evaluation resets the envs itself
         result = evaluate_policy(
             self.policy, self.envs, num_episodes or self.hparams.eval_episodes, deterministic=True,
             seed=seed, deterministic_sampler=self.hparams.eval_sampler, ddpm_eval_std_floor=self.hparams.eval_ddpm_std_floor,
@@ -611,6 +645,10 @@ class DPPOModule(NonFiniteGuardMixin, pl.LightningModule):
         rollout = self.collect_rollout()
         rollout_seconds = time.perf_counter() - start
         env_steps = self.train_tracker.env_steps - steps_before
+        evaluating = bool(hp.eval_every) and (self.iteration % hp.eval_every == 0
+                                              or self.iteration == hp.num_iterations - 1)
+        if hp.prefetch_reset and hp.reset_at_iteration and not evaluating and self.iteration + 1 < hp.num_iterations:
+            self.start_reset(self.iteration + 1)  # the workers reset during the update below
         self.compute_advantages(rollout)
         metrics = self.ppo_update(rollout, train_actor=self.iteration >= hp.n_critic_warmup_itr)
         summary = self.train_tracker.summary()
@@ -629,7 +667,7 @@ class DPPOModule(NonFiniteGuardMixin, pl.LightningModule):
             "perf/env_worker_restarts": float(getattr(self.envs, "worker_restarts", 0)),
             "charts/iteration": float(self.iteration),
         })
-        if hp.eval_every and (self.iteration % hp.eval_every == 0 or self.iteration == hp.num_iterations - 1):
+        if evaluating:
             evaluation = self.evaluate()
             metrics.update({f"eval/{key}": value for key, value in evaluation.items()})
         self.iteration += 1

@@ -98,6 +98,7 @@ class EnvGroups(gym.vector.VectorEnv):
                 if hasattr(group, "restart_budget"):
                     group.restart_budget = budget
         self._pending_actions: list[Any] = [None] * len(self.groups)
+        self._pending_resets: list[tuple[Any, Any]] = []
         self.closed = False
 
     @property
@@ -132,23 +133,32 @@ class EnvGroups(gym.vector.VectorEnv):
                 concat_infos(infos, self.sizes))
 
     # ------------------------------------------------------------------ VectorEnv API over all envs
-    def reset(self, *, seed: int | Sequence[int | None] | None = None, options: dict[str, Any] | None = None):
+    def reset_async(self, *, seed: int | Sequence[int | None] | None = None, options: dict[str, Any] | None = None) -> None:
+        """Send every group its reset (env i seeded ``seed + i``); a group without ``reset_async`` resets at the wait."""
         seeds: list[Any]
         if seed is None or isinstance(seed, (int, np.integer)):
             seeds = [None if seed is None else int(seed) + start for start in self.starts]
         else:
             seeds = [list(seed)[part] for part in self.slices]
+        self._pending_resets = []
         for group, group_seed in zip(self.groups, seeds):
             if hasattr(group, "reset_async"):
                 group.reset_async(seed=group_seed, options=options)
+            self._pending_resets.append((group_seed, options))
+
+    def reset_wait(self) -> tuple[Any, dict[str, Any]]:
         results = []
-        for group, group_seed in zip(self.groups, seeds):
+        for group, (group_seed, options) in zip(self.groups, self._pending_resets):
             if hasattr(group, "reset_wait"):
                 results.append(group.reset_wait())
             else:
                 results.append(group.reset(seed=group_seed, options=options))
         obs, infos = zip(*results)
         return _concat_obs(obs), concat_infos(infos, self.sizes)
+
+    def reset(self, *, seed: int | Sequence[int | None] | None = None, options: dict[str, Any] | None = None):
+        self.reset_async(seed=seed, options=options)
+        return self.reset_wait()
 
     def step(self, actions: Any):
         for index, part in enumerate(self.slices):

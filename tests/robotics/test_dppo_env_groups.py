@@ -172,3 +172,38 @@ def test_pipelined_collection_on_subprocess_workers_with_a_killed_worker(tmp_pat
     finally:
         grouped.envs.close(terminate=True)
         plain.envs.close(terminate=True)
+
+
+@pytest.mark.parametrize("env_groups", [1, 2])
+def test_prefetched_reset_changes_nothing(tmp_path, env_groups):
+    """prefetch_reset: the next iteration's reset runs in the workers during the update; the fit is bit-identical
+    (weights, metrics) to one that resets at the rollout's start. Hopper on subprocess workers, 3 iterations,
+    evaluation after iterations 0 and 2 (none is prefetched before an evaluation, nor after the last iteration):
+    one prefetch, after iteration 1 for iteration 2."""
+    import lightning.pytorch as pl
+
+    torch.manual_seed(0)
+    policy = DiffusionPolicy(11, 3, 2, denoising_steps=3, hidden_dims=[8, 8, 8])
+    checkpoint = save_policy_safetensors(policy, {"kind": "bc", "task": "hopper", "act_steps": 2},
+                                         tmp_path / "policy.safetensors")
+    fits = {}
+    for prefetch in (False, True):
+        torch.manual_seed(0)
+        module = DPPOModule(str(checkpoint), num_iterations=3, num_envs=2, n_steps=4, ft_steps=2, batch_size=8,
+                            update_epochs=1, eval_every=0, critic_hidden_dims=[8], max_episode_steps=6,
+                            n_critic_warmup_itr=0, env_groups=env_groups, prefetch_reset=prefetch, target_kl=None)
+        module.hparams.eval_every, module.hparams.eval_episodes = 1000, 2  # evaluate at iterations 0 and 2
+        started = []
+        start_reset = module.start_reset
+        module.start_reset = lambda iteration: started.append(start_reset(iteration)) or started[-1]
+        trainer = pl.Trainer(max_epochs=1, logger=False, enable_progress_bar=False, enable_model_summary=False,
+                             enable_checkpointing=False, default_root_dir=tmp_path / str(prefetch))
+        trainer.fit(module)
+        fits[prefetch] = (module, started)
+    (plain, plain_started), (prefetched, prefetched_started) = fits[False], fits[True]
+    assert plain_started == [] and prefetched_started == [True]
+    for key, value in plain.state_dict().items():
+        assert torch.equal(value, prefetched.state_dict()[key]), key
+    for key, value in plain.last_metrics.items():
+        if not key.startswith("perf/env_steps_per_s"):
+            assert value == prefetched.last_metrics[key] or (np.isnan(value) and np.isnan(prefetched.last_metrics[key])), key
