@@ -12,7 +12,11 @@ hits them alike, then each policy alone (batched ``act`` calls, no env) once per
 - ``ddpm grouped`` / ``ddim grouped``: the same with ``env_groups = --env-groups`` (default 2; pipelined
   collection: the envs in groups, one group's actions computed while the other groups' workers step);
 - ``ddim grouped, 2x envs``: ``ddim grouped`` on twice ``--num-envs`` envs (more workers than cores: a
-  group's workers can run while this process computes).
+  group's workers can run while this process computes);
+- ``ddim grouped, reset prefetched``: ``ddim grouped`` with ``prefetch_reset``: the rollout's env reset is
+  sent to the workers before the timer starts and ``--update-seconds`` (untimed, idle) stand for the PPO
+  update it overlaps in training, so the timed rollout collects a finished reset (the other rows time the
+  reset: one robosuite hard reset, ~0.1 s per env, per ``--n-steps`` x ``--act-steps`` env steps).
 
 The first three are the rows recorded before pipelining (bench/RESULTS.md, issue 19); all configurations'
 env workers exist at once (idle ones wait on their pipes).
@@ -55,18 +59,22 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--ddim-steps", type=int, default=5)
     parser.add_argument("--max-episode-steps", type=int, default=300)
     parser.add_argument("--env-groups", type=int, default=2, help="env_groups of the pipelined configurations")
+    parser.add_argument("--update-seconds", type=float, default=0.5,
+                        help="untimed pause standing for the PPO update in 'reset prefetched'")
     parser.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS),
                         help="collection configurations to measure (raw is always measured)")
     return parser.parse_args(argv)
 
 
-#: name -> (DDIM rollouts, pipelined (env_groups = --env-groups), envs as a multiple of --num-envs)
-CONFIGS: dict[str, tuple[bool, bool, int]] = {
-    "ddpm": (False, False, 1),
-    "ddim": (True, False, 1),
-    "ddpm grouped": (False, True, 1),
-    "ddim grouped": (True, True, 1),
-    "ddim grouped, 2x envs": (True, True, 2),
+#: name -> (DDIM rollouts, pipelined (env_groups = --env-groups), envs as a multiple of --num-envs,
+#: reset prefetched)
+CONFIGS: dict[str, tuple[bool, bool, int, bool]] = {
+    "ddpm": (False, False, 1, False),
+    "ddim": (True, False, 1, False),
+    "ddpm grouped": (False, True, 1, False),
+    "ddim grouped": (True, True, 1, False),
+    "ddim grouped, 2x envs": (True, True, 2, False),
+    "ddim grouped, reset prefetched": (True, True, 1, True),
 }
 
 
@@ -80,7 +88,10 @@ def raw_steps_per_s(env, steps: int, rng: np.random.Generator) -> float:
     return steps / (time.perf_counter() - start)
 
 
-def collection_steps_per_s(module) -> float:
+def collection_steps_per_s(module, update_seconds: float = 0.0) -> float:
+    if module.hparams.prefetch_reset:  # as in training: the reset runs in the workers during the PPO update
+        module.start_reset(module.iteration)
+        time.sleep(update_seconds)
     before = module.train_tracker.env_steps
     start = time.perf_counter()
     module.collect_rollout()
@@ -90,9 +101,9 @@ def collection_steps_per_s(module) -> float:
 def make_module(checkpoint: Path, name: str, args: argparse.Namespace):
     from robotics.dppo import DPPOModule
 
-    ddim, pipelined, env_factor = CONFIGS[name]
+    ddim, pipelined, env_factor, prefetch = CONFIGS[name]
     settings = dict(num_envs=args.num_envs * env_factor, n_steps=args.n_steps, seed=0, eval_every=0,
-                    asynchronous=True, env_groups=args.env_groups if pipelined else 1)
+                    asynchronous=True, env_groups=args.env_groups if pipelined else 1, prefetch_reset=prefetch)
     if ddim:
         settings.update(ft_steps=min(args.ft_steps, args.ddim_steps), rollout_ddim_steps=args.ddim_steps)
     else:
@@ -135,7 +146,7 @@ def main(argv: list[str] | None = None) -> None:
         for _ in range(args.rounds):
             for name in order:
                 value = (raw_steps_per_s(raw_env, args.raw_steps, rng) if name == "raw"
-                         else collection_steps_per_s(modules[name]))
+                         else collection_steps_per_s(modules[name], args.update_seconds))
                 results[name].append(value)
             for name in ("ddpm", "ddim"):
                 if name in modules:
