@@ -1,13 +1,25 @@
 """Benchmark: DPPO collection env steps/s vs the raw single-environment simulator, side by side in one run.
 
-Three configurations, measured in ABBA order per round (raw, DDPM, DDIM, DDIM, DDPM, raw) so that drift
-in machine load hits them alike, then each policy alone (batched ``act`` calls, no env) once per round:
+The configurations of ``--configs`` (default: all), measured in ABBA order per round (raw, then each
+configuration, then the same backwards: raw, DDPM, DDIM, ..., DDIM, DDPM, raw) so that drift in machine load
+hits them alike, then each policy alone (batched ``act`` calls, no env) once per round:
 
 - ``raw``: one robosuite env in this process, random actions (``robotics.envs.make_env``), no policy;
 - ``ddpm``: ``DPPOModule.collect_rollout`` on ``--num-envs`` subprocess envs, one batched policy call per
   chunk step over all envs, the policy's own K-step DDPM chain (K = ``--denoising-steps``);
 - ``ddim``: the same with ``rollout_ddim_steps = --ddim-steps`` (DDIM eta = 1 over a strided subset of the
-  K timesteps, same network: fewer network calls per chunk step).
+  K timesteps, same network: fewer network calls per chunk step);
+- ``ddpm grouped`` / ``ddim grouped``: the same with ``env_groups = --env-groups`` (default 2; pipelined
+  collection: the envs in groups, one group's actions computed while the other groups' workers step);
+- ``ddim grouped, 2x envs``: ``ddim grouped`` on twice ``--num-envs`` envs (more workers than cores: a
+  group's workers can run while this process computes);
+- ``ddim grouped, reset prefetched``: ``ddim grouped`` with ``prefetch_reset``: the rollout's env reset is
+  sent to the workers before the timer starts and ``--update-seconds`` (untimed, idle) stand for the PPO
+  update it overlaps in training, so the timed rollout collects a finished reset (the other rows time the
+  reset: one robosuite hard reset, ~0.1 s per env, per ``--n-steps`` x ``--act-steps`` env steps).
+
+The first three are the rows recorded before pipelining (bench/RESULTS.md, issue 19); all configurations'
+env workers exist at once (idle ones wait on their pipes).
 
 The policy is a randomly initialised Lift-sized diffusion policy (MLP [512] x 3, Ta = 4): throughput does
 not depend on what it learned. Env construction is excluded; each rollout's env reset is included (as in
@@ -46,7 +58,24 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--ft-steps", type=int, default=10)
     parser.add_argument("--ddim-steps", type=int, default=5)
     parser.add_argument("--max-episode-steps", type=int, default=300)
+    parser.add_argument("--env-groups", type=int, default=2, help="env_groups of the pipelined configurations")
+    parser.add_argument("--update-seconds", type=float, default=0.5,
+                        help="untimed pause standing for the PPO update in 'reset prefetched'")
+    parser.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS),
+                        help="collection configurations to measure (raw is always measured)")
     return parser.parse_args(argv)
+
+
+#: name -> (DDIM rollouts, pipelined (env_groups = --env-groups), envs as a multiple of --num-envs,
+#: reset prefetched)
+CONFIGS: dict[str, tuple[bool, bool, int, bool]] = {
+    "ddpm": (False, False, 1, False),
+    "ddim": (True, False, 1, False),
+    "ddpm grouped": (False, True, 1, False),
+    "ddim grouped": (True, True, 1, False),
+    "ddim grouped, 2x envs": (True, True, 2, False),
+    "ddim grouped, reset prefetched": (True, True, 1, True),
+}
 
 
 def raw_steps_per_s(env, steps: int, rng: np.random.Generator) -> float:
@@ -59,11 +88,27 @@ def raw_steps_per_s(env, steps: int, rng: np.random.Generator) -> float:
     return steps / (time.perf_counter() - start)
 
 
-def collection_steps_per_s(module) -> float:
+def collection_steps_per_s(module, update_seconds: float = 0.0) -> float:
+    if module.hparams.prefetch_reset:  # as in training: the reset runs in the workers during the PPO update
+        module.start_reset(module.iteration)
+        time.sleep(update_seconds)
     before = module.train_tracker.env_steps
     start = time.perf_counter()
     module.collect_rollout()
     return (module.train_tracker.env_steps - before) / (time.perf_counter() - start)
+
+
+def make_module(checkpoint: Path, name: str, args: argparse.Namespace):
+    from robotics.dppo import DPPOModule
+
+    ddim, pipelined, env_factor, prefetch = CONFIGS[name]
+    settings = dict(num_envs=args.num_envs * env_factor, n_steps=args.n_steps, seed=0, eval_every=0,
+                    asynchronous=True, env_groups=args.env_groups if pipelined else 1, prefetch_reset=prefetch)
+    if ddim:
+        settings.update(ft_steps=min(args.ft_steps, args.ddim_steps), rollout_ddim_steps=args.ddim_steps)
+    else:
+        settings.update(ft_steps=args.ft_steps)
+    return DPPOModule(str(checkpoint), **settings)
 
 
 def policy_only_steps_per_s(module, n_steps: int) -> float:
@@ -80,7 +125,6 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     torch.set_num_threads(1)
     from robotics.bc import BCModule
-    from robotics.dppo import DPPOModule
     from robotics.envs import make_env
 
     torch.manual_seed(0)
@@ -89,30 +133,30 @@ def main(argv: list[str] | None = None) -> None:
                   max_episode_steps=args.max_episode_steps)
     checkpoint = Path(tempfile.mkdtemp()) / "bc.ckpt"
     torch.save({"state_dict": bc.state_dict(), "robotics": bc.robotics_metadata()}, checkpoint)
-    common = dict(num_envs=args.num_envs, n_steps=args.n_steps, seed=0, eval_every=0, asynchronous=True)
-    modules = {
-        "ddpm": DPPOModule(str(checkpoint), ft_steps=args.ft_steps, **common),
-        "ddim": DPPOModule(str(checkpoint), ft_steps=min(args.ft_steps, args.ddim_steps),
-                           rollout_ddim_steps=args.ddim_steps, **common),
-    }
-    for module in modules.values():
-        module.envs = module.make_envs()
+    names = [name for name in CONFIGS if name in args.configs]
+    modules = {name: make_module(checkpoint, name, args) for name in names}
     raw_env = make_env(args.task, seed=0, max_episode_steps=args.max_episode_steps)
-    raw_env.reset(seed=0)
-    rng = np.random.default_rng(0)
-    results: dict[str, list[float]] = {"raw": [], "ddpm": [], "ddim": []}
     try:
+        for module in modules.values():
+            module.envs = module.make_envs()
+        raw_env.reset(seed=0)
+        rng = np.random.default_rng(0)
+        results: dict[str, list[float]] = {name: [] for name in ["raw", *names]}
+        order = ["raw", *names, *reversed(names), "raw"]
         for _ in range(args.rounds):
-            for name in ("raw", "ddpm", "ddim", "ddim", "ddpm", "raw"):
+            for name in order:
                 value = (raw_steps_per_s(raw_env, args.raw_steps, rng) if name == "raw"
-                         else collection_steps_per_s(modules[name]))
+                         else collection_steps_per_s(modules[name], args.update_seconds))
                 results[name].append(value)
-            for name, module in modules.items():
-                results.setdefault(f"{name} policy only", []).append(policy_only_steps_per_s(module, args.n_steps))
+            for name in ("ddpm", "ddim"):
+                if name in modules:
+                    results.setdefault(f"{name} policy only", []).append(
+                        policy_only_steps_per_s(modules[name], args.n_steps))
     finally:
         raw_env.close()
         for module in modules.values():
-            module.envs.close()
+            if module.envs is not None:
+                module.envs.close()
 
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     raw = statistics.mean(results["raw"])

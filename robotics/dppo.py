@@ -189,6 +189,18 @@ class DPPOModule(NonFiniteGuardMixin, pl.LightningModule):
         max_env_worker_restarts: env worker processes that may die and be restarted during the fit
             (their episodes end as faults; logged as ``perf/env_worker_restarts``) before the run stops
             with an error naming the worker and its env.
+        env_groups: 1 (default) = one batched policy call on all envs, then all envs step. g > 1 = pipelined
+            collection: the envs are split into g groups of consecutive envs (robotics.envs.groups.EnvGroups, one
+            vector env each, env i still seeded seed + i) and while one group's worker processes step the
+            simulator, this process computes the next group's actions. The rollout has the same layout,
+            bookkeeping and chain noise (drawn for all envs at once and split by rows); the policy's outputs
+            differ from env_groups=1 only by float rounding (a smaller batch in the network's matmuls).
+        prefetch_reset: False (default) = each rollout starts with a blocking env reset. True (with
+            reset_at_iteration and subprocess envs) = the next iteration's reset is sent to the workers right
+            after the rollout, so they reset (a robosuite hard reset rebuilds the model: ~0.1 s per env) while
+            this process runs GAE and the PPO update; the next rollout only collects the result. The reset is
+            the same (its seed depends only on the iteration), so the run is unchanged; not done before an
+            evaluation (which resets the envs itself) or after the last iteration.
     """
 
     def __init__(
@@ -240,6 +252,8 @@ class DPPOModule(NonFiniteGuardMixin, pl.LightningModule):
         asynchronous: bool = True,
         max_consecutive_skips: int = DEFAULT_MAX_CONSECUTIVE_SKIPS,
         max_env_worker_restarts: int = 3,
+        env_groups: int = 1,
+        prefetch_reset: bool = False,
     ) -> None:
         super().__init__()
         self.save_hyperparameters(ignore=["env_factory"])
@@ -249,6 +263,8 @@ class DPPOModule(NonFiniteGuardMixin, pl.LightningModule):
                             ("batch_size", batch_size), ("update_epochs", update_epochs)):
             if int(value) < 1:
                 raise ValueError(f"{name} must be >= 1, got {value}")
+        if not 1 <= int(env_groups) <= int(num_envs):
+            raise ValueError(f"env_groups must be in [1, num_envs={num_envs}], got {env_groups}")
         if not 0.0 <= reward_scale_gamma <= 1.0:
             raise ValueError(f"reward_scale_gamma must be in [0, 1], got {reward_scale_gamma}")
         if eval_ddpm_std_floor is not None and eval_ddpm_std_floor < 0:
@@ -270,6 +286,7 @@ class DPPOModule(NonFiniteGuardMixin, pl.LightningModule):
         self.reward_scaler = RunningRewardScaler(num_envs, gamma=reward_scale_gamma) if reward_scale_running else None
         self._obs: np.ndarray | None = None
         self._episode_start: np.ndarray | None = None
+        self._prefetched_reset_seed: int | None = None  # the seed of a reset sent to the workers, not yet collected
         self.train_tracker = EpisodeTracker(num_envs)
         self.iteration = 0
         self._generator = torch.Generator().manual_seed(seed)
@@ -292,22 +309,46 @@ class DPPOModule(NonFiniteGuardMixin, pl.LightningModule):
 
     # ------------------------------------------------------------------ environments
     def make_envs(self) -> Any:
+        """The vector env of all ``num_envs`` envs (env i seeded ``seed + i``); with ``env_groups > 1`` an
+        :class:`~robotics.envs.groups.EnvGroups` of one vector env per group of consecutive envs."""
+        hp = self.hparams
+        if hp.env_groups == 1:
+            envs = self._make_vector_env(hp.num_envs, hp.seed)
+        else:
+            from robotics.envs.groups import EnvGroups, group_sizes
+
+            groups, start = [], 0
+            try:
+                for size in group_sizes(hp.num_envs, hp.env_groups):
+                    groups.append(self._make_vector_env(size, hp.seed + start))
+                    start += size
+            except BaseException:
+                for group in groups:
+                    group.close()
+                raise
+            envs = EnvGroups(groups, max_worker_restarts=hp.max_env_worker_restarts)
+        check_same_step_autoreset(envs)
+        if envs.num_envs != hp.num_envs:
+            raise ValueError(f"env factory built {envs.num_envs} envs, expected num_envs={hp.num_envs}")
+        return envs
+
+    def _make_vector_env(self, num_envs: int, seed: int) -> Any:
+        """``num_envs`` envs seeded ``seed``, ``seed + 1``, ... (``env_factory`` or robotics.envs.make_vector_env)."""
         hp = self.hparams
         if self.env_factory is not None:
-            envs = self.env_factory(num_envs=hp.num_envs, seed=hp.seed, act_steps=self.act_steps)
+            envs = self.env_factory(num_envs=num_envs, seed=seed, act_steps=self.act_steps)
         else:
             from robotics.envs import make_vector_env
 
             if self.task is None:
                 raise ValueError("DPPO needs a task: set model.init_args.task or use a BC checkpoint that records one")
             envs = make_vector_env(
-                self.task, hp.num_envs, seed=hp.seed, act_steps=self.act_steps,
+                self.task, num_envs, seed=seed, act_steps=self.act_steps,
                 normalizer_path=self.normalizer_path, max_episode_steps=self.max_episode_steps,
                 asynchronous=hp.asynchronous, max_worker_restarts=hp.max_env_worker_restarts,
             )
-        check_same_step_autoreset(envs)
-        if envs.num_envs != hp.num_envs:
-            raise ValueError(f"env factory built {envs.num_envs} envs, expected num_envs={hp.num_envs}")
+        if envs.num_envs != num_envs:
+            raise ValueError(f"env factory built {envs.num_envs} envs, expected {num_envs}")
         return envs
 
     def on_fit_start(self) -> None:
@@ -315,6 +356,7 @@ class DPPOModule(NonFiniteGuardMixin, pl.LightningModule):
             self.envs = self.make_envs()
 
     def teardown(self, stage: str) -> None:
+        self._prefetched_reset_seed = None
         if self.envs is not None:
             self.envs.close()
             self.envs = None
@@ -329,9 +371,33 @@ class DPPOModule(NonFiniteGuardMixin, pl.LightningModule):
         return [actor, critic]
 
     # ------------------------------------------------------------------ rollout
+    def _reset_seed(self, iteration: int) -> int:
+        return self.hparams.seed + 1000 * iteration if self.hparams.reset_at_iteration else self.hparams.seed
+
+    def start_reset(self, iteration: int) -> bool:
+        """Send the reset that iteration ``iteration``'s rollout starts with to the env workers and return at
+        once (``prefetch_reset``); the rollout collects it. False where the envs cannot reset asynchronously.
+        Safe: the reset's outcome depends only on its seed (robosuite reseeds every generator it draws from),
+        not on when it runs, and nothing else uses the envs until the rollout collects it."""
+        if self.envs is None or not hasattr(self.envs, "reset_async") or self._prefetched_reset_seed is not None:
+            return False
+        seed = self._reset_seed(iteration)
+        self.envs.reset_async(seed=seed)
+        self._prefetched_reset_seed = seed
+        return True
+
+    def _collect_prefetched_reset(self) -> Any:
+        """The pending prefetched reset's result (None if there is none)."""
+        if self._prefetched_reset_seed is None:
+            return None
+        self._prefetched_reset_seed = None
+        return self.envs.reset_wait()
+
     def _reset_envs(self) -> None:
-        seed = self.hparams.seed + 1000 * self.iteration if self.hparams.reset_at_iteration else self.hparams.seed
-        obs, _ = self.envs.reset(seed=seed)
+        seed = self._reset_seed(self.iteration)
+        prefetched = self._prefetched_reset_seed
+        result = self._collect_prefetched_reset()
+        obs, _ = result if result is not None and prefetched == seed else self.envs.reset(seed=seed)
         self._obs = np.asarray(obs, dtype=np.float32)
         self._episode_start = np.ones(self.hparams.num_envs, dtype=bool)
         self.train_tracker.reset()
@@ -343,23 +409,15 @@ class DPPOModule(NonFiniteGuardMixin, pl.LightningModule):
         if self._obs is None or hp.reset_at_iteration:
             self._reset_envs()
         self.policy.eval()
-        obs_l, chain_l, logp_l, rew_l, term_l, trunc_l, start_l, reached_l = ([] for _ in range(8))
-        for _ in range(hp.n_steps):
-            obs_t = torch.as_tensor(self._obs, dtype=torch.float32, device=self.device)
-            actions, chain, logp = self.act(obs_t)
-            next_obs, rewards, terminated, truncated, infos = self.envs.step(actions.cpu().numpy())
-            done = np.logical_or(terminated, truncated)
-            obs_l.append(obs_t.cpu())
-            chain_l.append(chain.cpu())
-            logp_l.append(logp.cpu())
-            rew_l.append(np.asarray(rewards, dtype=np.float64) * hp.reward_scale_const)
-            term_l.append(np.asarray(terminated, dtype=bool))
-            trunc_l.append(np.asarray(truncated, dtype=bool))
-            start_l.append(self._episode_start.copy())
-            reached_l.append(final_observations(next_obs, infos, done))
-            self.train_tracker.update(np.asarray(rewards), terminated, truncated, infos)
-            self._obs = np.asarray(next_obs, dtype=np.float32)
-            self._episode_start = done.copy()
+        lists: tuple[list[Any], ...] = tuple([] for _ in range(8))
+        if getattr(self.envs, "num_groups", 1) > 1:
+            self._collect_pipelined(lists)
+        else:
+            for _ in range(hp.n_steps):
+                obs_t = torch.as_tensor(self._obs, dtype=torch.float32, device=self.device)
+                actions, chain, logp = self.act(obs_t)
+                self._record_step(lists, obs_t, chain, logp, self.envs.step(actions.cpu().numpy()))
+        obs_l, chain_l, logp_l, rew_l, term_l, trunc_l, start_l, reached_l = lists
         return Rollout(
             obs=torch.stack(obs_l), chains=torch.stack(chain_l), old_log_probs=torch.stack(logp_l),
             rewards=torch.as_tensor(np.stack(rew_l), dtype=torch.float32),
@@ -368,14 +426,77 @@ class DPPOModule(NonFiniteGuardMixin, pl.LightningModule):
             reached_obs=torch.as_tensor(np.stack(reached_l), dtype=torch.float32),
         )
 
-    def act(self, obs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def _record_step(self, lists: tuple[list[Any], ...], obs_t: torch.Tensor, chain: torch.Tensor, logp: torch.Tensor,
+                     step: tuple[Any, ...]) -> None:
+        """Append one chunk step of all envs (obs, policy outputs, the vector env's step result) to the rollout
+        lists and advance the episode bookkeeping."""
+        hp = self.hparams
+        obs_l, chain_l, logp_l, rew_l, term_l, trunc_l, start_l, reached_l = lists
+        next_obs, rewards, terminated, truncated, infos = step
+        done = np.logical_or(terminated, truncated)
+        obs_l.append(obs_t.cpu())
+        chain_l.append(chain.cpu())
+        logp_l.append(logp.cpu())
+        rew_l.append(np.asarray(rewards, dtype=np.float64) * hp.reward_scale_const)
+        term_l.append(np.asarray(terminated, dtype=bool))
+        trunc_l.append(np.asarray(truncated, dtype=bool))
+        start_l.append(self._episode_start.copy())
+        reached_l.append(final_observations(next_obs, infos, done))
+        self.train_tracker.update(np.asarray(rewards), terminated, truncated, infos)
+        self._obs = np.asarray(next_obs, dtype=np.float32)
+        self._episode_start = done.copy()
+
+    def _collect_pipelined(self, lists: tuple[list[Any], ...]) -> None:
+        """``n_steps`` chunk steps on an :class:`~robotics.envs.groups.EnvGroups` (``env_groups > 1``), overlapped:
+        group g's actions for step t are computed while the groups before it (step t) and after it (step t - 1)
+        run the simulator in their workers. Per step t: for each group, wait for its step t - 1, compute its
+        actions on its rows, send them (step_async); once every group has stepped, step t - 1 is recorded over
+        all envs exactly as the unpipelined loop records it. The chain noise of step t is drawn for all envs at
+        once (:meth:`draw_step_noise`, the draws of one batched call) and split by rows, so each env gets the
+        noise it gets with env_groups=1. The outputs are not bit-identical to env_groups=1 all the same: the
+        network's matmuls run on a smaller batch, and a BLAS kernel's rounding depends on the batch size
+        (differences ~1e-7; per row, log-probs are still those of the stored chain, so PPO's ratio starts at 1)."""
+        hp = self.hparams
+        envs = self.envs
+        obs_now = [np.asarray(self._obs[part], dtype=np.float32) for part in envs.slices]
+        outputs: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
+        step_results: list[tuple[Any, ...]] = []
+        for step in range(hp.n_steps + 1):
+            if step > 0:
+                previous = outputs
+            noise = self.draw_step_noise(hp.num_envs) if step < hp.n_steps else None
+            outputs, step_results = [], []
+            for index, part in enumerate(envs.slices):
+                if step > 0:
+                    result = envs.step_group_wait(index)
+                    step_results.append(result)
+                    obs_now[index] = np.asarray(result[0], dtype=np.float32)
+                if step == hp.n_steps:
+                    continue
+                obs_t = torch.as_tensor(obs_now[index], dtype=torch.float32, device=self.device)
+                actions, chain, logp = (self.act(obs_t) if noise is None
+                                        else self.act(obs_t, noise=[draw[part] for draw in noise]))
+                envs.step_group_async(index, actions.cpu().numpy())
+                outputs.append((obs_t, chain, logp))
+            if step > 0:
+                obs_t, chain, logp = (torch.cat(parts) for parts in zip(*previous))
+                self._record_step(lists, obs_t, chain, logp, envs.merge_steps(step_results))
+
+    def draw_step_noise(self, batch: int) -> list[torch.Tensor] | None:
+        """The chain noise of one chunk step on ``batch`` envs, drawn as one batched :meth:`act` would draw it
+        (pipelined collection splits it by rows); None: the policy draws its own noise in :meth:`act`."""
+        return self.policy.draw_chain_noise(batch, generator=self._sampling_generator(), device=self.device)
+
+    def act(self, obs: torch.Tensor, noise: list[torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """One batched policy call on all envs' obs (N, obs_dim): the action chunks (N, Ta, Da) to execute,
         what the update re-scores (the last K'+1 chain states, (N, K'+1, Ta, Da)) and the per-step
-        log-probs (N, K') (std floor, clamp, mean over executed steps and dims)."""
+        log-probs (N, K') (std floor, clamp, mean over executed steps and dims). ``noise``: the chain's
+        standard-normal draws (:meth:`draw_step_noise` rows) instead of drawing them from the generator."""
         hp = self.hparams
         sample = self.policy.sample(
             obs, min_sampling_std=hp.min_sampling_std, noise_clip=hp.noise_clip,
             return_log_probs=True, min_logprob_std=hp.min_logprob_std, generator=self._sampling_generator(),
+            noise=noise,
         )
         logp = torch.stack(
             [reduce_step_log_prob(sample.log_probs[:, i], self.act_steps, hp.logprob_min, hp.logprob_max)
@@ -506,6 +627,7 @@ class DPPOModule(NonFiniteGuardMixin, pl.LightningModule):
 
         Envs and the chains' initial noise are seeded by the iteration, so a resumed run evaluates alike."""
         seed = self.hparams.seed + 10_000 + self.iteration
+        self._collect_prefetched_reset()  # evaluation resets the envs itself
         result = evaluate_policy(
             self.policy, self.envs, num_episodes or self.hparams.eval_episodes, deterministic=True,
             seed=seed, deterministic_sampler=self.hparams.eval_sampler, ddpm_eval_std_floor=self.hparams.eval_ddpm_std_floor,
@@ -523,6 +645,10 @@ class DPPOModule(NonFiniteGuardMixin, pl.LightningModule):
         rollout = self.collect_rollout()
         rollout_seconds = time.perf_counter() - start
         env_steps = self.train_tracker.env_steps - steps_before
+        evaluating = bool(hp.eval_every) and (self.iteration % hp.eval_every == 0
+                                              or self.iteration == hp.num_iterations - 1)
+        if hp.prefetch_reset and hp.reset_at_iteration and not evaluating and self.iteration + 1 < hp.num_iterations:
+            self.start_reset(self.iteration + 1)  # the workers reset during the update below
         self.compute_advantages(rollout)
         metrics = self.ppo_update(rollout, train_actor=self.iteration >= hp.n_critic_warmup_itr)
         summary = self.train_tracker.summary()
@@ -541,7 +667,7 @@ class DPPOModule(NonFiniteGuardMixin, pl.LightningModule):
             "perf/env_worker_restarts": float(getattr(self.envs, "worker_restarts", 0)),
             "charts/iteration": float(self.iteration),
         })
-        if hp.eval_every and (self.iteration % hp.eval_every == 0 or self.iteration == hp.num_iterations - 1):
+        if evaluating:
             evaluation = self.evaluate()
             metrics.update({f"eval/{key}": value for key, value in evaluation.items()})
         self.iteration += 1

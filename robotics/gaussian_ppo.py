@@ -218,6 +218,11 @@ class GaussianPPOModule(DPPOModule):
         reduction = self.hparams.log_prob_reduction
         return actions, actions, self.policy.log_prob(obs, actions, self.act_steps, reduction).unsqueeze(1)
 
+    def draw_step_noise(self, batch: int) -> None:
+        """None: with ``env_groups > 1`` each group's :meth:`act` draws its own noise (a valid rollout, but not
+        the random stream of ``env_groups=1``)."""
+        return None
+
     def rescore(self, obs: torch.Tensor, chains: torch.Tensor, ft_index: torch.Tensor) -> torch.Tensor:
         return self.policy.log_prob(obs, chains, self.act_steps, self.hparams.log_prob_reduction)
 

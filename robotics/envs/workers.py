@@ -13,7 +13,8 @@ first reset) and the pending command is answered:
 * other commands (``get_attr``, ``call``, ...) are re-sent to the new worker.
 
 ``worker_restarts`` counts restarts; once it exceeds ``max_restarts`` an :class:`EnvWorkerError`
-names the worker, its env and the exit code. Observations travel through the pipes (no shared
+names the worker, its env and the exit code. Several vector envs can share one limit (a
+:class:`RestartBudget` set as their ``restart_budget``: :class:`robotics.envs.groups.EnvGroups`). Observations travel through the pipes (no shared
 memory), so a new worker needs nothing from the old one.
 """
 
@@ -34,6 +35,15 @@ _BROKEN_PIPE = (EOFError, OSError)
 
 class EnvWorkerError(RuntimeError):
     """An env worker process died more often than the restart limit allows."""
+
+
+class RestartBudget:
+    """Worker restarts allowed to one or more vector envs together: ``used`` of ``limit``."""
+
+    def __init__(self, limit: int) -> None:
+        if limit < 0:
+            raise ValueError(f"max_restarts must be >= 0, got {limit}")
+        self.limit, self.used = int(limit), 0
 
 
 class _WorkerPipe:
@@ -85,14 +95,17 @@ class RestartingAsyncVectorEnv(AsyncVectorEnv):
 
     def __init__(self, env_fns: Sequence[Callable[[], gym.Env]], *, max_restarts: int = 3,
                  env_names: Sequence[str] | None = None, **kwargs: Any) -> None:
-        if max_restarts < 0:
-            raise ValueError(f"max_restarts must be >= 0, got {max_restarts}")
+        budget = RestartBudget(max_restarts)
         kwargs["shared_memory"] = False
         super().__init__(env_fns, **kwargs)
-        self.max_restarts = int(max_restarts)
-        self.worker_restarts = 0
+        self.restart_budget = budget
+        self.worker_restarts = 0  # this env's own restarts (restart_budget.used counts those of all sharing it)
         self.env_names = list(env_names) if env_names is not None else [f"env {i}" for i in range(self.num_envs)]
         self.parent_pipes = [_WorkerPipe(self, index, pipe) for index, pipe in enumerate(self.parent_pipes)]
+
+    @property
+    def max_restarts(self) -> int:
+        return self.restart_budget.limit
 
     def _start_worker(self, index: int) -> None:
         """Start worker ``index`` again from its env factory, as ``AsyncVectorEnv.__init__`` does."""
@@ -121,14 +134,16 @@ class RestartingAsyncVectorEnv(AsyncVectorEnv):
             if old.is_alive():  # its pipe broke but it still runs: it cannot be trusted any more
                 old.kill()
             old.join(timeout=5.0)
-            if self.worker_restarts >= self.max_restarts:
+            budget = self.restart_budget
+            if budget.used >= budget.limit:
                 self._state = AsyncState.DEFAULT  # nothing is pending any more: close() must not wait
                 command = pending[0] if pending is not None else "a command"
                 raise EnvWorkerError(
                     f"env worker {index} ({self.env_names[index]}, pid {old.pid}) died (exit code {old.exitcode}) "
-                    f"during {command!r}; {self.worker_restarts} worker restart(s) already, the limit is "
-                    f"max_worker_restarts={self.max_restarts}"
+                    f"during {command!r}; {budget.used} worker restart(s) already, the limit is "
+                    f"max_worker_restarts={budget.limit}"
                 )
+            budget.used += 1
             self.worker_restarts += 1
             self._start_worker(index)
             command, data = pending if pending is not None else ("reset", {"seed": None, "options": None})

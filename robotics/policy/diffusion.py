@@ -9,6 +9,7 @@ sampling-std floor, noise clip and log-prob std floor.
 from __future__ import annotations
 
 import copy
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -165,6 +166,17 @@ class DiffusionPolicy(nn.Module):
         return schedule.mean_std(x_t, eps_hat, chain_step, eta=eta)
 
     # ------------------------------------------------------------------ sampling
+    def draw_chain_noise(
+        self, batch: int, *, generator: torch.Generator | None = None, device: torch.device | str = "cpu",
+        dtype: torch.dtype = torch.float32,
+    ) -> list[torch.Tensor]:
+        """The standard-normal draws of one stochastic :meth:`sample` call on ``batch`` rows, in its order
+        (x_K, then one per chain step): ``sample(obs, generator=g)`` equals ``sample(obs,
+        noise=draw_chain_noise(len(obs), generator=g))``, and rows of the draws can be handed to sub-batches."""
+        shape = (batch, self.horizon, self.action_dim)
+        return [torch.randn(shape, generator=generator, device=device, dtype=dtype)
+                for _ in range(self.schedule.num_chain_steps + 1)]
+
     @torch.no_grad()
     def sample(
         self,
@@ -179,6 +191,7 @@ class DiffusionPolicy(nn.Module):
         min_logprob_std: float = 0.1,
         deterministic_sampler: str | None = None,
         ddpm_eval_std_floor: float | None = None,
+        noise: Sequence[torch.Tensor] | None = None,
     ) -> PolicySample:
         """Run the reverse chain from x ~ N(0, I).
 
@@ -192,12 +205,27 @@ class DiffusionPolicy(nn.Module):
         the mean of each DDPM step). ``ddpm_eval_std_floor`` (deterministic DDPM chains only): None takes the
         mean of every step; a float f is the official DPPO evaluation (``model/diffusion/diffusion.py``, f = 1e-3):
         every step but the last adds noise with std max(std, f) (noise clipped to +-``noise_clip``).
+        ``noise`` (stochastic chains only): the standard-normal draws to use instead of drawing them, as
+        :meth:`draw_chain_noise` returns them (one (B, Ta, Da) tensor for x_K, then one per chain step); rows
+        of a larger batch's draws give each row exactly the chain that batch would have given it.
         Shapes: obs (B, obs_dim) -> PolicySample(actions (B, Ta, Da), chain (B, K'+1, Ta, Da) | None).
         """
         self._check_inputs(obs)
         batch = obs.shape[0]
         shape = (batch, self.horizon, self.action_dim)
-        x = torch.randn(shape, generator=generator, device=obs.device, dtype=obs.dtype)
+        if noise is not None:
+            if deterministic:
+                raise ValueError("noise is for stochastic chains; a deterministic chain draws only x_K")
+            if len(noise) != self.schedule.num_chain_steps + 1 or any(tuple(n.shape) != shape for n in noise):
+                raise ValueError(f"noise must be {self.schedule.num_chain_steps + 1} tensors of shape {shape}")
+        drawn = iter(noise) if noise is not None else None
+
+        def randn() -> torch.Tensor:
+            if drawn is not None:
+                return next(drawn)
+            return torch.randn(shape, generator=generator, device=obs.device, dtype=obs.dtype)
+
+        x = randn()
         chain: list[torch.Tensor] = []
         log_probs: list[torch.Tensor] = []
         num_chain = self.schedule.num_chain_steps
@@ -212,11 +240,11 @@ class DiffusionPolicy(nn.Module):
                 if ddpm_eval_std_floor is None or schedule.sampler != "ddpm" or j == num_chain - 1:
                     x = mean
                 else:
-                    noise = torch.randn(shape, generator=generator, device=obs.device, dtype=obs.dtype)
-                    x = mean + std.clamp(min=ddpm_eval_std_floor) * noise.clamp(-noise_clip, noise_clip)
+                    eval_noise = torch.randn(shape, generator=generator, device=obs.device, dtype=obs.dtype)
+                    x = mean + std.clamp(min=ddpm_eval_std_floor) * eval_noise.clamp(-noise_clip, noise_clip)
                 continue
-            noise = torch.randn(shape, generator=generator, device=obs.device, dtype=obs.dtype)
-            x_next = mean + std.clamp(min=min_sampling_std) * noise.clamp(-noise_clip, noise_clip)
+            step_noise = randn()
+            x_next = mean + std.clamp(min=min_sampling_std) * step_noise.clamp(-noise_clip, noise_clip)
             if return_log_probs and self.ft_network is not None and j >= self.first_ft_step:
                 logprob_std = std.clamp(min=min_logprob_std).expand_as(mean)
                 log_probs.append(torch.distributions.Normal(mean, logprob_std).log_prob(x_next))

@@ -174,12 +174,13 @@ class _SaveAfterIterations(pl.Callback):
             trainer.save_checkpoint(self.root / f"iteration={module.iteration}.ckpt")
 
 
-def _dppo_fit(bc_checkpoint: Path, root: Path, ckpt_path: Path | None = None) -> DPPOModule:
+def _dppo_fit(bc_checkpoint: Path, root: Path, ckpt_path: Path | None = None, **kwargs: Any) -> DPPOModule:
     """4 iterations: critic warm-up, then actor + critic; evaluation at iterations 0, 2 and 3."""
     torch.manual_seed(0)
     module = DPPOModule(str(bc_checkpoint), num_iterations=4, num_envs=3, n_steps=6, ft_steps=3, batch_size=12,
                         update_epochs=2, n_critic_warmup_itr=1, eval_every=2, eval_episodes=3, gamma=0.99,
-                        critic_hidden_dims=[16, 16], actor_lr=1e-3, target_kl=None, seed=5, env_factory=_pendulum_envs)
+                        critic_hidden_dims=[16, 16], actor_lr=1e-3, target_kl=None, seed=5, env_factory=_pendulum_envs,
+                        **kwargs)
     trainer = pl.Trainer(max_epochs=1, logger=False, enable_progress_bar=False, enable_model_summary=False,
                          enable_checkpointing=False, callbacks=[_SaveAfterIterations(root, {2, 4})],
                          default_root_dir=root)
@@ -188,9 +189,12 @@ def _dppo_fit(bc_checkpoint: Path, root: Path, ckpt_path: Path | None = None) ->
     return module
 
 
-def test_dppo_resume_is_bit_exact(pendulum_bc_checkpoint, tmp_path):
-    full = _dppo_fit(pendulum_bc_checkpoint, tmp_path / "full")
-    resumed = _dppo_fit(pendulum_bc_checkpoint, tmp_path / "resumed", tmp_path / "full" / "iteration=2.ckpt")
+@pytest.mark.parametrize("env_groups", [1, 2])
+def test_dppo_resume_is_bit_exact(pendulum_bc_checkpoint, tmp_path, env_groups):
+    """Also with pipelined collection (env_groups=2: envs [2, 1] in two groups; evaluation steps all of them)."""
+    full = _dppo_fit(pendulum_bc_checkpoint, tmp_path / "full", env_groups=env_groups)
+    resumed = _dppo_fit(pendulum_bc_checkpoint, tmp_path / "resumed", tmp_path / "full" / "iteration=2.ckpt",
+                        env_groups=env_groups)
     expected = training_state(tmp_path / "full" / "iteration=4.ckpt")
     actual = training_state(tmp_path / "resumed" / "iteration=4.ckpt")
     # policy (frozen base + fine-tuned copy) and critic, both AdamW states, the generator and RNG streams,

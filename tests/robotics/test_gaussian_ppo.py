@@ -140,12 +140,14 @@ def gaussian_bc_checkpoint(tmp_path_factory) -> str:
     return str(path)
 
 
-def test_two_ppo_iterations(gaussian_bc_checkpoint, tmp_path):
+@pytest.mark.parametrize("env_groups", [1, 2])
+def test_two_ppo_iterations(gaussian_bc_checkpoint, tmp_path, env_groups):
+    """Also with pipelined collection (env_groups=2: each group's act draws its own noise)."""
     torch.manual_seed(0)
     module = GaussianPPOModule(gaussian_bc_checkpoint, num_iterations=2, num_envs=4, n_steps=6, batch_size=8,
                                update_epochs=2, n_critic_warmup_itr=1, eval_every=1, eval_episodes=4, gamma=0.99,
                                critic_hidden_dims=[16], clip_coef=0.2, ent_coef=0.01, target_kl=None,
-                               env_factory=reach_envs)
+                               env_factory=reach_envs, env_groups=env_groups)
     before = {k: v.clone() for k, v in module.policy.state_dict().items()}
     trainer = pl.Trainer(max_epochs=1, logger=False, enable_progress_bar=False, enable_model_summary=False,
                          enable_checkpointing=False, default_root_dir=tmp_path)
