@@ -676,8 +676,8 @@ def plot(records: list[dict], path: Path, window: int = 10) -> None:
                                                    f"episodes (mean of {len(finished)} seeds)")
     axes[0].set(title=f"training-rollout success (stochastic), trailing mean of {window} iterations",
                 xlabel="env steps", ylabel="success rate", ylim=(0, 1))
-    axes[1].set(title="deterministic eval: BC -> (continued-from run's end ->) final per seed (thin), mean (thick);"
-                      "\ndots: in-run evals",
+    axes[1].set(title="deterministic eval: BC -> (source run's end ->) final\nper seed (thin), mean (thick); "
+                      "dots: in-run evals",
                 xlabel="env steps")
     for ax in axes:
         ax.grid(alpha=0.3)
