@@ -3,10 +3,8 @@ the Can dims and defaults, and a run never continues, reuses or aggregates anoth
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import re
-import sys
 from pathlib import Path
 
 import pytest
@@ -14,8 +12,8 @@ import torch
 
 from mmpo.training.checkpoint import atomic_torch_save
 from reliability.test_resume_robotics import write_tiny_demos
+from bench_support import load_bench
 
-BENCH = Path(__file__).resolve().parents[2] / "bench"
 
 # every option of `python bench/bench_dppo_vs_gaussian.py` with no arguments, as before --task (plus task: lift)
 LIFT_DEFAULTS = {
@@ -33,14 +31,7 @@ LIFT_DEFAULTS = {
 
 
 def _bench():
-    sys.path.insert(0, str(BENCH))  # the bench imports bench_dppo_lift and paired_intervals from its folder
-    try:
-        spec = importlib.util.spec_from_file_location("bench_dppo_vs_gaussian", BENCH / "bench_dppo_vs_gaussian.py")
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-        return module
-    finally:
-        sys.path.remove(str(BENCH))
+    return load_bench("bench_dppo_vs_gaussian")
 
 
 def test_lift_defaults_are_unchanged():

@@ -5,10 +5,8 @@ of bench/bench_dppo_vs_gaussian.py."""
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import math
-import sys
 from pathlib import Path
 
 import lightning.pytorch as pl
@@ -20,6 +18,7 @@ from robotics.gaussian_ppo import GaussianBCModule, GaussianChunkPolicy, Gaussia
 from robotics.policy.io import load_policy
 from reliability.test_resume_robotics import assert_same_tensors, training_state, write_tiny_demos
 from robotics_reach import reach_envs
+from bench_support import load_bench
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -262,7 +261,6 @@ def test_target_kl_stops_the_update_and_the_metrics_say_so(gaussian_bc_checkpoin
 
 
 # ---------------------------------------------------------------- bench/bench_dppo_vs_gaussian.py's Gaussian side
-BENCH = REPO / "bench"
 # Run E's settings (bench/RESULTS.md; runs/i19/launch.sh's COMMON without the paths)
 RUN_E = ["--num-demos", "100", "--noise", "0.5", "--bc-epochs", "100", "--hidden", "512", "--num-envs", "4",
          "--n-steps", "38", "--max-episode-steps", "150", "--eval-episodes", "100", "--eval-sampler", "ddim",
@@ -271,14 +269,7 @@ RUN_E = ["--num-demos", "100", "--noise", "0.5", "--bc-epochs", "100", "--hidden
 
 
 def _bench():
-    sys.path.insert(0, str(BENCH))  # the bench imports bench_dppo_lift and paired_intervals from its folder
-    try:
-        spec = importlib.util.spec_from_file_location("bench_dppo_vs_gaussian", BENCH / "bench_dppo_vs_gaussian.py")
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-    finally:
-        sys.path.remove(str(BENCH))
-    return module
+    return load_bench("bench_dppo_vs_gaussian")
 
 
 def _update(module: GaussianPPOModule) -> tuple:

@@ -3,26 +3,15 @@ bench's aggregation of per-episode records into paired arrays."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
-import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
 
-BENCH = Path(__file__).resolve().parents[2] / "bench"
+from bench_support import load_bench
 
-
-def _load(name: str):
-    spec = importlib.util.spec_from_file_location(name, BENCH / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-intervals = _load("paired_intervals")
+intervals = load_bench("paired_intervals")
 GAIN = {"after": 1.0, "before": -1.0}
 # seed 0: 2/4 -> 4/4 (gain 0.5); seed 1: 3/4 -> 4/4 (gain 0.25)
 TWO_SEEDS = [{"before": np.array([0, 0, 1, 1]), "after": np.array([1, 1, 1, 1])},
@@ -78,11 +67,7 @@ def test_arrays_must_align():
 
 
 def test_aggregate_pairs_episodes_on_their_keys(monkeypatch):
-    sys.path.insert(0, str(BENCH))
-    try:
-        bench = _load("bench_dppo_vs_gaussian")
-    finally:
-        sys.path.remove(str(BENCH))
+    bench = load_bench("bench_dppo_vs_gaussian")
 
     def episodes(successes, order):
         return [{"env": e, "ordinal": k, "success": successes[(e, k)]} for e, k in order]
@@ -110,11 +95,7 @@ def test_aggregate_pairs_episodes_on_their_keys(monkeypatch):
 def test_aggregate_pairs_one_method_rerun_with_the_other_methods_records(tmp_path):
     """--aggregate-dirs dppo=A gaussian=B: B's Gaussian rerun pairs with A's DPPO on A's seeds; A B (both
     holding Gaussian seed 0) is an error; --aggregate-seeds keeps the named seeds; the settings are reported."""
-    sys.path.insert(0, str(BENCH))
-    try:
-        bench = _load("bench_dppo_vs_gaussian")
-    finally:
-        sys.path.remove(str(BENCH))
+    bench = load_bench("bench_dppo_vs_gaussian")
 
     def record(seed, method, before, after, **extra):
         return {"seed": seed, "method": method, "status": "done", "env_steps": 1000.0, "rl_iterations": 2,
