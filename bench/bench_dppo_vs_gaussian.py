@@ -144,6 +144,9 @@ def parse_args(argv: list[str] | None = None):
     if args.continue_from:
         if args.reuse_bc_from not in (None, args.continue_from):
             parser.error("--continue-from DIR reuses DIR's BC: leave --reuse-bc-from out or give the same DIR")
+        if Path(args.continue_from).resolve() == Path(args.out_dir).resolve():
+            parser.error("--continue-from DIR must not be --out-dir: the continued run would overwrite the records and "
+                         "checkpoints it continues")
         args.reuse_bc_from = args.continue_from
     return args
 

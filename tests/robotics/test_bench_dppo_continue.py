@@ -3,9 +3,7 @@ once (every tensor of the final checkpoint), and a source run with other options
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 from pathlib import Path
 
 import lightning.pytorch as pl
@@ -21,19 +19,11 @@ from reliability.test_resume_robotics import (  # noqa: F401  (pendulum_bc_check
     training_state,
 )
 from robotics.dppo import DPPOModule
-
-BENCH = Path(__file__).resolve().parents[2] / "bench"
+from bench_support import load_bench
 
 
 def _bench():
-    sys.path.insert(0, str(BENCH))  # the bench imports bench_dppo_lift and paired_intervals from its folder
-    try:
-        spec = importlib.util.spec_from_file_location("bench_dppo_vs_gaussian", BENCH / "bench_dppo_vs_gaussian.py")
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-        return module
-    finally:
-        sys.path.remove(str(BENCH))
+    return load_bench("bench_dppo_vs_gaussian")
 
 
 def _fit(bc_checkpoint: Path, root: Path, num_iterations: int, ckpt_path: Path | None = None) -> DPPOModule:
@@ -122,6 +112,8 @@ def test_continue_from_checks_the_source(tmp_path):
         bench.continuation_source(0, "dppo", args)
     with pytest.raises(SystemExit):
         bench.parse_args(RUN + ["--continue-from", str(source), "--reuse-bc-from", "elsewhere"])
+    with pytest.raises(SystemExit):  # the source's records and checkpoints must not be overwritten
+        bench.parse_args(RUN + ["--continue-from", str(source), "--out-dir", str(source)])
 
 
 def test_an_unfinished_source_is_refused(tmp_path):
