@@ -5,6 +5,9 @@ configuration, then the same backwards: raw, DDPM, DDIM, ..., DDIM, DDPM, raw) s
 hits them alike, then each policy alone (batched ``act`` calls, no env) once per round:
 
 - ``raw``: one robosuite env in this process, random actions (``robotics.envs.make_env``), no policy;
+- ``raw, all cores`` (always measured, not a configuration): one such env in each of ``os.cpu_count()``
+  worker processes stepping at once, total env steps / wall time: what the machine's cores deliver together,
+  the ceiling of any collection on them (the issue's goal assumes raw x cores);
 - ``ddpm``: ``DPPOModule.collect_rollout`` on ``--num-envs`` subprocess envs, one batched policy call per
   chunk step over all envs, the policy's own K-step DDPM chain (K = ``--denoising-steps``);
 - ``ddim``: the same with ``rollout_ddim_steps = --ddim-steps`` (DDIM eta = 1 over a strided subset of the
@@ -16,7 +19,12 @@ hits them alike, then each policy alone (batched ``act`` calls, no env) once per
 - ``ddim grouped, reset prefetched``: ``ddim grouped`` with ``prefetch_reset``: the rollout's env reset is
   sent to the workers before the timer starts and ``--update-seconds`` (untimed, idle) stand for the PPO
   update it overlaps in training, so the timed rollout collects a finished reset (the other rows time the
-  reset: one robosuite hard reset, ~0.1 s per env, per ``--n-steps`` x ``--act-steps`` env steps).
+  reset: one robosuite hard reset, ~0.1 s per env, per ``--n-steps`` x ``--act-steps`` env steps);
+- ``ddim grouped, reset prefetched, final autoreset skipped`` and the same with ``ddpm``: with
+  ``skip_final_autoreset`` (DPPOModule's default), an env whose episode ends on the rollout's last chunk step
+  is not auto-reset (the next rollout resets it anyway). The other rows run with it off, as recorded before it
+  existed. It only matters when episodes end on a rollout's last step: run with the training shape
+  ``--n-steps 38 --max-episode-steps 150`` (Lift's 150-step episodes end inside the 38th 4-step chunk).
 
 The first three are the rows recorded before pipelining (bench/RESULTS.md, issue 19); all configurations'
 env workers exist at once (idle ones wait on their pipes).
@@ -67,14 +75,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 #: name -> (DDIM rollouts, pipelined (env_groups = --env-groups), envs as a multiple of --num-envs,
-#: reset prefetched)
-CONFIGS: dict[str, tuple[bool, bool, int, bool]] = {
-    "ddpm": (False, False, 1, False),
-    "ddim": (True, False, 1, False),
-    "ddpm grouped": (False, True, 1, False),
-    "ddim grouped": (True, True, 1, False),
-    "ddim grouped, 2x envs": (True, True, 2, False),
-    "ddim grouped, reset prefetched": (True, True, 1, True),
+#: reset prefetched, final autoreset skipped)
+CONFIGS: dict[str, tuple[bool, bool, int, bool, bool]] = {
+    "ddpm": (False, False, 1, False, False),
+    "ddim": (True, False, 1, False, False),
+    "ddpm grouped": (False, True, 1, False, False),
+    "ddim grouped": (True, True, 1, False, False),
+    "ddim grouped, 2x envs": (True, True, 2, False, False),
+    "ddim grouped, reset prefetched": (True, True, 1, True, False),
+    "ddpm grouped, reset prefetched, final autoreset skipped": (False, True, 1, True, True),
+    "ddim grouped, reset prefetched, final autoreset skipped": (True, True, 1, True, True),
 }
 
 
@@ -86,6 +96,51 @@ def raw_steps_per_s(env, steps: int, rng: np.random.Generator) -> float:
         if terminated or truncated:
             env.reset()
     return steps / (time.perf_counter() - start)
+
+
+def _raw_worker(pipe, task: str, seed: int, max_episode_steps: int) -> None:
+    """One ``raw, all cores`` process: its own env; for each number of steps received, step and answer."""
+    from robotics.envs import make_env
+
+    env = make_env(task, seed=seed, max_episode_steps=max_episode_steps)
+    env.reset(seed=seed)
+    rng = np.random.default_rng(seed)
+    pipe.send("ready")
+    while (steps := pipe.recv()) is not None:
+        pipe.send(raw_steps_per_s(env, steps, rng))
+    env.close()
+
+
+class RawOnAllCores:
+    """``processes`` raw envs in their own processes, stepped at once: total env steps / wall seconds."""
+
+    def __init__(self, processes: int, task: str, max_episode_steps: int) -> None:
+        import multiprocessing
+
+        context = multiprocessing.get_context("forkserver")
+        self.pipes, self.processes = [], []
+        for index in range(processes):
+            parent, child = context.Pipe()
+            process = context.Process(target=_raw_worker, args=(child, task, index, max_episode_steps), daemon=True)
+            process.start()
+            self.pipes.append(parent)
+            self.processes.append(process)
+        for pipe in self.pipes:
+            if pipe.recv() != "ready":
+                raise RuntimeError("a raw simulator process did not start")
+
+    def steps_per_s(self, steps: int) -> float:
+        start = time.perf_counter()
+        for pipe in self.pipes:
+            pipe.send(steps)
+        for pipe in self.pipes:
+            pipe.recv()
+        return steps * len(self.pipes) / (time.perf_counter() - start)
+
+    def close(self) -> None:
+        for pipe, process in zip(self.pipes, self.processes):
+            pipe.send(None)
+            process.join(timeout=10)
 
 
 def collection_steps_per_s(module, update_seconds: float = 0.0) -> float:
@@ -101,9 +156,10 @@ def collection_steps_per_s(module, update_seconds: float = 0.0) -> float:
 def make_module(checkpoint: Path, name: str, args: argparse.Namespace):
     from robotics.dppo import DPPOModule
 
-    ddim, pipelined, env_factor, prefetch = CONFIGS[name]
+    ddim, pipelined, env_factor, prefetch, skip = CONFIGS[name]
     settings = dict(num_envs=args.num_envs * env_factor, n_steps=args.n_steps, seed=0, eval_every=0,
-                    asynchronous=True, env_groups=args.env_groups if pipelined else 1, prefetch_reset=prefetch)
+                    asynchronous=True, env_groups=args.env_groups if pipelined else 1, prefetch_reset=prefetch,
+                    skip_final_autoreset=skip)
     if ddim:
         settings.update(ft_steps=min(args.ft_steps, args.ddim_steps), rollout_ddim_steps=args.ddim_steps)
     else:
@@ -136,17 +192,22 @@ def main(argv: list[str] | None = None) -> None:
     names = [name for name in CONFIGS if name in args.configs]
     modules = {name: make_module(checkpoint, name, args) for name in names}
     raw_env = make_env(args.task, seed=0, max_episode_steps=args.max_episode_steps)
+    raw_all_cores = RawOnAllCores(os.cpu_count() or 1, args.task, args.max_episode_steps)
     try:
         for module in modules.values():
             module.envs = module.make_envs()
         raw_env.reset(seed=0)
         rng = np.random.default_rng(0)
-        results: dict[str, list[float]] = {name: [] for name in ["raw", *names]}
-        order = ["raw", *names, *reversed(names), "raw"]
+        results: dict[str, list[float]] = {name: [] for name in ["raw", "raw, all cores", *names]}
+        order = ["raw", "raw, all cores", *names, *reversed(names), "raw, all cores", "raw"]
         for _ in range(args.rounds):
             for name in order:
-                value = (raw_steps_per_s(raw_env, args.raw_steps, rng) if name == "raw"
-                         else collection_steps_per_s(modules[name], args.update_seconds))
+                if name == "raw":
+                    value = raw_steps_per_s(raw_env, args.raw_steps, rng)
+                elif name == "raw, all cores":
+                    value = raw_all_cores.steps_per_s(args.raw_steps)
+                else:
+                    value = collection_steps_per_s(modules[name], args.update_seconds)
                 results[name].append(value)
             for name in ("ddpm", "ddim"):
                 if name in modules:
@@ -154,6 +215,7 @@ def main(argv: list[str] | None = None) -> None:
                         policy_only_steps_per_s(modules[name], args.n_steps))
     finally:
         raw_env.close()
+        raw_all_cores.close()
         for module in modules.values():
             if module.envs is not None:
                 module.envs.close()

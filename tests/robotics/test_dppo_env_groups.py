@@ -174,36 +174,114 @@ def test_pipelined_collection_on_subprocess_workers_with_a_killed_worker(tmp_pat
         plain.envs.close(terminate=True)
 
 
+def _hopper_checkpoint(tmp_path) -> str:
+    torch.manual_seed(0)
+    policy = DiffusionPolicy(11, 3, 2, denoising_steps=3, hidden_dims=[8, 8, 8])
+    return str(save_policy_safetensors(policy, {"kind": "bc", "task": "hopper", "act_steps": 2},
+                                       tmp_path / "policy.safetensors"))
+
+
+def _hopper_fit(checkpoint: str, root, eval_at_0_and_2: bool, instrument=None, **settings) -> DPPOModule:
+    """A 3-iteration DPPO fit on 2 Hopper subprocess workers (6-step episodes); ``instrument(module)`` runs
+    before the fit."""
+    import lightning.pytorch as pl
+
+    torch.manual_seed(0)
+    module = DPPOModule(checkpoint, num_iterations=3, num_envs=2, ft_steps=2, update_epochs=1, eval_every=0,
+                        critic_hidden_dims=[8], max_episode_steps=6, n_critic_warmup_itr=0, target_kl=None, **settings)
+    if eval_at_0_and_2:
+        module.hparams.eval_every, module.hparams.eval_episodes = 1000, 2
+    if instrument is not None:
+        instrument(module)
+    trainer = pl.Trainer(max_epochs=1, logger=False, enable_progress_bar=False, enable_model_summary=False,
+                         enable_checkpointing=False, default_root_dir=root)
+    trainer.fit(module)
+    return module
+
+
+def _assert_same_fit(plain: DPPOModule, other: DPPOModule) -> None:
+    for key, value in plain.state_dict().items():
+        assert torch.equal(value, other.state_dict()[key]), key
+    for key, value in plain.last_metrics.items():
+        if not key.startswith("perf/env_steps_per_s"):
+            assert value == other.last_metrics[key] or (np.isnan(value) and np.isnan(other.last_metrics[key])), key
+
+
 @pytest.mark.parametrize("env_groups", [1, 2])
 def test_prefetched_reset_changes_nothing(tmp_path, env_groups):
     """prefetch_reset: the next iteration's reset runs in the workers during the update; the fit is bit-identical
     (weights, metrics) to one that resets at the rollout's start. Hopper on subprocess workers, 3 iterations,
     evaluation after iterations 0 and 2 (none is prefetched before an evaluation, nor after the last iteration):
     one prefetch, after iteration 1 for iteration 2."""
-    import lightning.pytorch as pl
-
-    torch.manual_seed(0)
-    policy = DiffusionPolicy(11, 3, 2, denoising_steps=3, hidden_dims=[8, 8, 8])
-    checkpoint = save_policy_safetensors(policy, {"kind": "bc", "task": "hopper", "act_steps": 2},
-                                         tmp_path / "policy.safetensors")
+    checkpoint = _hopper_checkpoint(tmp_path)
     fits = {}
     for prefetch in (False, True):
-        torch.manual_seed(0)
-        module = DPPOModule(str(checkpoint), num_iterations=3, num_envs=2, n_steps=4, ft_steps=2, batch_size=8,
-                            update_epochs=1, eval_every=0, critic_hidden_dims=[8], max_episode_steps=6,
-                            n_critic_warmup_itr=0, env_groups=env_groups, prefetch_reset=prefetch, target_kl=None)
-        module.hparams.eval_every, module.hparams.eval_episodes = 1000, 2  # evaluate at iterations 0 and 2
         started = []
-        start_reset = module.start_reset
-        module.start_reset = lambda iteration: started.append(start_reset(iteration)) or started[-1]
-        trainer = pl.Trainer(max_epochs=1, logger=False, enable_progress_bar=False, enable_model_summary=False,
-                             enable_checkpointing=False, default_root_dir=tmp_path / str(prefetch))
-        trainer.fit(module)
+
+        def instrument(module: DPPOModule) -> None:
+            start_reset = module.start_reset
+            module.start_reset = lambda iteration: started.append(start_reset(iteration)) or started[-1]
+
+        module = _hopper_fit(checkpoint, tmp_path / str(prefetch), True, instrument, n_steps=4, batch_size=8,
+                             env_groups=env_groups, prefetch_reset=prefetch)
         fits[prefetch] = (module, started)
     (plain, plain_started), (prefetched, prefetched_started) = fits[False], fits[True]
     assert plain_started == [] and prefetched_started == [True]
-    for key, value in plain.state_dict().items():
-        assert torch.equal(value, prefetched.state_dict()[key]), key
-    for key, value in plain.last_metrics.items():
-        if not key.startswith("perf/env_steps_per_s"):
-            assert value == prefetched.last_metrics[key] or (np.isnan(value) and np.isnan(prefetched.last_metrics[key])), key
+    _assert_same_fit(plain, prefetched)
+
+
+@pytest.mark.parametrize("env_groups", [1, 2])
+def test_skipping_the_final_autoreset_leaves_the_rollouts_unchanged(bc_checkpoint, env_groups):
+    """Reach episodes are 6 chunk steps: a 12-step rollout ends episodes at steps 6 and 12. With
+    skip_final_autoreset the reset after step 12 (thrown away by the next iteration's seeded reset) is skipped;
+    every recorded tensor of two consecutive rollouts is the same as with gymnasium's plain autoreset."""
+    rollouts, skipped = {}, {}
+    for skip in (False, True):
+        module = make_module(bc_checkpoint, num_envs=4, n_steps=12, env_groups=env_groups, skip_final_autoreset=skip)
+        module.envs = module.make_envs()
+        first = module.collect_rollout()
+        module.iteration += 1
+        rollouts[skip] = (first, module.collect_rollout())
+        skipped[skip] = module.envs.get_attr("skipped_resets")
+        module.envs.close()
+    assert skipped[False] == (0, 0, 0, 0) and skipped[True] == (2, 2, 2, 2)  # one per env and rollout
+    for before, after in zip(rollouts[False], rollouts[True]):
+        assert bool(before.episode_start[6].all()) and bool(before.truncated[11].all())
+        for field in FIELDS:
+            torch.testing.assert_close(getattr(after, field), getattr(before, field), rtol=0, atol=0)
+
+
+def test_skip_final_autoreset_is_off_without_a_reset_at_each_iteration(bc_checkpoint):
+    module = make_module(bc_checkpoint, num_envs=2, n_steps=6, reset_at_iteration=False)
+    module.envs = module.make_envs()
+    module.collect_rollout()
+    module.collect_rollout()  # the episodes go on across rollouts: the autoreset after step 6 must have run
+    assert module.envs.get_attr("skipped_resets") == (0, 0)
+    module.envs.close()
+
+
+def test_skipped_final_autoreset_on_subprocess_workers_with_prefetch_changes_nothing(tmp_path):
+    """Hopper on 2 groups of subprocess workers, prefetched resets, 6-step episodes = 3 chunk steps = one rollout:
+    every rollout's last step ends every episode. Skipping those autoresets (one per env and iteration) leaves
+    the fit bit-identical."""
+    checkpoint = _hopper_checkpoint(tmp_path)
+    fits = {}
+    for skip in (False, True):
+        skipped = []
+
+        def instrument(module: DPPOModule) -> None:
+            collect = module.collect_rollout
+
+            def collect_and_count() -> Rollout:
+                rollout = collect()
+                skipped.append(module.envs.get_attr("skipped_resets"))
+                return rollout
+
+            module.collect_rollout = collect_and_count
+
+        module = _hopper_fit(checkpoint, tmp_path / str(skip), False, instrument, n_steps=3, batch_size=6,
+                             env_groups=2, prefetch_reset=True, skip_final_autoreset=skip)
+        fits[skip] = (module, skipped)
+    (plain, plain_skipped), (skipping, skipping_skipped) = fits[False], fits[True]
+    assert plain_skipped == [(0, 0)] * 3 and skipping_skipped == [(1, 1), (2, 2), (3, 3)]
+    _assert_same_fit(plain, skipping)

@@ -93,3 +93,65 @@ def test_lift_chunks_in_normalised_space(tmp_path):
         assert truncated and info["executed_steps"] == 4
     finally:
         env.close()
+
+
+class ResetCountingEnv(CountingEnv):
+    """CountingEnv that counts its resets (what a skipped autoreset saves)."""
+
+    resets = 0
+
+    def reset(self, *, seed=None, options=None):
+        self.resets += 1
+        self.options_seen = options
+        return super().reset(seed=seed, options=options)
+
+
+def _counting_vector_env(length: int, act_steps: int):
+    from gymnasium.vector import AutoresetMode, SyncVectorEnv
+
+    return SyncVectorEnv([lambda: ActionChunkWrapper(ResetCountingEnv(length), act_steps=act_steps)],
+                         autoreset_mode=AutoresetMode.SAME_STEP)
+
+
+def test_autoreset_after_the_armed_chunk_step_is_skipped_and_the_env_refuses_to_step():
+    from robotics.envs.chunking import SKIP_AUTORESET_AFTER
+
+    # episodes of 4 steps = 2 chunks of 2; armed for 4 chunk steps: the end at chunk 2 resets, the end at 4 does not
+    vec = _counting_vector_env(length=4, act_steps=2)
+    wrapper, base = vec.envs[0], vec.envs[0].env
+    vec.reset(seed=0, options={SKIP_AUTORESET_AFTER: 4})
+    assert base.resets == 1 and base.options_seen is None  # the option is the wrapper's own, not passed on
+    chunk = np.ones((1, 2, 2))
+    vec.step(chunk)
+    obs, _, terminated, _, info = vec.step(chunk)  # chunk 2: the episode ends and SAME_STEP resets it
+    assert terminated[0] and base.resets == 2
+    np.testing.assert_array_equal(obs[0], [0.0, 0.0])  # the new episode's first obs
+    np.testing.assert_array_equal(info["final_obs"][0], [4.0, 1.0])
+    vec.step(chunk)
+    obs, _, terminated, _, info = vec.step(chunk)  # chunk 4: the episode ends, its reset is skipped
+    assert terminated[0] and base.resets == 2 and wrapper.skipped_resets == 1
+    np.testing.assert_array_equal(obs[0], [4.0, 1.0])  # the finished episode's last obs, not a reset obs
+    np.testing.assert_array_equal(info["final_obs"][0], [4.0, 1.0])
+    assert info["reset_skipped"][0]
+    with pytest.raises(RuntimeError, match="autoreset was skipped"):
+        vec.step(chunk)
+    obs, _ = vec.reset(seed=1)  # an explicit reset without the option: a real reset, disarmed
+    assert base.resets == 3
+    np.testing.assert_array_equal(obs[0], [0.0, 0.0])
+    for _ in range(4):
+        obs, _, terminated, _, _ = vec.step(chunk)
+    assert terminated[0] and base.resets == 5 and wrapper.skipped_resets == 1
+    np.testing.assert_array_equal(obs[0], [0.0, 0.0])
+
+
+def test_skip_option_only_skips_an_end_on_that_exact_chunk_step():
+    from robotics.envs.chunking import SKIP_AUTORESET_AFTER
+
+    vec = _counting_vector_env(length=4, act_steps=2)
+    vec.reset(seed=0, options={SKIP_AUTORESET_AFTER: 3})  # the episode ends on chunk 2 and 4, never on 3
+    for _ in range(4):
+        obs, _, terminated, _, _ = vec.step(np.ones((1, 2, 2)))
+    assert terminated[0] and vec.envs[0].env.resets == 3 and vec.envs[0].skipped_resets == 0
+    np.testing.assert_array_equal(obs[0], [0.0, 0.0])
+    with pytest.raises(ValueError, match="must be >= 1"):
+        vec.reset(seed=0, options={SKIP_AUTORESET_AFTER: 0})
