@@ -160,3 +160,15 @@ def test_episode_tracker_records_name_each_counted_episode_by_env_and_number():
         {"env": 1, "ordinal": 0, "success": False, "return": 1.0, "length": 2},
     ]
     assert tracker.complete and len(tracker.returns) == 3
+
+
+def test_chain_quality_pairs_episodes_on_env_and_ordinal():
+    quality = load_bench("bench_dppo_chain_quality")
+    runs = {"ddpm": [{"env": 1, "ordinal": 0, "success": True}, {"env": 0, "ordinal": 0, "success": False},
+                     {"env": 0, "ordinal": 1, "success": True}],
+            "ddim": [{"env": 0, "ordinal": 0, "success": True}, {"env": 1, "ordinal": 0, "success": True},
+                     {"env": 1, "ordinal": 1, "success": False}]}
+    arrays = quality.paired_arrays(runs)  # shared keys (0, 0) and (1, 0), sorted
+    assert arrays["ddpm"].tolist() == [0.0, 1.0] and arrays["ddim"].tolist() == [1.0, 1.0]
+    line = quality.summary_lines("stochastic", [arrays], n_boot=10)[0]
+    assert line.startswith("| stochastic | 0.500 (0.50) | 1.000 (1.00) | +0.500 |")
