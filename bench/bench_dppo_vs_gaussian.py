@@ -305,6 +305,9 @@ def continuation_checkpoint(source: Path, target: Path) -> int:
         progress.update(processed=0, completed=0)
     loop["epoch_loop.batch_progress"]["is_last_batch"] = False
     checkpoint["epoch"] = 0
+    # Lightning's Timer (--dppo-max-minutes) restores its elapsed time from a checkpoint: a continued run would
+    # count the source's minutes against its own cap (a run the cap stopped could never be continued)
+    checkpoint.get("callbacks", {}).pop("Timer", None)
     atomic_torch_save(checkpoint, target, keep_previous=False)
     return int(batches)
 

@@ -26,7 +26,8 @@ def _bench():
     return load_bench("bench_dppo_vs_gaussian")
 
 
-def _fit(bc_checkpoint: Path, root: Path, num_iterations: int, ckpt_path: Path | None = None) -> DPPOModule:
+def _fit(bc_checkpoint: Path, root: Path, num_iterations: int, ckpt_path: Path | None = None,
+         **trainer_settings) -> DPPOModule:
     """test_resume_robotics' tiny Pendulum DPPO fit, ``num_iterations`` long; saves ``end.ckpt`` when done (as the
     bench's fit_rl does) and ``iteration=4.ckpt`` on the way."""
     torch.manual_seed(0)
@@ -35,7 +36,8 @@ def _fit(bc_checkpoint: Path, root: Path, num_iterations: int, ckpt_path: Path |
                         gamma=0.99, critic_hidden_dims=[16, 16], actor_lr=1e-3, target_kl=None, seed=5,
                         env_factory=_pendulum_envs)
     trainer = pl.Trainer(max_epochs=1, logger=False, enable_progress_bar=False, enable_model_summary=False,
-                         enable_checkpointing=False, callbacks=[_SaveAfterIterations(root, {4})], default_root_dir=root)
+                         enable_checkpointing=False, callbacks=[_SaveAfterIterations(root, {4})], default_root_dir=root,
+                         **trainer_settings)
     trainer.fit(module, ckpt_path=ckpt_path)
     trainer.save_checkpoint(root / "end.ckpt")
     return module
@@ -161,3 +163,19 @@ def test_plot_draws_continued_records(tmp_path):
             "after": {"success_rate": 0.6}, "continued_from": {"env_steps": 1200.0, "after": {"success_rate": 0.4}}}
     bench.plot([{**base, "seed": 0, "method": "dppo"}, {**base, "seed": 0, "method": "gaussian"}], tmp_path / "p.png")
     assert (tmp_path / "p.png").stat().st_size > 10_000
+
+
+def test_a_continuation_gets_its_own_time_cap(pendulum_bc_checkpoint, tmp_path):
+    """A run stopped by --dppo-max-minutes (Lightning's Timer, whose elapsed time is in the checkpoint) can be
+    continued under a new cap: the source's elapsed time is dropped from the continuation checkpoint."""
+    bench = _bench()
+    _fit(pendulum_bc_checkpoint, tmp_path / "short", 3)
+    source = torch.load(tmp_path / "short" / "end.ckpt", weights_only=False)
+    source.setdefault("callbacks", {})["Timer"] = {"time_elapsed": {"train": 1e6, "sanity_check": 0, "validate": 0,
+                                                                    "test": 0, "predict": 0}}
+    torch.save(source, tmp_path / "capped.ckpt")
+    assert bench.continuation_checkpoint(tmp_path / "capped.ckpt", tmp_path / "continue.ckpt") == 3
+    assert "Timer" not in torch.load(tmp_path / "continue.ckpt", weights_only=False)["callbacks"]
+    continued = _fit(pendulum_bc_checkpoint, tmp_path / "continued", 4, tmp_path / "continue.ckpt",
+                     max_time={"seconds": 600})
+    assert continued.iteration == 4
