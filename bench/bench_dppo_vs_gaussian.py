@@ -330,6 +330,13 @@ def continuation_source(seed: int, method: str, args) -> tuple[Path, dict]:
     mine = vars(args)
     differ = {key: (value, mine.get(key)) for key, value in record["args"].items()
               if key not in CONTINUE_FREE and value != mine.get(key)}
+    # the demo file is compared as the file each run read, not as the option: a source that wrote its demos into
+    # its own out-dir (no --demos) is continued by naming that file with --demos (the continuation's out-dir differs)
+    if record.get("demos") is not None:  # records from before run_task wrote it compare the option
+        differ.pop("demos", None)
+        mine_demos = default_demos(args, Path(args.out_dir))
+        if Path(record["demos"]).resolve() != mine_demos.resolve():
+            differ["demos"] = (record["demos"], str(mine_demos))
     if task_of(record["args"]) != task_of(mine):  # a record from before --task ran lift
         differ["task"] = (task_of(record["args"]), task_of(mine))
     if record_settings(record) != rl_settings(method, mine):

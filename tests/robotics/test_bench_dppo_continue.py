@@ -118,6 +118,24 @@ def test_continue_from_checks_the_source(tmp_path):
         bench.parse_args(RUN + ["--continue-from", str(source), "--out-dir", str(source)])
 
 
+def test_the_demo_file_is_compared_as_the_file_each_run_read(tmp_path):
+    """A source that wrote its demos into its own out-dir (no --demos) is continued by naming that file; another
+    file, or the continuation's own default file, is refused."""
+    bench = _bench()
+    source = _source(tmp_path, bench, [])
+    record_path = source / "seed0_dppo.json"
+    record = json.loads(record_path.read_text())
+    record["demos"] = str(source / "lift_demos_n100_noise0.5.hdf5")  # what run_task records: the file it read
+    record_path.write_text(json.dumps(record))
+    longer = RUN + ["--dppo-env-steps", "300000", "--continue-from", str(source), "--out-dir", str(tmp_path / "cont")]
+    ckpt, _ = bench.continuation_source(0, "dppo", bench.parse_args(longer + ["--demos", record["demos"]]))
+    assert ckpt == source / "seed0" / "dppo" / "rl.ckpt"
+    with pytest.raises(ValueError, match="demos"):
+        bench.continuation_source(0, "dppo", bench.parse_args(longer + ["--demos", str(tmp_path / "other.hdf5")]))
+    with pytest.raises(ValueError, match="demos"):  # <cont>/lift_demos_n100_noise0.5.hdf5 is another file
+        bench.continuation_source(0, "dppo", bench.parse_args(longer))
+
+
 def test_an_unfinished_source_is_refused(tmp_path):
     bench = _bench()
     source = _source(tmp_path, bench, [], status="rl")
