@@ -561,6 +561,9 @@ def aggregate(records: list[dict], n_boot: int = 10_000) -> dict:
 
 
 def interval(pair) -> str:
+    """``[lo, hi]``; a seed-level t interval of one seed is undefined (NaN), shown as such."""
+    if any(value != value for value in pair):
+        return "n/a (1 seed)"
     return f"[{pair[0]:+.3f}, {pair[1]:+.3f}]"
 
 

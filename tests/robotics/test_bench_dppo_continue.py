@@ -169,6 +169,10 @@ def test_aggregate_reports_the_continued_from_evaluation():
     assert continued["after_minus_mid"]["estimate"] == 0.25
     text = bench.markdown(result)
     assert "added by the extra budget (mid -> after) | 0, 1 | | mid per seed 0.50 / 0.50 at 1,000 / 1,000" in text
+    # one seed: its seed-level t interval is undefined, shown as such (not "[+nan, +nan]")
+    one_seed = bench.markdown(bench.aggregate([records[0]], n_boot=50))
+    assert "| 0 | 4 | 0.25 | 1.00 | 0.250 -> 1.000 | **+0.750** |" in one_seed
+    assert "n/a (1 seed)" in one_seed and "nan" not in one_seed
     # a record without a source has no mid: nothing reported
     plain = {k: v for k, v in records[0].items() if k != "continued_from"}
     assert "continued" not in bench.aggregate([plain], n_boot=50)["methods"]["dppo"]
