@@ -57,7 +57,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def chain_policy(bc_checkpoint: str, chain: str, ddim_steps: int):
     """The policy DPPOModule fine-tunes: the BC policy's own chain, or the DDIM chain of ``rollout_ddim_steps``."""
-    from robotics.dppo import DPPOModule
+    from mmpo.robotics.dppo import DPPOModule
 
     settings = {"rollout_ddim_steps": ddim_steps, "ft_steps": ddim_steps} if chain == "ddim" else {}
     module = DPPOModule(bc_checkpoint, num_envs=1, eval_every=0, **settings)
@@ -65,8 +65,8 @@ def chain_policy(bc_checkpoint: str, chain: str, ddim_steps: int):
 
 
 def episodes_of(bc_checkpoint: str, chain: str, args: argparse.Namespace, deterministic: bool) -> list[dict]:
-    from robotics.envs import make_vector_env
-    from robotics.evaluate import evaluate_policy
+    from mmpo.robotics.envs import make_vector_env
+    from mmpo.robotics.evaluate import evaluate_policy
 
     module, policy = chain_policy(bc_checkpoint, chain, args.ddim_steps)
     envs = make_vector_env(module.task, args.num_envs, seed=args.env_seed, act_steps=module.act_steps,

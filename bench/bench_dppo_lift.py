@@ -3,7 +3,7 @@
 Pipeline per seed: noisy scripted demos -> BC (DDPM eps-MSE, EMA 0.995) -> deterministic eval
 -> DPPO fine-tuning for a fixed env-step budget -> deterministic eval with the fine-tuned
 network (same chain as training). Plus simulator throughput: one raw env vs the subprocess
-vector env (``robotics.envs.measure_steps_per_s``) and the DPPO rollout's env steps/s (policy
+vector env (``mmpo.robotics.envs.measure_steps_per_s``) and the DPPO rollout's env steps/s (policy
 sampling included), all measured in the same run. Prints a markdown block of the results.
 
 The paper's budget (50 envs x 300 chunk steps x 81 iterations, ~4.9M env steps, 3000+ BC epochs)
@@ -12,7 +12,7 @@ does not fit a CPU; every budget knob is a command-line option:
     python bench/bench_dppo_lift.py --seeds 0 1 2 --dppo-env-steps 20000 --num-envs 8 --eval-episodes 50
 
 ``--task can`` runs the same pipeline on robosuite PickPlaceCan (23-D state): dims from the task registry
-(robotics/envs/tasks.py), the Can scripted expert's demos, and the Can defaults of TASK_DEFAULTS for the options
+(mmpo/robotics/envs/tasks.py), the Can scripted expert's demos, and the Can defaults of TASK_DEFAULTS for the options
 left unset (the default task, lift, keeps every default it had).
 """
 
@@ -124,7 +124,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def task_spec(args):
     """The task registry's entry (sim name, obs_dim, action_dim) of ``args.task``."""
-    from robotics.envs.tasks import get_task
+    from mmpo.robotics.envs.tasks import get_task
 
     return get_task(args.task)
 
@@ -141,7 +141,7 @@ def default_demos(args, out_dir: Path) -> Path:
 
 def check_demos(demos: Path, args) -> None:
     """A demo file recorded on another task's simulator (robomimic ``env_args['env_name']``) is an error."""
-    from robotics.data import read_env_args
+    from mmpo.robotics.data import read_env_args
 
     env_name, expected = read_env_args(demos).get("env_name"), task_spec(args).sim_name
     if env_name != expected:
@@ -155,8 +155,8 @@ def evaluate(policy, args, seed: int, normalizer_path: str, *, deterministic: bo
     + i), so every policy of a seed meets the same initial states; the chains' initial noise is seeded
     alike. ``episode_records`` (a list) receives one dict per counted episode (see ``evaluate_policy``);
     ``sampler``: the deterministic chain, default ``args.eval_sampler`` (None: the policy's own)."""
-    from robotics.envs import make_vector_env
-    from robotics.evaluate import evaluate_policy
+    from mmpo.robotics.envs import make_vector_env
+    from mmpo.robotics.evaluate import evaluate_policy
 
     # Episodes end at the first success here: the success metric is unchanged (any-step success)
     # and evaluation gets cheaper; DPPO training episodes still run to the time limit.
@@ -192,7 +192,7 @@ class RolloutRate(pl.Callback):
 
 def train_diffusion_bc(seed: int, args, demos: Path, seed_dir: Path) -> tuple[Path, float]:
     """Diffusion BC (DDPM eps-MSE, EMA 0.995) on ``demos``: (checkpoint ``seed_dir/bc.ckpt``, seconds)."""
-    from robotics.bc import BCModule
+    from mmpo.robotics.bc import BCModule
 
     spec = task_spec(args)
     pl.seed_everything(seed, verbose=False)
@@ -206,7 +206,7 @@ def train_diffusion_bc(seed: int, args, demos: Path, seed_dir: Path) -> tuple[Pa
 def fit_bc(module: pl.LightningModule, args, demos: Path, seed_dir: Path) -> tuple[Path, float]:
     """``--bc-epochs`` epochs of a BC module on ``demos`` (batch 256): (checkpoint ``seed_dir/bc.ckpt``, seconds)."""
     from mmpo.training.checkpoint import VerifiedCheckpointIO
-    from robotics.bc import ChunkDataModule
+    from mmpo.robotics.bc import ChunkDataModule
 
     data = ChunkDataModule(str(demos), horizon=4, batch_size=256)
     start = time.perf_counter()
@@ -244,7 +244,7 @@ def rl_iterations(args) -> int:
 def dppo_module(bc_ckpt: Path, args, seed: int, **settings):
     """The bench's DPPOModule (the paper's Lift and Can settings, the budget knobs from ``args``; the task comes
     with the BC checkpoint); ``settings`` override."""
-    from robotics.dppo import DPPOModule
+    from mmpo.robotics.dppo import DPPOModule
 
     return DPPOModule(**{**dict(
         bc_checkpoint=str(bc_ckpt), num_iterations=rl_iterations(args), num_envs=args.num_envs, n_steps=args.n_steps,
@@ -255,7 +255,7 @@ def dppo_module(bc_ckpt: Path, args, seed: int, **settings):
 
 
 def run_seed(seed: int, args, demos: Path, out_dir: Path) -> dict[str, float]:
-    from robotics.policy.io import load_policy
+    from mmpo.robotics.policy.io import load_policy
 
     seed_dir = out_dir / f"seed{seed}"
     bc_ckpt, bc_seconds = train_diffusion_bc(seed, args, demos, seed_dir)
@@ -308,8 +308,8 @@ def mean_std(values: list[float]) -> str:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     torch.set_num_threads(1)
-    from robotics.demos import generate_demos
-    from robotics.envs import measure_steps_per_s
+    from mmpo.robotics.demos import generate_demos
+    from mmpo.robotics.envs import measure_steps_per_s
 
     out_dir = Path(args.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)

@@ -4,7 +4,7 @@ The configurations of ``--configs`` (default: all), measured in ABBA order per r
 configuration, then the same backwards: raw, DDPM, DDIM, ..., DDIM, DDPM, raw) so that drift in machine load
 hits them alike, then each policy alone (batched ``act`` calls, no env) once per round:
 
-- ``raw``: one robosuite env in this process, random actions (``robotics.envs.make_env``), no policy;
+- ``raw``: one robosuite env in this process, random actions (``mmpo.robotics.envs.make_env``), no policy;
 - ``raw, all cores`` (always measured, not a configuration): one such env in each of ``os.cpu_count()``
   worker processes stepping at once, total env steps / wall time: what the machine's cores deliver together,
   the ceiling of any collection on them (the issue's goal assumes raw x cores);
@@ -100,7 +100,7 @@ def raw_steps_per_s(env, steps: int, rng: np.random.Generator) -> float:
 
 def _raw_worker(pipe, task: str, seed: int, max_episode_steps: int) -> None:
     """One ``raw, all cores`` process: its own env; for each number of steps received, step and answer."""
-    from robotics.envs import make_env
+    from mmpo.robotics.envs import make_env
 
     env = make_env(task, seed=seed, max_episode_steps=max_episode_steps)
     env.reset(seed=seed)
@@ -154,7 +154,7 @@ def collection_steps_per_s(module, update_seconds: float = 0.0) -> float:
 
 
 def make_module(checkpoint: Path, name: str, args: argparse.Namespace):
-    from robotics.dppo import DPPOModule
+    from mmpo.robotics.dppo import DPPOModule
 
     ddim, pipelined, env_factor, prefetch, skip = CONFIGS[name]
     settings = dict(num_envs=args.num_envs * env_factor, n_steps=args.n_steps, seed=0, eval_every=0,
@@ -180,8 +180,8 @@ def policy_only_steps_per_s(module, n_steps: int) -> float:
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     torch.set_num_threads(1)
-    from robotics.bc import BCModule
-    from robotics.envs import make_env
+    from mmpo.robotics.bc import BCModule
+    from mmpo.robotics.envs import make_env
 
     torch.manual_seed(0)
     bc = BCModule(obs_dim=19, action_dim=7, horizon=4, act_steps=args.act_steps, denoising_steps=args.denoising_steps,

@@ -1,7 +1,7 @@
 """Benchmark (issue 19): BC -> DPPO vs BC -> Gaussian-policy PPO on robosuite Lift or Can, paired, with intervals.
 
 ``--task lift`` (default) or ``--task can`` (PickPlaceCan): the task sets the demos (its scripted expert, default
-file ``<out-dir>/<task>_demos_n<N>_noise<X>.hdf5``), the policies' obs/action dims (robotics/envs/tasks.py), the
+file ``<out-dir>/<task>_demos_n<N>_noise<X>.hdf5``), the policies' obs/action dims (mmpo/robotics/envs/tasks.py), the
 evaluation and RL envs, the plot title and the options left unset (bench_dppo_lift.TASK_DEFAULTS: Can takes noise
 0.3 and the DPPO paper's 300-step Can episodes; lift keeps every default it had). Each record stores the task
 (``task``; records from before the option are lift); --continue-from / --reuse-bc-from refuse a source of another
@@ -12,7 +12,7 @@ Per seed and method (``--methods dppo gaussian``), on the same demo file:
 - dppo: diffusion BC (bench_dppo_lift's recipe) -> deterministic eval -> DPPO for ``--dppo-env-steps``
   -> deterministic eval (DDIM eta = 0 by default, ``--eval-sampler``);
 - gaussian: Gaussian-policy BC (MSE on the chunk mean, configs/robotics/gaussian_bc_lift.yaml's recipe)
-  -> deterministic eval (the mean) -> Gaussian PPO (robotics/gaussian_ppo.py) for the same env-step budget
+  -> deterministic eval (the mean) -> Gaussian PPO (mmpo/robotics/gaussian_ppo.py) for the same env-step budget
   and rollout shape -> deterministic eval.
 
 Every evaluation of a seed uses the same env seeds (100000 + seed + env index) and records each episode
@@ -153,7 +153,7 @@ def parse_args(argv: list[str] | None = None):
 
 def module_default(name: str):
     """A DPPOModule (and so GaussianPPOModule) default, e.g. ``target_kl`` (1.0), which the bench does not set."""
-    from robotics.dppo import DPPOModule
+    from mmpo.robotics.dppo import DPPOModule
 
     return inspect.signature(DPPOModule.__init__).parameters[name].default
 
@@ -190,7 +190,7 @@ def rl_settings(method: str, args: dict) -> dict:
 def gaussian_module(bc_ckpt: Path, args, seed: int, **settings):
     """The bench's GaussianPPOModule (the budget knobs from ``args``, the update from the --gaussian-* options; the
     task comes with the BC checkpoint); ``settings`` override."""
-    from robotics.gaussian_ppo import GaussianPPOModule
+    from mmpo.robotics.gaussian_ppo import GaussianPPOModule
 
     return GaussianPPOModule(**{**dict(
         bc_checkpoint=str(bc_ckpt), num_iterations=rl_iterations(args), num_envs=args.num_envs, n_steps=args.n_steps,
@@ -241,7 +241,7 @@ class CurveRecorder(pl.Callback):
 def train_gaussian_bc(seed: int, args, demos: Path, seed_dir: Path) -> tuple[Path, float]:
     """Gaussian BC (MSE of the chunk mean; configs/robotics/gaussian_bc_lift.yaml's recipe, the task's dims) for
     ``--bc-epochs`` epochs."""
-    from robotics.gaussian_ppo import GaussianBCModule
+    from mmpo.robotics.gaussian_ppo import GaussianBCModule
 
     spec = task_spec(args)
     pl.seed_everything(seed, verbose=False)
@@ -256,8 +256,8 @@ def reuse_bc(seed: int, method: str, args, demos: Path, seed_dir: Path) -> tuple
     ran the same BC options; its normaliser is this run's demos') and copied with its sidecar to
     ``seed_dir/bc.ckpt``. Returns (the copy, what the record stores about the source)."""
     from mmpo.training.checkpoint import checksum_status, file_sha256, sidecar_path
-    from robotics.gaussian_ppo import load_gaussian_policy
-    from robotics.policy.io import load_policy
+    from mmpo.robotics.gaussian_ppo import load_gaussian_policy
+    from mmpo.robotics.policy.io import load_policy
 
     source_dir = Path(args.reuse_bc_from)
     source, source_record = source_dir / f"seed{seed}" / method / "bc.ckpt", source_dir / f"seed{seed}_{method}.json"
@@ -351,8 +351,8 @@ def continuation_source(seed: int, method: str, args) -> tuple[Path, dict]:
 
 def run_task(seed: int, method: str, args, demos: Path, out_dir: Path) -> dict:
     """BC -> eval -> RL -> eval for one (seed, method); the record is rewritten to disk at every stage."""
-    from robotics.gaussian_ppo import load_gaussian_policy
-    from robotics.policy.io import load_policy
+    from mmpo.robotics.gaussian_ppo import load_gaussian_policy
+    from mmpo.robotics.policy.io import load_policy
 
     seed_dir = out_dir / f"seed{seed}" / method
     seed_dir.mkdir(parents=True, exist_ok=True)
@@ -648,7 +648,7 @@ def plot(records: list[dict], path: Path, window: int = 10) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from robotics.envs.tasks import get_task
+    from mmpo.robotics.envs.tasks import get_task
 
     sim_name = get_task(records_task(records)).sim_name
     colors = {"dppo": "tab:blue", "gaussian": "tab:orange"}
@@ -727,7 +727,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"plot: {args.plot}")
         return 0
     torch.set_num_threads(1)
-    from robotics.demos import generate_demos
+    from mmpo.robotics.demos import generate_demos
 
     out_dir.mkdir(parents=True, exist_ok=True)
     demos = default_demos(args, out_dir)

@@ -41,15 +41,15 @@ def run_one(method: str, seed: int, args: argparse.Namespace, test_rows: list[di
     import lightning.pytorch as pl
     from lightning.pytorch.loggers import CSVLogger
 
-    from dllm.data import ArithmeticDataModule
-    from dllm.hints import HintConfig
-    from dllm.rl import DiffuGRPO
-    from dllm.rollout import greedy_accuracy
-    from dllm.sampler import SamplerConfig
-    from dllm.task import ArithmeticTaskConfig
+    from mmpo.dllm.data import ArithmeticDataModule
+    from mmpo.dllm.hints import HintConfig
+    from mmpo.dllm.rl import DiffuGRPO
+    from mmpo.dllm.rollout import greedy_accuracy
+    from mmpo.dllm.sampler import SamplerConfig
+    from mmpo.dllm.task import ArithmeticTaskConfig
 
     pl.seed_everything(seed, verbose=False)
-    from dllm.modeling import read_generation_defaults
+    from mmpo.dllm.modeling import read_generation_defaults
 
     # The SFT checkpoint's canvas (configs/dllm/sft_tiny.yaml: L 24, block 8, steps 12), rollouts at --temperature (1.2).
     saved = read_generation_defaults(args.sft_model).get("sampler", {})
@@ -92,8 +92,8 @@ def run_one(method: str, seed: int, args: argparse.Namespace, test_rows: list[di
 
 def sampled_accuracy(model, tokenizer, rows: list[dict], sampler, samples: int, seed: int) -> float:
     """Held-out accuracy of rollouts at the training temperature (mean over ``samples`` per problem)."""
-    from dllm.rewards import is_correct
-    from dllm.rollout import rollout
+    from mmpo.dllm.rewards import is_correct
+    from mmpo.dllm.rollout import rollout
 
     model.eval()
     generator = torch.Generator().manual_seed(10_000 + seed)
@@ -198,11 +198,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default="runs/bench/dllm_igpo.json", help="JSON with every run (the summary table is printed)")
     args = parser.parse_args(argv)
     sys.path.insert(0, str(REPO))
-    from dllm.rollout import greedy_accuracy
-    from dllm.modeling import load_mask_predictor, read_generation_defaults
-    from dllm.sampler import SamplerConfig
-    from dllm.task import ArithmeticTaskConfig, make_train_and_test
-    from dllm.warmup import ensure_warm_model
+    from mmpo.dllm.rollout import greedy_accuracy
+    from mmpo.dllm.modeling import load_mask_predictor, read_generation_defaults
+    from mmpo.dllm.sampler import SamplerConfig
+    from mmpo.dllm.task import ArithmeticTaskConfig, make_train_and_test
+    from mmpo.dllm.warmup import ensure_warm_model
 
     ensure_warm_model(args.sft_model, args.sft_config)
     args.workdir = args.workdir or tempfile.mkdtemp(prefix="bench_igpo_")

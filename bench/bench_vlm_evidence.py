@@ -298,8 +298,8 @@ def system_prompt_for_start(kind: str) -> str:
 
 
 def write_json_atomic(data: Any, path: Path) -> None:
-    """A killed run never leaves half a file (temp file + rename: ``robotics.files.atomic_write_text``)."""
-    from robotics.files import atomic_write_text
+    """A killed run never leaves half a file (temp file + rename: ``mmpo.robotics.files.atomic_write_text``)."""
+    from mmpo.robotics.files import atomic_write_text
 
     atomic_write_text(path, json.dumps(data, indent=1))
 
@@ -775,7 +775,7 @@ def main(argv: list[str] | None = None) -> int:
         stage_runs(args)
     else:
         text = report(args.out)
-        from robotics.files import atomic_write_text
+        from mmpo.robotics.files import atomic_write_text
 
         atomic_write_text(args.out / "summary.md", text)
         figure = plot(args.out)

@@ -251,7 +251,7 @@ def trl_measured(work: Path, stdout: str) -> dict[str, float]:
             / statistics.median(r["wall_s"] for r in runs[str(tokens)]["trl"]) for tokens in TRL_TOKENS}
 
 
-# dLLM tiny configs end to end: sft_tiny, grpo_tiny, igpo_tiny, then `mmpo eval ... --benchmarks dllm/arith`
+# dLLM tiny configs end to end: sft_tiny, grpo_tiny, igpo_tiny, then `mmpo eval ... --benchmarks mmpo/dllm/arith`
 DLLM_MODELS = {"SFT": "sft_tiny", "GRPO": "grpo_tiny", "IGPO": "igpo_tiny"}
 
 
@@ -261,7 +261,7 @@ def dllm_recorded(text: str) -> list[Claim]:
     for row in rows:
         label = next(name for name in DLLM_MODELS if row["model"].startswith(name))
         accuracy_column = next(key for key in row if "mmpo eval" in key)
-        claims.append(Claim(f"dllm {label} eval dllm/arith accuracy", number(row[accuracy_column])))
+        claims.append(Claim(f"dllm {label} eval mmpo/dllm/arith accuracy", number(row[accuracy_column])))
     return claims
 
 
@@ -276,7 +276,7 @@ def dllm_commands(work: Path) -> list[list[str]]:
             paths += [f"--model.init_args.model_path={work / 'sft_tiny' / 'model'}"]
         commands.append([*_mmpo(), "fit", "-c", f"configs/dllm/{name}.yaml", *paths])
     for name in DLLM_MODELS.values():
-        commands.append([*_mmpo(), "eval", "--model", str(work / name / "model"), "--benchmarks", "dllm/arith",
+        commands.append([*_mmpo(), "eval", "--model", str(work / name / "model"), "--benchmarks", "mmpo/dllm/arith",
                          "--out", str(work / f"eval_{name}")])
     return commands
 
@@ -287,7 +287,7 @@ def dllm_measured(work: Path, stdout: str) -> dict[str, float]:
         results = work / f"eval_{name}" / "results.json"
         if results.is_file():
             benchmarks = json.loads(results.read_text())["benchmarks"]
-            now[f"dllm {label} eval dllm/arith accuracy"] = benchmarks["dllm/arith"]["accuracy"]
+            now[f"dllm {label} eval mmpo/dllm/arith accuracy"] = benchmarks["mmpo/dllm/arith"]["accuracy"]
     return now
 
 

@@ -20,7 +20,7 @@ os.environ.setdefault("MKL_NUM_THREADS", "1")
 
 
 def experts(args: argparse.Namespace) -> None:
-    from robotics.demos import generate_demos
+    from mmpo.robotics.demos import generate_demos
 
     for noise in args.noises:
         with tempfile.TemporaryDirectory() as tmp:
@@ -41,7 +41,7 @@ def experts(args: argparse.Namespace) -> None:
 
 
 def throughput(args: argparse.Namespace) -> None:
-    from robotics.envs import measure_steps_per_s
+    from mmpo.robotics.envs import measure_steps_per_s
 
     result = measure_steps_per_s(args.task, args.num_envs, args.steps, act_steps=args.act_steps, seed=args.seed)
     print(json.dumps({"task": args.task, **result}), flush=True)

@@ -21,8 +21,8 @@ PROGRAM_SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "build-tiny": ("mmpo.vlm.tiny_cli:main", "build the tiny Qwen2.5-VL the tiny VLM configs start from (CPU)"),
     "eval": ("mmpo.eval.cli:main", "evaluate a checkpoint on registered benchmarks"),
     "estimate": ("mmpo.vlm.estimate_cli:main", "per-device memory budget of a VLM config (no weights loaded)"),
-    "demos": ("robotics.cli:demos_main", "generate scripted demonstrations in robomimic's HDF5 layout"),
-    "rollout": ("robotics.cli:rollout_main", "roll out a robot policy checkpoint, optionally recording a video"),
+    "demos": ("mmpo.robotics.cli:demos_main", "generate scripted demonstrations in robomimic's HDF5 layout"),
+    "rollout": ("mmpo.robotics.cli:rollout_main", "roll out a robot policy checkpoint, optionally recording a video"),
 }
 
 

@@ -7,7 +7,7 @@ import gymnasium as gym
 import numpy as np
 from gymnasium.vector import AutoresetMode, SyncVectorEnv
 
-from robotics.envs import ActionChunkWrapper
+from mmpo.robotics.envs import ActionChunkWrapper
 
 EPISODE_STEPS = 12
 

@@ -3,7 +3,7 @@
 Every loss takes per-pair SEQUENCE log-probs (the sum of a completion's token log-probs), so
 any policy that can score a completion feeds it: the VLM's chunked path
 (``mmpo.vlm.logprobs.completion_log_probs``), the masked-diffusion LM's estimator
-(``dllm.logprobs.completion_log_probs``), or a test's hand numbers.
+(``mmpo.dllm.logprobs.completion_log_probs``), or a test's hand numbers.
 
 DPO family (``preference_loss``; Delta = (l_w - l_w^ref) - (l_l - l_l^ref), one value per pair):
 

@@ -3,9 +3,9 @@
 * :func:`evaluate` — a loaded VLM (``model``, ``processor``) on rows, through the
   trainer's ``HFGenerateEngine`` (the same generation path as RL rollouts).
 * :func:`evaluate_answerer` — any object with ``.answer(rows, num_samples, greedy)``
-  (the dLLM agent's ``dllm.eval.load_answerer``).
+  (the dLLM agent's ``mmpo.dllm.eval.load_answerer``).
 * :func:`evaluate_checkpoint` — a saved checkpoint on named benchmarks; dispatches
-  dLLM checkpoints to ``dllm.eval`` and everything else to ``load_vlm``; optionally
+  dLLM checkpoints to ``mmpo.dllm.eval`` and everything else to ``load_vlm``; optionally
   writes ``results.json``, ``results.md``, ``accuracy.png`` and per-item predictions.
 
 Correctness: a completion is correct when its score is > 0.5; the default score
@@ -341,11 +341,11 @@ def evaluate_answerer(
 
 
 def _dllm_eval_module():
-    """``dllm.eval`` when installed, else ``None`` (a VLM-only install)."""
+    """``mmpo.dllm.eval`` when installed, else ``None`` (a VLM-only install)."""
     try:
-        import dllm.eval as dllm_eval
+        import mmpo.dllm.eval as dllm_eval
     except ModuleNotFoundError as error:
-        if error.name is not None and "dllm.eval".startswith(error.name):
+        if error.name is not None and "mmpo.dllm.eval".startswith(error.name):
             return None
         raise
     return dllm_eval
@@ -394,7 +394,7 @@ def load_model_for_eval(
         dtype: VLM weight dtype name (``float32``; ``bfloat16`` on GPUs).
         min_pixels, max_pixels: a VLM's image pixel budget, set on its processor as training does
             (``load_vlm``); None keeps the saved processor's.
-        gen_kwargs: generation settings passed to ``dllm.eval.load_answerer``.
+        gen_kwargs: generation settings passed to ``mmpo.dllm.eval.load_answerer``.
     """
     model_type = model_type or detect_model_type(model_path)
     if model_type == "dllm":

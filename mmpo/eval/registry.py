@@ -33,7 +33,7 @@ DEFAULT_SYNTH_SEED = 1234
 
 # Modules that register benchmarks when imported (owned by other agents).
 # Imported lazily by `available_benchmarks` / `resolve_benchmark`.
-PLUGIN_MODULES = ("mmpo.eval.benchmarks", "dllm.eval")
+PLUGIN_MODULES = ("mmpo.eval.benchmarks", "mmpo.dllm.eval")
 
 
 @dataclass(frozen=True)

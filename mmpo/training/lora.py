@@ -1,4 +1,4 @@
-"""LoRA adapters (peft), shared by the dLLM modules (``dllm.rl``) and the VLM modules (``mmpo.algos``).
+"""LoRA adapters (peft), shared by the dLLM modules (``mmpo.dllm.rl``) and the VLM modules (``mmpo.algos``).
 
 IGPO's and d1's official dLLM runs train a LoRA adapter (r 128, alpha 64, dropout 0.05 on q, k, v, o, up,
 down, gate) on LLaDA-8B-Instruct, and their KL reference is the same network with the

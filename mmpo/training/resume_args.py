@@ -41,13 +41,13 @@ from mmpo.training.cli_errors import fail
 RESUME_FIXED_ARGS: dict[str, tuple[str, ...]] = {
     "mmpo.algos.grpo.GRPOModule": ("model_path", "num_generations"),
     "mmpo.algos.sft.SFTModule": ("model_path",),
-    "dllm.rl.DiffuGRPO": ("model_path", "group_size"),
-    "dllm.sft.MaskedDiffusionSFT": ("init_from", "tokenizer_task"),
-    "robotics.bc.BCModule": ("obs_dim", "action_dim", "horizon", "backbone"),
+    "mmpo.dllm.rl.DiffuGRPO": ("model_path", "group_size"),
+    "mmpo.dllm.sft.MaskedDiffusionSFT": ("init_from", "tokenizer_task"),
+    "mmpo.robotics.bc.BCModule": ("obs_dim", "action_dim", "horizon", "backbone"),
     "mmpo.data.resumable.ResumableTrainData": (
         "batch_size", "seed", "train_size", "tasks", "task", "data_path", "train_path", "difficulty", "drop_last",
     ),
-    "robotics.bc.ChunkDataModule": ("dataset_path", "horizon", "batch_size", "seed"),
+    "mmpo.robotics.bc.ChunkDataModule": ("dataset_path", "horizon", "batch_size", "seed"),
 }
 # Keys Lightning adds to saved hyperparameters; not arguments.
 _INTERNAL_KEYS = ("_class_path", "_instantiator")

@@ -38,9 +38,9 @@ def toy_model() -> ToyMaskPredictor:
 
 @pytest.fixture(scope="session")
 def tiny_model_and_tokenizer():
-    from dllm.modeling import TinyMaskPredictorConfig, build_tiny_mask_predictor
-    from dllm.task import ArithmeticTaskConfig, corpus
-    from dllm.tokenizer import train_char_tokenizer
+    from mmpo.dllm.modeling import TinyMaskPredictorConfig, build_tiny_mask_predictor
+    from mmpo.dllm.task import ArithmeticTaskConfig, corpus
+    from mmpo.dllm.tokenizer import train_char_tokenizer
 
     torch.manual_seed(0)
     tokenizer = train_char_tokenizer(corpus(ArithmeticTaskConfig(), size=200))

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from dllm.eval import is_dllm_checkpoint
-from dllm.warmup import ensure_warm_model
+from mmpo.dllm.eval import is_dllm_checkpoint
+from mmpo.dllm.warmup import ensure_warm_model
 from mmpo.cli import main
 
 REPO = Path(__file__).resolve().parents[2]
@@ -73,7 +73,7 @@ def test_sft_then_igpo_fit_end_to_end(tmp_path, monkeypatch):
 
 
 def test_missing_model_without_warmup_config_is_a_clear_error(tmp_path):
-    from dllm.rl import DiffuGRPO
+    from mmpo.dllm.rl import DiffuGRPO
 
     with pytest.raises(FileNotFoundError, match="no model at"):
         DiffuGRPO(model_path=str(tmp_path / "nothing"), warmup_config=None)

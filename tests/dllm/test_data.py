@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from dllm.data import ArithmeticDataModule, TraceFileDataModule
+from mmpo.dllm.data import ArithmeticDataModule, TraceFileDataModule
 
 
 def test_arithmetic_batches_are_row_lists():

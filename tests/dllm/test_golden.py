@@ -1,4 +1,4 @@
-"""Backward-compatibility of IGPO (dllm.rl.DiffuGRPO): one training step with scripted rollouts on a
+"""Backward-compatibility of IGPO (mmpo.dllm.rl.DiffuGRPO): one training step with scripted rollouts on a
 seeded tiny mask predictor (float64) against committed metrics and gradient fingerprints.
 Regenerate: ``python tests/dllm/golden/make_golden.py`` (only for an intended formula change).
 """

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from dllm.hints import HintConfig, build_group_hints, build_hint, chunk_trace, sample_hint_ratios
+from mmpo.dllm.hints import HintConfig, build_group_hints, build_hint, chunk_trace, sample_hint_ratios
 
 
 def test_chunks_have_allowed_sizes_and_a_short_tail_is_dropped():

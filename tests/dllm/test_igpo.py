@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from dllm.igpo import all_wrong_groups, choose_replacements, hint_entropy_filter, igpo_loss
+from mmpo.dllm.igpo import all_wrong_groups, choose_replacements, hint_entropy_filter, igpo_loss
 
 
 def test_all_wrong_groups_by_id_not_position():
@@ -117,7 +117,7 @@ def test_k3_kl_term_is_added_with_beta():
 
 def test_a_loss_step_raises_the_log_prob_of_positive_advantage_tokens(toy_model):
     """Learning direction: one step on the estimator moves log-probs the way the advantages point."""
-    from dllm.logprobs import completion_log_probs
+    from mmpo.dllm.logprobs import completion_log_probs
 
     prompt = torch.tensor([[5, 6], [5, 6]])
     attention = torch.ones_like(prompt)

@@ -8,7 +8,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from dllm.logprobs import completion_log_probs, perturb_for_scoring
+from mmpo.dllm.logprobs import completion_log_probs, perturb_for_scoring
 
 MASK = 1
 
@@ -77,7 +77,7 @@ def test_prompt_masking_is_seeded_and_spares_padding():
 
 
 def test_structured_timesteps_follow_igpos_schedule():
-    from dllm.logprobs import structured_timesteps
+    from mmpo.dllm.logprobs import structured_timesteps
 
     generator = torch.Generator().manual_seed(0)
     steps = structured_timesteps(4, 128, 30, generator)

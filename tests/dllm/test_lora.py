@@ -6,11 +6,11 @@ import lightning as L
 import pytest
 import torch
 
-from dllm.data import ArithmeticDataModule
+from mmpo.dllm.data import ArithmeticDataModule
 from mmpo.training.lora import LoraSettings, is_lora, merged_state_dict, wrap_with_lora
-from dllm.modeling import load_mask_predictor, mask_predictor_logits, save_mask_predictor
-from dllm.rl import DiffuGRPO
-from dllm.sampler import SamplerConfig
+from mmpo.dllm.modeling import load_mask_predictor, mask_predictor_logits, save_mask_predictor
+from mmpo.dllm.rl import DiffuGRPO
+from mmpo.dllm.sampler import SamplerConfig
 
 TINY_TARGETS = ["Wqkv", "Wo", "Wi"]  # ModernBERT's Linear layers (LLaDA's are q_proj, k_proj, ...)
 

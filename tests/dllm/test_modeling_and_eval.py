@@ -7,9 +7,9 @@ import json
 import pytest
 import torch
 
-from dllm.eval import ARITH_BENCHMARK, is_dllm_checkpoint, load_answerer, load_arith_rows
-from dllm.modeling import decode_completions, encode_completions, encode_prompts, load_mask_predictor, save_mask_predictor
-from dllm.sampler import SamplerConfig
+from mmpo.dllm.eval import ARITH_BENCHMARK, is_dllm_checkpoint, load_answerer, load_arith_rows
+from mmpo.dllm.modeling import decode_completions, encode_completions, encode_prompts, load_mask_predictor, save_mask_predictor
+from mmpo.dllm.sampler import SamplerConfig
 
 
 def test_save_reload_round_trip(tiny_model_and_tokenizer, tmp_path):

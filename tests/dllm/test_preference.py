@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from dllm.preference import sequence_log_probs
+from mmpo.dllm.preference import sequence_log_probs
 from mmpo.core import inpo_loss, preference_loss
 
 MASK = 1

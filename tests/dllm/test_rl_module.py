@@ -5,12 +5,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-import dllm.rl as rl
-from dllm.hints import HintConfig
-from dllm.modeling import save_mask_predictor
-from dllm.rewards import derivation_format_reward
-from dllm.rollout import Rollout
-from dllm.sampler import SamplerConfig
+import mmpo.dllm.rl as rl
+from mmpo.dllm.hints import HintConfig
+from mmpo.dllm.modeling import save_mask_predictor
+from mmpo.dllm.rewards import derivation_format_reward
+from mmpo.dllm.rollout import Rollout
+from mmpo.dllm.sampler import SamplerConfig
 
 GEN = 8
 

@@ -12,12 +12,12 @@ import pytest
 import torch
 from torch.utils.data import DataLoader
 
-import dllm.rl as rl
-from dllm.hints import HintConfig
-from dllm.modeling import save_mask_predictor
-from dllm.rewards import derivation_format_reward
-from dllm.rollout import Rollout
-from dllm.sampler import SamplerConfig
+import mmpo.dllm.rl as rl
+from mmpo.dllm.hints import HintConfig
+from mmpo.dllm.modeling import save_mask_predictor
+from mmpo.dllm.rewards import derivation_format_reward
+from mmpo.dllm.rollout import Rollout
+from mmpo.dllm.sampler import SamplerConfig
 from mmpo.core import compute_advantages, kl_penalty
 
 GEN = 8
@@ -255,11 +255,11 @@ def test_remax_greedy_rollout_leaves_the_sampled_rollouts_unchanged(start, tmp_p
     assert baselines.shape == (6,) and torch.equal(baselines, baselines[::3].repeat_interleave(3))
 
 
-# ---------------------------------------------------------------------- LSPO and SFPO on the dLLM module (dllm/variants.py)
+# ---------------------------------------------------------------------- LSPO and SFPO on the dLLM module (mmpo/dllm/variants.py)
 
 
 def test_lspo_keeps_the_short_band(start, tmp_path, scripted, monkeypatch):
-    from dllm.variants import LSPODiffuGRPO, completion_lengths
+    from mmpo.dllm.variants import LSPODiffuGRPO, completion_lengths
 
     module = LSPODiffuGRPO(**_settings(start, tmp_path, inner_updates=1))
     eos = module.tokenizer.eos_token_id
@@ -282,7 +282,7 @@ def test_lspo_keeps_the_short_band(start, tmp_path, scripted, monkeypatch):
 
 
 def test_sfpo_k1_alpha1_is_two_plain_steps(start, tmp_path, scripted):
-    from dllm.variants import SFPODiffuGRPO
+    from mmpo.dllm.variants import SFPODiffuGRPO
 
     # K = 1, alpha = 1, one inner update per pass: fast step, reposition onto it, slow step = 2 plain steps
     sfpo = _step(SFPODiffuGRPO(**_settings(start, tmp_path, inner_updates=1, beta=0.01), sfpo_inner_steps=1,
@@ -305,7 +305,7 @@ def _settings(start, tmp_path, **overrides) -> dict:
     return {**settings, **overrides}
 
 
-# ---------------------------------------------------------------------- EPO and HAPO on the dLLM module (dllm/variants.py)
+# ---------------------------------------------------------------------- EPO and HAPO on the dLLM module (mmpo/dllm/variants.py)
 
 
 def _masked_completion_entropy(module: rl.DiffuGRPO, prompt: torch.Tensor) -> torch.Tensor:
@@ -318,7 +318,7 @@ def _masked_completion_entropy(module: rl.DiffuGRPO, prompt: torch.Tensor) -> to
 
 
 def _epo(start, tmp_path, **overrides):
-    from dllm.variants import EPODiffuGRPO
+    from mmpo.dllm.variants import EPODiffuGRPO
 
     return EPODiffuGRPO(**_settings(start, tmp_path, **overrides))
 
@@ -398,13 +398,13 @@ def test_epo_penalty_changes_the_loss_not_the_weights(start, tmp_path, scripted)
 
 
 def test_epo_fit_history_and_resume_from_last_ckpt(start, tmp_path, monkeypatch):
-    """``mmpo fit -c configs/dllm/grpo_tiny.yaml --model.class_path=dllm.variants.EPODiffuGRPO``: step 2's H_hist is
+    """``mmpo fit -c configs/dllm/grpo_tiny.yaml --model.class_path=mmpo.dllm.variants.EPODiffuGRPO``: step 2's H_hist is
     step 1's entropy; the history is read back from last.ckpt and a run resumed from it continues it."""
-    from dllm.variants import EPODiffuGRPO
+    from mmpo.dllm.variants import EPODiffuGRPO
 
     monkeypatch.chdir(REPO)
     out = tmp_path / "run"
-    epo = ["--model.class_path=dllm.variants.EPODiffuGRPO", "--model.init_args.inner_updates=1",
+    epo = ["--model.class_path=mmpo.dllm.variants.EPODiffuGRPO", "--model.init_args.inner_updates=1",
            "--trainer.callbacks.init_args.every_n_train_steps=1"]
     rows = _fit_grpo_tiny(start, out, *epo)
     assert len(rows) == 2  # 2 optimizer steps = 2 batches x inner_updates 1
@@ -448,8 +448,8 @@ def _hapo_loss_by_hand(h_hat: torch.Tensor, ratio: torch.Tensor, advantages: tor
 
 @pytest.mark.parametrize("signed, expected", [(False, -1.25), (True, -0.8125)])
 def test_hapo_loss_on_a_hand_batch(start, tmp_path, signed, expected):
-    from dllm.igpo import igpo_loss
-    from dllm.variants import HAPODiffuGRPO
+    from mmpo.dllm.igpo import igpo_loss
+    from mmpo.dllm.variants import HAPODiffuGRPO
 
     module = HAPODiffuGRPO(**_settings(start, tmp_path), hapo_signed_entropy=signed)
     entropy = torch.tensor([[0.0, 1.0, 2.0, 3.0]]).exp()
@@ -470,7 +470,7 @@ def test_hapo_loss_on_a_hand_batch(start, tmp_path, signed, expected):
 
 @pytest.mark.parametrize("signed", [False, True])
 def test_hapo_step_feeds_the_update_entropy_to_the_loss(start, tmp_path, scripted, monkeypatch, signed):
-    from dllm.variants import HAPODiffuGRPO
+    from mmpo.dllm.variants import HAPODiffuGRPO
 
     # one prompt per row, so the rows' entropies differ (with the one-pass estimator a row's entropies depend on
     # its prompt alone: every completion position is a mask token)
@@ -502,10 +502,10 @@ def test_hapo_step_feeds_the_update_entropy_to_the_loss(start, tmp_path, scripte
 
 
 def test_hapo_fit_two_steps_through_mmpo_fit(start, tmp_path, monkeypatch):
-    """``mmpo fit -c configs/dllm/grpo_tiny.yaml --model.class_path=dllm.variants.HAPODiffuGRPO``."""
+    """``mmpo fit -c configs/dllm/grpo_tiny.yaml --model.class_path=mmpo.dllm.variants.HAPODiffuGRPO``."""
     monkeypatch.chdir(REPO)
     out = tmp_path / "run"
-    rows = _fit_grpo_tiny(start, out, "--model.class_path=dllm.variants.HAPODiffuGRPO", "--model.init_args.beta=0.0",
+    rows = _fit_grpo_tiny(start, out, "--model.class_path=mmpo.dllm.variants.HAPODiffuGRPO", "--model.init_args.beta=0.0",
                           "--model.init_args.inner_updates=1")
     assert len(rows) == 2
     hparams = (sorted(out.rglob("hparams.yaml"))[-1]).read_text()

@@ -12,11 +12,11 @@ import lightning as L
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 
-from dllm.data import ArithmeticDataModule
-from dllm.hints import HintConfig
-from dllm.modeling import save_mask_predictor
-from dllm.rl import DiffuGRPO
-from dllm.sampler import SamplerConfig
+from mmpo.dllm.data import ArithmeticDataModule
+from mmpo.dllm.hints import HintConfig
+from mmpo.dllm.modeling import save_mask_predictor
+from mmpo.dllm.rl import DiffuGRPO
+from mmpo.dllm.sampler import SamplerConfig
 
 N_BATCHES, M_BATCHES = 2, 2
 INNER = 2

@@ -8,7 +8,7 @@ import pytest
 import torch
 from diffusers import BlockRefinementScheduler
 
-from dllm.sampler import SamplerConfig, generate, gumbel_max_sample, row_transfer_schedule
+from mmpo.dllm.sampler import SamplerConfig, generate, gumbel_max_sample, row_transfer_schedule
 
 MASK = 1
 PROMPT_LEN = 3

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from dllm.sft import llada_sft_loss, sft_forward_process
+from mmpo.dllm.sft import llada_sft_loss, sft_forward_process
 
 
 def test_llada_sft_loss_hand_computed():
@@ -39,8 +39,8 @@ def test_sft_steps_lower_the_loss_on_fixed_traces(tiny_model_and_tokenizer):
     """Learning direction: 60 AdamW steps on 16 traces reduce the LLaDA loss at fixed mask draws."""
     import copy
 
-    from dllm.modeling import encode_completions, encode_prompts
-    from dllm.task import ArithmeticTaskConfig, make_split
+    from mmpo.dllm.modeling import encode_completions, encode_prompts
+    from mmpo.dllm.task import ArithmeticTaskConfig, make_split
 
     model, tokenizer = tiny_model_and_tokenizer
     model = copy.deepcopy(model).train()

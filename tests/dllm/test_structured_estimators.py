@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from dllm.rl import check_advantage_choice
+from mmpo.dllm.rl import check_advantage_choice
 
 
 @pytest.mark.parametrize(("name", "missing"), [

@@ -6,8 +6,8 @@ import random
 
 import pytest
 
-from dllm.rewards import correctness_rewards, correctness_rewards_with_deadline, extract_answer, is_correct
-from dllm.task import ArithmeticTaskConfig, make_problem, make_train_and_test, solve
+from mmpo.dllm.rewards import correctness_rewards, correctness_rewards_with_deadline, extract_answer, is_correct
+from mmpo.dllm.task import ArithmeticTaskConfig, make_problem, make_train_and_test, solve
 
 
 def test_problems_are_consistent_with_their_traces():
@@ -85,7 +85,7 @@ def test_bad_task_settings_fail_clearly():
 
 
 def test_derivation_format_reward_hand_computed():
-    from dllm.rewards import derivation_format_reward, format_rewards
+    from mmpo.dllm.rewards import derivation_format_reward, format_rewards
 
     assert derivation_format_reward("7+5=12\n12*2=24\nA:24") == 0.75  # all three parts
     assert derivation_format_reward("7+5=12\nfoo\nA:24\n") == 0.5 + 0.25 * 1 / 2  # one of two steps well formed
@@ -97,7 +97,7 @@ def test_derivation_format_reward_hand_computed():
 
 
 def test_xmlcount_format_reward_matches_igpo_count_xml():
-    from dllm.rewards import format_rewards, xmlcount_format_reward
+    from mmpo.dllm.rewards import format_rewards, xmlcount_format_reward
 
     full = "<reasoning>\nx\n</reasoning>\n<answer>\n\\boxed{3}\n</answer>"
     assert xmlcount_format_reward(full) == 0.125 * 4 + 0.25

@@ -109,10 +109,10 @@ def test_evaluate_api_greedy_is_deterministic(tiny_model):
 @pytest.fixture(scope="module")
 def tiny_dllm(tmp_path_factory):
     """A tiny masked-diffusion checkpoint saved by the dllm package (marker file included)."""
-    from dllm.modeling import TinyMaskPredictorConfig, build_tiny_mask_predictor, save_mask_predictor
-    from dllm.sampler import SamplerConfig
-    from dllm.task import ArithmeticTaskConfig, corpus
-    from dllm.tokenizer import train_char_tokenizer
+    from mmpo.dllm.modeling import TinyMaskPredictorConfig, build_tiny_mask_predictor, save_mask_predictor
+    from mmpo.dllm.sampler import SamplerConfig
+    from mmpo.dllm.task import ArithmeticTaskConfig, corpus
+    from mmpo.dllm.tokenizer import train_char_tokenizer
 
     torch.manual_seed(0)
     tokenizer = train_char_tokenizer(corpus(ArithmeticTaskConfig(), size=50))
@@ -126,12 +126,12 @@ def tiny_dllm(tmp_path_factory):
 
 def test_eval_dispatches_dllm_checkpoints(tiny_dllm, tmp_path):
     out = tmp_path / "eval_dllm"
-    code = eval_main(["--model", str(tiny_dllm), "--benchmarks", "dllm/arith", "--limit", "3",
+    code = eval_main(["--model", str(tiny_dllm), "--benchmarks", "mmpo/dllm/arith", "--limit", "3",
                       "--num-samples", "2", "--temperature", "1.0", "--out", str(out), "--no-progress"])
     assert code == 0
     results = json.loads((out / "results.json").read_text())
     assert results["model_type"] == "dllm"
-    metrics = results["benchmarks"]["dllm/arith"]
+    metrics = results["benchmarks"]["mmpo/dllm/arith"]
     assert metrics["num_items"] == 3 and metrics["num_samples"] == 2
     assert {"avg@2", "pass@1", "pass@2"} <= set(metrics)
 

@@ -10,11 +10,11 @@ from pathlib import Path
 
 import pytest
 
-import robotics.demos.generate as generate
-from robotics.bc import ChunkDataModule
-from robotics.cli import demos_main
-from robotics.data import ChunkDataset
-from robotics.files import file_sha256
+import mmpo.robotics.demos.generate as generate
+from mmpo.robotics.bc import ChunkDataModule
+from mmpo.robotics.cli import demos_main
+from mmpo.robotics.data import ChunkDataset
+from mmpo.robotics.files import file_sha256
 
 ARGS = ["--task", "lift", "--num-demos", "1", "--noise", "0.05", "--seed", "3", "--max-steps", "120", "--no-progress"]
 

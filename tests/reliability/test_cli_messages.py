@@ -35,7 +35,7 @@ IGPO = ["fit", "-c", str(REPO / "configs/dllm/igpo_tiny.yaml"), "--trainer.logge
     (GRPO + ["--model.init_args.model_path="],
      "mmpo fit: error: model (mmpo.algos.grpo.GRPOModule): model path is empty (''): give a saved HF model directory"),
     (IGPO + ["--model.init_args.group_size=-1"],
-     "mmpo fit: error: model (dllm.rl.DiffuGRPO): group_size must be >= 2 for group-relative advantages, got -1"),
+     "mmpo fit: error: model (mmpo.dllm.rl.DiffuGRPO): group_size must be >= 2 for group-relative advantages, got -1"),
 ])
 def test_bad_config_ends_in_one_line_with_the_key_and_value(argv, last_line, capsys):
     with pytest.raises(SystemExit) as exit_info:

@@ -183,10 +183,10 @@ def test_differences_and_resume_conflicts_per_key():
 
 def test_dllm_export_refuses_another_runs_save_dir(tmp_path):
     """The masked-diffusion modules claim ``save_dir`` the same way (shared ExportOwnershipMixin)."""
-    from dllm.modeling import TinyMaskPredictorConfig, build_tiny_mask_predictor, save_mask_predictor
-    from dllm.rl import DiffuGRPO
-    from dllm.task import ArithmeticTaskConfig, corpus
-    from dllm.tokenizer import train_char_tokenizer
+    from mmpo.dllm.modeling import TinyMaskPredictorConfig, build_tiny_mask_predictor, save_mask_predictor
+    from mmpo.dllm.rl import DiffuGRPO
+    from mmpo.dllm.task import ArithmeticTaskConfig, corpus
+    from mmpo.dllm.tokenizer import train_char_tokenizer
 
     tokenizer = train_char_tokenizer(corpus(ArithmeticTaskConfig(), size=50))
     model = build_tiny_mask_predictor(tokenizer, TinyMaskPredictorConfig(hidden_size=16, num_layers=1, num_heads=2,

@@ -8,8 +8,8 @@ import signal
 import numpy as np
 import pytest
 
-from robotics.envs import make_vector_env
-from robotics.envs.workers import EnvWorkerError
+from mmpo.robotics.envs import make_vector_env
+from mmpo.robotics.envs.workers import EnvWorkerError
 
 
 def _kill(envs, index: int) -> None:
@@ -63,9 +63,9 @@ def test_reset_after_a_worker_death_is_exactly_the_requested_reset():
 def test_dppo_run_survives_a_killed_worker_and_logs_the_restart(tmp_path):
     import lightning.pytorch as pl
 
-    from robotics.dppo import DPPOModule
-    from robotics.policy import DiffusionPolicy
-    from robotics.policy.io import save_policy_safetensors
+    from mmpo.robotics.dppo import DPPOModule
+    from mmpo.robotics.policy import DiffusionPolicy
+    from mmpo.robotics.policy.io import save_policy_safetensors
 
     policy = DiffusionPolicy(11, 3, 2, denoising_steps=3, hidden_dims=[8, 8, 8])  # Hopper: obs 11, action 3
     checkpoint = save_policy_safetensors(policy, {"kind": "bc", "task": "hopper", "act_steps": 2},

@@ -49,7 +49,7 @@ def test_bad_settings_fail_clearly():
 
 
 def _old_factor(step: int, warmup: int, schedule: str, total: int | None, floor: float = 0.0) -> float:
-    """The LambdaLR factor the modules used before (mmpo.algos.config / dllm / robotics.bc)."""
+    """The LambdaLR factor the modules used before (mmpo.algos.config / dllm / mmpo.robotics.bc)."""
     if warmup and step < warmup:
         return (step + 1) / warmup
     if schedule == "constant":

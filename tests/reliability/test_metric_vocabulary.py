@@ -60,7 +60,7 @@ def test_igpo_step_logs_the_shared_keys(tmp_path):
 
 
 def test_dppo_step_logs_the_shared_keys(tmp_path):
-    from robotics.dppo import DPPOModule
+    from mmpo.robotics.dppo import DPPOModule
 
     checkpoint = load_script(TESTS / "robotics" / "golden" / "make_golden.py").build_checkpoint(tmp_path)
     reach_envs = load_script(TESTS / "robotics" / "test_dppo.py").reach_envs

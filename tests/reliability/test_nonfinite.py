@@ -118,7 +118,7 @@ def test_guard_counts_warns_and_stops_after_n_in_a_row(caplog):
 
 
 def _bc_module(**kwargs):
-    from robotics.bc import BCModule
+    from mmpo.robotics.bc import BCModule
 
     torch.manual_seed(0)
     return BCModule(obs_dim=2, action_dim=1, horizon=2, act_steps=2, denoising_steps=3, hidden_dims=[16, 16],
@@ -186,15 +186,15 @@ class Hold1D(gym.Env):
 
 
 def _hold_envs(num_envs: int, seed: int, act_steps: int) -> SyncVectorEnv:
-    from robotics.envs import ActionChunkWrapper
+    from mmpo.robotics.envs import ActionChunkWrapper
 
     makers = [lambda: ActionChunkWrapper(gym.wrappers.TimeLimit(Hold1D(), 8), act_steps)] * num_envs
     return SyncVectorEnv(makers, autoreset_mode=AutoresetMode.SAME_STEP)
 
 
 def _dppo_module(tmp_path, poisoned_iterations: set[int], **kwargs):
-    from robotics.dppo import DPPOModule
-    from robotics.policy.io import save_policy_safetensors
+    from mmpo.robotics.dppo import DPPOModule
+    from mmpo.robotics.policy.io import save_policy_safetensors
 
     bc = _bc_module()
     path = tmp_path / "bc_policy.safetensors"
@@ -321,9 +321,9 @@ def test_vlm_sft_skips_a_nan_loss_step(tiny_vlm, tmp_path):
 
 @pytest.fixture(scope="module")
 def tiny_dllm(tmp_path_factory) -> str:
-    from dllm.modeling import TinyMaskPredictorConfig, build_tiny_mask_predictor, save_mask_predictor
-    from dllm.task import ArithmeticTaskConfig, corpus
-    from dllm.tokenizer import train_char_tokenizer
+    from mmpo.dllm.modeling import TinyMaskPredictorConfig, build_tiny_mask_predictor, save_mask_predictor
+    from mmpo.dllm.task import ArithmeticTaskConfig, corpus
+    from mmpo.dllm.tokenizer import train_char_tokenizer
 
     torch.manual_seed(0)
     tokenizer = train_char_tokenizer(corpus(ArithmeticTaskConfig(), size=50))
@@ -337,8 +337,8 @@ DLLM_ROWS = [{"problem": "1+2", "trace": "1+2=3\nA:3", "answer": "3"}]
 
 
 def test_dllm_rl_skips_a_nan_advantage_step(tiny_dllm, tmp_path, monkeypatch):
-    import dllm.rl as rl
-    from dllm.sampler import SamplerConfig
+    import mmpo.dllm.rl as rl
+    from mmpo.dllm.sampler import SamplerConfig
 
     calls = []
     real = rl.compute_advantages_with_metrics
@@ -361,8 +361,8 @@ def test_dllm_rl_skips_a_nan_advantage_step(tiny_dllm, tmp_path, monkeypatch):
 
 
 def _dllm_sft(tiny_dllm: str, tmp_path, poisoned_calls: set[int], **kwargs):
-    from dllm.sampler import SamplerConfig
-    from dllm.sft import MaskedDiffusionSFT
+    from mmpo.dllm.sampler import SamplerConfig
+    from mmpo.dllm.sft import MaskedDiffusionSFT
 
     class PoisonedSFT(MaskedDiffusionSFT):
         calls = 0
@@ -413,7 +413,7 @@ def _demo_file(path, bad: tuple[str, str, int] | None = None):
 
 
 def test_demo_loader_names_the_nonfinite_demo_and_step_or_skips_it(tmp_path):
-    from robotics.data import ChunkDataset
+    from mmpo.robotics.data import ChunkDataset
 
     path = _demo_file(tmp_path / "demos.hdf5", ("demo_3", "actions", 2))
     with pytest.raises(ValueError, match=r"demos.hdf5: demo_3, step 2: actions\[0\] = nan"):
@@ -434,8 +434,8 @@ def test_demo_loader_names_the_nonfinite_demo_and_step_or_skips_it(tmp_path):
 
 def _lift_like_demos(path, nan_action_in: str | None) -> None:
     """3 demos in the lift layout (19-d state, 7-d actions) and their stats file, as `mmpo demos` writes."""
-    from robotics.envs import Normalizer
-    from robotics.envs.tasks import ROBOMIMIC_LOW_DIM_KEYS
+    from mmpo.robotics.envs import Normalizer
+    from mmpo.robotics.envs.tasks import ROBOMIMIC_LOW_DIM_KEYS
 
     dims = {"robot0_eef_pos": 3, "robot0_eef_quat": 4, "robot0_gripper_qpos": 2, "object": 10}
     rng = np.random.default_rng(0)
@@ -467,7 +467,7 @@ def _fit_bc_config(path, *overrides: str) -> None:
 
 
 def test_mmpo_fit_bc_rejects_a_nan_demo_or_skips_it_and_exports_a_finite_policy(tmp_path, monkeypatch):
-    from robotics.policy.io import load_policy
+    from mmpo.robotics.policy.io import load_policy
 
     monkeypatch.chdir(tmp_path)  # the config writes under runs/bc_lift
     path = tmp_path / "demos.hdf5"

@@ -48,7 +48,7 @@ Stage times (s): ...
 
 ### The tiny configs end to end: reference (22:12-22:21 UTC)
 
-| model | `mmpo eval` dllm/arith (256 held-out, greedy) | all-wrong groups after replacement |
+| model | `mmpo eval` mmpo/dllm/arith (256 held-out, greedy) | all-wrong groups after replacement |
 |---|---|---|
 | SFT (`sft_tiny.yaml`) | 0.199 | |
 | GRPO (`grpo_tiny.yaml`) | 0.246 | 0.358 |
@@ -71,8 +71,8 @@ def test_recorded_numbers_come_from_the_first_table_of_the_named_section():
                       "quickstart count_shapes after GRPO": 0.37, "quickstart mean before SFT": 0.0,
                       "quickstart mean after SFT": 0.273, "quickstart mean after GRPO": 0.337}
     assert [(c.name, c.recorded) for c in reproduce.dllm_recorded(FAKE_RESULTS)] == [
-        ("dllm SFT eval dllm/arith accuracy", 0.199), ("dllm GRPO eval dllm/arith accuracy", 0.246),
-        ("dllm IGPO eval dllm/arith accuracy", 0.266)]
+        ("dllm SFT eval mmpo/dllm/arith accuracy", 0.199), ("dllm GRPO eval mmpo/dllm/arith accuracy", 0.246),
+        ("dllm IGPO eval mmpo/dllm/arith accuracy", 0.266)]
     env = reproduce.throughput_recorded(FAKE_RESULTS)
     assert [(c.name, c.recorded, c.rel_tol) for c in env] == [
         ("env lift num_envs=1 raw CPU s per step", 0.0068, 0.3),
@@ -128,9 +128,9 @@ def test_fresh_numbers_are_read_from_the_runs_outputs(tmp_path):
                                      "num_envs": 4.0}) + "\n"
     assert reproduce.throughput_measured(tmp_path, stdout) == {"env lift num_envs=4 raw CPU s per step": 0.0071}
     (tmp_path / "eval_grpo_tiny").mkdir()
-    results = {"benchmarks": {"dllm/arith": {"accuracy": 0.238}}}
+    results = {"benchmarks": {"mmpo/dllm/arith": {"accuracy": 0.238}}}
     (tmp_path / "eval_grpo_tiny" / "results.json").write_text(json.dumps(results))
-    assert reproduce.dllm_measured(tmp_path, "") == {"dllm GRPO eval dllm/arith accuracy": 0.238}
+    assert reproduce.dllm_measured(tmp_path, "") == {"dllm GRPO eval mmpo/dllm/arith accuracy": 0.238}
 
 
 def test_statuses_exact_to_the_printed_precision_or_within_the_tolerance():

@@ -19,12 +19,12 @@ import pytest
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 
-from robotics.bc import BCModule, ChunkDataModule
-from robotics.demos import RobomimicHDF5Writer
-from robotics.dppo import DPPOModule
-from robotics.envs import ActionChunkWrapper, Normalizer
-from robotics.envs.normalizer import DATA_HASH_KEY
-from robotics.files import file_sha256
+from mmpo.robotics.bc import BCModule, ChunkDataModule
+from mmpo.robotics.demos import RobomimicHDF5Writer
+from mmpo.robotics.dppo import DPPOModule
+from mmpo.robotics.envs import ActionChunkWrapper, Normalizer
+from mmpo.robotics.envs.normalizer import DATA_HASH_KEY
+from mmpo.robotics.files import file_sha256
 
 REPO = Path(__file__).resolve().parents[2]
 OBS_KEYS = {"robot0_eef_pos": 3, "robot0_eef_quat": 4, "robot0_gripper_qpos": 2, "object": 10}  # obs_dim 19

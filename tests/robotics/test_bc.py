@@ -7,8 +7,8 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 
-from robotics.bc import BCModule, make_ema
-from robotics.policy.io import load_policy
+from mmpo.robotics.bc import BCModule, make_ema
+from mmpo.robotics.policy.io import load_policy
 
 torch.set_num_threads(1)
 

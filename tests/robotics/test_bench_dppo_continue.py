@@ -18,7 +18,7 @@ from reliability.test_resume_robotics import (  # noqa: F401  (pendulum_bc_check
     pendulum_bc_checkpoint,
     training_state,
 )
-from robotics.dppo import DPPOModule
+from mmpo.robotics.dppo import DPPOModule
 from bench_support import load_bench
 
 

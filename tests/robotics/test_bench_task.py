@@ -65,7 +65,7 @@ def test_can_takes_its_dims_and_defaults():
 
 @pytest.mark.parametrize("task, obs_dim, max_episode_steps", [("lift", 19, 150), ("can", 23, 300)])
 def test_the_task_reaches_both_bc_modules_and_the_eval_envs(task, obs_dim, max_episode_steps, monkeypatch):
-    import robotics.envs
+    import mmpo.robotics.envs
 
     bench = _bench()
     args = bench.parse_args(["--task", task, "--hidden", "8"])
@@ -80,7 +80,7 @@ def test_the_task_reaches_both_bc_modules_and_the_eval_envs(task, obs_dim, max_e
     def make_vector_env(name, num_envs, **kwargs):
         raise RuntimeError(f"envs {name} {num_envs} {kwargs['max_episode_steps']}")
 
-    monkeypatch.setattr(robotics.envs, "make_vector_env", make_vector_env)
+    monkeypatch.setattr(mmpo.robotics.envs, "make_vector_env", make_vector_env)
     with pytest.raises(RuntimeError, match=f"envs {task} 4 {max_episode_steps}"):
         bench.evaluate(None, args, 0, "stats.json")
 

@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 import torch
 
-from robotics.data import ChunkDataset, load_demos, read_env_args
-from robotics.envs import Normalizer
+from mmpo.robotics.data import ChunkDataset, load_demos, read_env_args
+from mmpo.robotics.envs import Normalizer
 
 # env_args of robomimic's lift/ph/low_dim_v141.hdf5 (robosuite 1.4.1 OSC_POSE config)
 REAL_LIFT_ENV_ARGS = {

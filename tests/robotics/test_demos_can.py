@@ -3,8 +3,8 @@
 import h5py
 import numpy as np
 
-from robotics.data import ChunkDataset
-from robotics.demos import generate_demos
+from mmpo.robotics.data import ChunkDataset
+from mmpo.robotics.demos import generate_demos
 
 
 def test_can_expert_places_can_in_bin(tmp_path):

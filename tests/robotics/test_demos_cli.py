@@ -4,7 +4,7 @@ import json
 
 import h5py
 
-from robotics.cli import demos_main
+from mmpo.robotics.cli import demos_main
 
 
 def test_demos_cli_writes_files_and_reports(tmp_path, capsys):

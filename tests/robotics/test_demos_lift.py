@@ -6,9 +6,9 @@ import h5py
 import numpy as np
 import pytest
 
-from robotics.data import ChunkDataset, load_demos
-from robotics.demos import generate_demos
-from robotics.envs import OBS_KEYS, Normalizer
+from mmpo.robotics.data import ChunkDataset, load_demos
+from mmpo.robotics.demos import generate_demos
+from mmpo.robotics.envs import OBS_KEYS, Normalizer
 
 NUM_DEMOS = 2
 
@@ -90,7 +90,7 @@ def test_robomimic_sequence_dataset_reads_file(lift_demos):
 def test_states_and_env_args_recreate_the_scene(lift_demos):
     import robosuite
 
-    from robotics.envs.robosuite_compat import apply_robosuite_compat
+    from mmpo.robotics.envs.robosuite_compat import apply_robosuite_compat
 
     path, _ = lift_demos
     apply_robosuite_compat()

@@ -12,12 +12,12 @@ import torch
 from gymnasium.vector import AutoresetMode, SyncVectorEnv
 from torch.utils.data import DataLoader, TensorDataset
 
-from robotics.bc import BCModule
-from robotics.dppo import DPPOModule, Rollout
-from robotics.envs import ActionChunkWrapper
-from robotics.evaluate import evaluate_policy
-from robotics.policy.io import load_policy
-from robotics.sfpo import SFPODPPOModule
+from mmpo.robotics.bc import BCModule
+from mmpo.robotics.dppo import DPPOModule, Rollout
+from mmpo.robotics.envs import ActionChunkWrapper
+from mmpo.robotics.evaluate import evaluate_policy
+from mmpo.robotics.policy.io import load_policy
+from mmpo.robotics.sfpo import SFPODPPOModule
 from mmpo.core.slow_fast import reposition
 
 from robotics_reach import Reach1D, reach_envs  # tests/ is on sys.path (tests/conftest.py)
@@ -238,7 +238,7 @@ def test_ddpm_evaluation_std_floor(bc_checkpoint, monkeypatch):
     assert torch.allclose(floored, x, atol=1e-7)
     assert not torch.allclose(floored, mean_only, atol=1e-4)
 
-# ---------------------------------------------------------------------- SFPO around DPPO's update (robotics/sfpo.py)
+# ---------------------------------------------------------------------- SFPO around DPPO's update (mmpo/robotics/sfpo.py)
 
 SFPO_SMALL = dict(num_envs=4, n_steps=4, batch_size=40, update_epochs=2)
 

@@ -1,5 +1,5 @@
 """Pipelined DPPO collection (``env_groups``, issue 19): the envs in groups stepped one group at a time
-(robotics.envs.groups.EnvGroups), the rollout the same as with one batched call."""
+(mmpo.robotics.envs.groups.EnvGroups), the rollout the same as with one batched call."""
 
 from __future__ import annotations
 
@@ -10,11 +10,11 @@ import numpy as np
 import pytest
 import torch
 
-from robotics.dppo import DPPOModule, Rollout
-from robotics.envs.groups import EnvGroups, concat_infos, group_sizes
-from robotics.envs.workers import EnvWorkerError
-from robotics.policy import DiffusionPolicy
-from robotics.policy.io import save_policy_safetensors
+from mmpo.robotics.dppo import DPPOModule, Rollout
+from mmpo.robotics.envs.groups import EnvGroups, concat_infos, group_sizes
+from mmpo.robotics.envs.workers import EnvWorkerError
+from mmpo.robotics.policy import DiffusionPolicy
+from mmpo.robotics.policy.io import save_policy_safetensors
 
 from robotics_reach import reach_envs  # tests/ is on sys.path (tests/conftest.py)
 

@@ -8,8 +8,8 @@ import pytest
 import torch
 from golden_support import load_golden
 
-from robotics.dppo import DPPO_LOSSES, NOT_FOR_DPPO, DPPOModule
-from robotics.policy.dppo_math import denoising_discount, normalize_advantages, reduce_step_log_prob
+from mmpo.robotics.dppo import DPPO_LOSSES, NOT_FOR_DPPO, DPPOModule
+from mmpo.robotics.policy.dppo_math import denoising_discount, normalize_advantages, reduce_step_log_prob
 from mmpo.core import POLICY_LOSSES
 
 GENERATOR, GOLDEN = load_golden(Path(__file__).parent / "golden", "dppo_golden.json")

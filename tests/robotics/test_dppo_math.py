@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from mmpo.core import gae
-from robotics.policy.dppo_math import (
+from mmpo.robotics.policy.dppo_math import (
     RunningRewardScaler,
     clip_schedule,
     denoising_discount,

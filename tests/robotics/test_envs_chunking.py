@@ -4,7 +4,7 @@ import gymnasium as gym
 import numpy as np
 import pytest
 
-from robotics.envs import ActionChunkWrapper, Normalizer, SimulatorFaultWrapper, make_env
+from mmpo.robotics.envs import ActionChunkWrapper, Normalizer, SimulatorFaultWrapper, make_env
 
 
 class CountingEnv(gym.Env):
@@ -114,7 +114,7 @@ def _counting_vector_env(length: int, act_steps: int):
 
 
 def test_autoreset_after_the_armed_chunk_step_is_skipped_and_the_env_refuses_to_step():
-    from robotics.envs.chunking import SKIP_AUTORESET_AFTER
+    from mmpo.robotics.envs.chunking import SKIP_AUTORESET_AFTER
 
     # episodes of 4 steps = 2 chunks of 2; armed for 4 chunk steps: the end at chunk 2 resets, the end at 4 does not
     vec = _counting_vector_env(length=4, act_steps=2)
@@ -145,7 +145,7 @@ def test_autoreset_after_the_armed_chunk_step_is_skipped_and_the_env_refuses_to_
 
 
 def test_skip_option_only_skips_an_end_on_that_exact_chunk_step():
-    from robotics.envs.chunking import SKIP_AUTORESET_AFTER
+    from mmpo.robotics.envs.chunking import SKIP_AUTORESET_AFTER
 
     vec = _counting_vector_env(length=4, act_steps=2)
     vec.reset(seed=0, options={SKIP_AUTORESET_AFTER: 3})  # the episode ends on chunk 2 and 4, never on 3

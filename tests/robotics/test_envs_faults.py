@@ -4,7 +4,7 @@ import mujoco
 import numpy as np
 import pytest
 
-from robotics.envs import ActionChunkWrapper, SimulatorFaultError, fault_count, make_env
+from mmpo.robotics.envs import ActionChunkWrapper, SimulatorFaultError, fault_count, make_env
 
 
 @pytest.fixture(scope="module")

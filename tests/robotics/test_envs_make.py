@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from robotics.envs import OBS_KEYS, get_task, make_env
+from mmpo.robotics.envs import OBS_KEYS, get_task, make_env
 
 
 @pytest.fixture(scope="module")
@@ -73,7 +73,7 @@ def test_hopper_family():
 
 
 def test_render_and_camera_observation(monkeypatch):
-    from robotics.envs import ActionChunkWrapper, Normalizer
+    from mmpo.robotics.envs import ActionChunkWrapper, Normalizer
 
     normalizer = Normalizer(
         {"obs_min": [-2.0] * 19, "obs_max": [2.0] * 19, "action_min": [-1.0] * 7, "action_max": [1.0] * 7}

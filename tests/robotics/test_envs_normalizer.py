@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 import torch
 
-from robotics.envs import Normalizer, stats_path_for
-from robotics.envs.normalizer import RANGE_EPSILON
+from mmpo.robotics.envs import Normalizer, stats_path_for
+from mmpo.robotics.envs.normalizer import RANGE_EPSILON
 
 
 def _normalizer():

@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from robotics.envs import Normalizer, make_vector_env, measure_steps_per_s, merged_info
+from mmpo.robotics.envs import Normalizer, make_vector_env, measure_steps_per_s, merged_info
 
 
 def test_async_lift_two_envs(tmp_path):
@@ -46,7 +46,7 @@ def test_merged_info_prefers_final_info():
 def test_measure_steps_per_s_reports_both_rates(monkeypatch):
     import types
 
-    import robotics.envs.vector as vector
+    import mmpo.robotics.envs.vector as vector
 
     # a scripted clock: the raw loop takes 2 s (1 s of CPU), the vector loop 4 s
     wall, cpu = iter([100.0, 102.0, 200.0, 204.0]), iter([10.0, 11.0])

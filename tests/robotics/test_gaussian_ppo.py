@@ -1,4 +1,4 @@
-"""Gaussian-policy PPO baseline (robotics/gaussian_ppo.py): its log-prob and entropy by hand, BC of the
+"""Gaussian-policy PPO baseline (mmpo/robotics/gaussian_ppo.py): its log-prob and entropy by hand, BC of the
 mean, and a 2-iteration PPO run on the tiny reach task of test_dppo.py; the Gaussian PPO options and BC reuse
 of bench/bench_dppo_vs_gaussian.py."""
 
@@ -14,8 +14,8 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 
-from robotics.gaussian_ppo import GaussianBCModule, GaussianChunkPolicy, GaussianPPOModule, load_gaussian_policy
-from robotics.policy.io import load_policy
+from mmpo.robotics.gaussian_ppo import GaussianBCModule, GaussianChunkPolicy, GaussianPPOModule, load_gaussian_policy
+from mmpo.robotics.policy.io import load_policy
 from reliability.test_resume_robotics import assert_same_tensors, training_state, write_tiny_demos
 from robotics_reach import reach_envs
 from bench_support import load_bench
@@ -229,7 +229,7 @@ def test_gaussian_bc_skips_a_nonfinite_step_and_keeps_the_weights():
     import lightning.pytorch as pl
     import torch
 
-    from robotics.gaussian_ppo import GaussianBCModule
+    from mmpo.robotics.gaussian_ppo import GaussianBCModule
 
     module = GaussianBCModule(obs_dim=3, action_dim=2, horizon=2, act_steps=1, hidden_dims=[8])
     before = {k: v.clone() for k, v in module.state_dict().items()}

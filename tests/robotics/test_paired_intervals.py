@@ -146,7 +146,7 @@ def test_aggregate_pairs_one_method_rerun_with_the_other_methods_records(tmp_pat
 
 
 def test_episode_tracker_records_name_each_counted_episode_by_env_and_number():
-    from robotics.evaluate import EpisodeTracker
+    from mmpo.robotics.evaluate import EpisodeTracker
 
     records: list = []
     tracker = EpisodeTracker(2, quota=[2, 1], records=records)

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from robotics.policy import DenoisingSchedule, DiffusionPolicy, make_ddim_scheduler, make_ddpm_scheduler
+from mmpo.robotics.policy import DenoisingSchedule, DiffusionPolicy, make_ddim_scheduler, make_ddpm_scheduler
 
 torch.set_num_threads(1)
 

@@ -7,10 +7,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from robotics.bc import EMA_PREFIX
-from robotics.policy import DiffusionPolicy
-from robotics.policy.io import CorruptCheckpointError, load_policy, save_policy_safetensors
-from robotics.rollout_cli import rollout_main
+from mmpo.robotics.bc import EMA_PREFIX
+from mmpo.robotics.policy import DiffusionPolicy
+from mmpo.robotics.policy.io import CorruptCheckpointError, load_policy, save_policy_safetensors
+from mmpo.robotics.rollout_cli import rollout_main
 
 
 def _metadata(policy: DiffusionPolicy) -> dict:

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from mmpo.cli import main
-from robotics.policy.io import load_policy
+from mmpo.robotics.policy.io import load_policy
 
 torch.set_num_threads(1)
 CONFIGS = Path(__file__).resolve().parents[2] / "configs" / "robotics"

@@ -90,7 +90,7 @@ def test_register_errors(clean_registry):
 
 
 def test_plugin_modules_are_imported(clean_registry, monkeypatch, tmp_path):
-    # A plugin module registers its benchmarks on import (how dllm.eval adds its text suites).
+    # A plugin module registers its benchmarks on import (how mmpo.dllm.eval adds its text suites).
     (tmp_path / "fake_bench_plugin.py").write_text(
         "from mmpo.eval.registry import register_benchmark\n"
         "register_benchmark('plugin/toy', lambda: [{'id': 'p0'}], modality='dllm')\n"

@@ -1,7 +1,7 @@
 """Regenerate dllm_golden.json: one IGPO (DiffuGRPO) training step on a fixed tiny batch.
 
 A seeded tiny ModernBERT mask predictor (float64) runs one Lightning training step of
-``dllm.rl.DiffuGRPO`` with scripted rollouts: group 0 has one correct completion, group 1 none,
+``mmpo.dllm.rl.DiffuGRPO`` with scripted rollouts: group 0 has one correct completion, group 1 none,
 so IGPO regenerates group 1 with hints, swaps a correct hinted completion in, and the hint-entropy
 filter, the clipped ratio (sequence-level, as the official run, or token-level with structured
 masking), the k3 KL and the inner updates all enter the step. SGD(lr=1) and no gradient clipping
@@ -25,13 +25,13 @@ import lightning.pytorch as pl
 import torch
 from torch.utils.data import DataLoader
 
-import dllm.rl as rl
-from dllm.hints import HintConfig
-from dllm.modeling import TinyMaskPredictorConfig, build_tiny_mask_predictor, save_mask_predictor
-from dllm.rollout import Rollout
-from dllm.sampler import SamplerConfig
-from dllm.task import ArithmeticTaskConfig, corpus
-from dllm.tokenizer import train_char_tokenizer
+import mmpo.dllm.rl as rl
+from mmpo.dllm.hints import HintConfig
+from mmpo.dllm.modeling import TinyMaskPredictorConfig, build_tiny_mask_predictor, save_mask_predictor
+from mmpo.dllm.rollout import Rollout
+from mmpo.dllm.sampler import SamplerConfig
+from mmpo.dllm.task import ArithmeticTaskConfig, corpus
+from mmpo.dllm.tokenizer import train_char_tokenizer
 
 HERE = Path(__file__).parent
 sys.path.insert(0, str(HERE.parents[1]))  # tests/: golden_support

@@ -131,7 +131,7 @@ def robotics_runs(work: Path) -> dict[str, dict[str, dict[str, float]]]:
     sys.path.insert(0, str(REPO / "tests" / "reliability"))
     from test_resume_robotics import write_tiny_demos  # the resume tests' demos: same layout, seeded
 
-    from robotics.bc import BCModule
+    from mmpo.robotics.bc import BCModule
 
     demos = write_tiny_demos(work / "lift.hdf5")
     bc = _fit("configs/robotics/bc_lift.yaml", work / "bc", f"--data.init_args.dataset_path={demos}",

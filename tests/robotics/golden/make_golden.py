@@ -1,7 +1,7 @@
 """Regenerate dppo_golden.json: DPPO's minibatch loss and gradients on a fixed tiny batch.
 
 A seeded tiny diffusion policy (one BC step from seeded data, so it is a real checkpoint) is
-fine-tuned by ``robotics.dppo.DPPOModule`` with K' = 5 denoising steps and the per-step clip
+fine-tuned by ``mmpo.robotics.dppo.DPPOModule`` with K' = 5 denoising steps and the per-step clip
 schedule eps_i = 0.1 -> 0.2 (rate 3). On a fixed minibatch of (env step, denoising step) pairs,
 with old log-probs set off from the current ones by seeded noise (so the per-step clip bounds
 bind on some pairs), it stores ``minibatch_loss``'s policy and value losses, ratios and metrics,
@@ -25,9 +25,9 @@ import lightning.pytorch as pl
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 
-from robotics.bc import BCModule
-from robotics.dppo import DPPOModule
-from robotics.policy.dppo_math import reduce_step_log_prob
+from mmpo.robotics.bc import BCModule
+from mmpo.robotics.dppo import DPPOModule
+from mmpo.robotics.policy.dppo_math import reduce_step_log_prob
 
 HERE = Path(__file__).parent
 sys.path.insert(0, str(HERE.parents[1]))  # tests/: golden_support

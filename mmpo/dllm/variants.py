@@ -1,0 +1,224 @@
+"""GRPO-family variants on the masked-diffusion module, through DiffuGRPO's two hooks.
+
+- :class:`LSPODiffuGRPO`: LSPO's length-band filter (arXiv 2510.01459, ``mmpo.core.lspo_filter``)
+  after the zero-variance filter, on ``filter_groups``. A completion's length is its tokens before
+  the first EOS (what ``decode_completions`` keeps), the whole ``gen_length`` when it has none.
+- :class:`SFPODiffuGRPO`: SFPO's slow-fast update (arXiv 2510.04072, ``mmpo.core.slow_fast``) on
+  ``update_policy``: K fast passes of the ``inner_updates`` steps, reposition, one slow pass; the old
+  log-probs stay theta_0's. The entropy switch reads the token-mean entropy of theta_0 on the batch
+  (the old-policy entropies this module computes anyway; the official code reads the update's
+  entropy, which the default dLLM loss does not compute).
+- :class:`EPODiffuGRPO`: EPO's entropy bonus and historical-entropy smoothing penalty (arXiv 2509.22576,
+  ``mmpo.core.entropy_reg``) on ``extra_loss_terms``, with the entropy history checkpointed.
+- :class:`HAPODiffuGRPO`: HAPO's advantage estimator and its adaptive-clip / advantage-redistribution loss
+  (arXiv 2509.16591, ``mmpo.core.hapo``); the loss reads the update-time entropy. HAPO's adaptive rollout
+  temperature is not wired into the block sampler.
+
+The entropy both read is the mask predictor's: at each scored completion position (every position under
+``masking: full``, the masked ones under ``structured``), the entropy of its distribution over the vocabulary
+given the prompt and the visible completion tokens. The papers define it for autoregressive LMs (the
+next-token distribution); that this transfers is UNVERIFIED (docs/variants/epo.md, docs/variants/hapo.md).
+
+See docs/variants/lspo.md, sfpo.md, epo.md and hapo.md.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from mmpo.dllm.rl import DiffuGRPO
+from mmpo.core import LossParts, aggregate, dynamic_sampling_filter, lspo_filter
+from mmpo.core.entropy_reg import EntropyHistory, check_epo_settings, epo_phase_weight, epo_smoothing_penalty
+from mmpo.core.hapo import hapo_loss_settings
+from mmpo.core.slow_fast import EntropyZScoreSwitch, slow_fast_update
+from mmpo.training.state_hooks import CheckpointedState
+
+
+def completion_lengths(completions: Tensor, eos_token_id: int) -> Tensor:
+    """(N,) tokens before each row's first EOS (the row's width when it has none)."""
+    width = completions.shape[1]
+    is_eos = completions == eos_token_id
+    first = torch.where(is_eos.any(-1), is_eos.float().argmax(-1), torch.full_like(completions[:, 0], width))
+    return first.to(torch.float32)
+
+
+class LSPODiffuGRPO(DiffuGRPO):
+    """DiffuGRPO / IGPO with LSPO's length bands (defaults as ``mmpo.algos.lspo.LSPOModule``; UNVERIFIED).
+
+    Args:
+        lspo_low, lspo_high, lspo_max: the band quantiles (keep L <= Q(low) or Q(high) <= L <= Q(max)).
+        lspo_zero_variance: run the zero-variance filter first (the paper's order).
+        **kwargs: every :class:`~mmpo.dllm.rl.DiffuGRPO` setting.
+    """
+
+    def __init__(self, *, lspo_low: float = 0.3, lspo_high: float = 0.65, lspo_max: float = 0.95,
+                 lspo_zero_variance: bool = True, **kwargs: Any) -> None:
+        if not 0.0 <= lspo_low <= lspo_high <= lspo_max <= 1.0:
+            raise ValueError(f"LSPO needs 0 <= lspo_low <= lspo_high <= lspo_max <= 1, got "
+                             f"{lspo_low}, {lspo_high}, {lspo_max}")
+        super().__init__(**kwargs)
+
+    def filter_groups(self, batch: dict) -> tuple[Tensor | None, dict[str, float]]:
+        h = self.hparams
+        rewards, group_ids = batch["rewards"], batch["group_ids"]
+        metrics: dict[str, float] = {}
+        candidates = None
+        if h.lspo_zero_variance:
+            zero_variance = dynamic_sampling_filter(rewards, group_ids)
+            candidates = zero_variance.keep_mask
+            metrics["rewards/dropped_groups"] = float(zero_variance.num_dropped)
+        lengths = completion_lengths(batch["completions"], self.tokenizer.eos_token_id).to(rewards.device)
+        kept = lspo_filter(lengths, group_ids, candidates, low=h.lspo_low, high=h.lspo_high, max_quantile=h.lspo_max)
+        groups = group_ids.unique()
+        metrics["lspo/dropped_groups"] = float(kept.num_dropped)
+        metrics["lspo/kept_frac"] = float(group_ids[kept.keep_mask].unique().numel()) / groups.numel()
+        return kept.keep_mask, metrics
+
+
+class SFPODiffuGRPO(CheckpointedState, DiffuGRPO):
+    """DiffuGRPO / IGPO whose update is SFPO's slow-fast update (official defaults K 3, alpha 0.8, W 30, z 1.0).
+
+    Every pass makes ``inner_updates`` optimizer steps, so a batch makes (K + 1) x ``inner_updates``;
+    ``trainer.max_steps`` counts all of them. The switch state is saved in checkpoints.
+    """
+
+    checkpointed_state = (("sfpo_switch", "sfpo_switch"),)
+
+    def __init__(self, *, sfpo_inner_steps: int = 3, sfpo_alpha: float = 0.8, sfpo_zscore_window: int = 30,
+                 sfpo_zscore_threshold: float = 1.0, **kwargs: Any) -> None:
+        if sfpo_inner_steps < 1:
+            raise ValueError(f"sfpo_inner_steps (K) must be >= 1, got {sfpo_inner_steps}")
+        if not 0 < sfpo_alpha <= 1:
+            raise ValueError(f"sfpo_alpha must be in (0, 1], got {sfpo_alpha}")
+        super().__init__(**kwargs)
+        self.sfpo_switch = EntropyZScoreSwitch(sfpo_zscore_window, sfpo_zscore_threshold)
+
+    def update_policy(self, batch, keys, old, ref, advantages, loss_masks):
+        h = self.hparams
+        active = self.sfpo_switch.check()
+        plain = super().update_policy
+
+        def one_update():
+            return plain(batch, keys, old, ref, advantages, loss_masks)
+
+        if active:
+            metrics, loss = slow_fast_update(self.model.parameters(), one_update, inner_steps=h.sfpo_inner_steps,
+                                             alpha=h.sfpo_alpha)
+        else:
+            metrics, loss = one_update()
+        entropies = [float((old[key][1] * mask).sum() / mask.sum().clamp_min(1)) for key, mask in loss_masks.items()]
+        self.sfpo_switch.record(sum(entropies) / len(entropies))
+        metrics["sfpo/active"] = float(active)
+        if self.sfpo_switch.last_z == self.sfpo_switch.last_z:  # not NaN: W entropies were recorded
+            metrics["sfpo/entropy_zscore"] = self.sfpo_switch.last_z
+        return metrics, loss
+
+
+class EPODiffuGRPO(CheckpointedState, DiffuGRPO):
+    """DiffuGRPO / IGPO with EPO's entropy terms: loss = igpo_loss - lambda_H * (H - kappa * w(e) * P).
+
+    H is the update-time entropy of the mask predictor (differentiable) aggregated like the policy loss
+    (``loss_agg`` over the inner update's loss mask); P the out-of-band penalty against the mean of past
+    steps' token-mean entropies H_hist (gradient-free, as the official code); both from ``mmpo.core.entropy_reg``.
+    Defaults are the official script's (as ``mmpo.algos.epo.EPOModule``).
+
+    Args:
+        entropy_coef: lambda_H (official 0.001).
+        epo_smooth_coef: kappa (official 1.0).
+        epo_min_ratio, epo_max_ratio: the band (kappa_l H_hist, kappa_r H_hist) (official 0.5, 1.5).
+        epo_penalty: P outside the band (official 0.1).
+        epo_mask_mode: ``token`` (official) or ``seq``.
+        epo_phase_weights, epo_phase_epochs: the optional phase weight w(trainer epoch), E (official off, 150).
+        **kwargs: every :class:`~mmpo.dllm.rl.DiffuGRPO` setting.
+
+    Metrics: ``losses/entropy`` (H), ``losses/epo_smooth`` (P aggregated), ``entropy`` (token mean over the
+    loss mask), ``epo/history_mean`` (0 before any history), ``epo/within_frac``, ``epo/phase_weight``.
+    The history is saved in checkpoints as ``epo_entropy_history``.
+    """
+
+    checkpointed_state = (("epo_entropy_history", "entropy_history"),)
+    entropy_in_loss = True
+
+    def __init__(self, *, entropy_coef: float = 0.001, epo_smooth_coef: float = 1.0, epo_min_ratio: float = 0.5,
+                 epo_max_ratio: float = 1.5, epo_penalty: float = 0.1, epo_mask_mode: str = "token",
+                 epo_phase_weights: bool = False, epo_phase_epochs: int = 150, **kwargs: Any) -> None:
+        check_epo_settings(entropy_coef=entropy_coef, epo_smooth_coef=epo_smooth_coef, epo_min_ratio=epo_min_ratio,
+                           epo_max_ratio=epo_max_ratio, epo_penalty=epo_penalty, epo_mask_mode=epo_mask_mode,
+                           epo_phase_epochs=epo_phase_epochs)
+        super().__init__(**kwargs)
+        self.entropy_history = EntropyHistory()
+        self._step_entropy = [0.0, 0.0]  # this step's sum of loss-mask token entropies, token count
+
+    def phase_weight(self) -> float:
+        h = self.hparams
+        epoch = 0 if self._trainer is None else self.current_epoch
+        return epo_phase_weight(epoch, h.epo_phase_epochs) if h.epo_phase_weights else 1.0
+
+    def extra_loss_terms(self, entropy: Tensor | None, loss_mask: Tensor) -> tuple[LossParts, dict[str, Any]]:
+        h = self.hparams
+        agg = self.settings["loss_agg"]
+        mask = loss_mask.to(entropy.dtype)
+        token_sum, tokens = float((entropy.detach() * mask).sum()), float(mask.sum())
+        self._step_entropy[0] += token_sum
+        self._step_entropy[1] += tokens
+        history = self.entropy_history.mean  # None on the first step: no penalty
+        penalty, within = epo_smoothing_penalty(entropy, mask, history, min_ratio=h.epo_min_ratio,
+                                                max_ratio=h.epo_max_ratio, penalty=h.epo_penalty,
+                                                mode=h.epo_mask_mode)
+        weight = self.phase_weight()
+        # loss = policy + beta KL - lambda_H * H + lambda_H * kappa * w * P
+        parts = (LossParts().add("entropy", aggregate(entropy, mask, agg), -h.entropy_coef)
+                 .add("epo_smooth", aggregate(penalty * weight, mask, agg), h.entropy_coef * h.epo_smooth_coef))
+        metrics = {"entropy": token_sum / max(tokens, 1.0), "epo/within_frac": within,
+                   "epo/history_mean": history or 0.0, "epo/phase_weight": weight}
+        return parts, metrics
+
+    def update_policy(self, batch, keys, old, ref, advantages, loss_masks):
+        self._step_entropy = [0.0, 0.0]
+        out = super().update_policy(batch, keys, old, ref, advantages, loss_masks)
+        total, count = self._step_entropy
+        if self._trainer is not None and self.trainer.world_size > 1:  # one history for all ranks
+            summed = self.trainer.strategy.reduce(torch.tensor([total, count], dtype=torch.float64,
+                                                                device=self.device), reduce_op="sum")
+            total, count = (float(v) for v in summed)
+        if count > 0:
+            self.entropy_history.update(total / count)
+        return out
+
+
+class HAPODiffuGRPO(DiffuGRPO):
+    """DiffuGRPO / IGPO with HAPO's token-level advantage (``hapo``) and loss (``hapo``: asymmetric adaptive clip
+    and differential advantage redistribution from h^ of the update-time entropies, PPO clip with dual clip c).
+
+    The loss is token level (r_t = exp(l_t - l_old_t) of the one-pass estimator), takes ``clip_low`` /
+    ``clip_high`` (HAPO 0.2 / 0.2) and sees the whole batch of each inner update (no micro-batches). Official
+    defaults as ``mmpo.algos.hapo.HAPOModule``; the recipes use no KL (set ``beta: 0``). The adaptive rollout
+    temperature is not implemented here (the block sampler has no per-position temperature).
+
+    Args:
+        hapo_entropy_pivot: quantile of log-entropy used as the pivot (official 0.8).
+        hapo_clip_alpha: alpha of the adaptive clip (official 1.0).
+        hapo_adv_beta: beta of the advantage redistribution (official 1.0).
+        hapo_signed_entropy: keep h^ negative for low-entropy tokens (the paper's intent, UNVERIFIED);
+            false = the official code, where h^ >= 0 for every token.
+        hapo_dual_clip: the dual clip c (official 10; None disables).
+        advantage, loss: HAPO's (``hapo``, ``hapo``); the ``hapo_*`` loss options apply only with ``loss: hapo``.
+        **kwargs: every :class:`~mmpo.dllm.rl.DiffuGRPO` setting.
+
+    Metrics: ``policy/hapo_high_entropy`` (share of loss tokens with h^ > 0), ``policy/clipfrac_dual``,
+    ``advantages/hapo_fallback_groups``.
+    """
+
+    def __init__(self, *, hapo_entropy_pivot: float = 0.8, hapo_clip_alpha: float = 1.0, hapo_adv_beta: float = 1.0,
+                 hapo_signed_entropy: bool = False, hapo_dual_clip: float | None = 10.0, advantage: str = "hapo",
+                 loss: str | None = "hapo", loss_settings: dict[str, Any] | None = None, **kwargs: Any) -> None:
+        hapo_settings = {**hapo_loss_settings(entropy_pivot=hapo_entropy_pivot, clip_alpha=hapo_clip_alpha,
+                                              adv_beta=hapo_adv_beta, signed_entropy=hapo_signed_entropy),
+                         "dual_clip": hapo_dual_clip}
+        if loss != "hapo":  # the hapo_* loss options only apply to HAPO's own loss
+            hapo_settings = {}
+        super().__init__(advantage=advantage, loss=loss, loss_settings={**hapo_settings, **(loss_settings or {})},
+                         **kwargs)
