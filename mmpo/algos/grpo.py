@@ -53,8 +53,20 @@ from mmpo.core import (
     rollout_is_weights,
 )
 from mmpo.training.lora import adapter_disabled, is_lora
+from mmpo.training.update import (
+    CoreLossSpec,
+    MicroLoss,
+    PassContext,
+    ScoredMicroBatch,
+    UpdateEngine,
+    UpdateSchedule,
+    UpdateWrapper,
+    core_loss_parts,
+    mean_logged_entropy,
+    total_loss,
+)
 from mmpo.vlm.factory import make_reference_model
-from mmpo.vlm.fsdp import full_value, full_weights, is_sharded
+from mmpo.vlm.fsdp import full_weights, is_sharded
 from mmpo.vlm.logprobs import completion_log_probs, completion_token_statistics
 from mmpo.vlm.rollout import Rollout, concat_rollouts
 
@@ -200,6 +212,11 @@ class GRPOModule(VLMPolicyModule):
         self._reference = [None if is_lora(self.model) else make_reference_model(
             self.model, beta, dtype=None if ref_dtype is None else getattr(torch, ref_dtype))]
         self.reward_weights = dict(reward_weights) if reward_weights is not None else dict(DEFAULT_REWARD_WEIGHTS)
+        self.update_engine = UpdateEngine(
+            self, max_grad_norm=max_grad_norm,
+            clip_groups=lambda: [[p for p in self.model.parameters() if p.requires_grad]])
+        # how a whole update pass runs: as is, or wrapped by a variant (SFPO's slow-fast update)
+        self.update_wrapper: UpdateWrapper = UpdateWrapper()
 
     # ------------------------------------------------------------------ configuration
 
@@ -582,21 +599,28 @@ class GRPOModule(VLMPolicyModule):
         micro_size: int,
         step: int,
     ) -> list[dict[str, float]]:
-        """``mu`` epochs over shuffled minibatches of the rollout, one optimizer step each; returns each
-        step's statistics (hook: SFPO's fast / slow updates). ``old_log_probs`` is None when the update
-        is on-policy (``mu`` 1, one minibatch): each micro-batch then uses its detached current log-probs."""
+        """``mu`` epochs over shuffled minibatches of the rollout, one optimizer step each, through the update
+        engine (``mmpo.training.update``) and the module's update wrapper (SFPO's slow-fast pass); returns each
+        step's statistics. ``old_log_probs`` is None when the update is on-policy (``mu`` 1, one minibatch):
+        each micro-batch then uses its detached current log-probs."""
         h = self.hparams
         on_policy = h.mu == 1 and minibatch_size == len(rollout)  # as training_step decides it
-        generator = torch.Generator().manual_seed(step_seed(h.seed, step, 0) + 1)
-        update_stats: list[dict[str, float]] = []
-        for _epoch in range(h.mu):
-            order = torch.randperm(len(rollout), generator=generator) if not on_policy else torch.arange(len(rollout))
-            for start in range(0, len(rollout), minibatch_size):
-                index = order[start : start + minibatch_size]
-                stats = self._update(rollout, index, advantages, old_log_probs, ref_log_probs, micro_size)
-                if stats:
-                    update_stats.append(stats)
-        return update_stats
+        schedule = UpdateSchedule(len(rollout), minibatch_size, epochs=h.mu, shuffle=not on_policy)
+        fixed_old: dict[str, Tensor | None] = {"old": old_log_probs}
+
+        def plain_pass() -> list[dict[str, float]]:
+            generator = torch.Generator().manual_seed(step_seed(h.seed, step, 0) + 1)
+            return self.update_engine.run_pass(
+                schedule, lambda _epoch, index: self._update(rollout, index, advantages, fixed_old["old"],
+                                                             ref_log_probs, micro_size),
+                generator=generator)
+
+        def ensure_old_log_probs() -> None:  # pi_old must stay the rollout policy's over a multi-pass update
+            if fixed_old["old"] is None:
+                fixed_old["old"] = self._log_probs_no_grad(self.model, rollout, micro_size)
+
+        context = PassContext(mean_entropy=mean_logged_entropy, ensure_old_log_probs=ensure_old_log_probs)
+        return self.update_wrapper.wrap(plain_pass, self.model.parameters, context)
 
     def _resample_constant_groups(self, rollout: Rollout, rewards: Tensor, step: int) -> tuple[Rollout, Tensor, int]:
         """DAPO refill: sample the prompts of zero-variance groups again (up to
@@ -663,7 +687,7 @@ class GRPOModule(VLMPolicyModule):
         ref_log_probs: Tensor | None,
         micro_size: int,
     ) -> dict[str, float]:
-        """One optimizer step on completions ``index``, accumulated over micro-batches.
+        """One optimizer step on completions ``index``, accumulated over micro-batches by the update engine.
 
         Every micro-batch loss is normalised by the GLOBAL token / sequence count of the
         minibatch (summed over micro-batches and data-parallel ranks), so the summed gradient
@@ -674,72 +698,49 @@ class GRPOModule(VLMPolicyModule):
         mask = loss_mask(rollout)[index]
         global_tokens = self._sum_over_ranks(mask.sum().to(torch.float32))
         global_seqs = self._sum_over_ranks((mask.sum(-1) > 0).sum().to(torch.float32))
-        optimizer = self.optimizers()
-        optimizer.zero_grad(set_to_none=True)
         if float(global_tokens) == 0:
-            # Every group was filtered out (e.g. dynamic sampling). Still count the optimizer step
-            # (no parameter has a gradient, so nothing changes): otherwise global_step stalls and a
-            # run bounded by max_steps never ends. global_tokens is summed over ranks, so all agree.
+            # Every group was filtered out (e.g. dynamic sampling). global_tokens is summed over ranks, so all agree.
             log.warning("step %s: no completion tokens left in the minibatch; update skipped", self.global_step)
-            optimizer.step()
-            scheduler = self.lr_schedulers()
-            if scheduler is not None:
-                scheduler.step()
+            self.update_engine.empty_step()
             return {}
         # Dr.GRPO's L is a constant (max_new_tokens unless norm_len says otherwise), never this
         # minibatch's padded width; the KL, entropy and extra terms share the policy loss's normaliser.
         norm_len = h.norm_len or h.max_new_tokens
         aggregation = Aggregation(h.agg, global_tokens, global_seqs, norm_len)
-        loss_settings = self._loss_settings()
-
-        sums: dict[str, float] = {}
+        spec = self.core_loss_spec()
         local_tokens = float(mask.sum())
         # the entropy is a loss term only with entropy_coef > 0, else a logged diagnostic: skip it on
         # steps that do not log (its (N*T, V) softmax pass is not free); subclasses may force it
         with_entropy = h.entropy_coef > 0 or self.needs_entropy or self._logs_this_step()
-        for micro in index.split(micro_size):
+
+        def micro_loss(micro: Tensor) -> MicroLoss:
             part = rollout.select(micro.cpu()).to(self.device)
             part_mask = loss_mask(part).float()
             log_probs, entropy = self.sequence_log_probs(self.model, part, with_entropy=with_entropy)
             old = log_probs.detach() if old_log_probs is None else old_log_probs[micro]
-            part_adv = advantages[micro]
             is_weights, is_metrics = self._rollout_is_weights(part, log_probs, old)
-            pg_loss, pg_metrics = policy_loss(
-                h.loss, log_probs, old, part_adv, part_mask, agg=h.agg, token_weights=is_weights,
-                global_tokens=global_tokens, global_seqs=global_seqs, norm_len=norm_len, **loss_settings,
-                **self._loss_entropy_input(entropy),
+            scored = ScoredMicroBatch(
+                log_probs, old, advantages[micro], part_mask,
+                ref_log_probs=None if ref_log_probs is None else ref_log_probs[micro], entropy=entropy,
+                token_weights=is_weights, loss_entropy=self._loss_entropy_input(entropy).get("entropy"),
             )
+            parts, pg_metrics = core_loss_parts(scored, spec, aggregation)
             pg_metrics = {**pg_metrics, **is_metrics}
-            # named parts, summed once by parts.total(); without a reference the KL part is 0 with
-            # coefficient 0 (logged, never summed), as is the entropy part when entropy_coef is 0 (then only
-            # on steps that log)
-            parts = LossParts().add("policy", pg_loss)
-            if ref_log_probs is not None:
-                parts.add("kl", aggregation(kl_penalty(log_probs, ref_log_probs[micro], h.kl_kind), part_mask), h.beta)
-            else:
-                parts.add("kl", torch.zeros((), device=self.device), 0.0)
-            if entropy is not None:
-                parts.add("entropy", aggregation(entropy, part_mask), -h.entropy_coef)
             outputs = {
                 "log_probs": log_probs, "old_log_probs": old, "entropy": entropy, "mask": part_mask,
-                "ref_log_probs": None if ref_log_probs is None else ref_log_probs[micro],
-                "advantages": part_adv, "aggregation": aggregation, "losses": parts,
+                "ref_log_probs": scored.ref_log_probs, "advantages": scored.advantages,
+                "aggregation": aggregation, "losses": parts,
             }
             extra, extra_metrics = self.extra_loss_terms(part, outputs)
             extra = as_loss_parts(extra)
-            named = LossParts().update_from(parts).update_from(extra)  # refuses a clash of names
-            # the one place the loss is summed: the trainer's parts, then the algorithm's own
-            loss = parts.total() + extra.total() if len(extra) else parts.total()
-            self.manual_backward(loss * self._world_size)
+            loss, named = total_loss(parts, extra)
 
             # metrics: loss parts are shares of the global value (sum them); ratios are
             # token-weighted means of this rank's micro-batches
             weight = float(part_mask.sum()) / max(local_tokens, 1.0)
-            logged = {key: _item(value) for key, value in named.metrics().items()}
-            logged.setdefault("losses/extra", _item(extra.total()) if len(extra) else 0.0)
-            logged["losses/total"] = _item(loss)
-            for key, value in logged.items():
-                _add(sums, key, value)
+            sums = {key: _item(value) for key, value in named.metrics().items()}
+            sums.setdefault("losses/extra", _item(extra.total()) if len(extra) else 0.0)
+            sums["losses/total"] = _item(loss)
             for key, value in pg_metrics.items():
                 # extremes do not average over micro-batches: only means are logged
                 if (key.startswith("policy/ratio_m") and key != "policy/ratio_mean") or key in _EXTREME_IS_METRICS:
@@ -748,26 +749,22 @@ class GRPOModule(VLMPolicyModule):
             with torch.no_grad():
                 if entropy is not None:
                     _add(sums, "entropy", float((entropy * part_mask).sum()) / max(local_tokens, 1.0))
-                if ref_log_probs is not None:
-                    k3 = kl_penalty(log_probs.detach(), ref_log_probs[micro], "k3")
+                if scored.ref_log_probs is not None:
+                    k3 = kl_penalty(log_probs.detach(), scored.ref_log_probs, "k3")
                     _add(sums, "kl", float((k3 * part_mask).sum()) / max(local_tokens, 1.0))
             for key, value in extra_metrics.items():
                 _add(sums, key, _item(value) * weight)
+            return MicroLoss(loss, sums)
 
-        params = [p for p in self.model.parameters() if p.requires_grad]
-        if h.max_grad_norm > 0:
-            grad_norm = torch.nn.utils.clip_grad_norm_(params, h.max_grad_norm)
-        else:
-            grad_norm = torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None])
-        grad_norm = full_value(grad_norm)  # FSDP2: the norm over every rank's shard
-        sums["policy/grad_norm"] = float(grad_norm)
-        # a non-finite loss or gradient norm drops the gradients: the step below then changes nothing
-        self.nonfinite_step_ok(sums["losses/total"], grad_norm, optimizer)
-        optimizer.step()
-        scheduler = self.lr_schedulers()
-        if scheduler is not None:
-            scheduler.step()
-        return sums
+        return self.update_engine.optimizer_step(index.split(micro_size), micro_loss,
+                                                 loss_scale=self._world_size).metrics
+
+    def core_loss_spec(self) -> CoreLossSpec:
+        """The core loss of this module's settings: ``loss`` with its clip bounds and ``loss_settings``, the KL
+        to the reference (``kl_kind``, ``beta``) and the entropy bonus."""
+        h = self.hparams
+        return CoreLossSpec(h.loss, self._loss_settings(), kl_kind=h.kl_kind, beta=h.beta,
+                            entropy_coef=h.entropy_coef)
 
     # ------------------------------------------------------------------ validation
 

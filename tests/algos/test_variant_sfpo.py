@@ -64,6 +64,6 @@ def test_switch_state_through_a_checkpoint(tiny_model, tmp_path, fit_vlm_config,
     assert len(state["entropies"]) == 2 and state["stopped"] is False
     resumed = SFPOModule(str(tiny_model), num_generations=2, beta=0.0)
     resumed.on_load_checkpoint(checkpoint)
-    assert resumed.sfpo_switch.entropies == state["entropies"]
+    assert resumed.update_wrapper.switch.entropies == state["entropies"]
     with pytest.raises(ValueError, match="sfpo_alpha"):
         SFPOModule(str(tiny_model), sfpo_alpha=1.5)
