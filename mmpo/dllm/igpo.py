@@ -27,7 +27,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from mmpo.core import KL_KINDS, POLICY_LOSSES, LossParts, aggregate, kl_penalty, policy_loss, policy_loss_reads_entropy
+from mmpo.core import KL_KINDS, POLICY_LOSSES, Aggregation, policy_loss_reads_entropy
+from mmpo.training.update import CoreLossSpec, ScoredMicroBatch, core_loss_parts
 
 
 def all_wrong_groups(correct: Tensor, group_ids: Tensor) -> Tensor:
@@ -207,13 +208,12 @@ def igpo_loss(
     settings = {**loss_clip_settings(name, clip_low, clip_high), **(loss_settings or {})}
     if name == CORE_LOSS["sequence"]:
         settings.setdefault("ratio_mask", torch.ones_like(log_probs))
-    if entropy is not None and policy_loss_reads_entropy(name):
-        settings["entropy"] = entropy.detach()
-    pg_loss, metrics = policy_loss(name, log_probs, old_log_probs, advantages, loss_mask, agg=agg, **settings)
-    parts = LossParts().add("policy", pg_loss)
-    if beta > 0:
-        if ref_log_probs is None:
-            raise ValueError("beta > 0 needs ref_log_probs")
-        kl = aggregate(kl_penalty(log_probs, ref_log_probs.detach(), kl_kind), loss_mask.to(log_probs.dtype), agg)
-        parts.add("kl", kl, coef=beta)
+    if beta > 0 and ref_log_probs is None:
+        raise ValueError("beta > 0 needs ref_log_probs")
+    scored = ScoredMicroBatch(
+        log_probs, old_log_probs, advantages, loss_mask, ref_log_probs=ref_log_probs if beta > 0 else None,
+        loss_entropy=entropy.detach() if entropy is not None and policy_loss_reads_entropy(name) else None,
+    )
+    # the update engine's parts (policy, kl with coefficient beta), aggregated over this update's loss mask
+    parts, metrics = core_loss_parts(scored, CoreLossSpec(name, settings, kl_kind=kl_kind, beta=beta), Aggregation(agg))
     return parts.total(), {**metrics, **parts.metrics()}

@@ -53,7 +53,8 @@ from mmpo.dllm.rollout import rollout
 from mmpo.dllm.sampler import SamplerConfig
 from mmpo.core import ADVANTAGE_ESTIMATORS, LossParts, compute_advantages_with_metrics, policy_loss_reads_entropy
 from mmpo.core.aggregate import AggregationMode
-from mmpo.training.nonfinite import DEFAULT_MAX_CONSECUTIVE_SKIPS, NonFiniteGuard, NonFiniteGuardMixin, gradient_norm
+from mmpo.training.nonfinite import DEFAULT_MAX_CONSECUTIVE_SKIPS, NonFiniteGuard, NonFiniteGuardMixin
+from mmpo.training.update import MicroLoss, PassContext, UpdateEngine, UpdateSchedule, UpdateWrapper
 from mmpo.training.lr_schedule import SCHEDULES, warmup_schedule
 
 
@@ -250,6 +251,11 @@ class DiffuGRPO(NonFiniteGuardMixin, MaskPredictorExportHooks, PlainHparamsMixin
         self.sampler = as_config(sampler, SamplerConfig)
         self.hints = as_config(hints, HintConfig)
         self.save_dir = save_dir
+        self.update_engine = UpdateEngine(
+            self, max_grad_norm=max_grad_norm,
+            clip_groups=lambda: [[p for p in self.model.parameters() if p.requires_grad]])
+        # how a whole update pass runs: as is, or wrapped by a variant (SFPO's slow-fast update)
+        self.update_wrapper: UpdateWrapper = UpdateWrapper()
         self.settings = dict(
             group_size=group_size, inner_updates=inner_updates, beta=beta, clip_low=clip_low, clip_high=clip_high,
             ratio_level=ratio_level, loss=loss, loss_settings=dict(loss_settings or {}), kl_kind=kl_kind,
@@ -456,28 +462,37 @@ class DiffuGRPO(NonFiniteGuardMixin, MaskPredictorExportHooks, PlainHparamsMixin
         self, batch: dict, keys: list[tuple[int, float]], old: dict, ref: dict, advantages: Tensor,
         loss_masks: dict[tuple[int, float], Tensor],
     ) -> tuple[dict[str, float], Tensor]:
-        """One optimizer step per scoring key on the clipped loss + beta KL (hook: SFPO's slow-fast update).
+        """One optimizer step per scoring key on the clipped loss + beta KL, through the update engine
+        (``mmpo.training.update``) and the module's update wrapper (SFPO's slow-fast pass).
 
         ``old`` / ``ref`` map a key to its (log-probs, entropy) / log-probs without grad. Returns the
         metrics averaged over the steps and the last step's loss (each step's: :meth:`inner_update_loss`)."""
-        optimizer = self.optimizers()
-        scheduler = self.lr_schedulers()
         self.model.train()
-        metrics_sum: dict[str, float] = {}
-        for key in keys:
-            loss, metrics = self.inner_update_loss(batch, key, old[key][0], ref.get(key), advantages, loss_masks[key])
-            optimizer.zero_grad()
-            self.manual_backward(loss)
-            # a non-finite loss or gradient norm drops the gradients: the step below then changes nothing
-            trainable = (p for p in self.model.parameters() if p.requires_grad)
-            if self.nonfinite_step_ok(loss, gradient_norm(trainable), optimizer):
-                self.clip_gradients(optimizer, gradient_clip_val=self.hparams.max_grad_norm, gradient_clip_algorithm="norm")
-            optimizer.step()
-            if scheduler is not None:  # per optimizer step, like trainer.max_steps and warmup_steps
-                scheduler.step()
+        last: dict[str, Tensor] = {}
+
+        def step(_epoch: int, index: Tensor) -> dict[str, float]:
+            key = keys[int(index)]
+            result = self.update_engine.optimizer_step(
+                [key], lambda k: MicroLoss(*self.inner_update_loss(batch, k, old[k][0], ref.get(k), advantages,
+                                                                   loss_masks[k])))
+            last["loss"] = result.last_loss
+            return result.metrics
+
+        def plain_pass() -> list[dict[str, float]]:  # the scoring keys in order, one optimizer step each
+            return self.update_engine.run_pass(UpdateSchedule(len(keys), 1, shuffle=False), step)
+
+        def old_policy_entropy(_stats: list[dict[str, float]]) -> float:
+            """Token-mean entropy of theta_0 over each key's loss mask, averaged over the keys (computed
+            anyway with the old log-probs; the default loss computes no update-time entropy)."""
+            entropies = [float((old[key][1] * mask).sum() / mask.sum().clamp_min(1)) for key, mask in loss_masks.items()]
+            return sum(entropies) / len(entropies)
+
+        stats = self.update_wrapper.wrap(plain_pass, self.model.parameters, PassContext(mean_entropy=old_policy_entropy))
+        metrics_mean: dict[str, float] = {}
+        for metrics in stats:
             for name, value in metrics.items():
-                metrics_sum[name] = metrics_sum.get(name, 0.0) + float(value) / len(keys)
-        return metrics_sum, loss
+                metrics_mean[name] = metrics_mean.get(name, 0.0) + float(value) / len(stats)
+        return metrics_mean, last["loss"]
 
     def inner_update_loss(
         self, batch: dict, key: tuple[int, float], old_log_probs: Tensor, ref_log_probs: Tensor | None,

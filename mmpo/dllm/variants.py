@@ -33,8 +33,8 @@ from mmpo.dllm.rl import DiffuGRPO
 from mmpo.core import LossParts, aggregate, dynamic_sampling_filter, lspo_filter
 from mmpo.core.entropy_reg import EntropyHistory, check_epo_settings, epo_phase_weight, epo_smoothing_penalty
 from mmpo.core.hapo import hapo_loss_settings
-from mmpo.core.slow_fast import EntropyZScoreSwitch, slow_fast_update
 from mmpo.training.state_hooks import CheckpointedState
+from mmpo.training.variants import SlowFastUpdate
 
 
 def completion_lengths(completions: Tensor, eos_token_id: int) -> Tensor:
@@ -79,42 +79,20 @@ class LSPODiffuGRPO(DiffuGRPO):
 
 
 class SFPODiffuGRPO(CheckpointedState, DiffuGRPO):
-    """DiffuGRPO / IGPO whose update is SFPO's slow-fast update (official defaults K 3, alpha 0.8, W 30, z 1.0).
+    """DiffuGRPO / IGPO whose update is SFPO's slow-fast update (official defaults K 3, alpha 0.8, W 30, z 1.0),
+    the same :class:`~mmpo.training.variants.SlowFastUpdate` as the VLM and DPPO modules.
 
     Every pass makes ``inner_updates`` optimizer steps, so a batch makes (K + 1) x ``inner_updates``;
     ``trainer.max_steps`` counts all of them. The switch state is saved in checkpoints.
     """
 
-    checkpointed_state = (("sfpo_switch", "sfpo_switch"),)
+    checkpointed_state = (("sfpo_switch", "update_wrapper"),)
 
     def __init__(self, *, sfpo_inner_steps: int = 3, sfpo_alpha: float = 0.8, sfpo_zscore_window: int = 30,
                  sfpo_zscore_threshold: float = 1.0, **kwargs: Any) -> None:
-        if sfpo_inner_steps < 1:
-            raise ValueError(f"sfpo_inner_steps (K) must be >= 1, got {sfpo_inner_steps}")
-        if not 0 < sfpo_alpha <= 1:
-            raise ValueError(f"sfpo_alpha must be in (0, 1], got {sfpo_alpha}")
+        wrapper = SlowFastUpdate(sfpo_inner_steps, sfpo_alpha, sfpo_zscore_window, sfpo_zscore_threshold)
         super().__init__(**kwargs)
-        self.sfpo_switch = EntropyZScoreSwitch(sfpo_zscore_window, sfpo_zscore_threshold)
-
-    def update_policy(self, batch, keys, old, ref, advantages, loss_masks):
-        h = self.hparams
-        active = self.sfpo_switch.check()
-        plain = super().update_policy
-
-        def one_update():
-            return plain(batch, keys, old, ref, advantages, loss_masks)
-
-        if active:
-            metrics, loss = slow_fast_update(self.model.parameters(), one_update, inner_steps=h.sfpo_inner_steps,
-                                             alpha=h.sfpo_alpha)
-        else:
-            metrics, loss = one_update()
-        entropies = [float((old[key][1] * mask).sum() / mask.sum().clamp_min(1)) for key, mask in loss_masks.items()]
-        self.sfpo_switch.record(sum(entropies) / len(entropies))
-        metrics["sfpo/active"] = float(active)
-        if self.sfpo_switch.last_z == self.sfpo_switch.last_z:  # not NaN: W entropies were recorded
-            metrics["sfpo/entropy_zscore"] = self.sfpo_switch.last_z
-        return metrics, loss
+        self.update_wrapper = wrapper
 
 
 class EPODiffuGRPO(CheckpointedState, DiffuGRPO):
