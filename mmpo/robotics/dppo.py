@@ -36,7 +36,9 @@ from torch.utils.data import DataLoader, Dataset
 
 from mmpo.algos.config import rng_state, set_rng_state
 from mmpo.core import POLICY_LOSSES, gae, policy_loss
-from mmpo.training.nonfinite import DEFAULT_MAX_CONSECUTIVE_SKIPS, NonFiniteGuard, NonFiniteGuardMixin, gradient_norm
+from mmpo.core import LossParts
+from mmpo.training.nonfinite import DEFAULT_MAX_CONSECUTIVE_SKIPS, NonFiniteGuard, NonFiniteGuardMixin
+from mmpo.training.update import MicroLoss, PassContext, UpdateEngine, UpdateSchedule, UpdateWrapper
 from mmpo.robotics.envs.chunking import SKIP_AUTORESET_AFTER
 from mmpo.robotics.evaluate import EpisodeTracker, check_same_step_autoreset, evaluate_policy, final_observations
 from mmpo.robotics.policy import CriticMLP, DiffusionPolicy
@@ -297,6 +299,12 @@ class DPPOModule(NonFiniteGuardMixin, pl.LightningModule):
         self.train_tracker = EpisodeTracker(num_envs)
         self.iteration = 0
         self._generator = torch.Generator().manual_seed(seed)
+        # DPPO clips the actor's and the critic's gradient norms separately (None: no clipping, as DPPO)
+        self.update_engine = UpdateEngine(
+            self, max_grad_norm=max_grad_norm,
+            clip_groups=lambda: [list(self.policy.ft_network.parameters()), list(self.critic.parameters())])
+        # how a whole update pass runs: as is, or wrapped by a variant (SFPO's slow-fast pass of the actor)
+        self.update_wrapper: UpdateWrapper = UpdateWrapper()
 
     def load_actor(self, bc_checkpoint: str, ft_steps: int) -> tuple[Any, dict[str, Any]]:
         """The policy to fine-tune and its checkpoint's metadata: the BC diffusion policy with a trainable
@@ -578,7 +586,8 @@ class DPPOModule(NonFiniteGuardMixin, pl.LightningModule):
         return reduce_step_log_prob(elementwise, self.act_steps, hp.logprob_min, hp.logprob_max)
 
     def ppo_update(self, rollout: Rollout, train_actor: bool) -> dict[str, float]:
-        """``update_epochs`` passes over shuffled (env step, denoising step) pairs."""
+        """``update_epochs`` passes over shuffled (env step, denoising step) pairs through the update engine
+        (``mmpo.training.update``) and the module's update wrapper (SFPO's slow-fast pass of the actor)."""
         hp = self.hparams
         actor_opt, critic_opt = self.optimizers()
         steps, envs = rollout.rewards.shape
@@ -589,52 +598,56 @@ class DPPOModule(NonFiniteGuardMixin, pl.LightningModule):
         advantages = rollout.advantages.reshape(-1).to(self.device)
         returns = rollout.returns.reshape(-1).to(self.device)
         total_pairs = steps * envs * ft
-        batch_size = min(hp.batch_size, total_pairs)
-        num_batches = total_pairs // batch_size  # the last partial minibatch is skipped, as in DPPO
-        self.policy.train()
-        history: dict[str, list[float]] = {"losses/policy": [], "losses/value": [], "policy/clipfrac": [],
-                                           "policy/approx_kl": [], "policy/ratio_first_minibatch_maxdev": []}
-        stop = False
-        for epoch in range(hp.update_epochs):
-            permutation = torch.randperm(total_pairs, generator=self._generator).to(self.device)
-            for batch_index in range(num_batches):
-                pairs = permutation[batch_index * batch_size:(batch_index + 1) * batch_size]
-                sample_index, ft_index = pairs // ft, pairs % ft
+        # the last partial minibatch is skipped, as in DPPO
+        schedule = UpdateSchedule(total_pairs, hp.batch_size, epochs=hp.update_epochs, drop_last=True)
+        stepped = [actor_opt, critic_opt] if train_actor else [critic_opt]
+
+        def step(epoch: int, pairs: torch.Tensor) -> dict[str, float]:
+            pairs = pairs.to(self.device)
+            sample_index, ft_index = pairs // ft, pairs % ft
+            first_step = not pass_steps  # the ratio's drift is read on the pass's first minibatch only
+            pass_steps.append(epoch)
+            first = {}
+
+            def micro_loss(_: None) -> MicroLoss:
                 pg_loss, value_loss, ratio, metrics = self.minibatch_loss(
                     obs[sample_index], chains[sample_index], ft_index, old[sample_index, ft_index],
                     advantages[sample_index], returns[sample_index],
                 )
-                if epoch == 0 and batch_index == 0:
-                    history["policy/ratio_first_minibatch_maxdev"].append(float((ratio - 1).abs().max()))
-                loss = hp.vf_coef * value_loss + (pg_loss if train_actor else 0.0)
-                actor_opt.zero_grad(set_to_none=True)
-                critic_opt.zero_grad(set_to_none=True)
-                self.manual_backward(loss)
-                # a non-finite loss or gradient norm drops the gradients: the steps below then change nothing
-                trained = [*self.policy.ft_network.parameters(), *self.critic.parameters()]
-                self.nonfinite_step_ok(loss, gradient_norm(trained), actor_opt, critic_opt)
-                if hp.max_grad_norm is not None:
-                    torch.nn.utils.clip_grad_norm_(self.policy.ft_network.parameters(), hp.max_grad_norm)
-                    torch.nn.utils.clip_grad_norm_(self.critic.parameters(), hp.max_grad_norm)
-                if train_actor:
-                    actor_opt.step()
-                critic_opt.step()
-                history["losses/policy"].append(float(pg_loss.detach()))
-                history["losses/value"].append(float(value_loss.detach()))
-                history["policy/clipfrac"].append(float(metrics["policy/clipfrac"]))
-                history["policy/approx_kl"].append(float(metrics["policy/approx_kl"]))
-                if hp.target_kl is not None and train_actor and float(metrics["policy/approx_kl"]) > hp.target_kl:
-                    stop = True
-                    break
-            if stop:
-                break
-        self.policy.eval()
-        metrics = {key: float(np.mean(values)) for key, values in history.items() if values}
+                if first_step:
+                    first["policy/ratio_first_minibatch_maxdev"] = float((ratio - 1).abs().max())
+                # the actor's part is switched off (coefficient 0, never summed) during the critic warm-up
+                parts = LossParts().add("policy", pg_loss, 1.0 if train_actor else 0.0).add("value", value_loss, hp.vf_coef)
+                return MicroLoss(parts.total(), {"losses/policy": float(pg_loss.detach()),
+                                                 "losses/value": float(value_loss.detach()),
+                                                 "policy/clipfrac": float(metrics["policy/clipfrac"]),
+                                                 "policy/approx_kl": float(metrics["policy/approx_kl"])})
+
+            result = self.update_engine.optimizer_step([None], micro_loss, stepped=stepped)
+            return {**result.metrics, **first}
+
+        def stop(metrics: dict[str, float]) -> bool:  # target_kl ends the iteration's update early
+            return hp.target_kl is not None and train_actor and metrics["policy/approx_kl"] > hp.target_kl
+
+        pass_steps: list[int] = []
+
+        def plain_pass() -> list[dict[str, float]]:
+            pass_steps.clear()
+            self.policy.train()
+            history = self.update_engine.run_pass(schedule, step, generator=self._generator, stop=stop)
+            self.policy.eval()
+            return history
+
+        stats = self.update_wrapper.wrap(plain_pass, self.policy.ft_network.parameters,
+                                         PassContext(trains_actor=train_actor))
+        keys = dict.fromkeys(key for s in stats for key in s)
+        metrics = {key: float(np.mean([s[key] for s in stats if key in s])) for key in keys}
         # how much of the update ran: fewer than update_epochs x minibatches when target_kl stopped it, and
         # the drift from the rollout's policy when it ended (what target_kl is compared with)
-        metrics["policy/minibatches"] = float(len(history["policy/approx_kl"]))
-        if history["policy/approx_kl"]:
-            metrics["policy/approx_kl_last"] = history["policy/approx_kl"][-1]
+        drift = [s["policy/approx_kl"] for s in stats if "policy/approx_kl" in s]
+        metrics["policy/minibatches"] = float(len(drift))
+        if drift:
+            metrics["policy/approx_kl_last"] = drift[-1]
         return metrics
 
     # ------------------------------------------------------------------ Lightning loop

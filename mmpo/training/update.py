@@ -206,6 +206,8 @@ class UpdateEngine:
         return list(optimizers) if isinstance(optimizers, (list, tuple)) else [optimizers]
 
     def _step_schedulers(self) -> None:
+        if getattr(self.module, "_trainer", None) is None:  # outside a Trainer (unit tests): no schedulers
+            return
         schedulers = self.module.lr_schedulers()
         if schedulers is None:
             return
