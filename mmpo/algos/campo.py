@@ -21,6 +21,7 @@ from torch import Tensor
 
 from mmpo.algos.config import require
 from mmpo.algos.grpo import GRPOModule
+from mmpo.training.step_state import StepState
 from mmpo.core.repetition import REPETITION_MODES, repetition_penalties
 from mmpo.vlm.rollout import Rollout
 
@@ -89,14 +90,13 @@ class CAMPOModule(GRPOModule):
 
     # ------------------------------------------------------------------ the step
 
-    def training_step(self, batch: Sequence[Mapping[str, Any]], batch_idx: int) -> None:
-        step = self.trainer.global_step
-        stage = stage_at(step, self.hparams.stage_starts or [])
+    def begin_step(self, state: StepState) -> None:
+        stage = stage_at(state.step, self.hparams.stage_starts or [])
         if stage != self.stage:
-            self.stage, self.stage_started_at = stage, step
-        super().training_step(batch, batch_idx)
-        self.log_dict({"campo/stage": float(self.stage), "campo/max_new_tokens": float(self.stage_max_new_tokens)},
-                      on_step=True, on_epoch=False, batch_size=len(batch))
+            self.stage, self.stage_started_at = stage, state.step
+
+    def end_step(self, state: StepState) -> None:
+        state.metrics.update({"campo/stage": float(self.stage), "campo/max_new_tokens": float(self.stage_max_new_tokens)})
 
     def build_rollout(self, rows: Sequence[Mapping[str, Any]]) -> Rollout:
         """G completions per row within the current stage's length budget."""

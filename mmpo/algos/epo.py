@@ -27,6 +27,7 @@ from mmpo.core import LossParts
 from mmpo.core.entropy_reg import EntropyHistory, check_epo_settings, epo_phase_weight, epo_smoothing_penalty
 from mmpo.vlm.rollout import Rollout
 from mmpo.training.state_hooks import CheckpointedState
+from mmpo.training.step_state import StepState
 
 
 class EPOModule(CheckpointedState, GRPOModule):
@@ -68,7 +69,6 @@ class EPOModule(CheckpointedState, GRPOModule):
                            epo_phase_epochs=epo_phase_epochs)
         super().__init__(model_path, entropy_coef=entropy_coef, **kwargs)
         self.entropy_history = EntropyHistory()
-        self._step_entropy = [0.0, 0.0]  # this step's sum of token entropies, token count
 
     def phase_weight(self) -> float:
         h = self.hparams
@@ -80,9 +80,8 @@ class EPOModule(CheckpointedState, GRPOModule):
     ) -> tuple[LossParts, dict[str, Any]]:
         h = self.hparams
         entropy, mask = outputs["entropy"], outputs["mask"]
-        with torch.no_grad():
-            self._step_entropy[0] += float((entropy.detach() * mask).sum())
-            self._step_entropy[1] += float(mask.sum())
+        with torch.no_grad():  # this micro-batch's token entropy sum and token count, for end_step's history
+            outputs["step"].collect("epo/entropy", (float((entropy.detach() * mask).sum()), float(mask.sum())))
         history = self.entropy_history.mean  # None on the first step: no history, no penalty
         penalty, within = epo_smoothing_penalty(
             entropy, mask, history, min_ratio=h.epo_min_ratio, max_ratio=h.epo_max_ratio,
@@ -93,10 +92,11 @@ class EPOModule(CheckpointedState, GRPOModule):
         metrics = {"epo/within_frac": within, "epo/history_mean": history or 0.0, "epo/phase_weight": weight}
         return parts, metrics
 
-    def training_step(self, batch, batch_idx: int) -> None:
-        self._step_entropy = [0.0, 0.0]
-        super().training_step(batch, batch_idx)
+    def end_step(self, state: StepState) -> None:
+        """The step's token-mean entropy (over every rank's tokens) joins the history."""
+        sums = state.collected("epo/entropy")
+        step_entropy = [sum(total for total, _ in sums), sum(count for _, count in sums)]
         total, count = (float(self._sum_over_ranks(torch.tensor(v, dtype=torch.float64, device=self.device)))
-                        for v in self._step_entropy)
+                        for v in step_entropy)
         if count > 0:
             self.entropy_history.update(total / count)

@@ -53,6 +53,7 @@ from mmpo.core import (
     rollout_is_weights,
 )
 from mmpo.training.lora import adapter_disabled, is_lora
+from mmpo.training.step_state import StepState
 from mmpo.training.update import (
     CoreLossSpec,
     MicroLoss,
@@ -450,7 +451,8 @@ class GRPOModule(VLMPolicyModule):
         ``global_seqs`` (summed over micro-batches and ranks) and ``norm_len`` (call it as
         ``aggregation(values, mask)`` to normalise a term exactly like the policy loss); and
         ``losses``, the :class:`~mmpo.core.LossParts` so far (``policy``, ``kl``, ``entropy``; read them,
-        do not add to them). Return ``(terms, metrics)``: :class:`~mmpo.core.LossParts` (or a
+        do not add to them); ``step``, this step's :class:`~mmpo.training.step_state.StepState` (``collect``
+        what ``end_step`` needs). Return ``(terms, metrics)``: :class:`~mmpo.core.LossParts` (or a
         mapping name -> 0-d term, coefficient 1), or one tensor / number (the part ``extra``).
         Each part is summed into the loss once, by the trainer, and logged as ``losses/<name>``.
         """
@@ -493,10 +495,11 @@ class GRPOModule(VLMPolicyModule):
 
     def training_step(self, batch: Sequence[Mapping[str, Any]], batch_idx: int) -> None:
         h = self.hparams
-        rows = list(batch)
+        state = StepState(step=self.trainer.global_step, rows=list(batch))
+        self.begin_step(state)  # hook: may replace the rows (SPO's prioritised draw) and add metrics
+        rows, step = state.rows, state.step
         if h.minibatch_size is not None:  # fail before sampling when the sizes cannot work
             self._check_batch_size(len(rows) * h.num_generations, len(rows))
-        step = self.trainer.global_step
         t0 = time.perf_counter()
 
         # 1-2. rollout (G completions per prompt, grouped contiguously) and rewards; with dynamic
@@ -514,8 +517,10 @@ class GRPOModule(VLMPolicyModule):
                     rollout, rewards, step
                 )
 
+        state.rollout, state.rewards = rollout, rewards
         # 3. advantages (per prompt group)
         advantages, adv_metrics = self.compute_advantages(rewards.float(), rollout.group_ids, rollout)
+        state.advantages = advantages
         metrics.update(adv_metrics)
         lengths = rollout.completion_mask.sum(-1).float()
         ended = ((rollout.completion_ids == self.engine.eos_token_id) & (rollout.completion_mask > 0)).any(-1)
@@ -558,8 +563,11 @@ class GRPOModule(VLMPolicyModule):
         # 6. mu epochs over shuffled minibatches, one optimizer step each (hook: SFPO wraps it)
         t1 = time.perf_counter()
         update_stats = self.update_policy(rollout, advantages, old_log_probs, ref_log_probs,
-                                          minibatch_size=minibatch_size, micro_size=micro_size, step=step)
+                                          minibatch_size=minibatch_size, micro_size=micro_size, step=step,
+                                          state=state)
         t_update = time.perf_counter() - t1
+        state.update_stats = update_stats
+        self.end_step(state)  # hook: algorithm state after the update (trackers, histories); adds metrics
 
         # 7. metrics
         metrics.update(_mean_dicts(update_stats))
@@ -568,17 +576,26 @@ class GRPOModule(VLMPolicyModule):
         metrics["lr"] = self.optimizers().param_groups[0]["lr"]
         metrics["perf/skipped_steps"] = float(self.nonfinite.skipped_steps)
         metrics["rewards/total/mean"] = float(rewards.mean())
+        metrics.update(state.metrics)
         shown = {"rewards/total/mean", "losses/policy"}
         logged = {k: float(v) for k, v in metrics.items()}
         self.log_dict({k: v for k, v in logged.items() if k in shown}, on_step=True, on_epoch=False,
                       batch_size=len(rows), prog_bar=True)
         # the other ~30 go to Lightning (a per-key cost) on the steps its logger writes; the shared keys
         # and any a callback monitors (ModelCheckpoint, EarlyStopping) are in callback_metrics every step
-        every_step = _SHARED_KEYS | self._monitored_keys()
+        every_step = _SHARED_KEYS | self._monitored_keys() | set(state.metrics)
         rest = {k: v for k, v in logged.items() if k not in shown and (k in every_step or self._logs_this_step())}
         if rest:
             self.log_dict(rest, on_step=True, on_epoch=False, batch_size=len(rows))
         self.last_metrics = metrics
+
+    def begin_step(self, state: StepState) -> None:
+        """Hook before the rollout: replace ``state.rows`` (SPO's prioritised draw), advance schedules (CAMPO's
+        stages), estimate baselines (PVPO), add ``state.metrics``. Default: nothing."""
+
+    def end_step(self, state: StepState) -> None:
+        """Hook after the update: update algorithm state from ``state`` (SPO's tracker, EPO's entropy history,
+        HAPO's entropy statistics) and add ``state.metrics``. Default: nothing."""
 
     def filter_groups(self, rewards: Tensor, rollout: Rollout) -> tuple[Tensor | None, dict[str, float]]:
         """(N,) bool keep mask of the samples whose groups stay in the loss (None = all) and metrics
@@ -598,6 +615,7 @@ class GRPOModule(VLMPolicyModule):
         minibatch_size: int,
         micro_size: int,
         step: int,
+        state: StepState | None = None,
     ) -> list[dict[str, float]]:
         """``mu`` epochs over shuffled minibatches of the rollout, one optimizer step each, through the update
         engine (``mmpo.training.update``) and the module's update wrapper (SFPO's slow-fast pass); returns each
@@ -612,7 +630,7 @@ class GRPOModule(VLMPolicyModule):
             generator = torch.Generator().manual_seed(step_seed(h.seed, step, 0) + 1)
             return self.update_engine.run_pass(
                 schedule, lambda _epoch, index: self._update(rollout, index, advantages, fixed_old["old"],
-                                                             ref_log_probs, micro_size),
+                                                             ref_log_probs, micro_size, state),
                 generator=generator)
 
         def ensure_old_log_probs() -> None:  # pi_old must stay the rollout policy's over a multi-pass update
@@ -686,6 +704,7 @@ class GRPOModule(VLMPolicyModule):
         old_log_probs: Tensor | None,
         ref_log_probs: Tensor | None,
         micro_size: int,
+        state: StepState | None = None,
     ) -> dict[str, float]:
         """One optimizer step on completions ``index``, accumulated over micro-batches by the update engine.
 
@@ -729,7 +748,7 @@ class GRPOModule(VLMPolicyModule):
             outputs = {
                 "log_probs": log_probs, "old_log_probs": old, "entropy": entropy, "mask": part_mask,
                 "ref_log_probs": scored.ref_log_probs, "advantages": scored.advantages,
-                "aggregation": aggregation, "losses": parts,
+                "aggregation": aggregation, "losses": parts, "step": state,
             }
             extra, extra_metrics = self.extra_loss_terms(part, outputs)
             extra = as_loss_parts(extra)

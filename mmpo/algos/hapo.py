@@ -25,6 +25,7 @@ from transformers import LogitsProcessor
 
 from mmpo.algos.config import require
 from mmpo.algos.grpo import GRPOModule
+from mmpo.training.step_state import StepState
 from mmpo.core import LossParts
 from mmpo.core.hapo import EntropyNormStats, adaptive_temperature, hapo_entropy_norm, hapo_loss_settings
 from mmpo.core.logprobs import entropy_from_logits
@@ -107,7 +108,6 @@ class HAPOModule(CheckpointedState, GRPOModule):
         super().__init__(model_path, advantage=advantage, loss=loss, dual_clip=dual_clip, clip_low=clip_low,
                          clip_high=clip_high, loss_settings={**hapo_settings, **(loss_settings or {})}, **kwargs)
         self.entropy_stats = EntropyStatsState()
-        self._step_entropies: list[torch.Tensor] = []
 
     def build_rollout(self, rows: Sequence[Mapping[str, Any]]) -> Rollout:
         h = self.hparams
@@ -123,19 +123,18 @@ class HAPOModule(CheckpointedState, GRPOModule):
 
     def extra_loss_terms(self, minibatch: Rollout, outputs: Mapping[str, Any]) -> tuple[LossParts, dict[str, Any]]:
         mask = outputs["mask"] > 0
-        self._step_entropies.append(outputs["entropy"].detach()[mask].float().cpu())
+        outputs["step"].collect("hapo/entropy", outputs["entropy"].detach()[mask].float().cpu())
         return LossParts(), {}
 
-    def training_step(self, batch, batch_idx: int) -> None:
-        self._step_entropies = []
-        super().training_step(batch, batch_idx)
-        if not self._step_entropies:
+    def end_step(self, state: StepState) -> None:
+        """The step's update-time entropies become the statistics of the next rollout's temperature."""
+        collected = state.collected("hapo/entropy")
+        if not collected:
             return
-        entropies = torch.cat(self._step_entropies).unsqueeze(0)
+        entropies = torch.cat(collected).unsqueeze(0)
         h_hat, stats = hapo_entropy_norm(entropies, torch.ones_like(entropies),
                                          pivot_quantile=self.hparams.hapo_entropy_pivot,
                                          signed=self.hparams.hapo_signed_entropy)
         self.entropy_stats.stats = stats
         temperature = adaptive_temperature(self.hparams.temperature, h_hat, self.hparams.hapo_tau)
-        self.log_dict({"hapo/temperature_mean": float(temperature.mean()), "hapo/entropy_pivot": stats.pivot},
-                      on_step=True, on_epoch=False, batch_size=len(batch))
+        state.metrics.update({"hapo/temperature_mean": float(temperature.mean()), "hapo/entropy_pivot": stats.pivot})

@@ -27,6 +27,7 @@ from torch import Tensor
 
 from mmpo.algos.config import require, step_seed
 from mmpo.algos.grpo import GRPOModule
+from mmpo.training.step_state import StepState
 from mmpo.core import compute_advantages_with_metrics
 from mmpo.rewards import compute_rewards
 from mmpo.training.gather import all_gather_objects
@@ -185,9 +186,10 @@ class PVPOModule(GRPOModule):
             log.info("PVPO reference pass: %d prompts x %d rollouts", metrics["pvpo/pass_prompts"],
                      metrics["pvpo/pass_rollouts"] / max(metrics["pvpo/pass_prompts"], 1))
 
-    def training_step(self, batch: Sequence[Mapping[str, Any]], batch_idx: int) -> None:
+    def begin_step(self, state: StepState) -> None:
+        """Refresh the baseline table when due and estimate the prompts it lacks, before the rollout."""
         h = self.hparams
-        step = self.trainer.global_step
+        step, batch = state.step, state.rows
         metrics: dict[str, float] = {}
         due = h.refresh_every > 0 and self.baselines.refreshed_at is not None and \
             step - self.baselines.refreshed_at >= h.refresh_every
@@ -205,9 +207,7 @@ class PVPOModule(GRPOModule):
         # lazily estimated prompts (and a lazy refresh) are per rank: share them, so every rank (and the
         # checkpoint rank 0 writes) holds the whole table; a no-op in one process
         self.baselines.merge(all_gather_objects(self.baselines.entries([prompt_key(r) for r in batch])))
-        super().training_step(batch, batch_idx)
-        if metrics:
-            self.log_dict(metrics, on_step=True, on_epoch=False, batch_size=len(batch))
+        state.metrics.update(metrics)
 
     def build_rollout(self, rows: Sequence[Mapping[str, Any]]) -> Rollout:
         """G sampled completions per row; with ``inject_expert``, the last one of each never-solved prompt

@@ -21,6 +21,7 @@ from torch import Tensor
 
 from mmpo.algos.config import require, step_seed
 from mmpo.algos.grpo import GRPOModule
+from mmpo.training.step_state import StepState
 from mmpo.algos.spo_tracker import (
     RHO_TYPES,
     BetaTracker,
@@ -96,7 +97,6 @@ class SPOModule(GRPOModule):
         values = load_offline_values(offline_values) if offline_values else None
         self.tracker = BetaTracker(rho_min=rho_min, offline_n=offline_n, offline_values=values,
                                    seed=self.hparams.seed)
-        self._pending: tuple[Rollout, Tensor, list[str]] | None = None
 
     def _validate_settings(self) -> None:
         super()._validate_settings()
@@ -128,14 +128,13 @@ class SPOModule(GRPOModule):
         generator = torch.Generator().manual_seed(step_seed(h.seed, step, rank) + 104729)
         return [rows[i] for i in sample_prompts(weights, h.train_batch_size, generator).tolist()]
 
-    def training_step(self, batch: Sequence[Mapping[str, Any]], batch_idx: int) -> None:
-        rows = self.prioritized_rows(batch, self.trainer.global_step)
-        require(len(rows) >= 2, f"SPO normalises advantages over the batch: it needs >= 2 prompts, got {len(rows)}")
-        self._pending = None
-        super().training_step(rows, batch_idx)
-        metrics = self.update_tracker()
-        self.log_dict(metrics, on_step=True, on_epoch=False, batch_size=len(rows))
-        self.last_metrics.update(metrics)
+    def begin_step(self, state: StepState) -> None:
+        state.rows = self.prioritized_rows(state.rows, state.step)
+        require(len(state.rows) >= 2,
+                f"SPO normalises advantages over the batch: it needs >= 2 prompts, got {len(state.rows)}")
+
+    def end_step(self, state: StepState) -> None:
+        state.metrics.update(self.update_tracker(state.rollout, state.rewards))
 
     def compute_advantages(self, rewards: Tensor, group_ids: Tensor, rollout: Rollout) -> tuple[Tensor, dict[str, float]]:
         """``(r - p_hat)`` normalised over the batch, with the tracker as it stood before this step."""
@@ -146,7 +145,6 @@ class SPOModule(GRPOModule):
         # the official batch is the global one: under DDP normalise with every rank's raw advantages
         batch = torch.cat(all_gather_objects(raw))
         advantages = spo_advantages(rewards.double().cpu(), p_hat, batch=batch).to(rewards)
-        self._pending = (rollout, rewards.detach().double().cpu(), keys)
         return advantages, {
             "spo/p_hat_mean": float(p_hat.mean()), "spo/alpha_mean": float(alpha.mean()),
             "spo/beta_mean": float(beta.mean()), "spo/n_eff_mean": float((alpha + beta).mean()),
@@ -154,12 +152,11 @@ class SPOModule(GRPOModule):
         }
 
     @torch.no_grad()
-    def update_tracker(self) -> dict[str, float]:
-        """After the update: the forgetting factor of each prompt, then the tracker's Beta update."""
-        if self._pending is None:
-            raise RuntimeError("update_tracker needs this step's rollout: compute_advantages did not run")
-        rollout, rewards, keys = self._pending
-        self._pending = None
+    def update_tracker(self, rollout: Rollout, rewards: Tensor) -> dict[str, float]:
+        """After the update: the forgetting factor of each prompt of ``rollout`` (this step's, with its
+        ``rewards``), then the tracker's Beta update."""
+        keys = [prompt_key(row) for row in rollout.rows]
+        rewards = rewards.detach().double().cpu()
         h = self.hparams
         first = torch.tensor([k not in self.tracker.responses for k in keys], dtype=torch.float64)
         responses: dict[str, tuple[list[int], list[float]]] = {}

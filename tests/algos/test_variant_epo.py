@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from mmpo.core import Aggregation
+from mmpo.training.step_state import StepState
 
 CONFIG = "variants/epo_tiny.yaml"
 
@@ -17,7 +18,8 @@ CONFIG = "variants/epo_tiny.yaml"
 def _outputs():
     entropy = torch.tensor([[0.2, 1.0, 2.0], [1.4, 0.6, 5.0]])
     mask = torch.tensor([[1.0, 1.0, 1.0], [1.0, 1.0, 0.0]])
-    return {"entropy": entropy, "mask": mask, "aggregation": Aggregation("token-mean", global_tokens=5.0)}
+    return {"entropy": entropy, "mask": mask, "aggregation": Aggregation("token-mean", global_tokens=5.0),
+            "step": StepState(step=0, rows=[])}
 
 
 def test_smoothing_part_hand_computed(tiny_model):

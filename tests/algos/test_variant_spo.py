@@ -112,7 +112,7 @@ def test_drift_forgetting_on_the_stored_response(variant_tiny_vlm):
     rollout = module.engine.generate(rows, num_samples=1, max_new_tokens=4)
     rewards = torch.tensor([1.0, 0.0, 1.0])
     module.compute_advantages(rewards, rollout.group_ids, rollout)
-    metrics = module.update_tracker()
+    metrics = module.update_tracker(rollout, rewards)
     # first visits: D = 0, rho = 2^0 = 1 -> clipped to 0.96; alpha = 0.96 * 0.5 + r
     assert metrics["spo/first_visit_frac"] == 1.0 and metrics["spo/rho_mean"] == pytest.approx(0.96)
     ids = [str(r["id"]) for r in rows]
