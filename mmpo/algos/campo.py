@@ -15,12 +15,15 @@ Official code: MiroMindAsia/MiroMind-M1 ``rl_train/`` and ``verl/trainer/ppo/cor
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from typing import Any, Mapping, Sequence
 
 from torch import Tensor
 
 from mmpo.algos.config import require
 from mmpo.algos.grpo import GRPOModule
+from mmpo.training.state_hooks import CheckpointedState
 from mmpo.training.step_state import StepState
 from mmpo.core.repetition import REPETITION_MODES, repetition_penalties
 from mmpo.vlm.rollout import Rollout
@@ -31,7 +34,25 @@ def stage_at(step: int, stage_starts: Sequence[int]) -> int:
     return sum(1 for start in stage_starts if step >= start)
 
 
-class CAMPOModule(GRPOModule):
+@dataclass
+class StageProgress:
+    """The current stage of the length schedule and the step it began (checkpointed as ``campo_stage``)."""
+
+    lengths: list[int]
+    stage: int = 0
+    started_at: int = 0
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"stage": self.stage, "started_at": self.started_at, "lengths": list(self.lengths)}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        if list(state["lengths"]) != list(self.lengths):
+            raise ValueError(f"the checkpoint was trained with stage_lengths {state['lengths']}, this run has "
+                             f"{self.lengths}: resume with the same schedule")
+        self.stage, self.started_at = int(state["stage"]), int(state["started_at"])
+
+
+class CAMPOModule(CheckpointedState, GRPOModule):
     """GRPO with CAMPO's staged length budget and repetition penalty.
 
     Args:
@@ -48,6 +69,8 @@ class CAMPOModule(GRPOModule):
             ``stage_lengths`` is given).
     """
 
+    checkpointed_state = (("campo_stage", "progress"),)
+
     def __init__(
         self,
         model_path: str,
@@ -61,8 +84,7 @@ class CAMPOModule(GRPOModule):
         **kwargs: Any,
     ) -> None:
         super().__init__(model_path, **kwargs)
-        self.stage = 0
-        self.stage_started_at = 0
+        self.progress = StageProgress(lengths=self.stage_lengths)
 
     def _validate_settings(self) -> None:
         super()._validate_settings()
@@ -86,17 +108,17 @@ class CAMPOModule(GRPOModule):
     @property
     def stage_max_new_tokens(self) -> int:
         """The length budget of the current stage."""
-        return self.stage_lengths[self.stage]
+        return self.stage_lengths[self.progress.stage]
 
     # ------------------------------------------------------------------ the step
 
     def begin_step(self, state: StepState) -> None:
         stage = stage_at(state.step, self.hparams.stage_starts or [])
-        if stage != self.stage:
-            self.stage, self.stage_started_at = stage, state.step
+        if stage != self.progress.stage:
+            self.progress.stage, self.progress.started_at = stage, state.step
 
     def end_step(self, state: StepState) -> None:
-        state.metrics.update({"campo/stage": float(self.stage), "campo/max_new_tokens": float(self.stage_max_new_tokens)})
+        state.metrics.update({"campo/stage": float(self.progress.stage), "campo/max_new_tokens": float(self.stage_max_new_tokens)})
 
     def build_rollout(self, rows: Sequence[Mapping[str, Any]]) -> Rollout:
         """G completions per row within the current stage's length budget."""
@@ -120,20 +142,3 @@ class CAMPOModule(GRPOModule):
         metrics["campo/loop_ratio_mean"] = float(ratios.mean())
         metrics["campo/repetition_penalty_mean"] = float(penalties.mean())
         return total - penalties.to(total), metrics
-
-    # ------------------------------------------------------------------ checkpoints
-
-    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        super().on_save_checkpoint(checkpoint)
-        checkpoint["campo_stage"] = {"stage": self.stage, "started_at": self.stage_started_at,
-                                     "lengths": self.stage_lengths}
-
-    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        super().on_load_checkpoint(checkpoint)
-        state = checkpoint.get("campo_stage")
-        if state is None:
-            return
-        if list(state["lengths"]) != self.stage_lengths:
-            raise ValueError(f"the checkpoint was trained with stage_lengths {state['lengths']}, this run has "
-                             f"{self.stage_lengths}: resume with the same schedule")
-        self.stage, self.stage_started_at = int(state["stage"]), int(state["started_at"])

@@ -27,6 +27,7 @@ from torch import Tensor
 
 from mmpo.algos.config import require, step_seed
 from mmpo.algos.grpo import GRPOModule
+from mmpo.training.state_hooks import CheckpointedState
 from mmpo.training.step_state import StepState
 from mmpo.core import compute_advantages_with_metrics
 from mmpo.rewards import compute_rewards
@@ -94,7 +95,7 @@ class BaselineTable:
         self.refreshed_at = None if state["refreshed_at"] is None else int(state["refreshed_at"])
 
 
-class PVPOModule(GRPOModule):
+class PVPOModule(CheckpointedState, GRPOModule):
     """GRPO's step with PVPO's static baseline, trivial-prompt filter and expert injection.
 
     Args:
@@ -111,6 +112,8 @@ class PVPOModule(GRPOModule):
         pass_batch_size: prompts per ``generate`` call of the reference pass.
         **kwargs: every :class:`GRPOModule` setting (``advantage`` is ``pvpo``).
     """
+
+    checkpointed_state = (("pvpo_baselines", "baselines"),)
 
     def __init__(
         self,
@@ -244,15 +247,6 @@ class PVPOModule(GRPOModule):
         return advantages, metrics
 
     # ------------------------------------------------------------------ checkpoints
-
-    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        super().on_save_checkpoint(checkpoint)
-        checkpoint["pvpo_baselines"] = self.baselines.state_dict()
-
-    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        super().on_load_checkpoint(checkpoint)
-        if "pvpo_baselines" in checkpoint:
-            self.baselines.load_state_dict(checkpoint["pvpo_baselines"])
 
 
 def inject_completions(rollout: Rollout, positions: Sequence[int], texts: Sequence[str], processor: Any, *,

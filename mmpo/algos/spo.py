@@ -21,6 +21,7 @@ from torch import Tensor
 
 from mmpo.algos.config import require, step_seed
 from mmpo.algos.grpo import GRPOModule
+from mmpo.training.state_hooks import CheckpointedState
 from mmpo.training.step_state import StepState
 from mmpo.algos.spo_tracker import (
     RHO_TYPES,
@@ -53,7 +54,7 @@ def load_offline_values(path: str | Path) -> dict[str, list[float]]:
     return {str(k): [float(s) for s in v] for k, v in data.items()}
 
 
-class SPOModule(GRPOModule):
+class SPOModule(CheckpointedState, GRPOModule):
     """GRPO's step with SPO's single stream, Beta-tracker baseline and prioritised prompts.
 
     Args:
@@ -74,6 +75,8 @@ class SPOModule(GRPOModule):
         exploration_epsilon: the constant added to the priority weight (official 0.05).
         **kwargs: every :class:`GRPOModule` setting (``advantage`` is not used: SPO's baseline replaces it).
     """
+
+    checkpointed_state = (("spo_tracker", "tracker"),)
 
     min_generations = 1
 
@@ -212,12 +215,3 @@ class SPOModule(GRPOModule):
         return past, log_probs
 
     # ------------------------------------------------------------------ checkpoints
-
-    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        super().on_save_checkpoint(checkpoint)
-        checkpoint["spo_tracker"] = self.tracker.state_dict()
-
-    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        super().on_load_checkpoint(checkpoint)
-        if "spo_tracker" in checkpoint:
-            self.tracker.load_state_dict(checkpoint["spo_tracker"])

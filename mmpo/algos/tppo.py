@@ -27,6 +27,7 @@ from torch import Tensor
 
 from mmpo.algos.config import refuse_rollout_correction, require
 from mmpo.algos.grpo import GRPOModule
+from mmpo.training.state_hooks import CheckpointedState
 from mmpo.core import LossParts, compute_advantages_with_metrics
 from mmpo.training.lr_schedule import warmup_schedule
 from mmpo.vlm.continuation import ended, extend_prompts, generate_from_inputs
@@ -48,7 +49,21 @@ def _row_from_state(state: Mapping[str, Any]) -> dict[str, Any]:
     return out
 
 
-class TPPOModule(GRPOModule):
+class InflightResponses:
+    """Responses still running at the end of a step, continued by the next (checkpointed as ``tppo_inflight``):
+    ``items`` are ``{"row": dataset row, "tokens": LongTensor generated so far}``."""
+
+    def __init__(self) -> None:
+        self.items: list[dict[str, Any]] = []
+
+    def state_dict(self) -> list[dict[str, Any]]:
+        return [{"row": _row_to_state(item["row"]), "tokens": item["tokens"]} for item in self.items]
+
+    def load_state_dict(self, state: list[dict[str, Any]]) -> None:
+        self.items = [{"row": _row_from_state(item["row"]), "tokens": item["tokens"]} for item in state]
+
+
+class TPPOModule(CheckpointedState, GRPOModule):
     """PPO with truncated (windowed) rollouts, extended GAE and a critic trained on completed sequences.
 
     ``max_new_tokens`` is the full response budget; each step generates at most ``window_len`` tokens of
@@ -64,6 +79,8 @@ class TPPOModule(GRPOModule):
         max_inflight: most unfinished responses carried to the next step (the oldest are kept); None = all.
         **kwargs: every :class:`GRPOModule` setting (``advantage`` is fixed to ``tppo``).
     """
+
+    checkpointed_state = (("tppo_inflight", "inflight"),)
 
     def __init__(
         self,
@@ -83,7 +100,7 @@ class TPPOModule(GRPOModule):
         self.value_head = torch.nn.Linear(hidden, 1)
         torch.nn.init.zeros_(self.value_head.weight)
         torch.nn.init.zeros_(self.value_head.bias)
-        self._inflight: list[dict[str, Any]] = []  # {"row": dataset row, "tokens": LongTensor generated so far}
+        self.inflight = InflightResponses()
 
     def _validate_settings(self) -> None:
         super()._validate_settings()
@@ -108,18 +125,6 @@ class TPPOModule(GRPOModule):
         scheduler = warmup_schedule(optimizer, warmup_steps=h.warmup_steps, schedule=h.lr_schedule, total_steps=total)
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
-    # ------------------------------------------------------------------ state
-
-    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        super().on_save_checkpoint(checkpoint)
-        checkpoint["tppo_inflight"] = [{"row": _row_to_state(item["row"]), "tokens": item["tokens"]}
-                                       for item in self._inflight]
-
-    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        super().on_load_checkpoint(checkpoint)
-        self._inflight = [{"row": _row_from_state(item["row"]), "tokens": item["tokens"]}
-                          for item in checkpoint.get("tppo_inflight", [])]
-
     # ------------------------------------------------------------------ rollout
 
     def build_rollout(self, rows: Sequence[Mapping[str, Any]]) -> Rollout:
@@ -132,7 +137,7 @@ class TPPOModule(GRPOModule):
         fresh.extras = {"tppo_prefix_len": torch.zeros(len(fresh), dtype=torch.long)}  # the keys both parts share
         fresh.extras["tppo_completed"] = self._completed(fresh)
         parts = [fresh]
-        carried = self._inflight
+        carried = self.inflight.items
         if carried:
             prompts = encode_prompts(self.processor, [c["row"] for c in carried], system_prompt=engine.system_prompt,
                                      max_prompt_length=engine.max_prompt_length)
@@ -162,7 +167,7 @@ class TPPOModule(GRPOModule):
         inflight = [{"row": rollout.rows[i],
                      "tokens": torch.cat([previous[i], rollout.completion_ids[i][rollout.completion_mask[i] > 0]])}
                     for i in range(len(rollout)) if not bool(completed[i])]
-        self._inflight = inflight if h.max_inflight is None else inflight[: h.max_inflight]
+        self.inflight.items = inflight if h.max_inflight is None else inflight[: h.max_inflight]
         return rollout
 
     def _completed(self, part: Rollout) -> Tensor:
@@ -205,7 +210,7 @@ class TPPOModule(GRPOModule):
         rollout.extras["tppo_value_mask"] = mask * completed.to(rewards).unsqueeze(1)
         metrics["tppo/completed_frac"] = float(completed.float().mean())
         metrics["tppo/carried"] = float((rollout.extras["tppo_prefix_len"] > 0).sum())
-        metrics["tppo/inflight"] = float(len(self._inflight))
+        metrics["tppo/inflight"] = float(len(self.inflight.items))
         metrics["tppo/value_mean"] = float(values[:, :-1][mask > 0].mean()) if bool((mask > 0).any()) else 0.0
         return advantages, metrics
 

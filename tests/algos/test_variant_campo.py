@@ -72,7 +72,7 @@ def test_module_rewards_subtract_the_penalty(variant_tiny_vlm, scripted_reward):
     rewards, metrics = module.compute_rewards(rollout)
     assert rewards.tolist() == pytest.approx([1.0 - 0.1, 0.5])  # only the budget-exhausting loop pays
     assert metrics["campo/repetition_frac"] == 0.5 and metrics["campo/loop_ratio_mean"] == pytest.approx(0.375)
-    module.stage = 1  # stage 2's budget is 16: the first response no longer exhausted it
+    module.progress.stage = 1  # stage 2's budget is 16: the first response no longer exhausted it
     assert module.compute_rewards(rollout)[0].tolist() == pytest.approx([1.0, 0.5])
 
 
@@ -95,7 +95,7 @@ def test_stage_schedule_and_resume(variant_tiny_vlm, tmp_path, scripted_reward, 
     trainer = cpu_trainer(2)
     trainer.fit(module, loader)
     assert widths == [2, 5]  # step 0 in stage 0 (2 tokens), step 1 in stage 1 (5 tokens)
-    assert (module.stage, module.stage_started_at) == (1, 1)
+    assert (module.progress.stage, module.progress.started_at) == (1, 1)
     trainer.save_checkpoint(tmp_path / "campo.ckpt")
     assert torch.load(tmp_path / "campo.ckpt", weights_only=False)["campo_stage"] == {
         "stage": 1, "started_at": 1, "lengths": [2, 5]}
@@ -103,7 +103,7 @@ def test_stage_schedule_and_resume(variant_tiny_vlm, tmp_path, scripted_reward, 
     resumed = _module(variant_tiny_vlm, reward_weights=weights, stage_lengths=[2, 5], stage_starts=[1])
     cpu_trainer(3).fit(resumed, loader, ckpt_path=tmp_path / "campo.ckpt")
     # restored: without the checkpoint's stage, step 2 would have "entered" stage 1 at step 2
-    assert (resumed.stage, resumed.stage_started_at) == (1, 1)
+    assert (resumed.progress.stage, resumed.progress.started_at) == (1, 1)
     other = _module(variant_tiny_vlm, reward_weights=weights, stage_lengths=[2, 6], stage_starts=[1])
     with pytest.raises(ValueError, match="same schedule"):
         cpu_trainer(3).fit(other, loader, ckpt_path=tmp_path / "campo.ckpt")

@@ -44,20 +44,20 @@ def test_windows_carry_over_until_the_budget(tiny_model):
     torch.manual_seed(0)
     first = module.build_rollout(rows)  # 2 fresh responses, 3 tokens each, none ended
     assert first.extras["tppo_completed"].tolist() == [False, False]
-    assert [len(i["tokens"]) for i in module._inflight] == [3, 3]
-    carried = [i["tokens"].clone() for i in module._inflight]
+    assert [len(i["tokens"]) for i in module.inflight.items] == [3, 3]
+    carried = [i["tokens"].clone() for i in module.inflight.items]
     second = module.build_rollout(rows)  # 2 fresh + 2 carried (now 6 of 7 tokens)
     assert second.extras["tppo_prefix_len"].tolist() == [0, 0, 3, 3]
     assert second.extras["tppo_completed"].tolist() == [False] * 4
-    assert [len(i["tokens"]) for i in module._inflight] == [3, 3, 6, 6]
+    assert [len(i["tokens"]) for i in module.inflight.items] == [3, 3, 6, 6]
     for k in range(2):  # a carried response continues its own tokens, and its prompt holds them
-        assert module._inflight[2 + k]["tokens"][:3].tolist() == carried[k].tolist()
+        assert module.inflight.items[2 + k]["tokens"][:3].tolist() == carried[k].tolist()
         assert second.prompt_inputs["input_ids"][2 + k, -3:].tolist() == carried[k].tolist()
     third = module.build_rollout(rows)  # the 6-token responses get their last token and complete
     assert third.extras["tppo_prefix_len"].tolist() == [0, 0, 3, 3, 6, 6]
     assert third.completion_mask.sum(-1).tolist() == [3, 3, 3, 3, 1, 1]
     assert third.extras["tppo_completed"].tolist() == [False] * 4 + [True, True]
-    assert len(module._inflight) == 4
+    assert len(module.inflight.items) == 4
 
 
 def test_advantages_with_a_constant_critic(tiny_model):
@@ -86,7 +86,7 @@ def test_inflight_state_round_trips_a_weights_only_checkpoint(tiny_model):
     module = _no_eos(_module(tiny_model))
     torch.manual_seed(0)
     module.build_rollout(make_items("count_shapes", 2, seed=4))
-    assert len(module._inflight) == 4
+    assert len(module.inflight.items) == 4
     checkpoint: dict = {}
     module.on_save_checkpoint(checkpoint)
     buffer = io.BytesIO()
@@ -95,8 +95,8 @@ def test_inflight_state_round_trips_a_weights_only_checkpoint(tiny_model):
     loaded = torch.load(buffer, weights_only=True)
     fresh = _module(tiny_model)
     fresh.on_load_checkpoint(loaded)
-    assert len(fresh._inflight) == 4
-    for a, b in zip(module._inflight, fresh._inflight):
+    assert len(fresh.inflight.items) == 4
+    for a, b in zip(module.inflight.items, fresh.inflight.items):
         assert torch.equal(a["tokens"], b["tokens"])
         assert a["row"]["id"] == b["row"]["id"] and a["row"]["answer"] == b["row"]["answer"]
         assert [im.tobytes() for im in a["row"]["images"]] == [im.tobytes() for im in b["row"]["images"]]
