@@ -128,4 +128,4 @@ def test_configs_parse(name, capsys):
         main(["fit", "-c", str(CONFIGS / f"{name}.yaml"), "--print_config"])
     assert exit_info.value.code == 0
     printed = capsys.readouterr().out
-    assert "class_path: robotics." in printed
+    assert "class_path: mmpo.robotics." in printed
