@@ -12,7 +12,7 @@ GRPO whose prompts may carry an expert trace y*. Per prompt:
    trace is not part of the advantage group. No reference KL by default.
 
 Sources: paper section 3.3, App. A.2 (the training code is unreleased; Z follows the LUFFY-style
-reading, see ``/work/shared/research/vlm_algos.md`` section 5).
+reading, see ``docs/algorithm_sources.md`` section 5).
 """
 
 from __future__ import annotations

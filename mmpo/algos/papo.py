@@ -18,7 +18,7 @@ GRPO (PAPO-G) or DAPO (PAPO-D) plus two terms that make the policy *look* at the
 
 Sources: paper Eq. 2 and App. B/G.1; official code ``MikeWangWZHL/PAPO``
 (``verl/trainer/papo_utils.py``, ``verl/workers/actor/dp_actor.py``); see
-``/work/shared/research/vlm_algos.md`` section 1.
+``docs/algorithm_sources.md`` section 1.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Per-group statistics keyed by group id (prompt id), never by batch position.
 
 The official MAPO code attaches group weights by position and breaks when the batch is
-reordered (vlm_algos digest 3(d)); everything here goes through ``torch.unique`` on the ids.
+reordered (docs/algorithm_sources.md section 3); everything here goes through ``torch.unique`` on the ids.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Built-in rewards: accuracy, format, length.
 
 The default VLM reward is 0.9 x accuracy + 0.1 x format (PAPO / EasyR1,
-arXiv 2507.06448; see ALGORITHMS.md section 2).
+arXiv 2507.06448; see docs/algorithm_sources.md section 0).
 """
 
 from __future__ import annotations

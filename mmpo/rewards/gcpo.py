@@ -16,7 +16,7 @@ of the group's rollouts with / without auxiliary construction; M = +1 if acc_aux
 R = R_acc + R_fmt + M * R_aux + R_len is then group-normalised like GRPO.
 
 Sources: paper Eq. 3-4; authors' workspace ``ekonwang/r1_workspace:workspace/reward/reward_utils.py``
-(v2 tag detector, length reward v9/v10); digest section 4.
+(v2 tag detector, length reward v9/v10); docs/algorithm_sources.md section 4.
 """
 
 from __future__ import annotations

@@ -18,7 +18,7 @@ Both are pure string functions over the R1-VL (Mulberry-style) response format::
   exactly 1..K in order, and the final-answer header after the last step.
 
 StepGRPO sums the two (reward weights 1 and 1) before group normalisation.
-Source: ``jingyi0000/R1-VL:src/r1-vl/src/open_r1/grpo.py``; digest section 2.
+Source: ``jingyi0000/R1-VL:src/r1-vl/src/open_r1/grpo.py``; docs/algorithm_sources.md section 2.
 """
 
 from __future__ import annotations

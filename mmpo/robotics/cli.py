@@ -16,12 +16,15 @@ from mmpo.robotics.rollout_cli import rollout_main  # noqa: F401  (re-export for
 
 
 def _demos_parser() -> argparse.ArgumentParser:
+    from mmpo.robotics.envs.tasks import expert_tasks
+
     parser = argparse.ArgumentParser(
         prog="mmpo demos",
-        description="Generate scripted-expert demonstrations (robosuite Lift/Can) in robomimic's HDF5 "
-        "layout, plus min-max normaliser stats beside them (<out>.stats.json).",
+        description="Generate scripted-expert demonstrations (robosuite Lift/Can, or any registered task "
+        "with an expert) in robomimic's HDF5 layout, plus min-max normaliser stats beside them (<out>.stats.json).",
     )
-    parser.add_argument("--task", required=True, choices=["lift", "can"], help="robosuite task")
+    parser.add_argument("--task", required=True, choices=expert_tasks(),
+                        help="a registered task with a scripted expert (mmpo.robotics.envs.register_task)")
     parser.add_argument("--num-demos", type=int, required=True, help="demos to write (successful ones)")
     parser.add_argument("--noise", type=float, default=0.0, help="std of Gaussian noise on expert actions (default 0: the clean expert; "
                         "0.3-0.5 gives imperfect demos, a BC start that DPPO can improve on)")

@@ -50,9 +50,12 @@ class VideoFile:
 
 
 def _parser() -> argparse.ArgumentParser:
+    from mmpo.robotics.envs.tasks import TASKS
+
     parser = argparse.ArgumentParser(prog="mmpo rollout", description=__doc__.split("\n\n")[0])
     parser.add_argument("--ckpt", required=True, help="BC or DPPO checkpoint (.ckpt or .safetensors)")
-    parser.add_argument("--task", default=None, help="task (default: the checkpoint's)")
+    parser.add_argument("--task", default=None, type=str.lower, choices=sorted(TASKS),
+                        help="a registered task (default: the checkpoint's)")
     parser.add_argument("--episodes", type=int, default=1, help="episodes to run")
     parser.add_argument("--video", default=None, help="write an mp4 of all episodes here")
     parser.add_argument("--seed", type=int, default=0, help="env seed")

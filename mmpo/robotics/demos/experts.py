@@ -45,8 +45,9 @@ class ExpertConfig:
 class ScriptedExpert(ABC):
     """Base phase machine; subclasses define the object key and the phases after grasping.
 
-    Call :meth:`reset` at the start of each episode and :meth:`act` on each robosuite
-    observation dict (the adapter's ``last_raw_obs``).
+    Call :meth:`start_episode` after each ``env.reset()`` and :meth:`act` on each robosuite
+    observation dict (the adapter's ``last_raw_obs``). This pair is what ``generate_demos``
+    asks of any task's expert (``TaskSpec.expert``).
     """
 
     object_pos_key = ""
@@ -63,6 +64,10 @@ class ScriptedExpert(ABC):
         self.phase = "approach"
         self.phase_steps = 0
         self.anchor: np.ndarray | None = None
+
+    def start_episode(self, env) -> None:
+        """Prepare for the episode ``env`` (the unwrapped, freshly reset env) has just begun."""
+        self.reset()
 
     def _next(self, phase: str) -> None:
         self.phase = phase
@@ -144,6 +149,12 @@ class CanExpert(ScriptedExpert):
     def set_target(self, target: np.ndarray) -> None:
         self.target = np.asarray(target, dtype=np.float64)
 
+    def start_episode(self, env) -> None:
+        """Reset, then read the can's bin target from the robosuite env (``env.sim_env``)."""
+        super().start_episode(env)
+        sim_env = env.sim_env
+        self.set_target(sim_env.target_bin_placements[sim_env.object_to_id["can"]])
+
     def clean_action(self, obs: dict[str, np.ndarray]) -> np.ndarray:
         if self.target is None:
             raise ValueError("CanExpert needs the bin target: call set_target() after reset")
@@ -186,8 +197,7 @@ class CanExpert(ScriptedExpert):
 
 
 def make_expert(task: str, *, noise: float = 0.0, rng: np.random.Generator | None = None) -> ScriptedExpert:
-    """Scripted expert for "lift" or "can"."""
-    experts = {"lift": LiftExpert, "can": CanExpert}
-    if task not in experts:
-        raise ValueError(f"no scripted expert for task {task!r}; available: {sorted(experts)}")
-    return experts[task](noise=noise, rng=rng)
+    """The scripted expert of a registered task (``TaskSpec.expert``; "lift" and "can" built in)."""
+    from mmpo.robotics.envs.tasks import get_task
+
+    return get_task(task).make_expert(noise=noise, rng=rng)

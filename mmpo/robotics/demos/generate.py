@@ -8,7 +8,7 @@ from typing import Any
 import numpy as np
 from tqdm.auto import tqdm
 
-from mmpo.robotics.demos.experts import CanExpert, ScriptedExpert, make_expert
+from mmpo.robotics.demos.experts import ScriptedExpert
 from mmpo.robotics.demos.hdf5_writer import RobomimicHDF5Writer
 from mmpo.robotics.envs.make import make_env
 from mmpo.robotics.envs.normalizer import DATA_HASH_KEY, Normalizer, stats_path_for
@@ -37,10 +37,7 @@ def _stack(dicts: list[dict[str, np.ndarray]]) -> dict[str, np.ndarray]:
 def _episode(env, expert: ScriptedExpert, max_steps: int, steps_after_success: int) -> dict[str, Any]:
     base: RobosuiteGymEnv = env.unwrapped
     env.reset()
-    expert.reset()
-    if isinstance(expert, CanExpert):
-        sim_env = base.sim_env
-        expert.set_target(sim_env.target_bin_placements[sim_env.object_to_id["can"]])
+    expert.start_episode(base)
     obs, next_obs, actions, rewards, states = [], [], [], [], []
     success = fault = False
     after = 0
@@ -92,10 +89,11 @@ def generate_demos(
     progress: bool = True,
     overwrite: bool = False,
 ) -> dict[str, Any]:
-    """Scripted-expert demos for "lift" / "can" in robomimic's HDF5 layout.
+    """Scripted-expert demos of a registered robosuite task in robomimic's HDF5 layout.
 
     Args:
-        task: "lift" or "can".
+        task: a task in ``mmpo.robotics.envs.TASKS`` whose entry has an ``expert`` ("lift", "can"
+            or one added with ``register_task``).
         num_demos: demos to write (successful ones unless ``keep_failures``).
         out_path: the .hdf5 file; normaliser stats go to ``<out_path>.stats.json``.
         noise: std of the Gaussian added to every expert action dimension (then clipped).
@@ -120,6 +118,8 @@ def generate_demos(
     spec = get_task(task)
     if spec.family != "robosuite":
         raise ValueError(f"scripted demos exist for robosuite tasks only, not {task!r}")
+    if spec.expert is None:
+        raise ValueError(f"task {task!r} has no scripted expert (TaskSpec.expert); register one with register_task")
     if num_demos < 1:
         raise ValueError(f"num_demos must be >= 1, got {num_demos}")
     limit = int(max_steps or spec.max_episode_steps)
@@ -142,7 +142,7 @@ def _generate_into(task: str, spec: Any, num_demos: int, data_path: Path, stats_
                    store_model_file: bool, progress: bool) -> dict[str, Any]:
     """Roll out and write the demos to ``data_path`` and their stats (with the data's hash) to ``stats_path``."""
     env = make_env(task, seed=seed, max_episode_steps=limit)
-    expert = make_expert(task, noise=noise, rng=np.random.default_rng(seed + 1))
+    expert = spec.make_expert(noise=noise, rng=np.random.default_rng(seed + 1))
     attempts = successes = faults = 0
     flat_obs, all_actions, lengths = [], [], []
     bar = tqdm(total=num_demos, desc=f"{task} demos", disable=not progress, unit="demo")

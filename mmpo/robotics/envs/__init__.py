@@ -9,7 +9,7 @@ from mmpo.robotics.envs.chunking import ActionChunkWrapper
 from mmpo.robotics.envs.faults import SimulatorFaultError, SimulatorFaultWrapper, fault_count, find_fault_wrapper
 from mmpo.robotics.envs.make import make_env
 from mmpo.robotics.envs.normalizer import Normalizer, stats_path_for
-from mmpo.robotics.envs.tasks import OBS_KEYS, TASKS, TaskSpec, get_task
+from mmpo.robotics.envs.tasks import OBS_KEYS, TASKS, TaskSpec, expert_tasks, get_task, register_task
 from mmpo.robotics.envs.vector import make_vector_env, measure_steps_per_s, merged_info
 
 __all__ = [
@@ -20,6 +20,7 @@ __all__ = [
     "SimulatorFaultError",
     "SimulatorFaultWrapper",
     "TaskSpec",
+    "expert_tasks",
     "fault_count",
     "find_fault_wrapper",
     "get_task",
@@ -27,5 +28,6 @@ __all__ = [
     "make_vector_env",
     "measure_steps_per_s",
     "merged_info",
+    "register_task",
     "stats_path_for",
 ]

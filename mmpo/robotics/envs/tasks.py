@@ -6,12 +6,19 @@ sparse reward, ``ignore_done=True`` (episodes end only by the time limit), and a
 low-dim state that concatenates robomimic's keys in the order DPPO's
 ``process_robomimic_dataset.py`` uses: robot0_eef_pos (3), robot0_eef_quat (4),
 robot0_gripper_qpos (2), object (task-specific).
+
+A task is ONE entry of :data:`TASKS`, a :class:`TaskSpec` carrying everything about it: the
+simulator and its id, observation keys and dimensions, the episode length, extra simulator
+kwargs and the scripted expert that writes its demonstrations. Add a task with
+:func:`register_task`; the CLIs' ``--task`` choices, ``make_env`` and ``generate_demos`` read
+the registry (docs/extending.md, "A new robot task").
 """
 
 from __future__ import annotations
 
+import importlib
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 
 @dataclass(frozen=True)
@@ -26,6 +33,12 @@ class TaskSpec:
         max_episode_steps: default time limit in env steps (robomimic/DPPO: 300 for lift/can).
         obs_dim: length of the flattened observation.
         action_dim: length of one action.
+        extra_env_kwargs: merged last into the simulator's kwargs (robosuite: ``robosuite.make``).
+        expert: the scripted expert that writes demos (``mmpo demos``): a class or factory called
+            as ``expert(noise=..., rng=...)``, or its ``"module:attr"`` path (imported when first
+            used); None for a task without one. The object it returns has
+            ``start_episode(env)`` (called after each ``env.reset()`` with the unwrapped env) and
+            ``act(raw_obs) -> action`` (see ``mmpo.robotics.demos.experts.ScriptedExpert``).
     """
 
     name: str
@@ -36,20 +49,46 @@ class TaskSpec:
     obs_dim: int
     action_dim: int
     extra_env_kwargs: dict[str, Any] = field(default_factory=dict)
+    expert: Callable[..., Any] | str | None = None
+
+    def make_expert(self, *, noise: float = 0.0, rng: Any = None) -> Any:
+        """A fresh scripted expert for this task; ``ValueError`` when the task has none."""
+        if self.expert is None:
+            raise ValueError(f"task {self.name!r} has no scripted expert; tasks with one: {expert_tasks()}")
+        factory = self.expert
+        if isinstance(factory, str):
+            module, _, attr = factory.partition(":")
+            factory = getattr(importlib.import_module(module), attr)
+        return factory(noise=noise, rng=rng)
 
 
 ROBOMIMIC_LOW_DIM_KEYS = ("robot0_eef_pos", "robot0_eef_quat", "robot0_gripper_qpos", "object")
 
-TASKS: dict[str, TaskSpec] = {
-    # Lift object = cube_pos (3), cube_quat (4), gripper_to_cube_pos (3): 19-D state.
-    "lift": TaskSpec("lift", "robosuite", "Lift", ROBOMIMIC_LOW_DIM_KEYS, 300, 19, 7),
-    # Can object = Can_pos, Can_quat, Can_to_robot0_eef_pos, Can_to_robot0_eef_quat: 23-D.
-    "can": TaskSpec("can", "robosuite", "PickPlaceCan", ROBOMIMIC_LOW_DIM_KEYS, 300, 23, 7),
-    # gymnasium's own flat 11-D observation; DPPO's Gym runs use max 1000 steps.
-    "hopper": TaskSpec("hopper", "gymnasium", "Hopper-v5", ("observation",), 1000, 11, 3),
-}
+#: name -> spec of every task; add to it with :func:`register_task`.
+TASKS: dict[str, TaskSpec] = {}
 
-OBS_KEYS: dict[str, tuple[str, ...]] = {name: spec.obs_keys for name, spec in TASKS.items()}
+#: name -> observation keys of every task (kept in step with ``TASKS`` by ``register_task``).
+OBS_KEYS: dict[str, tuple[str, ...]] = {}
+
+
+def register_task(spec: TaskSpec, *, replace: bool = False) -> TaskSpec:
+    """Add ``spec`` to the registry under ``spec.name`` (lower case) and return it.
+
+    Raises ``ValueError`` when the name is taken (unless ``replace``), the name is not lower
+    case, the family is unknown or a dimension is not positive.
+    """
+    if spec.name != spec.name.lower() or not spec.name:
+        raise ValueError(f"task names are non-empty and lower case, got {spec.name!r}")
+    if spec.family not in FAMILIES:
+        raise ValueError(f"task {spec.name!r}: unknown family {spec.family!r}; valid: {list(FAMILIES)}")
+    for attr in ("max_episode_steps", "obs_dim", "action_dim"):
+        if int(getattr(spec, attr)) < 1:
+            raise ValueError(f"task {spec.name!r}: {attr} must be >= 1, got {getattr(spec, attr)}")
+    if spec.name in TASKS and not replace:
+        raise ValueError(f"task {spec.name!r} is already registered; pass replace=True to redefine it")
+    TASKS[spec.name] = spec
+    OBS_KEYS[spec.name] = spec.obs_keys
+    return spec
 
 
 def get_task(task: str) -> TaskSpec:
@@ -58,6 +97,26 @@ def get_task(task: str) -> TaskSpec:
     if key not in TASKS:
         raise ValueError(f"unknown task {task!r}; valid tasks: {sorted(TASKS)}")
     return TASKS[key]
+
+
+def expert_tasks() -> list[str]:
+    """Sorted names of the tasks that have a scripted expert (the ``mmpo demos --task`` choices)."""
+    return sorted(name for name, spec in TASKS.items() if spec.expert is not None)
+
+
+#: simulator families ``make_env`` knows how to build.
+FAMILIES = ("robosuite", "gymnasium")
+
+# The built-in experts are given by path: mmpo.robotics.demos imports make_env, which imports
+# this module, so importing the classes here would be circular.
+# Lift object = cube_pos (3), cube_quat (4), gripper_to_cube_pos (3): 19-D state.
+register_task(TaskSpec("lift", "robosuite", "Lift", ROBOMIMIC_LOW_DIM_KEYS, 300, 19, 7,
+                       expert="mmpo.robotics.demos.experts:LiftExpert"))
+# Can object = Can_pos, Can_quat, Can_to_robot0_eef_pos, Can_to_robot0_eef_quat: 23-D.
+register_task(TaskSpec("can", "robosuite", "PickPlaceCan", ROBOMIMIC_LOW_DIM_KEYS, 300, 23, 7,
+                       expert="mmpo.robotics.demos.experts:CanExpert"))
+# gymnasium's own flat 11-D observation; DPPO's Gym runs use max 1000 steps. No scripted expert.
+register_task(TaskSpec("hopper", "gymnasium", "Hopper-v5", ("observation",), 1000, 11, 3))
 
 
 def osc_pose_controller_config() -> dict[str, Any]:
