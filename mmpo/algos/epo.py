@@ -20,14 +20,12 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
-import torch
-
 from mmpo.algos.grpo import GRPOModule
 from mmpo.core import LossParts
-from mmpo.core.entropy_reg import EntropyHistory, check_epo_settings, epo_phase_weight, epo_smoothing_penalty
 from mmpo.vlm.rollout import Rollout
 from mmpo.training.state_hooks import CheckpointedState
 from mmpo.training.step_state import StepState
+from mmpo.training.variants import EntropySmoothing
 
 
 class EPOModule(CheckpointedState, GRPOModule):
@@ -48,7 +46,7 @@ class EPOModule(CheckpointedState, GRPOModule):
     ``epo/phase_weight``, ``losses/epo_smooth``.
     """
 
-    checkpointed_state = (("epo_entropy_history", "entropy_history"),)
+    checkpointed_state = (("epo_entropy_history", "epo"),)
 
     def __init__(
         self,
@@ -64,39 +62,19 @@ class EPOModule(CheckpointedState, GRPOModule):
         epo_phase_epochs: int = 150,
         **kwargs: Any,
     ) -> None:
-        check_epo_settings(entropy_coef=entropy_coef, epo_smooth_coef=epo_smooth_coef, epo_min_ratio=epo_min_ratio,
-                           epo_max_ratio=epo_max_ratio, epo_penalty=epo_penalty, epo_mask_mode=epo_mask_mode,
-                           epo_phase_epochs=epo_phase_epochs)
+        epo = EntropySmoothing(entropy_coef, epo_smooth_coef, epo_min_ratio, epo_max_ratio, epo_penalty,
+                               epo_mask_mode, epo_phase_weights, epo_phase_epochs)
         super().__init__(model_path, entropy_coef=entropy_coef, **kwargs)
-        self.entropy_history = EntropyHistory()
-
-    def phase_weight(self) -> float:
-        h = self.hparams
-        epoch = 0 if self._trainer is None else self.current_epoch
-        return epo_phase_weight(epoch, h.epo_phase_epochs) if h.epo_phase_weights else 1.0
+        self.epo = epo
+        self.entropy_history = epo.history  # H_hist (the same object)
 
     def extra_loss_terms(
         self, minibatch: Rollout, outputs: Mapping[str, Any]
     ) -> tuple[LossParts, dict[str, Any]]:
-        h = self.hparams
-        entropy, mask = outputs["entropy"], outputs["mask"]
-        with torch.no_grad():  # this micro-batch's token entropy sum and token count, for end_step's history
-            outputs["step"].collect("epo/entropy", (float((entropy.detach() * mask).sum()), float(mask.sum())))
-        history = self.entropy_history.mean  # None on the first step: no history, no penalty
-        penalty, within = epo_smoothing_penalty(
-            entropy, mask, history, min_ratio=h.epo_min_ratio, max_ratio=h.epo_max_ratio,
-            penalty=h.epo_penalty, mode=h.epo_mask_mode)
-        weight = self.phase_weight()
         # loss = policy - lambda_H * H + lambda_H * kappa * w * P (the H part is GRPOModule's "entropy")
-        parts = LossParts().add("epo_smooth", outputs["aggregation"](penalty * weight, mask), h.entropy_coef * h.epo_smooth_coef)
-        metrics = {"epo/within_frac": within, "epo/history_mean": history or 0.0, "epo/phase_weight": weight}
-        return parts, metrics
+        epoch = 0 if self._trainer is None else self.current_epoch
+        return self.epo.terms(outputs["entropy"], outputs["mask"], outputs["aggregation"], epoch=epoch, bonus=False,
+                              step=outputs.get("step"))
 
     def end_step(self, state: StepState) -> None:
-        """The step's token-mean entropy (over every rank's tokens) joins the history."""
-        sums = state.collected("epo/entropy")
-        step_entropy = [sum(total for total, _ in sums), sum(count for _, count in sums)]
-        total, count = (float(self._sum_over_ranks(torch.tensor(v, dtype=torch.float64, device=self.device)))
-                        for v in step_entropy)
-        if count > 0:
-            self.entropy_history.update(total / count)
+        self.epo.end_step(state, lambda value: self._sum_over_ranks(value.to(self.device)))

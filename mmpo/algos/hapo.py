@@ -27,7 +27,7 @@ from mmpo.algos.config import require
 from mmpo.algos.grpo import GRPOModule
 from mmpo.training.step_state import StepState
 from mmpo.core import LossParts
-from mmpo.core.hapo import EntropyNormStats, adaptive_temperature, hapo_entropy_norm, hapo_loss_settings
+from mmpo.core.hapo import EntropyNormStats, adaptive_temperature, hapo_entropy_norm, hapo_module_loss_settings
 from mmpo.core.logprobs import entropy_from_logits
 from mmpo.training.state_hooks import CheckpointedState
 from mmpo.vlm.rollout import Rollout
@@ -101,12 +101,11 @@ class HAPOModule(CheckpointedState, GRPOModule):
         **kwargs: Any,
     ) -> None:
         require(hapo_tau >= 0, f"hapo_tau must be >= 0, got {hapo_tau}")
-        hapo_settings = hapo_loss_settings(entropy_pivot=hapo_entropy_pivot, clip_alpha=hapo_clip_alpha,
-                                           adv_beta=hapo_adv_beta, signed_entropy=hapo_signed_entropy)
-        if loss != "hapo":  # the hapo_* loss options only apply to HAPO's own loss
-            hapo_settings = {}
+        settings = hapo_module_loss_settings(loss, loss_settings, entropy_pivot=hapo_entropy_pivot,
+                                             clip_alpha=hapo_clip_alpha, adv_beta=hapo_adv_beta,
+                                             signed_entropy=hapo_signed_entropy)
         super().__init__(model_path, advantage=advantage, loss=loss, dual_clip=dual_clip, clip_low=clip_low,
-                         clip_high=clip_high, loss_settings={**hapo_settings, **(loss_settings or {})}, **kwargs)
+                         clip_high=clip_high, loss_settings=settings, **kwargs)
         self.entropy_stats = EntropyStatsState()
 
     def build_rollout(self, rows: Sequence[Mapping[str, Any]]) -> Rollout:

@@ -19,9 +19,8 @@ from typing import Any
 
 from torch import Tensor
 
-from mmpo.algos.config import require
 from mmpo.algos.grpo import GRPOModule
-from mmpo.core import lspo_filter
+from mmpo.training.variants import LengthBands
 from mmpo.vlm.rollout import Rollout
 
 
@@ -50,18 +49,12 @@ class LSPOModule(GRPOModule):
         dynamic_sampling: bool = True,
         **kwargs: Any,
     ) -> None:
-        require(0.0 <= lspo_low <= lspo_high <= lspo_max <= 1.0,
-                f"LSPO needs 0 <= lspo_low <= lspo_high <= lspo_max <= 1, got {lspo_low}, {lspo_high}, {lspo_max}")
+        bands = LengthBands(lspo_low, lspo_high, lspo_max)
         super().__init__(model_path, dynamic_sampling=dynamic_sampling, **kwargs)
+        self.length_bands = bands
 
     def filter_groups(self, rewards: Tensor, rollout: Rollout) -> tuple[Tensor | None, dict[str, float]]:
-        h = self.hparams
         candidates, metrics = super().filter_groups(rewards, rollout)
         lengths = rollout.completion_mask.sum(-1).to(rewards.device)
-        kept = lspo_filter(lengths, rollout.group_ids.to(rewards.device), candidates,
-                           low=h.lspo_low, high=h.lspo_high, max_quantile=h.lspo_max)
-        num_groups = len(set(rollout.group_ids.tolist()))
-        kept_groups = len(set(rollout.group_ids[kept.keep_mask.cpu()].tolist()))
-        metrics["lspo/dropped_groups"] = float(kept.num_dropped)
-        metrics["lspo/kept_frac"] = kept_groups / num_groups
-        return kept.keep_mask, metrics
+        keep, band_metrics = self.length_bands(lengths, rollout.group_ids.to(rewards.device), candidates)
+        return keep, {**metrics, **band_metrics}

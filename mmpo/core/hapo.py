@@ -18,6 +18,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from typing import Any
+
 import torch
 from torch import Tensor
 
@@ -97,6 +99,16 @@ def hapo_loss_settings(*, entropy_pivot: float, clip_alpha: float, adv_beta: flo
     if not 0 <= entropy_pivot <= 1:
         raise ValueError(f"hapo_entropy_pivot must be in [0, 1], got {entropy_pivot}")
     return dict(entropy_pivot=entropy_pivot, clip_alpha=clip_alpha, adv_beta=adv_beta, signed_entropy=signed_entropy)
+
+
+def hapo_module_loss_settings(loss: str | None, loss_settings: dict[str, Any] | None, *, entropy_pivot: float,
+                              clip_alpha: float, adv_beta: float, signed_entropy: bool,
+                              **hapo_extra: Any) -> dict[str, Any]:
+    """A HAPO module's ``loss_settings``: the ``hapo`` loss's own options (and ``hapo_extra``, e.g. the dLLM
+    module's dual clip) when ``loss`` is ``hapo`` (they only apply to HAPO's own loss), under the user's."""
+    hapo_settings = {**hapo_loss_settings(entropy_pivot=entropy_pivot, clip_alpha=clip_alpha, adv_beta=adv_beta,
+                                          signed_entropy=signed_entropy), **hapo_extra}
+    return {**(hapo_settings if loss == "hapo" else {}), **(loss_settings or {})}
 
 
 def adaptive_temperature(temperature: float, h_hat: Tensor, tau: float) -> Tensor:

@@ -54,6 +54,7 @@ from mmpo.dllm.sampler import SamplerConfig
 from mmpo.core import ADVANTAGE_ESTIMATORS, LossParts, compute_advantages_with_metrics, policy_loss_reads_entropy
 from mmpo.core.aggregate import AggregationMode
 from mmpo.training.nonfinite import DEFAULT_MAX_CONSECUTIVE_SKIPS, NonFiniteGuard, NonFiniteGuardMixin
+from mmpo.training.step_state import StepState
 from mmpo.training.update import MicroLoss, PassContext, UpdateEngine, UpdateSchedule, UpdateWrapper
 from mmpo.training.lr_schedule import SCHEDULES, warmup_schedule
 
@@ -429,8 +430,12 @@ class DiffuGRPO(NonFiniteGuardMixin, MaskPredictorExportHooks, PlainHparamsMixin
 
     def training_step(self, rows: list[dict[str, str]], batch_idx: int) -> Tensor:
         s = self.settings
-        batch = self.collect(rows)
+        state = StepState(step=self.global_step, rows=list(rows))
+        self.begin_step(state)  # hook: before the rollout
+        batch = self.collect(state.rows)
+        state.rewards = batch["rewards"]
         advantages, adv_metrics = self.compute_advantages(batch)
+        state.advantages = advantages
         keys = self.scoring_keys()
         unique_keys = sorted(set(keys))
         with torch.no_grad():
@@ -441,8 +446,10 @@ class DiffuGRPO(NonFiniteGuardMixin, MaskPredictorExportHooks, PlainHparamsMixin
         keep, filter_metrics = self.filter_groups(batch)
         if keep is not None:  # dropped groups leave the loss (masked, so the batch keeps its size)
             loss_masks = {key: mask & keep.to(mask.device).unsqueeze(-1) for key, mask in loss_masks.items()}
-        metrics_sum, loss = self.update_policy(batch, keys, old, ref, advantages, loss_masks)
+        metrics_sum, loss = self.update_policy(batch, keys, old, ref, advantages, loss_masks, state=state)
+        self.end_step(state)  # hook: algorithm state after the update (EPO's entropy history); adds metrics
         metrics_sum.update(filter_metrics)
+        metrics_sum.update(state.metrics)
         optimizer = self.optimizers()
         batch_size = len(rows)
         metrics_sum["perf/skipped_steps"] = float(self.nonfinite.skipped_steps)
@@ -453,6 +460,13 @@ class DiffuGRPO(NonFiniteGuardMixin, MaskPredictorExportHooks, PlainHparamsMixin
         self.log_dict({k: v for k, v in logged.items() if k not in shown}, batch_size=batch_size)
         return loss.detach()
 
+    def begin_step(self, state: StepState) -> None:
+        """Hook before the rollout (may replace ``state.rows``, add ``state.metrics``). Default: nothing."""
+
+    def end_step(self, state: StepState) -> None:
+        """Hook after the update: algorithm state from ``state`` (what the loss hooks collected on it) and
+        ``state.metrics``. Default: nothing."""
+
     def filter_groups(self, batch: dict) -> tuple[Tensor | None, dict[str, float]]:
         """(N,) bool keep mask of the samples whose groups stay in the loss (None = all) and metrics
         (hook: LSPO's length bands, ``mmpo.dllm.variants``). Default: no filter."""
@@ -460,7 +474,7 @@ class DiffuGRPO(NonFiniteGuardMixin, MaskPredictorExportHooks, PlainHparamsMixin
 
     def update_policy(
         self, batch: dict, keys: list[tuple[int, float]], old: dict, ref: dict, advantages: Tensor,
-        loss_masks: dict[tuple[int, float], Tensor],
+        loss_masks: dict[tuple[int, float], Tensor], state: StepState | None = None,
     ) -> tuple[dict[str, float], Tensor]:
         """One optimizer step per scoring key on the clipped loss + beta KL, through the update engine
         (``mmpo.training.update``) and the module's update wrapper (SFPO's slow-fast pass).
@@ -474,7 +488,7 @@ class DiffuGRPO(NonFiniteGuardMixin, MaskPredictorExportHooks, PlainHparamsMixin
             key = keys[int(index)]
             result = self.update_engine.optimizer_step(
                 [key], lambda k: MicroLoss(*self.inner_update_loss(batch, k, old[k][0], ref.get(k), advantages,
-                                                                   loss_masks[k])))
+                                                                   loss_masks[k], state)))
             last["loss"] = result.last_loss
             return result.metrics
 
@@ -496,7 +510,7 @@ class DiffuGRPO(NonFiniteGuardMixin, MaskPredictorExportHooks, PlainHparamsMixin
 
     def inner_update_loss(
         self, batch: dict, key: tuple[int, float], old_log_probs: Tensor, ref_log_probs: Tensor | None,
-        advantages: Tensor, loss_mask: Tensor,
+        advantages: Tensor, loss_mask: Tensor, state: StepState | None = None,
     ) -> tuple[Tensor, dict[str, Tensor]]:
         """The loss of one inner update on scoring ``key``: ``igpo_loss`` (policy + beta KL) plus the named parts
         of :meth:`extra_loss_terms`, and the metrics of both.
@@ -513,7 +527,7 @@ class DiffuGRPO(NonFiniteGuardMixin, MaskPredictorExportHooks, PlainHparamsMixin
             clip_low=s["clip_low"], clip_high=s["clip_high"], beta=s["beta"], agg=s["loss_agg"],
             loss=s["loss"], kl_kind=s["kl_kind"], loss_settings=s["loss_settings"], entropy=entropy,
         )
-        extra, extra_metrics = self.extra_loss_terms(entropy, loss_mask)
+        extra, extra_metrics = self.extra_loss_terms(entropy, loss_mask, state)
         if len(extra):
             clash = sorted(set(extra.metrics()) & set(metrics))
             if clash:
@@ -522,11 +536,14 @@ class DiffuGRPO(NonFiniteGuardMixin, MaskPredictorExportHooks, PlainHparamsMixin
             metrics = {**metrics, **extra.metrics(), **extra_metrics}
         return loss, metrics
 
-    def extra_loss_terms(self, entropy: Tensor | None, loss_mask: Tensor) -> tuple[LossParts, dict[str, Any]]:
+    def extra_loss_terms(self, entropy: Tensor | None, loss_mask: Tensor,
+                         state: StepState | None = None) -> tuple[LossParts, dict[str, Any]]:
         """Named loss parts added to the inner update's loss, and metrics (hook: EPO's entropy terms).
 
         ``entropy``: ``(N, L)`` update-time entropy (with grad when ``entropy_in_loss``; None when neither the
-        loss nor the subclass asked for it); ``loss_mask``: that update's ``(N, L)`` loss mask. Default: none."""
+        loss nor the subclass asked for it); ``loss_mask``: that update's ``(N, L)`` loss mask; ``state``: this
+        step's :class:`~mmpo.training.step_state.StepState` (``collect`` what ``end_step`` needs; None outside a
+        training step). Default: none."""
         return LossParts(), {}
 
     def on_fit_start(self) -> None:

@@ -30,11 +30,11 @@ import torch
 from torch import Tensor
 
 from mmpo.dllm.rl import DiffuGRPO
-from mmpo.core import LossParts, aggregate, dynamic_sampling_filter, lspo_filter
-from mmpo.core.entropy_reg import EntropyHistory, check_epo_settings, epo_phase_weight, epo_smoothing_penalty
-from mmpo.core.hapo import hapo_loss_settings
+from mmpo.core import LossParts, aggregate, dynamic_sampling_filter
+from mmpo.core.hapo import hapo_module_loss_settings
 from mmpo.training.state_hooks import CheckpointedState
-from mmpo.training.variants import SlowFastUpdate
+from mmpo.training.step_state import StepState
+from mmpo.training.variants import EntropySmoothing, LengthBands, SlowFastUpdate
 
 
 def completion_lengths(completions: Tensor, eos_token_id: int) -> Tensor:
@@ -56,10 +56,9 @@ class LSPODiffuGRPO(DiffuGRPO):
 
     def __init__(self, *, lspo_low: float = 0.3, lspo_high: float = 0.65, lspo_max: float = 0.95,
                  lspo_zero_variance: bool = True, **kwargs: Any) -> None:
-        if not 0.0 <= lspo_low <= lspo_high <= lspo_max <= 1.0:
-            raise ValueError(f"LSPO needs 0 <= lspo_low <= lspo_high <= lspo_max <= 1, got "
-                             f"{lspo_low}, {lspo_high}, {lspo_max}")
+        bands = LengthBands(lspo_low, lspo_high, lspo_max)
         super().__init__(**kwargs)
+        self.length_bands = bands
 
     def filter_groups(self, batch: dict) -> tuple[Tensor | None, dict[str, float]]:
         h = self.hparams
@@ -71,11 +70,8 @@ class LSPODiffuGRPO(DiffuGRPO):
             candidates = zero_variance.keep_mask
             metrics["rewards/dropped_groups"] = float(zero_variance.num_dropped)
         lengths = completion_lengths(batch["completions"], self.tokenizer.eos_token_id).to(rewards.device)
-        kept = lspo_filter(lengths, group_ids, candidates, low=h.lspo_low, high=h.lspo_high, max_quantile=h.lspo_max)
-        groups = group_ids.unique()
-        metrics["lspo/dropped_groups"] = float(kept.num_dropped)
-        metrics["lspo/kept_frac"] = float(group_ids[kept.keep_mask].unique().numel()) / groups.numel()
-        return kept.keep_mask, metrics
+        keep, band_metrics = self.length_bands(lengths, group_ids, candidates)
+        return keep, {**metrics, **band_metrics}
 
 
 class SFPODiffuGRPO(CheckpointedState, DiffuGRPO):
@@ -117,54 +113,33 @@ class EPODiffuGRPO(CheckpointedState, DiffuGRPO):
     The history is saved in checkpoints as ``epo_entropy_history``.
     """
 
-    checkpointed_state = (("epo_entropy_history", "entropy_history"),)
+    checkpointed_state = (("epo_entropy_history", "epo"),)
     entropy_in_loss = True
 
     def __init__(self, *, entropy_coef: float = 0.001, epo_smooth_coef: float = 1.0, epo_min_ratio: float = 0.5,
                  epo_max_ratio: float = 1.5, epo_penalty: float = 0.1, epo_mask_mode: str = "token",
                  epo_phase_weights: bool = False, epo_phase_epochs: int = 150, **kwargs: Any) -> None:
-        check_epo_settings(entropy_coef=entropy_coef, epo_smooth_coef=epo_smooth_coef, epo_min_ratio=epo_min_ratio,
-                           epo_max_ratio=epo_max_ratio, epo_penalty=epo_penalty, epo_mask_mode=epo_mask_mode,
-                           epo_phase_epochs=epo_phase_epochs)
+        epo = EntropySmoothing(entropy_coef, epo_smooth_coef, epo_min_ratio, epo_max_ratio, epo_penalty,
+                               epo_mask_mode, epo_phase_weights, epo_phase_epochs)
         super().__init__(**kwargs)
-        self.entropy_history = EntropyHistory()
-        self._step_entropy = [0.0, 0.0]  # this step's sum of loss-mask token entropies, token count
+        self.epo = epo
+        self.entropy_history = epo.history  # H_hist (the same object)
 
-    def phase_weight(self) -> float:
-        h = self.hparams
-        epoch = 0 if self._trainer is None else self.current_epoch
-        return epo_phase_weight(epoch, h.epo_phase_epochs) if h.epo_phase_weights else 1.0
-
-    def extra_loss_terms(self, entropy: Tensor | None, loss_mask: Tensor) -> tuple[LossParts, dict[str, Any]]:
-        h = self.hparams
+    def extra_loss_terms(self, entropy: Tensor | None, loss_mask: Tensor,
+                         state: StepState | None = None) -> tuple[LossParts, dict[str, Any]]:
+        # loss = policy + beta KL - lambda_H * H + lambda_H * kappa * w * P, aggregated like the policy loss
         agg = self.settings["loss_agg"]
-        mask = loss_mask.to(entropy.dtype)
-        token_sum, tokens = float((entropy.detach() * mask).sum()), float(mask.sum())
-        self._step_entropy[0] += token_sum
-        self._step_entropy[1] += tokens
-        history = self.entropy_history.mean  # None on the first step: no penalty
-        penalty, within = epo_smoothing_penalty(entropy, mask, history, min_ratio=h.epo_min_ratio,
-                                                max_ratio=h.epo_max_ratio, penalty=h.epo_penalty,
-                                                mode=h.epo_mask_mode)
-        weight = self.phase_weight()
-        # loss = policy + beta KL - lambda_H * H + lambda_H * kappa * w * P
-        parts = (LossParts().add("entropy", aggregate(entropy, mask, agg), -h.entropy_coef)
-                 .add("epo_smooth", aggregate(penalty * weight, mask, agg), h.entropy_coef * h.epo_smooth_coef))
-        metrics = {"entropy": token_sum / max(tokens, 1.0), "epo/within_frac": within,
-                   "epo/history_mean": history or 0.0, "epo/phase_weight": weight}
-        return parts, metrics
+        epoch = 0 if self._trainer is None else self.current_epoch
+        return self.epo.terms(entropy, loss_mask.to(entropy.dtype), lambda v, m: aggregate(v, m, agg), epoch=epoch,
+                              bonus=True, step=state)
 
-    def update_policy(self, batch, keys, old, ref, advantages, loss_masks):
-        self._step_entropy = [0.0, 0.0]
-        out = super().update_policy(batch, keys, old, ref, advantages, loss_masks)
-        total, count = self._step_entropy
-        if self._trainer is not None and self.trainer.world_size > 1:  # one history for all ranks
-            summed = self.trainer.strategy.reduce(torch.tensor([total, count], dtype=torch.float64,
-                                                                device=self.device), reduce_op="sum")
-            total, count = (float(v) for v in summed)
-        if count > 0:
-            self.entropy_history.update(total / count)
-        return out
+    def end_step(self, state: StepState) -> None:
+        def sum_over_ranks(value: Tensor) -> Tensor:  # one history for all ranks
+            if self._trainer is None or self.trainer.world_size == 1:
+                return value
+            return self.trainer.strategy.reduce(value.to(self.device), reduce_op="sum")
+
+        self.epo.end_step(state, sum_over_ranks)
 
 
 class HAPODiffuGRPO(DiffuGRPO):
@@ -193,10 +168,7 @@ class HAPODiffuGRPO(DiffuGRPO):
     def __init__(self, *, hapo_entropy_pivot: float = 0.8, hapo_clip_alpha: float = 1.0, hapo_adv_beta: float = 1.0,
                  hapo_signed_entropy: bool = False, hapo_dual_clip: float | None = 10.0, advantage: str = "hapo",
                  loss: str | None = "hapo", loss_settings: dict[str, Any] | None = None, **kwargs: Any) -> None:
-        hapo_settings = {**hapo_loss_settings(entropy_pivot=hapo_entropy_pivot, clip_alpha=hapo_clip_alpha,
-                                              adv_beta=hapo_adv_beta, signed_entropy=hapo_signed_entropy),
-                         "dual_clip": hapo_dual_clip}
-        if loss != "hapo":  # the hapo_* loss options only apply to HAPO's own loss
-            hapo_settings = {}
-        super().__init__(advantage=advantage, loss=loss, loss_settings={**hapo_settings, **(loss_settings or {})},
-                         **kwargs)
+        settings = hapo_module_loss_settings(loss, loss_settings, entropy_pivot=hapo_entropy_pivot,
+                                             clip_alpha=hapo_clip_alpha, adv_beta=hapo_adv_beta,
+                                             signed_entropy=hapo_signed_entropy, dual_clip=hapo_dual_clip)
+        super().__init__(advantage=advantage, loss=loss, loss_settings=settings, **kwargs)

@@ -365,8 +365,8 @@ def test_epo_step_adds_the_mask_predictors_entropy_to_the_loss(start, tmp_path, 
     returned = []
     plain_update = module.update_policy
 
-    def recording_update(*args):
-        metrics, loss = plain_update(*args)
+    def recording_update(*args, **kwargs):
+        metrics, loss = plain_update(*args, **kwargs)
         returned.append(float(loss))
         return metrics, loss
 
