@@ -32,7 +32,7 @@ def _run(code: str, namespace: dict) -> None:
 
 def test_every_section_is_a_recipe_with_code():
     headings = re.findall(r"^## (.+)$", DOC.read_text(), flags=re.M)
-    assert {"A new advantage estimator", "A new robot task"} <= set(headings)
+    assert {"A new advantage estimator", "A new algorithm module", "A new robot task"} <= set(headings)
     for heading in headings:  # no placeholder sections: each one shows code
         assert _blocks(_section(heading), "python"), f"section {heading!r} has no python code block"
 
@@ -72,6 +72,17 @@ def test_advantage_estimator_recipe(unregister_estimator, tmp_path):
     # a name that is taken is refused
     with pytest.raises(ValueError, match="duplicate advantage estimator name 'group_minmax'"):
         _run(estimator_code, {})
+
+
+def test_algorithm_module_recipe(tmp_path):
+    hand_check, training = _blocks(_section("A new algorithm module"), "python")
+    namespace: dict = {}
+    _run(hand_check, namespace)  # asserts the term and the metric on hand values
+    namespace["tiny_dir"] = tmp_path / "tiny"
+    _run(training, namespace)  # two GRPO steps through the update engine
+    algorithm = namespace["algorithm"]
+    assert algorithm.training_step.__func__ is namespace["GRPOModule"].training_step  # hooks only
+    assert algorithm.last_metrics["losses/over_budget"] < 0  # log-probs of real tokens
 
 
 @pytest.fixture
