@@ -1,8 +1,8 @@
 """Optional extras of mmpo: the error that names a missing one.
 
 The base install (``pip install mmpo``) trains and evaluates VLMs and masked-diffusion LMs; a
-package that needs an extra's dependencies checks them when it is imported (``mmpo.robotics``:
-mmpo/robotics/_extra.py) and raises :class:`MissingExtraError`, whose message is one line naming
+package that needs an extra's dependencies checks them when it is imported (``mmpo.robotics``: its
+``__init__`` calls ``require_extra("mmpo.robotics", "robotics")``) and raises :class:`MissingExtraError`, whose message is one line naming
 the extra and what is missing. ``mmpo`` (mmpo/cli.py, and mmpo/training/cli_errors.py under
 LightningCLI) prints that line and exits with code 2 instead of a traceback.
 
@@ -13,7 +13,13 @@ without importing the package that raised it.
 from __future__ import annotations
 
 import importlib.util
-from typing import Mapping
+
+# extra -> the modules that only it installs and its package imports (import name -> distribution name).
+# robotics: robomimic and imageio are in the extra too (pyproject.toml), but mmpo.robotics does not need
+# them to import: robomimic is used by the tests only, imageio only by `mmpo rollout --video` (lazily).
+EXTRA_MODULES: dict[str, dict[str, str]] = {
+    "robotics": {"robosuite": "robosuite", "mujoco": "mujoco", "gymnasium": "gymnasium", "h5py": "h5py"},
+}
 
 
 class MissingExtraError(ImportError):
@@ -31,17 +37,18 @@ def _importable(name: str) -> bool:
         return False
 
 
-def missing_modules(modules: Mapping[str, str]) -> list[str]:
+def missing_modules(modules: dict[str, str]) -> list[str]:
     """The distributions (``modules``' values) whose import name (the keys) cannot be found."""
     return [dist for name, dist in modules.items() if not _importable(name)]
 
 
-def require_extra(package: str, extra: str, modules: Mapping[str, str]) -> None:
-    """Raise :class:`MissingExtraError` unless every module of ``modules`` (import name -> distribution) is found."""
+def require_extra(package: str, extra: str, modules: dict[str, str] | None = None) -> None:
+    """Raise :class:`MissingExtraError` unless ``extra``'s modules (``EXTRA_MODULES``, or ``modules``) are found."""
+    modules = EXTRA_MODULES[extra] if modules is None else modules
     missing = missing_modules(modules)
     if missing:
-        raise MissingExtraError(missing_extra_message(package, extra, missing), name=next(iter(
-            name for name, dist in modules.items() if dist == missing[0])))
+        first = next(name for name, dist in modules.items() if dist == missing[0])
+        raise MissingExtraError(missing_extra_message(package, extra, missing), name=first)
 
 
 def find_missing_extra(exc: BaseException | None) -> MissingExtraError | None:

@@ -1,5 +1,6 @@
 """Robot policies (BC, DPPO, Gaussian PPO) on robosuite / gymnasium; needs the ``robotics`` extra."""
 
-from mmpo.robotics._extra import require_robotics
+from mmpo._extras import require_extra
 
-require_robotics()  # without the extra: one line naming it (MissingExtraError), not a traceback from an env module
+# Without the extra: one line naming it (MissingExtraError), not a ModuleNotFoundError from an env module.
+require_extra("mmpo.robotics", "robotics")
