@@ -4,7 +4,8 @@
 config names the LightningModule and LightningDataModule by ``class_path``, so
 one entry point serves every algorithm (VLM, masked-diffusion LM, robot policy).
 The other sub-commands are plain programs, imported lazily so that, e.g.,
-``mmpo demos`` does not import transformers.
+``mmpo demos`` does not import transformers. A command whose optional extra is not installed
+(``mmpo demos`` and robot configs without ``mmpo[robotics]``) ends in one line naming the extra, exit code 2.
 """
 
 from __future__ import annotations
@@ -12,6 +13,8 @@ from __future__ import annotations
 import importlib
 import sys
 from typing import Callable, Sequence
+
+from mmpo._extras import MissingExtraError
 
 LIGHTNING_SUBCOMMANDS = ("fit", "validate", "test", "predict")
 
@@ -92,12 +95,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"mmpo {package_version()}")
         return 0
     command, rest = argv[0], argv[1:]
-    if command in LIGHTNING_SUBCOMMANDS:
-        lightning_main([command, *rest])
-        return 0
-    if command in PROGRAM_SUBCOMMANDS:
-        result = _load(PROGRAM_SUBCOMMANDS[command][0])(rest)
-        return int(result or 0)
+    try:
+        if command in LIGHTNING_SUBCOMMANDS:
+            lightning_main([command, *rest])
+            return 0
+        if command in PROGRAM_SUBCOMMANDS:
+            result = _load(PROGRAM_SUBCOMMANDS[command][0])(rest)
+            return int(result or 0)
+    except MissingExtraError as exc:  # e.g. `mmpo demos` without the robotics extra: one line, exit 2
+        print(f"mmpo {command}: error: {exc}", file=sys.stderr)
+        return 2
     print(f"mmpo: unknown command {command!r}\n", file=sys.stderr)
     print(_usage(), file=sys.stderr)
     return 2

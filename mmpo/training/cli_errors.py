@@ -5,7 +5,9 @@ any of the Union subtypes" text that ends with "Expected a <class 'NoneType'>" a
 the whole Namespace, and a ValueError raised by a module's constructor comes out wrapped the
 same way under a long traceback. :class:`ConfigErrorsMixin` turns both into one final line
 that names the key and the bad value (or the class and its message), with exit code 2 like
-any argparse error. ``JSONARGPARSE_DEBUG=1`` keeps jsonargparse's full report and tracebacks.
+any argparse error. A ``class_path`` whose package needs an extra that is not installed
+(``mmpo.robotics`` without ``mmpo[robotics]``) ends in that extra's one line (mmpo/_extras.py).
+``JSONARGPARSE_DEBUG=1`` keeps jsonargparse's full report and tracebacks.
 """
 
 from __future__ import annotations
@@ -16,6 +18,8 @@ import sys
 from typing import Any, NoReturn
 
 from jsonargparse import ArgumentError
+
+from mmpo._extras import MissingExtraError, find_missing_extra
 
 # Constructor errors that are the user's input (bad setting, missing file): one line, exit 2.
 # Anything else keeps its traceback (it is more likely a bug than a config mistake).
@@ -148,6 +152,9 @@ class ConfigErrorsMixin:
         try:
             super().parse_arguments(parser, args)  # type: ignore[misc]
         except ArgumentError as exc:
+            missing = find_missing_extra(exc)  # jsonargparse imports a class_path; the import's error is chained
+            if missing is not None and not _debug():
+                fail(subcommand, str(missing))  # a class_path in a package whose extra is not installed
             cause = describe_parse_error(str(exc))
             if subcommand and cause.startswith(f"{subcommand}."):
                 cause = cause[len(subcommand) + 1:]  # keys as typed: "data", not "fit.data"
@@ -160,6 +167,8 @@ class ConfigErrorsMixin:
         except Exception as exc:  # noqa: BLE001 - sorted below: config mistakes vs everything else
             failure = exc
         cause = constructor_error(failure)
+        if isinstance(cause, MissingExtraError) and not _debug():
+            fail(self.config.get("subcommand"), str(cause))
         if _debug() or not isinstance(cause, CONFIG_ERROR_TYPES):
             raise cause  # outside the except block: its own traceback, without the wrapper's Namespace dump
         fail(self.config.get("subcommand"), f"{self._owner_of(failure)}: {cause}")
