@@ -196,6 +196,26 @@ class UpdateEngine:
         self.max_grad_norm = max_grad_norm
         self._clip_groups = clip_groups
 
+    @property
+    def world_size(self) -> int:
+        """Data-parallel processes (1 outside a Trainer)."""
+        trainer = getattr(self.module, "_trainer", None)
+        return 1 if trainer is None else trainer.world_size
+
+    def sum_over_ranks(self, value: Tensor) -> Tensor:
+        """``value`` summed over every data-parallel rank (itself in one process)."""
+        if self.world_size == 1:
+            return value
+        return self.module.trainer.strategy.reduce(value.clone(), reduce_op="sum")
+
+    def global_normalisers(self, mask: Tensor) -> tuple[Tensor, Tensor]:
+        """(tokens, sequences) of a minibatch's ``(N, T)`` loss mask summed over every rank: the normalisers
+        that make a loss split over micro-batches and ranks (each backpropagated x the world size) equal to the
+        one big batch's; every rank gets the same values."""
+        tokens = self.sum_over_ranks(mask.sum().to(torch.float32))
+        sequences = self.sum_over_ranks((mask.sum(-1) > 0).sum().to(torch.float32))
+        return tokens, sequences
+
     def _groups(self) -> list[list[torch.nn.Parameter]]:
         if self._clip_groups is not None:
             return [list(group) for group in self._clip_groups()]

@@ -200,3 +200,9 @@ def test_no_rl_module_overrides_training_step():
         offenders = [c.__qualname__ for c in subclasses
                      if c.__module__.startswith("mmpo.") and c.training_step is not base.training_step]
         assert offenders == [], f"{base.__name__} subclasses override training_step: {offenders}"
+
+
+def test_global_normalisers_in_one_process():
+    engine = UpdateEngine(Toy(), max_grad_norm=None)
+    tokens, sequences = engine.global_normalisers(torch.tensor([[1, 1, 0], [0, 0, 0], [1, 0, 0]]))
+    assert (float(tokens), float(sequences), engine.world_size) == (3.0, 2.0, 1)
