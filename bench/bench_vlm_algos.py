@@ -40,6 +40,7 @@ from mmpo.data import STEPS_SYSTEM_PROMPT, SYSTEM_PROMPT  # noqa: E402
 from mmpo.data.datamodule import PromptDataModule  # noqa: E402
 from mmpo.data.synthetic import make_items  # noqa: E402
 from mmpo.rewards import accuracy_reward  # noqa: E402
+from mmpo.files import atomic_write_json  # noqa: E402
 
 TASKS = ["count_shapes", "geometry_aux"]
 
@@ -216,7 +217,7 @@ def main(argv: list[str] | None = None) -> int:
             prompt = STEPS_SYSTEM_PROMPT if kind == "sft_steps" else SYSTEM_PROMPT
             state["baseline"][kind] = heldout_accuracy(model, processor, eval_rows, system_prompt=prompt,
                                                        max_new_tokens=args.max_new_tokens)
-            results_path.write_text(json.dumps(state, indent=1))
+            atomic_write_json(results_path, state)
     done = {(r["algo"], r["seed"]) for r in state["runs"]}
     for seed in range(args.seeds):
         for name in names:
@@ -225,7 +226,7 @@ def main(argv: list[str] | None = None) -> int:
             result = run_one(name, seed, sft_paths, eval_rows, out, args)
             print(f"[bench] {name} seed {seed}: {result['accuracy']} ({result['train_s']:.0f} s)", flush=True)
             state["runs"].append(result)
-            results_path.write_text(json.dumps(state, indent=1))
+            atomic_write_json(results_path, state)
     summary = summarize(state["runs"], state["baseline"])
     (out / "summary.md").write_text(summary + "\n")
     print(summary)

@@ -31,6 +31,7 @@ from mmpo.data.datamodule import PromptDataModule  # noqa: E402
 from mmpo.data.synthetic import make_items  # noqa: E402
 from mmpo.vlm.factory import build_tiny_vlm, load_vlm  # noqa: E402
 from mmpo.vlm.rollout import HFGenerateEngine  # noqa: E402
+from mmpo.files import atomic_write_json  # noqa: E402
 
 
 def held_out_accuracy(model_dir: Path, tasks: list[str], n: int, max_new_tokens: int) -> dict[str, float]:
@@ -114,7 +115,7 @@ def main() -> None:
     print("after GRPO :", json.dumps(after), flush=True)
     summary = {"args": {k: str(v) for k, v in vars(args).items()}, "after_sft": before, "after_grpo": after,
                "timings_s": timings}
-    (args.out / "summary.json").write_text(json.dumps(summary, indent=2))
+    atomic_write_json(args.out / "summary.json", summary, indent=2)
     print(json.dumps(timings))
 
 
