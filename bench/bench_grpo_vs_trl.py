@@ -16,7 +16,7 @@ gradients on one fixed batch (so speed is never bought with a different loss).
 
 TRL is optional (``pip install -e .[bench]`` or a separate target dir):
 
-    python bench/bench_grpo_vs_trl.py --tokens 32 128 --rounds 3 --trl-path /work/venvs/trl_pkgs
+    python bench/bench_grpo_vs_trl.py --tokens 32 128 --rounds 3 --trl-path PATH/TO/trl_pkgs
 
 ``--trl-path`` is put on PYTHONPATH of the TRL and parity subprocesses only.
 """

@@ -1,7 +1,7 @@
 """Learning check on CPU: tiny Qwen2.5-VL -> SFT warm-up -> GRPO, held-out accuracy before/after.
 
 Usage (2 shared cores; a few minutes):
-    python bench/grpo_tiny_curve.py --out /tmp/grpo_curve --sft-steps 300 --grpo-steps 60
+    python bench/grpo_tiny_curve.py --out runs/grpo_curve --sft-steps 300 --grpo-steps 60
 
 Prints greedy held-out accuracy (synthetic "test" split) after SFT and after GRPO,
 per task and overall, with wall-clock times; writes ``summary.json`` to --out.
@@ -61,7 +61,7 @@ def trainer(max_steps: int, root: Path, name: str) -> L.Trainer:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", type=Path, default=Path("/tmp/grpo_tiny_curve"))
+    parser.add_argument("--out", type=Path, default=Path("runs/grpo_tiny_curve"))
     parser.add_argument("--tasks", nargs="+", default=["count_shapes", "relative_position", "compare_size",
                                                        "bar_chart", "arithmetic"])
     parser.add_argument("--seed", type=int, default=0)
