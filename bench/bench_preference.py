@@ -41,20 +41,10 @@ METHODS = {"dpo": "dpo_tiny.yaml", "inpo": "inpo_tiny.yaml"}
 
 
 def heldout_accuracy(model_path: str, rows: list[dict[str, Any]], max_new_tokens: int) -> float:
-    """Greedy accuracy (math-verify ``accuracy`` reward) of the saved policy on ``rows``."""
-    from mmpo.rewards import compute_rewards
-    from mmpo.vlm.factory import load_vlm
-    from mmpo.vlm.rollout import HFGenerateEngine
+    """Greedy accuracy (math-verify ``accuracy`` reward) of the saved policy on ``rows`` (mmpo.eval.heldout)."""
+    from mmpo.eval.heldout import checkpoint_heldout_accuracy
 
-    model, processor = load_vlm(model_path)
-    engine = HFGenerateEngine(model, processor)
-    scores = []
-    for start in range(0, len(rows), 16):
-        part = rows[start : start + 16]
-        rollout = engine.generate(part, num_samples=1, max_new_tokens=max_new_tokens, do_sample=False)
-        _, per_fn, _ = compute_rewards({"accuracy": 1.0}, rollout.texts, rollout.rows, timeout_s=None)
-        scores += per_fn["accuracy"].tolist()
-    return sum(scores) / len(scores)
+    return checkpoint_heldout_accuracy(model_path, rows, max_new_tokens=max_new_tokens)["all"]
 
 
 def fit(method: str, seed: int, sft: str, out: Path, steps: int, overrides: list[str]) -> str:

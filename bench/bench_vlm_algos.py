@@ -39,7 +39,7 @@ import mmpo.data.geometry_aux  # noqa: E402,F401  (registers geometry_aux)
 from mmpo.data import STEPS_SYSTEM_PROMPT, SYSTEM_PROMPT  # noqa: E402
 from mmpo.data.datamodule import PromptDataModule  # noqa: E402
 from mmpo.data.synthetic import make_items  # noqa: E402
-from mmpo.rewards import accuracy_reward  # noqa: E402
+from mmpo.eval.heldout import heldout_accuracy  # noqa: E402
 from mmpo.files import atomic_write_json  # noqa: E402
 
 TASKS = ["count_shapes", "geometry_aux"]
@@ -102,22 +102,6 @@ def build_sft(kind: str, init: Path, out: Path, args: argparse.Namespace) -> Pat
     _trainer(out / kind, steps, []).fit(module, datamodule=data)
     print(f"[bench] {kind}: {steps} SFT steps in {time.perf_counter() - t0:.0f} s", flush=True)
     return target
-
-
-@torch.no_grad()
-def heldout_accuracy(model, processor, rows, *, system_prompt: str, max_new_tokens: int) -> dict[str, float]:
-    """Greedy accuracy per task (and overall) on held-out rows."""
-    from mmpo.vlm.rollout import HFGenerateEngine
-
-    engine = HFGenerateEngine(model, processor, system_prompt=system_prompt)
-    texts: list[str] = []
-    for start in range(0, len(rows), 16):
-        texts += engine.generate(rows[start:start + 16], num_samples=1, max_new_tokens=max_new_tokens,
-                                 do_sample=False).texts
-    correct = accuracy_reward(texts, rows).tolist()
-    result = {task: statistics.mean(c for c, r in zip(correct, rows) if r["task"] == task) for task in TASKS}
-    result["all"] = statistics.mean(correct)
-    return result
 
 
 def run_one(name: str, seed: int, sft_paths: dict[str, Path], eval_rows, out: Path, args) -> dict[str, Any]:

@@ -24,31 +24,19 @@ torch.set_num_threads(1)
 
 import lightning as L  # noqa: E402
 
-from mmpo.algos.config import greedy_validation_metrics  # noqa: E402
 from mmpo.algos.grpo import GRPOModule  # noqa: E402
 from mmpo.algos.sft import SFTModule  # noqa: E402
 from mmpo.data.datamodule import PromptDataModule  # noqa: E402
 from mmpo.data.synthetic import make_items  # noqa: E402
-from mmpo.vlm.factory import build_tiny_vlm, load_vlm  # noqa: E402
-from mmpo.vlm.rollout import HFGenerateEngine  # noqa: E402
+from mmpo.vlm.factory import build_tiny_vlm  # noqa: E402
+from mmpo.eval.heldout import checkpoint_heldout_accuracy  # noqa: E402
 from mmpo.files import atomic_write_json  # noqa: E402
 
 
 def held_out_accuracy(model_dir: Path, tasks: list[str], n: int, max_new_tokens: int) -> dict[str, float]:
     """Greedy accuracy per task on the synthetic test split (n items per task)."""
-    model, processor = load_vlm(model_dir)
-    engine = HFGenerateEngine(model, processor)
-    result = {}
-    for task in tasks:
-        rows = make_items(task, n, seed=1234, split="test")
-        accs = []
-        for start in range(0, n, 32):
-            chunk = rows[start : start + 32]
-            accs.append(greedy_validation_metrics(engine, chunk, max_new_tokens=max_new_tokens, timeout_s=None)
-                        ["val/accuracy"] * len(chunk))
-        result[task] = sum(accs) / n
-    result["all"] = sum(result[t] for t in tasks) / len(tasks)
-    return result
+    rows = [row for task in tasks for row in make_items(task, n, seed=1234, split="test")]
+    return checkpoint_heldout_accuracy(model_dir, rows, max_new_tokens=max_new_tokens, batch_size=32)
 
 
 def trainer(max_steps: int, root: Path, name: str) -> L.Trainer:
