@@ -21,20 +21,18 @@ come from bench/paired_intervals.py (the DPPO vs Gaussian bench's).
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import sys
 import time
 from pathlib import Path
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("MKL_NUM_THREADS", "1")
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-from paired_intervals import summarize_contrast  # noqa: E402
+from mmpo.eval.stats import summarize_contrast  # noqa: E402
+from mmpo.files import atomic_write_json  # noqa: E402
 
 #: the chains compared, and the contrast reported (ddim minus ddpm)
 CHAINS = ("ddpm", "ddim")
@@ -120,10 +118,8 @@ def main(argv: list[str] | None = None) -> int:
           f"steps; {time.time() - started:.0f} s")
     print("\n".join(lines))
     if args.out is not None:
-        tmp = args.out.with_suffix(args.out.suffix + ".tmp")
-        tmp.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, "episodes": results,
-                                   "table": lines}, indent=1))
-        tmp.replace(args.out)
+        atomic_write_json(args.out, {"args": {k: str(v) for k, v in vars(args).items()}, "episodes": results,
+                                     "table": lines})
     return 0
 
 

@@ -2,7 +2,7 @@
 
 ``--task lift`` (default) or ``--task can`` (PickPlaceCan): the task sets the demos (its scripted expert, default
 file ``<out-dir>/<task>_demos_n<N>_noise<X>.hdf5``), the policies' obs/action dims (mmpo/robotics/envs/tasks.py), the
-evaluation and RL envs, the plot title and the options left unset (bench_dppo_lift.TASK_DEFAULTS: Can takes noise
+evaluation and RL envs, the plot title and the options left unset (mmpo.robotics.bench.TASK_DEFAULTS: Can takes noise
 0.3 and the DPPO paper's 300-step Can episodes; lift keeps every default it had). Each record stores the task
 (``task``; records from before the option are lift); --continue-from / --reuse-bc-from refuse a source of another
 task, and an aggregate refuses records of more than one task (and of a task other than ``--task``).
@@ -62,8 +62,10 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_dppo_lift import (  # noqa: E402  (sets OMP_NUM_THREADS before torch)
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+os.environ.setdefault("MKL_NUM_THREADS", "1")
+
+from mmpo.robotics.bench import (  # noqa: E402
     build_parser,
     check_demos,
     default_demos,
@@ -77,7 +79,8 @@ from bench_dppo_lift import (  # noqa: E402  (sets OMP_NUM_THREADS before torch)
     task_spec,
     train_diffusion_bc,
 )
-from paired_intervals import summarize_contrast  # noqa: E402
+from mmpo.eval.stats import format_interval, summarize_contrast  # noqa: E402
+from mmpo.files import atomic_write_json  # noqa: E402
 
 import lightning.pytorch as pl  # noqa: E402
 import torch  # noqa: E402
@@ -198,12 +201,6 @@ def gaussian_module(bc_ckpt: Path, args, seed: int, **settings):
         asynchronous=not args.sync_envs, **gaussian_ppo_settings(vars(args))), **settings})
 
 
-def write_json_atomic(path: Path, payload: dict) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(payload, indent=1))
-    os.replace(tmp, path)
-
-
 def code_commit() -> str | None:
     """The git commit the bench runs at (None outside a git checkout), recorded with every run."""
     import subprocess
@@ -229,7 +226,7 @@ class CurveRecorder(pl.Callback):
         m = {key: float(value) for key, value in module.last_metrics.items()}
         self.record["curve"].append(m)
         self.record["rl_seconds_so_far"] = time.perf_counter() - self.record["_rl_start"]
-        write_json_atomic(self.path, {k: v for k, v in self.record.items() if not k.startswith("_")})
+        atomic_write_json(self.path, {k: v for k, v in self.record.items() if not k.startswith("_")})
         print(f"  {self.record['method']} s{self.record['seed']} itr {len(self.record['curve'])}: env steps "
               f"{m['perf/env_steps_total']:.0f} train success {m.get('charts/success_rate', float('nan')):.3f} "
               f"eval {m.get('eval/success_rate', float('nan')):.3f} clipfrac {m.get('policy/clipfrac', 0):.3f} "
@@ -361,7 +358,7 @@ def run_task(seed: int, method: str, args, demos: Path, out_dir: Path) -> dict:
               "commit": code_commit(), "demos": str(demos),
               "args": {k: v for k, v in vars(args).items()}, "rl_settings": rl_settings(method, vars(args)),
               "curve": []}
-    write_json_atomic(path, record)
+    atomic_write_json(path, record)
     if args.reuse_bc_from:
         bc_ckpt, record["bc_reused"] = reuse_bc(seed, method, args, demos, seed_dir)
         bc_seconds = 0.0
@@ -379,7 +376,7 @@ def run_task(seed: int, method: str, args, demos: Path, out_dir: Path) -> dict:
     episodes: list[dict] = []
     record["before"] = evaluate(policy, args, seed, normalizer, episode_records=episodes, sampler=sampler)
     record.update(before_episodes=episodes, bc_seconds=bc_seconds, status="rl")
-    write_json_atomic(path, record)
+    atomic_write_json(path, record)
     print(f"[{method} s{seed}] BC eval: success {record['before']['success_rate']:.3f}", flush=True)
 
     curve_eval = dict(eval_every=args.curve_eval_every, eval_episodes=args.curve_eval_episodes)
@@ -418,7 +415,7 @@ def run_task(seed: int, method: str, args, demos: Path, out_dir: Path) -> dict:
                   env_steps=last.get("perf/env_steps_total", 0.0), faults=last.get("perf/faults", 0.0),
                   rollout_env_steps_per_s=float(np.mean([m["perf/env_steps_per_s"] for m in record["curve"]])),
                   status="done", finished=utc_now())
-    write_json_atomic(path, record)
+    atomic_write_json(path, record)
     print(f"[{method} s{seed}] RL eval: success {record['after']['success_rate']:.3f} "
           f"(BC {record['before']['success_rate']:.3f}), {record['env_steps']:.0f} env steps in {rl_seconds:.0f}s",
           flush=True)
@@ -562,9 +559,7 @@ def aggregate(records: list[dict], n_boot: int = 10_000) -> dict:
 
 def interval(pair) -> str:
     """``[lo, hi]``; a seed-level t interval of one seed is undefined (NaN), shown as such."""
-    if any(value != value for value in pair):
-        return "n/a (1 seed)"
-    return f"[{pair[0]:+.3f}, {pair[1]:+.3f}]"
+    return format_interval(pair, undefined="n/a (1 seed)")
 
 
 def markdown(result: dict) -> str:
@@ -720,7 +715,7 @@ def main(argv: list[str] | None = None) -> int:
         block = markdown(result)
         print(block)
         out_dir.mkdir(parents=True, exist_ok=True)
-        write_json_atomic(out_dir / "aggregate.json", result)
+        atomic_write_json(out_dir / "aggregate.json", result)
         (out_dir / "aggregate.md").write_text(block + "\n")
         if args.plot:
             plot(records, Path(args.plot))

@@ -16,7 +16,7 @@ gradients on one fixed batch (so speed is never bought with a different loss).
 
 TRL is optional (``pip install -e .[bench]`` or a separate target dir):
 
-    python bench/bench_grpo_vs_trl.py --tokens 32 128 --rounds 3 --trl-path /work/venvs/trl_pkgs
+    python bench/bench_grpo_vs_trl.py --tokens 32 128 --rounds 3 --trl-path PATH/TO/trl_pkgs
 
 ``--trl-path`` is put on PYTHONPATH of the TRL and parity subprocesses only.
 """
@@ -32,6 +32,8 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+
+from mmpo.files import atomic_write_json
 
 REPO = Path(__file__).resolve().parents[1]
 G = 8
@@ -312,7 +314,7 @@ def main(argv: list[str] | None = None) -> int:
         tokens = args.tokens[0]
         result = (run_parity(args.model, tokens) if args.worker == "parity" else
                   {"mmpo": run_mmpo, "trl": run_trl}[args.worker](args.model, tokens, args.steps, args.warmup))
-        Path(args.out).write_text(json.dumps(result))
+        atomic_write_json(args.out, result, indent=None)
         return 0
     if args.steps <= args.warmup:
         parser.error("--steps must exceed --warmup")
@@ -347,7 +349,7 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"| {label} | {a:.3f} | {b:.3f} | {a / b:.2f}x |")
             print(f"(mmpo's reward worker process: VmHWM {worker:.0f} MiB, not in the row above)\n", flush=True)
     if args.json:
-        args.json.write_text(json.dumps(record, indent=1))
+        atomic_write_json(args.json, record)
     return 0
 
 

@@ -17,11 +17,9 @@ from __future__ import annotations
 
 import argparse
 import csv
-import json
 import multiprocessing
 import os
 import statistics
-import sys
 import tempfile
 import time
 from concurrent.futures import ProcessPoolExecutor, as_completed
@@ -31,6 +29,8 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("MKL_NUM_THREADS", "1")
 
 import torch  # noqa: E402
+
+from mmpo.files import atomic_write_json  # noqa: E402
 
 torch.set_num_threads(1)
 
@@ -197,7 +197,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--workdir", default=None)
     parser.add_argument("--out", default="runs/bench/dllm_igpo.json", help="JSON with every run (the summary table is printed)")
     args = parser.parse_args(argv)
-    sys.path.insert(0, str(REPO))
     from mmpo.dllm.rollout import greedy_accuracy
     from mmpo.dllm.modeling import load_mask_predictor, read_generation_defaults
     from mmpo.dllm.sampler import SamplerConfig
@@ -226,11 +225,10 @@ def main(argv: list[str] | None = None) -> int:
                   f"{result['heldout_sampled_accuracy']:.3f}, all-wrong "
                   f"{mean(result['frac_all_wrong']):.3f} (sampled {mean(result['frac_all_wrong_sampled']):.3f}), "
                   f"{result['seconds']}s", flush=True)
-            Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-            Path(args.out).write_text(json.dumps({"args": vars(args), "runs": results}, indent=1))
+            atomic_write_json(args.out, {"args": vars(args), "runs": results})
     results.sort(key=lambda r: (r["method"], r["seed"]))
     summary = summarize(results, base_accuracy)
-    Path(args.out).write_text(json.dumps({"args": vars(args), "summary": summary, "runs": results}, indent=1))
+    atomic_write_json(args.out, {"args": vars(args), "summary": summary, "runs": results})
     print(markdown(summary, args))
     return 0
 

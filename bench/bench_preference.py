@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import statistics
 import time
@@ -31,35 +30,21 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import torch  # noqa: E402
 
+from mmpo.eval.stats import seed_t_interval, wilson_interval  # noqa: E402
+from mmpo.files import atomic_write_json  # noqa: E402
+
 torch.set_num_threads(1)
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs" / "vlm"
 TASKS = ["count_shapes", "relative_position", "compare_size", "bar_chart", "arithmetic"]
 METHODS = {"dpo": "dpo_tiny.yaml", "inpo": "inpo_tiny.yaml"}
-T_975 = {2: 12.706, 3: 4.303, 4: 3.182, 5: 2.776}
 
 
 def heldout_accuracy(model_path: str, rows: list[dict[str, Any]], max_new_tokens: int) -> float:
-    """Greedy accuracy (math-verify ``accuracy`` reward) of the saved policy on ``rows``."""
-    from mmpo.rewards import compute_rewards
-    from mmpo.vlm.factory import load_vlm
-    from mmpo.vlm.rollout import HFGenerateEngine
+    """Greedy accuracy (math-verify ``accuracy`` reward) of the saved policy on ``rows`` (mmpo.eval.heldout)."""
+    from mmpo.eval.heldout import checkpoint_heldout_accuracy
 
-    model, processor = load_vlm(model_path)
-    engine = HFGenerateEngine(model, processor)
-    scores = []
-    for start in range(0, len(rows), 16):
-        part = rows[start : start + 16]
-        rollout = engine.generate(part, num_samples=1, max_new_tokens=max_new_tokens, do_sample=False)
-        _, per_fn, _ = compute_rewards({"accuracy": 1.0}, rollout.texts, rollout.rows, timeout_s=None)
-        scores += per_fn["accuracy"].tolist()
-    return sum(scores) / len(scores)
-
-
-def wilson(p: float, n: int, z: float = 1.96) -> tuple[float, float]:
-    centre = (p + z * z / (2 * n)) / (1 + z * z / n)
-    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / (1 + z * z / n)
-    return centre - half, centre + half
+    return checkpoint_heldout_accuracy(model_path, rows, max_new_tokens=max_new_tokens)["all"]
 
 
 def fit(method: str, seed: int, sft: str, out: Path, steps: int, overrides: list[str]) -> str:
@@ -79,12 +64,12 @@ def fit(method: str, seed: int, sft: str, out: Path, steps: int, overrides: list
 def summarize(results: dict[str, Any], n_items: int) -> str:
     lines = ["| policy | seed | held-out accuracy | Wilson 95% | train s |", "|---|---|---|---|---|"]
     sft = results["sft"]["accuracy"]
-    lo, hi = wilson(sft, n_items)
+    lo, hi = wilson_interval(sft, n_items)
     lines.append(f"| SFT start | - | {sft:.3f} | [{lo:.3f}, {hi:.3f}] | - |")
     for key, run in sorted(results.items()):
         if key == "sft":
             continue
-        lo, hi = wilson(run["accuracy"], n_items)
+        lo, hi = wilson_interval(run["accuracy"], n_items)
         lines.append(f"| {run['method']} | {run['seed']} | {run['accuracy']:.3f} | [{lo:.3f}, {hi:.3f}] | {run['seconds']:.0f} |")
     lines += ["", "| method | seeds | mean accuracy | t 95% interval over seeds | mean - SFT |", "|---|---|---|---|---|"]
     for method in METHODS:
@@ -92,8 +77,8 @@ def summarize(results: dict[str, Any], n_items: int) -> str:
         if not accs:
             continue
         mean = statistics.fmean(accs)
-        half = T_975.get(len(accs), 1.96) * statistics.stdev(accs) / math.sqrt(len(accs)) if len(accs) > 1 else float("nan")
-        lines.append(f"| {method} | {len(accs)} | {mean:.3f} | [{mean - half:.3f}, {mean + half:.3f}] | {mean - sft:+.3f} |")
+        low, high = seed_t_interval(accs)
+        lines.append(f"| {method} | {len(accs)} | {mean:.3f} | [{low:.3f}, {high:.3f}] | {mean - sft:+.3f} |")
     return "\n".join(lines) + "\n"
 
 
@@ -120,7 +105,7 @@ def main(argv: list[str] | None = None) -> int:
     results: dict[str, Any] = json.loads(results_path.read_text()) if results_path.exists() else {}
 
     def save() -> None:
-        results_path.write_text(json.dumps(results, indent=1))
+        atomic_write_json(results_path, results)
         (out / "summary.md").write_text(summarize(results, len(rows)))
 
     if "sft" not in results:

@@ -39,7 +39,8 @@ import mmpo.data.geometry_aux  # noqa: E402,F401  (registers geometry_aux)
 from mmpo.data import STEPS_SYSTEM_PROMPT, SYSTEM_PROMPT  # noqa: E402
 from mmpo.data.datamodule import PromptDataModule  # noqa: E402
 from mmpo.data.synthetic import make_items  # noqa: E402
-from mmpo.rewards import accuracy_reward  # noqa: E402
+from mmpo.eval.heldout import heldout_accuracy  # noqa: E402
+from mmpo.files import atomic_write_json  # noqa: E402
 
 TASKS = ["count_shapes", "geometry_aux"]
 
@@ -101,22 +102,6 @@ def build_sft(kind: str, init: Path, out: Path, args: argparse.Namespace) -> Pat
     _trainer(out / kind, steps, []).fit(module, datamodule=data)
     print(f"[bench] {kind}: {steps} SFT steps in {time.perf_counter() - t0:.0f} s", flush=True)
     return target
-
-
-@torch.no_grad()
-def heldout_accuracy(model, processor, rows, *, system_prompt: str, max_new_tokens: int) -> dict[str, float]:
-    """Greedy accuracy per task (and overall) on held-out rows."""
-    from mmpo.vlm.rollout import HFGenerateEngine
-
-    engine = HFGenerateEngine(model, processor, system_prompt=system_prompt)
-    texts: list[str] = []
-    for start in range(0, len(rows), 16):
-        texts += engine.generate(rows[start:start + 16], num_samples=1, max_new_tokens=max_new_tokens,
-                                 do_sample=False).texts
-    correct = accuracy_reward(texts, rows).tolist()
-    result = {task: statistics.mean(c for c, r in zip(correct, rows) if r["task"] == task) for task in TASKS}
-    result["all"] = statistics.mean(correct)
-    return result
 
 
 def run_one(name: str, seed: int, sft_paths: dict[str, Path], eval_rows, out: Path, args) -> dict[str, Any]:
@@ -216,7 +201,7 @@ def main(argv: list[str] | None = None) -> int:
             prompt = STEPS_SYSTEM_PROMPT if kind == "sft_steps" else SYSTEM_PROMPT
             state["baseline"][kind] = heldout_accuracy(model, processor, eval_rows, system_prompt=prompt,
                                                        max_new_tokens=args.max_new_tokens)
-            results_path.write_text(json.dumps(state, indent=1))
+            atomic_write_json(results_path, state)
     done = {(r["algo"], r["seed"]) for r in state["runs"]}
     for seed in range(args.seeds):
         for name in names:
@@ -225,7 +210,7 @@ def main(argv: list[str] | None = None) -> int:
             result = run_one(name, seed, sft_paths, eval_rows, out, args)
             print(f"[bench] {name} seed {seed}: {result['accuracy']} ({result['train_s']:.0f} s)", flush=True)
             state["runs"].append(result)
-            results_path.write_text(json.dumps(state, indent=1))
+            atomic_write_json(results_path, state)
     summary = summarize(state["runs"], state["baseline"])
     (out / "summary.md").write_text(summary + "\n")
     print(summary)

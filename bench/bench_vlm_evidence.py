@@ -59,7 +59,8 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("MKL_NUM_THREADS", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+from mmpo.eval.stats import paired_difference, seed_t_interval  # noqa: E402
+from mmpo.files import atomic_write_json, atomic_write_text  # noqa: E402
 
 MAIN_TASKS = ("count_shapes", "compare_size", "bar_chart")
 GEOMETRY_TASKS = ("geometry_aux",)
@@ -297,13 +298,6 @@ def system_prompt_for_start(kind: str) -> str:
 # ----------------------------------------------------------------------------- files
 
 
-def write_json_atomic(data: Any, path: Path) -> None:
-    """A killed run never leaves half a file (temp file + rename: ``mmpo.robotics.files.atomic_write_text``)."""
-    from mmpo.robotics.files import atomic_write_text
-
-    atomic_write_text(path, json.dumps(data, indent=1))
-
-
 def run_path(out: Path, experiment: str, algo: str, seed: int) -> Path:
     return out / "runs" / f"{experiment}__{algo}__s{seed}.json"
 
@@ -378,7 +372,7 @@ def stage_starts(args: argparse.Namespace) -> None:
                           masked=masked_rows(rows) if name == "main" else None,
                           samples=args.eval_samples, temperature=experiment.temperature)
         result["tasks"] = [row["task"] for row in rows]
-        write_json_atomic(result, result_path)
+        atomic_write_json(result_path, result)
         print(f"[evidence] start {kind}: accuracy {statistics.mean(result['correct']):.3f}", flush=True)
 
 
@@ -480,22 +474,13 @@ def stage_runs(args: argparse.Namespace) -> None:
         if not claim(path):
             continue
         result = run_one(experiment, algo, seed, args)
-        write_json_atomic(result, path)
+        atomic_write_json(path, result)
         path.with_name(path.name + ".claim").unlink(missing_ok=True)
         print(f"[evidence] {experiment} {algo} seed {seed}: accuracy {statistics.mean(result['final']['correct']):.3f}"
               f" ({result['train_s']:.0f} s)", flush=True)
 
 
 # ----------------------------------------------------------------------------- report
-
-
-def contrast(per_seed_a: list[Sequence], per_seed_b: list[Sequence], *, n_boot: int = 4000) -> dict[str, Any]:
-    """a - b per seed, paired by item: estimate, bootstrap over seeds and items, seed-t interval."""
-    import numpy as np
-    from paired_intervals import summarize_contrast
-
-    per_seed = [{"a": np.asarray(a, dtype=float), "b": np.asarray(b, dtype=float)} for a, b in zip(per_seed_a, per_seed_b)]
-    return summarize_contrast(per_seed, {"a": 1.0, "b": -1.0}, n_boot=n_boot)
 
 
 def _interval(summary: dict[str, Any]) -> str:
@@ -548,10 +533,10 @@ def report(out: Path) -> str:
                 continue
             finals = [run["final"]["correct"] for run in runs]
             cells = [f"{_mean([per_task(f, t) for f in finals]):.3f}" for t in tasks]
-            vs_start = _interval(contrast(finals, [start["correct"]] * len(finals))) if len(runs) > 1 else "-"
+            vs_start = _interval(paired_difference(finals, [start["correct"]] * len(finals))) if len(runs) > 1 else "-"
             paired = [(run["final"]["correct"], grpo_runs[run["seed"]]["final"]["correct"]) for run in runs
                       if run["seed"] in grpo_runs]
-            vs_grpo = (_interval(contrast([a for a, _ in paired], [b for _, b in paired]))
+            vs_grpo = (_interval(paired_difference([a for a, _ in paired], [b for _, b in paired]))
                        if algo != "grpo" and len(paired) > 1 else "-")
             lines.append(f"| {algo} | {len(runs)} | " + " | ".join(cells)
                          + f" | {_mean([_mean(f) for f in finals]):.3f} | {vs_start} | {vs_grpo} |")
@@ -575,11 +560,11 @@ def sampled_accuracy_lines(name: str, experiment: Experiment, start: dict, group
             continue
         finals = [run["final"]["sampled_accuracy"] for run in runs]
         line = (f"- {algo}: held-out sampled accuracy {_mean([_mean(f) for f in finals]):.3f} (start "
-                f"{_mean(start['sampled_accuracy']):.3f}), vs start {_interval(contrast(finals, [start['sampled_accuracy']] * len(runs)))}")
+                f"{_mean(start['sampled_accuracy']):.3f}), vs start {_interval(paired_difference(finals, [start['sampled_accuracy']] * len(runs)))}")
         paired = [(run["final"]["sampled_accuracy"], grpo[run["seed"]]["final"].get("sampled_accuracy"))
                   for run in runs if run["seed"] in grpo]
         if algo != "grpo" and len(paired) > 1 and all(b is not None for _, b in paired):
-            line += f", vs GRPO {_interval(contrast([a for a, _ in paired], [b for _, b in paired]))}"
+            line += f", vs GRPO {_interval(paired_difference([a for a, _ in paired], [b for _, b in paired]))}"
         lines.append(line)
     return lines
 
@@ -588,8 +573,6 @@ def rollout_accuracy_lines(name: str, experiment: Experiment, grouped) -> list[s
     """Sampled accuracy of the rollouts, first vs last fifth of the run. Every RL prompt is new (one
     epoch of ``rl_steps`` x 8 fresh training items), so this is accuracy on prompts the policy had not
     seen, at the sampling temperature; the interval is Student-t over the seeds' changes."""
-    from paired_intervals import seed_t_interval
-
     lines = []
     for algo in experiment.algos:
         runs = [run for run in grouped.get((name, algo), []) if "rewards/accuracy/mean" in run["train_metrics"]]
@@ -628,7 +611,7 @@ def mechanism_lines(name: str, experiment: Experiment, start: dict, grouped) -> 
             runs = grouped[(name, algo)]
             gaps = [_mean(r["final"]["correct"]) - _mean(r["final"]["correct_masked"]) for r in runs]
             shares = [perception_share(r["final"]) for r in runs]
-            gap_ci = contrast([[a - b for a, b in zip(r["final"]["correct"], r["final"]["correct_masked"])]
+            gap_ci = paired_difference([[a - b for a, b in zip(r["final"]["correct"], r["final"]["correct_masked"])]
                                for r in runs], [[0.0] * len(start["correct"])] * len(runs))
             extra = ""
             if algo == "papo_g":
@@ -648,7 +631,7 @@ def mechanism_lines(name: str, experiment: Experiment, start: dict, grouped) -> 
             rate = (f"perception-error rate {_mean([_mean(f) for f in rates]):.3f} of the items (start "
                     f"{_mean(perception_flags(start)):.3f})")
             if algo != "grpo" and len(paired) > 1:
-                rate += f", vs GRPO {_interval(contrast([a for a, _ in paired], [b for _, b in paired]))}"
+                rate += f", vs GRPO {_interval(paired_difference([a for a, _ in paired], [b for _, b in paired]))}"
             lines.append(f"- {algo}: perception gap {_mean(gaps):+.3f} ({_interval(gap_ci)}), perception errors "
                          f"{_mean(shares):.3f} of the errors (per seed {', '.join(f'{s:.2f}' for s in shares)}); "
                          f"{rate}{extra}")
@@ -657,7 +640,7 @@ def mechanism_lines(name: str, experiment: Experiment, start: dict, grouped) -> 
                      f"{_mean(start['step_valid']):.3f}")
         for algo in algos:
             runs = grouped[(name, algo)]
-            key_ci = contrast([r["final"]["key_step_frac"] for r in runs], [start["key_step_frac"]] * len(runs))
+            key_ci = paired_difference([r["final"]["key_step_frac"] for r in runs], [start["key_step_frac"]] * len(runs))
             lines.append(f"- {algo}: held-out key-step fraction {_mean([_mean(r['final']['key_step_frac']) for r in runs]):.3f}"
                          f" (vs start {_interval(key_ci)}), StepRVR valid "
                          f"{_mean([_mean(r['final']['step_valid']) for r in runs]):.3f}")
@@ -701,7 +684,7 @@ def curve_lines(name: str, experiment: Experiment, start: dict, grouped) -> list
         cells = []
         for step in steps:
             finished = [run["curve"][str(step)] for run in runs if str(step) in run["curve"]]
-            summary = contrast(finished, [start["correct"]] * len(finished), n_boot=1000)
+            summary = paired_difference(finished, [start["correct"]] * len(finished), n_boot=1000)
             low, high = summary["bootstrap"]
             cells.append(f"{step}: {_mean([_mean(f) for f in finished]):.3f} ({summary['estimate']:+.3f} "
                          f"[{low:+.3f}, {high:+.3f}])")
@@ -775,8 +758,6 @@ def main(argv: list[str] | None = None) -> int:
         stage_runs(args)
     else:
         text = report(args.out)
-        from mmpo.robotics.files import atomic_write_text
-
         atomic_write_text(args.out / "summary.md", text)
         figure = plot(args.out)
         print(text + (f"\nplot: {figure}" if figure else ""))

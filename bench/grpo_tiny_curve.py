@@ -1,7 +1,7 @@
 """Learning check on CPU: tiny Qwen2.5-VL -> SFT warm-up -> GRPO, held-out accuracy before/after.
 
 Usage (2 shared cores; a few minutes):
-    python bench/grpo_tiny_curve.py --out /tmp/grpo_curve --sft-steps 300 --grpo-steps 60
+    python bench/grpo_tiny_curve.py --out runs/grpo_curve --sft-steps 300 --grpo-steps 60
 
 Prints greedy held-out accuracy (synthetic "test" split) after SFT and after GRPO,
 per task and overall, with wall-clock times; writes ``summary.json`` to --out.
@@ -24,30 +24,19 @@ torch.set_num_threads(1)
 
 import lightning as L  # noqa: E402
 
-from mmpo.algos.config import greedy_validation_metrics  # noqa: E402
 from mmpo.algos.grpo import GRPOModule  # noqa: E402
 from mmpo.algos.sft import SFTModule  # noqa: E402
 from mmpo.data.datamodule import PromptDataModule  # noqa: E402
 from mmpo.data.synthetic import make_items  # noqa: E402
-from mmpo.vlm.factory import build_tiny_vlm, load_vlm  # noqa: E402
-from mmpo.vlm.rollout import HFGenerateEngine  # noqa: E402
+from mmpo.vlm.factory import build_tiny_vlm  # noqa: E402
+from mmpo.eval.heldout import checkpoint_heldout_accuracy  # noqa: E402
+from mmpo.files import atomic_write_json  # noqa: E402
 
 
 def held_out_accuracy(model_dir: Path, tasks: list[str], n: int, max_new_tokens: int) -> dict[str, float]:
     """Greedy accuracy per task on the synthetic test split (n items per task)."""
-    model, processor = load_vlm(model_dir)
-    engine = HFGenerateEngine(model, processor)
-    result = {}
-    for task in tasks:
-        rows = make_items(task, n, seed=1234, split="test")
-        accs = []
-        for start in range(0, n, 32):
-            chunk = rows[start : start + 32]
-            accs.append(greedy_validation_metrics(engine, chunk, max_new_tokens=max_new_tokens, timeout_s=None)
-                        ["val/accuracy"] * len(chunk))
-        result[task] = sum(accs) / n
-    result["all"] = sum(result[t] for t in tasks) / len(tasks)
-    return result
+    rows = [row for task in tasks for row in make_items(task, n, seed=1234, split="test")]
+    return checkpoint_heldout_accuracy(model_dir, rows, max_new_tokens=max_new_tokens, batch_size=32)
 
 
 def trainer(max_steps: int, root: Path, name: str) -> L.Trainer:
@@ -60,7 +49,7 @@ def trainer(max_steps: int, root: Path, name: str) -> L.Trainer:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", type=Path, default=Path("/tmp/grpo_tiny_curve"))
+    parser.add_argument("--out", type=Path, default=Path("runs/grpo_tiny_curve"))
     parser.add_argument("--tasks", nargs="+", default=["count_shapes", "relative_position", "compare_size",
                                                        "bar_chart", "arithmetic"])
     parser.add_argument("--seed", type=int, default=0)
@@ -114,7 +103,7 @@ def main() -> None:
     print("after GRPO :", json.dumps(after), flush=True)
     summary = {"args": {k: str(v) for k, v in vars(args).items()}, "after_sft": before, "after_grpo": after,
                "timings_s": timings}
-    (args.out / "summary.json").write_text(json.dumps(summary, indent=2))
+    atomic_write_json(args.out / "summary.json", summary, indent=2)
     print(json.dumps(timings))
 
 

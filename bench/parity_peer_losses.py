@@ -20,94 +20,20 @@ its gradient, and the max relative difference):
 from __future__ import annotations
 
 import argparse
-import ast
-import importlib.util
-import subprocess
-import sys
-import tempfile
 import types
-from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Callable
 
 import torch
 
 from mmpo.core import AGGREGATION_MODES, kl_penalty, policy_loss
-
-VERL_COMMIT = "b178a3cd"
-DTYPE = torch.float64
-
-
-def _function_source(source: str, name: str, class_name: str | None = None) -> str:
-    """The source of top-level function ``name`` (or method ``class_name.name``) in ``source``."""
-    tree = ast.parse(source)
-    scope = tree.body
-    if class_name is not None:
-        scope = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == class_name).body
-    node = next(n for n in scope if isinstance(n, ast.FunctionDef) and n.name == name)
-    node.decorator_list = []  # drop @staticmethod / @torch.no_grad(); the caller wraps what it needs
-    return ast.unparse(node)
-
-
-def _git_show(git_dir: str, path: str) -> str:
-    return subprocess.run(
-        ["git", "--git-dir", git_dir, "show", f"{VERL_COMMIT}:{path}"], check=True, capture_output=True, text=True
-    ).stdout
-
-
-def load_verl(git_dir: str) -> types.ModuleType:
-    """verl's core_algos at VERL_COMMIT with stub modules for what it imports from verl / omegaconf."""
-    functional = types.ModuleType("verl.utils.torch_functional")
-    tf_source = _git_show(git_dir, "verl/utils/torch_functional.py")
-    namespace: dict[str, Any] = {"torch": torch}
-    for fn in ("masked_sum", "masked_mean"):
-        exec(_function_source(tf_source, fn), namespace)  # verl's own helpers, by source
-        setattr(functional, fn, namespace[fn])
-
-    class Holder:  # stands in for verl's config dataclasses (only attribute access is used)
-        def __init__(self, **kw: Any) -> None:
-            self.__dict__.update(kw)
-
-    stubs = {
-        "omegaconf": {"DictConfig": Holder},
-        "verl": {},
-        "verl.utils": {"as_torch_index": None, "group_mean_std": None, "torch_functional": functional},
-        "verl.utils.import_utils": {"deprecated": lambda *a, **k: (lambda f: f)},
-        "verl.trainer": {},
-        "verl.trainer.config": {"AlgoConfig": type("AlgoConfig", (), {})},
-        "verl.workers": {},
-        "verl.workers.config": {"ActorConfig": Holder},
-    }
-    for name, attrs in stubs.items():
-        module = types.ModuleType(name)
-        module.__dict__.update(attrs)
-        sys.modules.setdefault(name, module)
-    sys.modules["verl.utils.torch_functional"] = functional
-    tmp = Path(tempfile.mkdtemp()) / "verl_core_algos.py"
-    tmp.write_text(_git_show(git_dir, "verl/trainer/ppo/core_algos.py"))
-    spec = importlib.util.spec_from_file_location("verl_core_algos", tmp)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    module.Config = Holder
-    return module
-
-
-def trl_source(wheel: str | None, member: str) -> str:
-    """The source of ``member`` (e.g. ``trl/trainer/dpo_trainer.py``) from the TRL 1.16.0 wheel
-    (downloaded with ``pip download`` when ``wheel`` is None)."""
-    import zipfile
-
-    if wheel is None:
-        out = Path(tempfile.mkdtemp())
-        subprocess.run([sys.executable, "-m", "pip", "download", "trl==1.16.0", "--no-deps", "-d", str(out)],
-                       check=True, capture_output=True)
-        wheel = str(next(out.glob("trl-1.16.0-*.whl")))
-    return zipfile.ZipFile(wheel).read(member).decode()
-
-
-def trl_grpo_trainer_source(wheel: str | None) -> str:
-    """The source of ``trl/trainer/grpo_trainer.py`` from the TRL 1.16.0 wheel (downloaded when None)."""
-    return trl_source(wheel, "trl/trainer/grpo_trainer.py")
+from mmpo.eval.peers import (
+    VERL_COMMIT,
+    Batch,
+    function_source,
+    load_verl,
+    make_batch,
+    trl_grpo_trainer_source,
+)
 
 
 def load_trl_gamma_weights(wheel: str | None) -> Callable[..., torch.Tensor]:
@@ -116,32 +42,8 @@ def load_trl_gamma_weights(wheel: str | None) -> Callable[..., torch.Tensor]:
 
     source = trl_grpo_trainer_source(wheel)
     namespace: dict[str, Any] = {"torch": torch, "math": math}
-    exec(_function_source(source, "get_gamma_weights", "GRPOTrainer"), namespace)
+    exec(function_source(source, "get_gamma_weights", "GRPOTrainer"), namespace)
     return torch.no_grad()(namespace["get_gamma_weights"])
-
-
-@dataclass
-class Batch:
-    log_probs: torch.Tensor
-    old: torch.Tensor
-    ref: torch.Tensor
-    adv: torch.Tensor  # (B,)
-    mask: torch.Tensor
-    lengths: list[int] = field(default_factory=list)
-
-
-def make_batch(seed: int = 0, spread: float = 0.3) -> Batch:
-    gen = torch.Generator().manual_seed(seed)
-    lengths = [12, 3, 7, 1, 9, 12, 5, 10]
-    batch, time = len(lengths), max(lengths)
-    old = torch.log_softmax(torch.randn(batch, time, 13, generator=gen, dtype=DTYPE), -1)[..., 0]
-    lp = old + spread * torch.randn(batch, time, generator=gen, dtype=DTYPE)
-    ref = old + spread * torch.randn(batch, time, generator=gen, dtype=DTYPE)
-    adv = 1.5 * torch.randn(batch, generator=gen, dtype=DTYPE)
-    mask = torch.zeros(batch, time, dtype=DTYPE)
-    for i, n in enumerate(lengths):
-        mask[i, :n] = 1
-    return Batch(lp, old, ref, adv, mask, lengths)
 
 
 def _loss_and_grad(fn: Callable[[torch.Tensor], torch.Tensor], log_probs: torch.Tensor, seed: int = 0):

@@ -26,11 +26,11 @@ import sys
 import tempfile
 import types
 from pathlib import Path
-from typing import Any, Callable
+from typing import Callable
 
 import torch
 
-from parity_peer_losses import _git_show, load_verl, make_batch, trl_grpo_trainer_source  # same folder: the team's loaders
+from mmpo.eval.peers import VERL_COMMIT, git_show, load_verl, make_batch, trl_grpo_trainer_source
 
 from mmpo.core import policy_loss, rollout_is_weights
 
@@ -66,7 +66,7 @@ def load_verl_rollout_corr(git_dir: str) -> tuple[types.ModuleType, types.Module
         module.__dict__.update(attrs)
         sys.modules[name] = module
     tmp = Path(tempfile.mkdtemp()) / "rollout_corr_helper.py"
-    tmp.write_text(_git_show(git_dir, "verl/trainer/ppo/rollout_corr_helper.py"))
+    tmp.write_text(git_show(git_dir, VERL_COMMIT, "verl/trainer/ppo/rollout_corr_helper.py"))
     spec = importlib.util.spec_from_file_location("verl.trainer.ppo.rollout_corr_helper", tmp)
     helper = importlib.util.module_from_spec(spec)
     sys.modules["verl.trainer.ppo.rollout_corr_helper"] = helper

@@ -30,7 +30,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from parity_peer_losses import trl_source  # same folder: the team's wheel reader
+from mmpo.eval.peers import trl_source
 
 from mmpo.core import preference_loss
 

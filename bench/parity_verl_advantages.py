@@ -1,13 +1,13 @@
 """Parity of mmpo's verl advantage estimators with verl's own ``core_algos.py`` on seeded inputs.
 
 verl is not a dependency (it pulls Ray, vLLM, ...). This script reads verl's real source from a
-git checkout or mirror (``--verl-git-dir``, default the fetched mirror), imports
+git checkout or mirror (``--verl-git-dir``, else ``$MMPO_VERL_GIT_DIR``; required), imports
 ``verl/trainer/ppo/core_algos.py`` with small stand-ins for its verl-internal imports (config
 classes, a ``deprecated`` decorator) and verl's own ``masked_mean/var/whiten`` extracted from
 ``verl/utils/torch_functional.py``, runs both implementations on the same tensors and prints the
 max absolute / relative difference per name. No verl code is stored in this repository.
 
-    python bench/parity_verl_advantages.py [--verl-git-dir DIR] [--commit b178a3cd]
+    python bench/parity_verl_advantages.py --verl-git-dir PATH/TO/verl/.git [--commit b178a3cd]
 """
 
 from __future__ import annotations
@@ -15,24 +15,15 @@ from __future__ import annotations
 import argparse
 import ast
 import importlib.util
-import subprocess
 import sys
 import tempfile
 import types
 from pathlib import Path
 
-import numpy as np
 import torch
 
 from mmpo.core import compute_advantages
-
-DEFAULT_GIT_DIR = "/work/.mirror/volcengine+verl/repo"
-
-
-def _git_show(git_dir: str, commit: str, path: str) -> str:
-    return subprocess.run(["git", "--git-dir", git_dir, "show", f"{commit}:{path}"], check=True,
-                          capture_output=True, text=True).stdout
-
+from mmpo.eval.peers import VERL_COMMIT, VERL_GIT_DIR_ENV, git_show, verl_git_dir
 
 def _functions_from(source: str, names: set[str]) -> dict:
     """Exec only the named top-level functions of ``source`` (verl's real code, no module imports)."""
@@ -54,7 +45,7 @@ class _Config(dict):
 
 
 def load_verl_core_algos(git_dir: str, commit: str) -> types.ModuleType:
-    functional = _functions_from(_git_show(git_dir, commit, "verl/utils/torch_functional.py"),
+    functional = _functions_from(git_show(git_dir, commit, "verl/utils/torch_functional.py"),
                                  {"masked_sum", "masked_mean", "masked_var", "masked_whiten"})
     stubs = {
         "omegaconf": {"DictConfig": dict},
@@ -73,7 +64,7 @@ def load_verl_core_algos(git_dir: str, commit: str) -> types.ModuleType:
     try:
         with tempfile.TemporaryDirectory() as tmp:
             path = Path(tmp) / "verl_core_algos.py"
-            path.write_text(_git_show(git_dir, commit, "verl/trainer/ppo/core_algos.py"))
+            path.write_text(git_show(git_dir, commit, "verl/trainer/ppo/core_algos.py"))
             spec = importlib.util.spec_from_file_location("verl_core_algos", path)
             module = importlib.util.module_from_spec(spec)
             spec.loader.exec_module(module)
@@ -175,10 +166,11 @@ def differences(ours: torch.Tensor, theirs: torch.Tensor) -> tuple[float, float]
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--verl-git-dir", default=DEFAULT_GIT_DIR)
-    parser.add_argument("--commit", default="b178a3cd")
+    parser.add_argument("--verl-git-dir", default=None,
+                        help=f"git dir of a verl clone or mirror holding --commit (default: ${VERL_GIT_DIR_ENV})")
+    parser.add_argument("--commit", default=VERL_COMMIT)
     args = parser.parse_args(argv)
-    verl = load_verl_core_algos(args.verl_git_dir, args.commit)
+    verl = load_verl_core_algos(verl_git_dir(args.verl_git_dir), args.commit)
     rows: dict[tuple[str, str], tuple[float, float]] = {}
     for dtype in (torch.float64, torch.float32):
         for seed, binary in ((0, True), (1, False), (2, True), (3, False)):

@@ -14,7 +14,7 @@ import mmpo.robotics.demos.generate as generate
 from mmpo.robotics.bc import ChunkDataModule
 from mmpo.robotics.cli import demos_main
 from mmpo.robotics.data import ChunkDataset
-from mmpo.robotics.files import file_sha256
+from mmpo.files import file_sha256
 
 ARGS = ["--task", "lift", "--num-demos", "1", "--noise", "0.05", "--seed", "3", "--max-steps", "120", "--no-progress"]
 

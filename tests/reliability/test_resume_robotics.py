@@ -24,7 +24,7 @@ from mmpo.robotics.demos import RobomimicHDF5Writer
 from mmpo.robotics.dppo import DPPOModule
 from mmpo.robotics.envs import ActionChunkWrapper, Normalizer
 from mmpo.robotics.envs.normalizer import DATA_HASH_KEY
-from mmpo.robotics.files import file_sha256
+from mmpo.files import file_sha256
 
 REPO = Path(__file__).resolve().parents[2]
 OBS_KEYS = {"robot0_eef_pos": 3, "robot0_eef_quat": 4, "robot0_gripper_qpos": 2, "object": 10}  # obs_dim 19

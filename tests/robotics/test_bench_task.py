@@ -42,8 +42,8 @@ def test_lift_defaults_are_unchanged():
     assert bench.default_demos(args, Path("out")) == Path("out/lift_demos_n100_noise0.5.hdf5")
     spec = bench.task_spec(args)
     assert (spec.sim_name, spec.obs_dim, spec.action_dim) == ("Lift", 19, 7)
-    # bench_dppo_lift's own defaults (its parser is the shared one)
-    lift = bench.train_diffusion_bc.__globals__["parse_args"]([])
+    # bench_dppo_lift's own defaults (its parser is the shared one, mmpo.robotics.bench.build_parser)
+    lift = load_bench("bench_dppo_lift").parse_args([])
     assert (lift.task, lift.noise, lift.max_episode_steps, lift.n_steps, lift.num_envs, lift.batch_size,
             lift.eval_episodes, lift.out_dir) == ("lift", 0.5, 150, 38, 8, 1000, 50, "runs/bench_dppo_lift")
 

@@ -3,20 +3,17 @@ the paired contrasts and the report, on hand-computed values."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
-import sys
 from pathlib import Path
 
 import pytest
 
-BENCH = Path(__file__).resolve().parents[2] / "bench"
-sys.path.insert(0, str(BENCH))  # the script imports paired_intervals beside it
-_spec = importlib.util.spec_from_file_location("bench_vlm_evidence", BENCH / "bench_vlm_evidence.py")
-evidence = importlib.util.module_from_spec(_spec)
-sys.modules["bench_vlm_evidence"] = evidence  # dataclasses look their module up while the class is built
-_spec.loader.exec_module(evidence)
+from bench_support import load_bench
+from mmpo.eval.stats import paired_difference
+from mmpo.files import atomic_write_json
+
+evidence = load_bench("bench_vlm_evidence")
 
 AUX = "<auxiliary>Draw a line through C parallel to AB.</auxiliary>"
 EXTERIOR = {"id": "ext-1", "task": "geometry_aux", "aux_helps": True, "answer": "110", "steps": [
@@ -89,7 +86,7 @@ def test_score_texts_per_item_values():
 def test_contrast_hand_values():
     # seed 0: 2/4 -> 4/4 (+0.5); seed 1: 3/4 -> 4/4 (+0.25): estimate 0.375; seed-t half width
     # t(0.975, 1) * sd / sqrt(2) = 12.7062 * 0.176777 / 1.414214 = 1.58828
-    summary = evidence.contrast([[1, 1, 1, 1], [1, 1, 1, 1]], [[0, 0, 1, 1], [0, 1, 1, 1]], n_boot=2000)
+    summary = paired_difference([[1, 1, 1, 1], [1, 1, 1, 1]], [[0, 0, 1, 1], [0, 1, 1, 1]], n_boot=2000)
     assert summary["estimate"] == pytest.approx(0.375)
     assert summary["per_seed"] == pytest.approx([0.5, 0.25])
     assert summary["seed_t"] == pytest.approx((0.375 - 1.58828, 0.375 + 1.58828), abs=1e-4)
@@ -115,14 +112,14 @@ def _write_run(out: Path, experiment: str, algo: str, seed: int, correct: list[b
     run = {"experiment": experiment, "algo": algo, "seed": seed, "final": final, "tasks": ["t1", "t1", "t2", "t2"],
            "aux_helps": [False] * 4, "curve": {"2": correct}, "train_metrics": {"ahpo/gate_on_frac": {
                "first": 1.0, "last": 0.5}, "rewards/accuracy/mean": {"first": 0.0, "last": 0.25}}}
-    evidence.write_json_atomic(run, evidence.run_path(out, experiment, algo, seed))
+    atomic_write_json(evidence.run_path(out, experiment, algo, seed), run)
 
 
 def test_report_tables_from_run_files(tmp_path):
     start = {"correct": [False, False, True, False], "tasks": ["t1", "t1", "t2", "t2"],
              "key_step_frac": [0.0] * 4, "step_valid": [False] * 4, "uses_aux": [False] * 4,
              "perception_error": [False] * 4}
-    evidence.write_json_atomic(start, tmp_path / "starts" / "sft_weak.json")
+    atomic_write_json(tmp_path / "starts" / "sft_weak.json", start)
     _write_run(tmp_path, "weak", "grpo", 0, [False, False, True, False])
     _write_run(tmp_path, "weak", "grpo", 1, [False, False, True, False])
     _write_run(tmp_path, "weak", "ahpo", 0, [True, True, True, False])
@@ -153,9 +150,9 @@ def test_report_perception_gap_and_error_share_from_texts(tmp_path):
     reasoning = render_solution(rows[2]).replace(f"<answer>{rows[2]['answer']}</answer>", "<answer>99</answer>")
     result = {"texts": [right, misread, reasoning], "correct": [True, False, False],
               "correct_masked": [False, False, False], "tasks": list(evidence.MAIN_TASKS)}
-    evidence.write_json_atomic(result, tmp_path / "starts" / "sft.json")
+    atomic_write_json(tmp_path / "starts" / "sft.json", result)
     result["sampled_accuracy"] = [0.5, 0.25, 0.0]
-    evidence.write_json_atomic(result, tmp_path / "starts" / "sft.json")
+    atomic_write_json(tmp_path / "starts" / "sft.json", result)
     for seed in (0, 1):
         _write_run(tmp_path, "main", "grpo", seed, [True, False, False], texts=result["texts"],
                    correct_masked=[False, False, False], sampled_accuracy=[0.75, 0.5, 0.0])

@@ -14,7 +14,7 @@ from mmpo.robotics.envs.make import make_env
 from mmpo.robotics.envs.normalizer import DATA_HASH_KEY, Normalizer, stats_path_for
 from mmpo.robotics.envs.robosuite_env import RobosuiteGymEnv, flatten_obs, robomimic_obs_dict
 from mmpo.robotics.envs.tasks import get_task
-from mmpo.robotics.files import atomic_outputs, file_sha256
+from mmpo.files import atomic_outputs, file_sha256
 
 #: steps kept after the first success so the demo shows the goal being held (robomimic
 #: PH demos also end shortly after success).

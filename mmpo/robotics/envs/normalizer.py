@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from mmpo.robotics.files import atomic_write_text, file_sha256
+from mmpo.files import atomic_write_text, file_sha256
 
 #: DPPO adds this to (max - min) so constant dimensions do not divide by zero.
 RANGE_EPSILON = 1e-6

@@ -1,69 +1,14 @@
-"""bench/paired_intervals.py (issue 19's DPPO vs Gaussian PPO intervals) on hand-computed values, and the
-bench's aggregation of per-episode records into paired arrays."""
+"""The DPPO benches' aggregation of per-episode records into paired arrays (issue 19); the intervals themselves
+(mmpo.eval.stats) are tested on hand-computed values in tests/vlm/test_eval_stats.py."""
 
 from __future__ import annotations
 
 import json
-import math
 
 import numpy as np
 import pytest
 
 from bench_support import load_bench
-
-intervals = load_bench("paired_intervals")
-GAIN = {"after": 1.0, "before": -1.0}
-# seed 0: 2/4 -> 4/4 (gain 0.5); seed 1: 3/4 -> 4/4 (gain 0.25)
-TWO_SEEDS = [{"before": np.array([0, 0, 1, 1]), "after": np.array([1, 1, 1, 1])},
-             {"before": np.array([0, 1, 1, 1]), "after": np.array([1, 1, 1, 1])}]
-
-
-def test_per_seed_values_and_estimate_by_hand():
-    assert intervals.per_seed_values(TWO_SEEDS, GAIN).tolist() == [0.5, 0.25]
-    assert intervals.summarize_contrast(TWO_SEEDS, GAIN, n_boot=10)["estimate"] == pytest.approx(0.375)
-
-
-def test_episode_normal_interval_by_hand():
-    # d = [1, 1, 0, 0]: var (ddof 1) 1/3, / 4 = 1/12; d = [1, 0, 0, 0]: var 1/4, / 4 = 1/16; SE = sqrt(7/48) / 2
-    half = 1.959963984540054 * math.sqrt(7 / 48) / 2
-    low, high = intervals.episode_normal_interval(TWO_SEEDS, GAIN)
-    assert (low, high) == pytest.approx((0.375 - half, 0.375 + half))
-
-
-def test_seed_t_interval_by_hand():
-    # values 0.5, 0.25: mean 0.375, sd 0.1767767, / sqrt(2) = 0.125, t(0.975, df 1) = 12.7062047
-    low, high = intervals.seed_t_interval([0.5, 0.25])
-    assert (low, high) == pytest.approx((0.375 - 12.706204736 * 0.125, 0.375 + 12.706204736 * 0.125))
-    assert all(math.isnan(v) for v in intervals.seed_t_interval([0.5]))
-
-
-def test_bootstrap_degenerate_cases_are_exact():
-    # every episode of every seed gains exactly 1: every resample gives 1
-    certain = [{"before": np.zeros(5), "after": np.ones(5)} for _ in range(3)]
-    assert intervals.bootstrap_interval(certain, GAIN, n_boot=200) == (1.0, 1.0)
-    # pairing: before == after episode by episode (but varying over episodes), so every paired resample
-    # gives exactly 0; an unpaired resampling would spread around 0
-    same = [{"before": np.array([0, 1, 1, 0, 1]), "after": np.array([0, 1, 1, 0, 1])} for _ in range(3)]
-    assert intervals.bootstrap_interval(same, GAIN, n_boot=200) == (0.0, 0.0)
-    # a four-way contrast that cancels episode by episode (both methods gain alike) is exactly 0 too
-    both = [{"a/before": np.array([0, 1, 0]), "a/after": np.array([1, 1, 0]),
-             "b/before": np.array([1, 0, 0]), "b/after": np.array([1, 1, 0])}]  # d_a = [1, 0, 0], d_b = [0, 1, 0]
-    difference = {"a/after": 1, "a/before": -1, "b/after": -1, "b/before": 1}
-    assert intervals.per_seed_values(both, difference).tolist() == [0.0]
-    low, high = intervals.bootstrap_interval(both, difference, n_boot=500)
-    assert -1.0 <= low < 0.0 < high <= 1.0  # per-episode differences +1, -1, 0: not degenerate
-
-
-def test_bootstrap_is_seeded_and_brackets_the_estimate():
-    first = intervals.bootstrap_interval(TWO_SEEDS, GAIN, n_boot=2000, seed=3)
-    assert first == intervals.bootstrap_interval(TWO_SEEDS, GAIN, n_boot=2000, seed=3)
-    # each resampled seed mean lies in [0, 1] (seed 0's d has two 1s of four, seed 1's one of four)
-    assert 0.0 <= first[0] < 0.375 < first[1] <= 1.0
-
-
-def test_arrays_must_align():
-    with pytest.raises(ValueError, match="one length"):
-        intervals.per_seed_values([{"before": np.zeros(3), "after": np.zeros(4)}], GAIN)
 
 
 def test_aggregate_pairs_episodes_on_their_keys(monkeypatch):

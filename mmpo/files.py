@@ -8,9 +8,10 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import json
 import os
 from pathlib import Path
-from typing import Iterator
+from typing import Any, Iterator
 
 
 def partial_path(path: str | Path) -> Path:
@@ -46,6 +47,13 @@ def atomic_write_text(path: str | Path, text: str) -> Path:
             handle.flush()
             os.fsync(handle.fileno())
     return Path(path)
+
+
+def atomic_write_json(path: str | Path, data: Any, *, indent: int | None = 1) -> Path:
+    """Write ``data`` as JSON (``json.dumps(data, indent=indent)``) to ``path`` atomically; returns the path.
+
+    A killed run never leaves half a file: a reader sees the old file or the complete new one."""
+    return atomic_write_text(path, json.dumps(data, indent=indent))
 
 
 def file_sha256(path: str | Path) -> str:
