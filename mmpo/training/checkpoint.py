@@ -14,7 +14,6 @@
 
 from __future__ import annotations
 
-import hashlib
 import os
 import warnings
 import zipfile
@@ -24,6 +23,8 @@ from typing import Any, Callable, Iterator, Optional
 import torch
 from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.plugins.io import TorchCheckpointIO
+
+from mmpo.files import file_sha256
 
 SIDECAR_SUFFIX = ".sha256"
 PREVIOUS_TAG = ".prev"
@@ -46,14 +47,6 @@ def previous_path(path: _PATH) -> Path:
     """``last.ckpt`` -> ``last.prev.ckpt``: the copy a save keeps of the file it replaces."""
     path = Path(path)
     return path.with_name(path.stem + PREVIOUS_TAG + path.suffix)
-
-
-def file_sha256(path: _PATH, chunk_bytes: int = 1 << 22) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as handle:
-        while chunk := handle.read(chunk_bytes):
-            digest.update(chunk)
-    return digest.hexdigest()
 
 
 def checksum_status(path: _PATH) -> str:
