@@ -16,7 +16,6 @@ from pathlib import Path
 import lightning.pytorch as pl
 import torch
 
-TASKS = ("lift", "can")
 # Task-dependent defaults, filled in by finish_args for the options the user left unset (their parser default is
 # None). lift: the values this bench always had. can: noise 0.3 is the largest level of bench/RESULTS.md's "Scripted-
 # expert success rate vs action noise" (Can expert 22/30 successful, demos ~213 steps; our choice, the paper trains
@@ -24,14 +23,26 @@ TASKS = ("lift", "can")
 # cfg/robomimic/finetune/can/ft_ppo_diffusion_mlp.yaml, env.max_episode_steps), needed as Can demos run ~165-215
 # steps. Everything else the bench fixes (horizon = act_steps = 4, K = 20, K' = 10, MLP [512]x3, clip 0.001 -> 0.01,
 # 10 update epochs, 2 critic warm-up iterations) is the paper's for Can as for Lift.
+# Any other task with a scripted expert in the registry (mmpo.robotics.envs.register_task) runs with noise 0.3 and
+# its registry entry's max_episode_steps.
 TASK_DEFAULTS = {"lift": {"noise": 0.5, "max_episode_steps": 150},
                  "can": {"noise": 0.3, "max_episode_steps": 300}}
+OTHER_TASK_NOISE = 0.3
+
+
+def task_defaults(task: str) -> dict[str, float | int]:
+    """The bench's defaults of ``task``: its tuned ones, else noise 0.3 and the registry's episode length."""
+    from mmpo.robotics.envs import TASKS
+
+    return TASK_DEFAULTS.get(task, {"noise": OTHER_TASK_NOISE, "max_episode_steps": TASKS[task].max_episode_steps})
 
 
 def build_parser(description: str | None = None) -> argparse.ArgumentParser:
     """The bench's options (bench/bench_dppo_vs_gaussian.py adds its own to the same parser)."""
     parser = argparse.ArgumentParser(description=description)
-    parser.add_argument("--task", default="lift", choices=TASKS,
+    from mmpo.robotics.envs import expert_tasks
+
+    parser.add_argument("--task", default="lift", choices=expert_tasks(),
                         help="robosuite task: lift (default) or can (PickPlaceCan). Obs/action dims come from the task "
                              "registry; options left unset take the task's default (their help lists both). The DPPO "
                              "paper's Can config (irom-lab/dppo cfg/robomimic/finetune/can/ft_ppo_diffusion_mlp.yaml) "
@@ -88,7 +99,7 @@ def build_parser(description: str | None = None) -> argparse.ArgumentParser:
 def finish_args(args: argparse.Namespace) -> argparse.Namespace:
     """Fill the task's defaults (TASK_DEFAULTS) into the options left unset; default ``--n-steps`` to one full
     episode; warn when rollouts cut every training episode."""
-    for name, value in TASK_DEFAULTS[args.task].items():
+    for name, value in task_defaults(args.task).items():
         if getattr(args, name) is None:
             setattr(args, name, value)
     if args.n_steps is None:
