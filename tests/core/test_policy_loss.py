@@ -114,7 +114,8 @@ def test_clipped_tokens_zero_gradient_under_ppo_bounded_under_gppo():
 
 
 def test_gspo_worked_vector():
-    """GSPO paper (arXiv 2507.18071) sequence ratio and clip, eps_high 4e-4 (paper v2 §5.1); docs/algorithm_sources.md section 7."""
+    """GSPO paper (arXiv 2507.18071): sequence ratio and clip, eps_high 4e-4 (paper v2 §5.1);
+    docs/algorithm_sources.md section 7."""
     # log-ratios (0.1, -0.1, 0.3) -> s = exp(mean) = exp(0.1) = 1.105171
     old = torch.full((1, 3), -2.0, dtype=torch.float64)
     lp = (old + torch.tensor([[0.1, -0.1, 0.3]], dtype=torch.float64)).requires_grad_(True)
