@@ -1,7 +1,7 @@
 """BRPO: Budget Relative Policy Optimization (AnytimeReasoner, arXiv 2505.13438).
 
-Official code: ``sail-sg/AnytimeReasoner`` (``verl/verl/trainer/ppo/brpo.py``, ``run_experiments.sh``), read
-through the project digest (``core_variants.md`` section 16). Per step:
+Official code: ``sail-sg/AnytimeReasoner`` (``verl/verl/trainer/ppo/brpo.py``, ``run_experiments.sh``), the
+formula and defaults with their sources: ``docs/algorithm_sources.md`` section 12, BRPO. Per step:
 
 1. sample G thinking traces per prompt with the full budget L = ``max_new_tokens``;
 2. cut each at the budgets b_j = (L / S) j, j = 1 .. S; at every cut, sample A summaries from

@@ -10,7 +10,8 @@ A sampling filter on top of any GRPO-family loss (the paper pairs it with GRPO, 
 Dropped groups are masked out of the loss (the batch keeps its size, so DDP ranks stay in step).
 The paper refills the batch like DAPO's dynamic sampling; here only the zero-variance refill
 (``dynamic_sampling_retries``) exists, the length filter does not resample (docs/variants/lspo.md).
-The band values are UNVERIFIED (digest section 13): 0.3 / 0.65 / 0.95 are this project's reading.
+The band values are UNVERIFIED (docs/algorithm_sources.md section 9, LSPO): 0.3 / 0.65 / 0.95 are this
+project's reading.
 """
 
 from __future__ import annotations

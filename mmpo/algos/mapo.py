@@ -8,7 +8,7 @@ GRPO with the MAPO advantage estimator from ``mmpo.core`` (name ``mapo``):
    groups with mu <= 0 fall back to the std form and are counted.
 
 Everything else is the GRPO step. Statistics are keyed by prompt id (the official code keys
-them by batch position, which breaks when the batch is reordered; digest section 3(d)).
+them by batch position, which breaks when the batch is reordered; docs/algorithm_sources.md section 3).
 The ablations ``mapo_apd`` (APD only) and ``mapo_random_lambda`` are the same module with
 another ``advantage``. This module only adds the lambda / success-rate metrics.
 """

@@ -1,6 +1,6 @@
 """T-PPO: Truncated Proximal Policy Optimization (arXiv 2506.15050).
 
-No official code was found (digest section 19); the mechanism follows the paper's abstract:
+No official code was found (docs/algorithm_sources.md section 14, T-PPO); the mechanism follows the paper's abstract:
 
 - windowed generation: each training step extends every response by at most ``window_len`` tokens. New
   prompts start G responses; responses still unfinished at the end of the window are carried to the next
@@ -71,7 +71,7 @@ class TPPOModule(CheckpointedState, GRPOModule):
 
     Args:
         model_path: saved HF model directory.
-        window_len: tokens generated per response per step (UNVERIFIED; the paper's window is not in the digest).
+        window_len: tokens generated per response per step (UNVERIFIED; the paper's window length is not known here).
         gamma: discount of the extended GAE.
         lam: GAE lambda.
         value_lr: learning rate of the value head (None = ``lr``).

@@ -1,7 +1,7 @@
 """BRPO: budget-relative advantages over truncated thinking budgets (AnytimeReasoner, arXiv 2505.13438).
 
-Official code ``sail-sg/AnytimeReasoner`` (``verl/verl/trainer/ppo/brpo.py``), read through the
-project digest (``core_variants.md`` section 16); the file itself was not in this session's index.
+Official code ``sail-sg/AnytimeReasoner`` (``verl/verl/trainer/ppo/brpo.py``); the formula and defaults
+with their sources: ``docs/algorithm_sources.md`` section 12, BRPO.
 
 A thinking trace is cut at S budgets b_1 < ... < b_S; at each cut, A summaries are sampled and scored.
 r_{g,j} = the mean summary score of response g at budget j, and the objective is sum_j p_j r_{g,j}.

@@ -146,8 +146,8 @@ def segment_advantages(
         old_log_probs: ``(N, T)`` log pi_old of each sampled token.
         state_values: ``(N, T + 1)`` MC values at cut points, NaN elsewhere.
         prob_threshold: confident-token threshold (0.9, hard-coded in the official code).
-        whiten: whiten the kept tokens' advantages over the batch (digest: masked tokens are left out
-            of the whitening).
+        whiten: whiten the kept tokens' advantages over the batch (masked tokens are left out of the
+            whitening: docs/algorithm_sources.md section 15, Segment-PO).
         whiten_eps: eps of the whitening.
     """
     del index

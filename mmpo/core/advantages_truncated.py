@@ -8,7 +8,7 @@ truncated one bootstraps V(s_l), the critic's value of the state after its last 
 This is :func:`mmpo.core.gae` with the end of each row marked ``terminated`` or ``truncated``.
 
 No official code was found; the EGAE details, window length, gamma and lambda are UNVERIFIED
-(digest section 19). Defaults gamma = lam = 1.0 are verl's PPO defaults, not the paper's.
+(docs/algorithm_sources.md section 14, T-PPO). Defaults gamma = lam = 1.0 are verl's PPO defaults, not the paper's.
 """
 
 from __future__ import annotations

@@ -1,6 +1,7 @@
 """Loss aggregation over (batch, time): the normaliser is an explicit, honoured choice.
 
-Modes (names follow verl's ``loss_agg_mode``; see anchors digest section 1.4):
+Modes (names follow verl's ``loss_agg_mode``; the peers' names for each mode: docs/algorithm_sources.md
+section 6, aggregation):
 
 - ``token-mean`` (DAPO, arXiv 2503.14476): sum over all real tokens / number of real tokens.
 - ``seq-mean-token-mean`` (original GRPO, arXiv 2402.03300): per-sequence token mean, then the

@@ -5,7 +5,7 @@ EPO's loss is ``policy - lambda_H * (H - kappa * P)``: an entropy bonus H (token
 smoothing penalty P that is ``penalty`` on every token (``token`` mode) or sequence (``seq`` mode)
 whose entropy leaves the band (min_ratio * H_hist, max_ratio * H_hist) around the historical mean
 entropy H_hist, and 0 inside it. As in the released code P is a constant per token (no gradient
-flows through it); the paper's differentiable smoothing term is UNVERIFIED (digest section 17).
+flows through it); the paper's differentiable smoothing term is UNVERIFIED (docs/algorithm_sources.md section 13, EPO).
 """
 
 from __future__ import annotations

@@ -141,7 +141,7 @@ def lspo_filter(
     LSPO runs after the zero-variance (accuracy) filter: pass its ``keep_mask`` as ``candidates``;
     groups outside ``candidates`` are dropped and take no part in the quantiles.
 
-    Defaults: the paper's band values are UNVERIFIED (digest section 13); 0.3 / 0.65 / 0.95 are
+    Defaults: the paper's band values are UNVERIFIED (docs/algorithm_sources.md section 9, LSPO); 0.3 / 0.65 / 0.95 are
     this project's reading, and ``max_quantile`` = 1.0 disables the upper cut-off (whose role,
     excluding near-truncated prompts, is also unverified).
 

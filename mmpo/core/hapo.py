@@ -2,7 +2,7 @@
 ``verl/trainer/ppo/core_algos.py``: ``compute_entropy_h``, ``ada_clip``, ``ada_advantage``,
 ``compute_hapo_outcome_advantage``, ``compute_policy_loss``).
 
-Pieces (digest ``core_variants.md`` section 10):
+Pieces (sources: ``docs/algorithm_sources.md`` section 8, HAPO):
 
 - :func:`hapo_entropy_norm`: per-token normalised entropy h^ from log-entropies around a pivot quantile;
 - advantage estimator ``hapo``: token-level (length-weighted) group mean and population std, with the

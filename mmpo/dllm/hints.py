@@ -1,8 +1,8 @@
 """IGPO hint construction: reveal chunks of the reference trace at stretched positions.
 
 IGPO (arXiv 2509.10396), ``facebookresearch/igpo:utils/generate.py``
-(``create_spacing_scaled_inpainting_sequence``), as summarised in
-``research/dllm_dppo.md`` 1.4.3:
+(``create_spacing_scaled_inpainting_sequence``); the facts with their sources are in
+``docs/algorithm_sources.md`` section 17.3:
 
 1. tokenize the reference trace; the hint area is the first ``L - free_tail`` completion
    positions (the official code keeps the last 30 free); truncate the trace to it; with

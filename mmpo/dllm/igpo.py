@@ -1,7 +1,7 @@
 """IGPO's pieces as pure functions: trigger, replacement, hint-entropy filter, loss.
 
 IGPO (Inpainting-Guided Policy Optimization, arXiv 2509.10396; ``facebookresearch/igpo``
-``trainer_igpo.py``; digest ``research/dllm_dppo.md`` 1.4):
+``trainer_igpo.py``; sources: ``docs/algorithm_sources.md`` section 17, IGPO):
 
 - trigger: a group whose correctness rewards are all 0 (format rewards are ignored);
 - the group is regenerated with hints; up to ``max_replacements`` (4 of G = 8) correct
@@ -183,7 +183,7 @@ def igpo_loss(
     ``ratio_level="sequence"``: the official run's s_i = exp(mean over all L positions of
     (l_t - l_old_t)), differentiated through s_i (core ``igpo_sequence`` with ``ratio_mask`` all
     positions): hint tokens dropped by the entropy filter still get gradient, the filter only
-    reweights (digest 1.4.5).
+    reweights (docs/algorithm_sources.md section 17.5).
     ``ratio_level="sequence_masked"``: GSPO-token (core ``gspo``) with s_i averaged over the
     loss mask only: dropped tokens get no gradient.
     ``loss``: any registered core policy loss instead (see :func:`resolve_loss` for how it combines

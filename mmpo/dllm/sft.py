@@ -4,7 +4,7 @@ LLaDA (arXiv 2502.09992, ``ML-GSAI/LLaDA:GUIDELINES.md``): draw t ~ U(0, 1) per 
 p = (1 - eps) t + eps (eps = 1e-3); mask each *answer* token independently with
 probability p (the prompt is never masked; EOS padding up to the generation length counts
 as answer and is trained); loss = sum over masked answer tokens of CE / p, divided by the
-answer length, averaged over the batch. IGPO's Length-Aligned SFT stage (digest 1.4.6)
+answer length, averaged over the batch. IGPO's Length-Aligned SFT stage (docs/algorithm_sources.md section 17.6)
 uses this loss on traces sized to the RL generation budget: our traces are EOS-padded to
 exactly ``gen_length``.
 

@@ -1,6 +1,6 @@
 """SPO (Single-stream PO, arXiv 2509.13232): the tracker's formulas with hand-computed values (the
-digest's worked values among them), the drift-based forgetting on a real model, the tracker's
-checkpoint round trip and resume, and the tiny config through `mmpo fit`."""
+worked values of docs/algorithm_sources.md section 10 among them), the drift-based forgetting on a
+real model, the tracker's checkpoint round trip and resume, and the tiny config through `mmpo fit`."""
 
 from __future__ import annotations
 
@@ -23,7 +23,9 @@ from mmpo.algos.spo_tracker import (
 from mmpo.data.synthetic import make_items
 
 
-def test_kl_forgetting_rho_digest_values():
+def test_kl_forgetting_rho_worked_values():
+    """rho = 2^(-D / 0.06) clipped to [0.875, 0.96]: ``verl-recipe:spo/spo_ray_trainer.py``,
+    ``spo/config/spo_trainer.yaml`` (docs/algorithm_sources.md section 10)."""
     rho = kl_forgetting_rho(torch.tensor([0.06, 0.01, 0.0]))
     # 2^(-0.06/0.06) = 0.5 -> clipped up to 0.875; 2^(-1/6) = 0.890899 (inside); 2^0 = 1 -> clipped to 0.96
     assert rho.tolist() == pytest.approx([0.875, 0.890899, 0.96], abs=1e-6)
@@ -31,7 +33,9 @@ def test_kl_forgetting_rho_digest_values():
     assert float(kl_forgetting_rho(torch.tensor(0.03), rho_min=0.5, rho_max=1.0)) == pytest.approx(0.707107, abs=1e-6)
 
 
-def test_offline_prior_digest_values():
+def test_offline_prior_worked_values():
+    """N_init (s + 0.5) / (N_eff + 1) prior: ``verl-recipe:spo/spo_ray_trainer.py``, ``offline_N`` 8
+    (docs/algorithm_sources.md section 10)."""
     alpha, beta = offline_prior([1, 1, 0, 1, 1, 0, 1, 1])  # 6 of 8 successes
     # N_init = 1 / (1 - 0.875) = 8; alpha0 = 8 (6 + 0.5) / 9 = 5.777778; beta0 = 8 (2 + 0.5) / 9 = 2.222222
     assert (alpha, beta) == pytest.approx((52 / 9, 20 / 9))

@@ -113,7 +113,9 @@ def test_clipped_tokens_zero_gradient_under_ppo_bounded_under_gppo():
 # ----------------------------------------------------------------------------- GSPO
 
 
-def test_gspo_digest_vector():
+def test_gspo_worked_vector():
+    """GSPO paper (arXiv 2507.18071): sequence ratio and clip, eps_high 4e-4 (paper v2 §5.1);
+    docs/algorithm_sources.md section 7."""
     # log-ratios (0.1, -0.1, 0.3) -> s = exp(mean) = exp(0.1) = 1.105171
     old = torch.full((1, 3), -2.0, dtype=torch.float64)
     lp = (old + torch.tensor([[0.1, -0.1, 0.3]], dtype=torch.float64)).requires_grad_(True)
@@ -157,7 +159,9 @@ def test_gspo_token_form_matches_sequence_form_gradient():
 # ----------------------------------------------------------------------------- GMPO
 
 
-def test_gmpo_digest_vector():
+def test_gmpo_worked_vector():
+    """GMPO official ``callsys/GMPO:train_zero_math_gmpo.py`` (mode ``gmpo``), clip 0.4
+    (``scripts/qwen2.5-math-7b-gmpo.sh``); docs/algorithm_sources.md section 7."""
     old = torch.zeros(1, 2, dtype=torch.float64) - 1.0
     lp = (old + torch.tensor([[0.5, -0.5]], dtype=torch.float64)).requires_grad_(True)
     mask = torch.ones(1, 2, dtype=torch.float64)
@@ -193,7 +197,9 @@ def test_gmpo_sequence_loss_is_put_on_every_token_and_aggregation_is_honoured():
 # ----------------------------------------------------------------------------- GPPO
 
 
-def test_gppo_digest_vector_and_general_beta():
+def test_gppo_worked_vector_and_general_beta():
+    """GPPO official ``Kwai-Klear/KlearReasoner:verl/trainer/ppo/core_algos.py`` (``compute_gppo_loss``,
+    ``compute_gppo_loss_general_beta``; beta_1 0.25 from ``ppo_trainer.yaml``); docs/algorithm_sources.md section 7."""
     lp, old, adv, mask = _tokens([1.5], [1.0])
     loss, metrics = policy_loss("gppo", lp, old, adv, mask, clip_high=0.28)
     # delta 1.5, A 1, eps_h 0.28: value -1.28, d loss / d log pi = -1.28 (PPO: 0)
@@ -212,7 +218,9 @@ def test_gppo_digest_vector_and_general_beta():
 # ----------------------------------------------------------------------------- DCPO
 
 
-def test_dcpo_bounds_digest_vectors():
+def test_dcpo_bounds_worked_vectors():
+    """DCPO official ``lime-RL/DCPO:verl/trainer/ppo/core_algos.py`` (``get_clip_low_high``); the q = 0.9,
+    0.01 values match the README table; docs/algorithm_sources.md section 7."""
     old = torch.log(torch.tensor([0.9, 0.01, 1.0, 1e-4], dtype=torch.float64))
     low, high = dcpo_ratio_bounds(old, 0.16, 0.2)
     # q = 0.9: 0.5 + 0.5 sqrt(1 - 0.64/0.9) = 0.5 + 0.5 * 0.537484 = 0.768742
@@ -243,7 +251,9 @@ def test_dcpo_loss_uses_probability_dependent_bounds():
 # ----------------------------------------------------------------------------- ASPO
 
 
-def test_aspo_digest_vector_positive_advantage():
+def test_aspo_worked_vector_positive_advantage():
+    """ASPO official ``wizard-III/Archer2.0:verl/trainer/ppo/core_algos.py`` (``compute_policy_loss_archer``),
+    c = 3 (``scripts/train/run_archer2.0_qwen2.5_1.5b_math.sh``); docs/algorithm_sources.md section 7."""
     lp, old, adv, mask = _tokens([0.5, 0.25, 1.5], [1.0, 1.0, 1.0])
     loss, metrics = policy_loss("aspo", lp, old, adv, mask, agg="seq-mean-token-sum")
     # A = +1 (flipped IS, weight 1/r):
