@@ -34,6 +34,7 @@ import time
 from pathlib import Path
 
 from mmpo.files import atomic_write_json
+from mmpo.training.config import LossConfig, OptimConfig, RewardConfig, SamplingConfig
 
 REPO = Path(__file__).resolve().parents[1]
 G = 8
@@ -127,9 +128,10 @@ def run_mmpo(model_dir: str, tokens: int, steps: int, warmup: int) -> dict:
     from mmpo.algos.grpo import GRPOModule
     from mmpo.rewards.worker import get_reward_worker
 
-    module = GRPOModule(model_dir, num_generations=G, max_new_tokens=tokens, temperature=1.0, lr=LR, beta=0.0,
-                        loss="ppo", clip_low=CLIP, clip_high=CLIP, agg="token-mean", mu=1,
-                        reward_weights=REWARD_WEIGHTS)
+    module = GRPOModule(model_dir, sampling=SamplingConfig(num_generations=G, max_new_tokens=tokens, temperature=1.0),
+                        optim=OptimConfig(lr=LR, mu=1),
+                        loss=LossConfig(beta=0.0, name="ppo", clip_low=CLIP, clip_high=CLIP, agg="token-mean"),
+                        rewards=RewardConfig(weights=REWARD_WEIGHTS))
     module.model.generation_config.min_new_tokens = tokens  # forced equal lengths (as TRL's side)
     worker = get_reward_worker()
     clock = StepClock(module.model, extra_cpu=lambda: _cpu_s_of(worker.pid),
@@ -236,8 +238,9 @@ def run_parity(model_dir: str, tokens: int) -> dict:
     from mmpo.core import compute_advantages_with_metrics, policy_loss
 
     rows = _rows(1)
-    module = GRPOModule(model_dir, num_generations=G, max_new_tokens=tokens, beta=0.0, lr=LR,
-                        clip_low=CLIP, clip_high=CLIP, agg="token-mean")
+    module = GRPOModule(model_dir, sampling=SamplingConfig(num_generations=G, max_new_tokens=tokens),
+                        loss=LossConfig(beta=0.0, clip_low=CLIP, clip_high=CLIP, agg="token-mean"),
+                        optim=OptimConfig(lr=LR))
     torch.manual_seed(0)
     rollout = module.build_rollout(rows)
     rewards = torch.linspace(0.0, 1.0, len(rollout))  # fixed, distinct rewards: non-zero advantages

@@ -8,7 +8,7 @@ training run sees). Per run: accuracy with a Wilson 95% interval over the items;
 mean over seeds with a t 95% interval (t = 4.30 for 3 seeds).
 
     python bench/bench_preference.py --sft runs/tiny/sft --seeds 3 --out runs/bench_preference
-    python bench/bench_preference.py --methods dpo --override=--model.init_args.lr=1e-5 --out runs/bench_preference_dpo_lr1e-5
+    python bench/bench_preference.py --methods dpo --override=--model.init_args.optim.lr=1e-5 --out runs/bench_preference_dpo_lr1e-5
     python bench/bench_preference.py --methods inpo --seeds 5 --first-seed 3 --out runs/bench_preference_inpo_confirm
 
 Results: ``--out/results.json`` (rewritten after every run; a rerun skips finished runs) and
@@ -94,7 +94,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=list(METHODS))
     parser.add_argument("--out", default="runs/bench_preference")
     parser.add_argument("--override", action="append", default=[], metavar="--KEY=VALUE",
-                        help="an `mmpo fit` override for every run (repeatable), e.g. --override=--model.init_args.lr=1e-5")
+                        help="an `mmpo fit` override for every run (repeatable), e.g. --override=--model.init_args.optim.lr=1e-5")
     args = parser.parse_args(argv)
     from mmpo.data.synthetic import make_items
 

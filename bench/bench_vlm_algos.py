@@ -41,6 +41,7 @@ from mmpo.data.datamodule import PromptDataModule  # noqa: E402
 from mmpo.data.synthetic import make_items  # noqa: E402
 from mmpo.eval.heldout import heldout_accuracy  # noqa: E402
 from mmpo.files import atomic_write_json  # noqa: E402
+from mmpo.training.config import OptimConfig, merged_settings  # noqa: E402
 
 TASKS = ["count_shapes", "geometry_aux"]
 
@@ -48,8 +49,9 @@ TASKS = ["count_shapes", "geometry_aux"]
 ALGORITHMS: dict[str, tuple[str, str, dict[str, Any]]] = {
     "grpo": ("mmpo.algos.grpo.GRPOModule", "sft", {}),
     "papo_g": ("mmpo.algos.papo.PAPOModule", "sft", {"gamma": 0.02}),
-    "mapo": ("mmpo.algos.mapo.MAPOModule", "sft", {"advantage": "mapo"}),
-    "stepgrpo": ("mmpo.algos.stepgrpo.StepGRPOModule", "sft_steps", {"temperature": 1.0, "advantage_eps": 1e-4}),
+    "mapo": ("mmpo.algos.mapo.MAPOModule", "sft", {"advantage": {"name": "mapo"}}),
+    "stepgrpo": ("mmpo.algos.stepgrpo.StepGRPOModule", "sft_steps",
+                 {"sampling": {"temperature": 1.0}, "advantage": {"eps": 1e-4}}),
     "gcpo": ("mmpo.algos.gcpo.GCPOModule", "sft", {"length_cap": 900}),
     "ahpo": ("mmpo.algos.ahpo.AHPOModule", "sft", {}),
     "grpo_weak": ("mmpo.algos.grpo.GRPOModule", "sft_weak", {}),
@@ -96,8 +98,8 @@ def build_sft(kind: str, init: Path, out: Path, args: argparse.Namespace) -> Pat
     style = "steps" if kind == "sft_steps" else "think-answer"
     L.seed_everything(0, verbose=False)
     data = PromptDataModule(tasks=TASKS, train_size=args.sft_train_size, val_size=0, seed=0, batch_size=8)
-    module = SFTModule(model_path=str(init), lr=args.sft_lr, style=style, output_dir=str(target),
-                       save_hf_on_checkpoint=False)
+    module = SFTModule(model_path=str(init), optim=OptimConfig(lr=args.sft_lr), style=style,
+                       output_dir=str(target), save_hf_on_checkpoint=False)
     t0 = time.perf_counter()
     _trainer(out / kind, steps, []).fit(module, datamodule=data)
     print(f"[bench] {kind}: {steps} SFT steps in {time.perf_counter() - t0:.0f} s", flush=True)
@@ -107,12 +109,11 @@ def build_sft(kind: str, init: Path, out: Path, args: argparse.Namespace) -> Pat
 def run_one(name: str, seed: int, sft_paths: dict[str, Path], eval_rows, out: Path, args) -> dict[str, Any]:
     class_path, sft_kind, extra = ALGORITHMS[name]
     L.seed_everything(seed, verbose=False)
-    common = dict(num_generations=args.group_size, max_new_tokens=args.max_new_tokens, lr=args.rl_lr,
-                  beta=0.0 if name.startswith("ahpo") or name == "gcpo" else 0.01, clip_low=0.2, clip_high=0.3,
-                  seed=seed, reward_timeout_s=None)
-    if name == "stepgrpo":
-        common["beta"] = 0.04
-    module = _import(class_path)(str(sft_paths[sft_kind]), **{**common, **extra})
+    beta = 0.04 if name == "stepgrpo" else 0.0 if name.startswith("ahpo") or name == "gcpo" else 0.01
+    common = dict(sampling={"num_generations": args.group_size, "max_new_tokens": args.max_new_tokens},
+                  optim={"lr": args.rl_lr}, loss={"beta": beta, "clip_low": 0.2, "clip_high": 0.3},
+                  seed=seed, rewards={"timeout_s": None})
+    module = _import(class_path)(str(sft_paths[sft_kind]), **merged_settings(common, extra))
     data = PromptDataModule(tasks=TASKS, train_size=args.rl_train_size, val_size=0, seed=seed,
                             batch_size=args.prompts_per_step)
     timer = StepTimer()

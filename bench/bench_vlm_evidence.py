@@ -110,21 +110,21 @@ EXPERIMENTS: dict[str, Experiment] = {
         # PAPO-G with the paper's double-entropy regulariser (eta 0.05, its 7B GRPO setting), which the
         # paper adds against KL_prcp hacking (section 5.3); run C of the earlier benchmark hacked without it
         "papo_g": ("mmpo.algos.papo.PAPOModule", {"gamma": 0.02, "eta_orig": 0.05, "eta_masked": 0.05}),
-        "mapo": ("mmpo.algos.mapo.MAPOModule", {"advantage": "mapo"}),
+        "mapo": ("mmpo.algos.mapo.MAPOModule", {"advantage": {"name": "mapo"}}),
     }),
     "steps": Experiment("sft_steps", 96, {
-        "grpo": (GRPO, {"system_prompt": "steps", "reward_weights": STEPS_GRPO_REWARD}),
-        "stepgrpo": ("mmpo.algos.stepgrpo.StepGRPOModule", {"beta": 0.04}),
+        "grpo": (GRPO, {"system_prompt": "steps", "rewards": {"weights": STEPS_GRPO_REWARD}}),
+        "stepgrpo": ("mmpo.algos.stepgrpo.StepGRPOModule", {"loss": {"beta": 0.04}}),
     }),
     # lr 5e-5 and temperature 0.7: at the common lr 1e-4 and temperature 1.0 (sampled accuracy 0.12 against
     # 0.36 greedy) both GRPO and GCPO collapsed to one answer on 2 of 2 seeds (bench/RESULTS.md)
     "geometry": Experiment("sft_geo", 96, {
         "grpo": (GRPO, {}),
-        "gcpo": ("mmpo.algos.gcpo.GCPOModule", {"beta": 0.0}),
+        "gcpo": ("mmpo.algos.gcpo.GCPOModule", {"loss": {"beta": 0.0}}),
     }, lr=5e-5, temperature=0.7),
     "weak": Experiment("sft_weak", 48, {
         "grpo": (GRPO, {}),
-        "ahpo": ("mmpo.algos.ahpo.AHPOModule", {"beta": 0.0}),
+        "ahpo": ("mmpo.algos.ahpo.AHPOModule", {"loss": {"beta": 0.0}}),
     }),
 }
 
@@ -337,6 +337,7 @@ def build_start(kind: str, init: Path, out: Path, args: argparse.Namespace) -> P
     import lightning as L
 
     from mmpo.algos.sft import SFTModule
+    from mmpo.training.config import OptimConfig
 
     spec = STARTS[kind]
     target = out / "starts" / kind / "hf"
@@ -345,8 +346,8 @@ def build_start(kind: str, init: Path, out: Path, args: argparse.Namespace) -> P
     L.seed_everything(0, verbose=False)
     data = _datamodule(spec.tasks, train_size=600, seed=0, batch_size=16, aux_mix=spec.aux_mix,
                        difficulty=spec.difficulty)
-    module = SFTModule(model_path=str(init), lr=1e-3, style=spec.style, output_dir=str(target),
-                       save_hf_on_checkpoint=False)
+    module = SFTModule(model_path=str(init), optim=OptimConfig(lr=1e-3), style=spec.style,
+                       output_dir=str(target), save_hf_on_checkpoint=False)
     t0 = time.perf_counter()
     steps = getattr(args, spec.steps_arg)
     _trainer(out / "starts" / kind, steps, []).fit(module, datamodule=data)
@@ -394,6 +395,7 @@ def run_one(experiment: str, algo: str, seed: int, args: argparse.Namespace) -> 
     import lightning as L
 
     import mmpo.rewards.step  # noqa: F401  (registers step_rvr, the steps-experiment GRPO's format reward)
+    from mmpo.training.config import merged_settings
 
     spec = EXPERIMENTS[experiment]
     class_path, extra = spec.algos[algo]
@@ -403,10 +405,11 @@ def run_one(experiment: str, algo: str, seed: int, args: argparse.Namespace) -> 
     rows = eval_rows(start.tasks, args.eval_size, start.difficulty)
     masked = masked_rows(rows) if experiment == "main" else None
     L.seed_everything(seed, verbose=False)
-    settings = dict(num_generations=8, max_new_tokens=spec.max_new_tokens, lr=spec.lr or args.rl_lr, beta=0.01,
-                    clip_low=0.2, clip_high=0.3, temperature=spec.temperature, seed=seed + 1, reward_timeout_s=None)
-    settings.update(extra)
-    module = module_class(str(args.out / "starts" / spec.start / "hf"), **settings)
+    settings = dict(sampling={"num_generations": 8, "max_new_tokens": spec.max_new_tokens,
+                              "temperature": spec.temperature},
+                    optim={"lr": spec.lr or args.rl_lr}, loss={"beta": 0.01, "clip_low": 0.2, "clip_high": 0.3},
+                    rewards={"timeout_s": None}, seed=seed + 1)
+    module = module_class(str(args.out / "starts" / spec.start / "hf"), **merged_settings(settings, extra))
     data = _datamodule(start.tasks, train_size=args.rl_steps * 8, seed=seed + 1, batch_size=8,
                        aux_mix=start.aux_mix, difficulty=start.difficulty)
     curve: dict[int, list[bool]] = {}

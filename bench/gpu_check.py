@@ -37,6 +37,8 @@ from typing import Any
 import lightning as L
 import torch
 
+from mmpo.training.config import LossConfig, OptimConfig, RewardConfig, SamplingConfig
+
 REAL_MAX_PIXELS = 1003520  # 1280 x 28 x 28, the real-size configs' max_pixels
 IMAGE_SIZE = (1120, 896)  # width x height: exactly REAL_MAX_PIXELS, sides multiples of 28
 # --tiny-cpu: the real vocabulary, everything else tiny
@@ -136,11 +138,12 @@ def run(args: argparse.Namespace) -> tuple[list[dict[str, float]], dict[str, flo
     batches = [prompt_rows(args.prompts, size, seed=step) for step in range(args.steps)]
     rollout = args.prompts * args.generations
     micro = args.micro_batch_size or rollout
-    module = GRPOModule(
-        str(model_dir), num_generations=args.generations, max_new_tokens=args.max_new_tokens, beta=0.01,
-        ref_dtype="bfloat16", lr=1e-6, micro_batch_size=micro, dtype="float32", gradient_checkpointing=True,
-        max_pixels=REAL_MAX_PIXELS, reward_timeout_s=None, system_prompt="default", seed=0,
-    )
+    module = GRPOModule(str(model_dir),
+                        sampling=SamplingConfig(num_generations=args.generations, max_new_tokens=args.max_new_tokens),
+                        loss=LossConfig(beta=0.01), ref_dtype="bfloat16",
+                        optim=OptimConfig(lr=1e-6, micro_batch_size=micro), dtype="float32",
+                        gradient_checkpointing=True, max_pixels=REAL_MAX_PIXELS,
+                        rewards=RewardConfig(timeout_s=None), system_prompt="default", seed=0)
     # the prompt width (image tokens included) the budget is computed for: the first batch's
     prompt_tokens = int(encode_prompts(module.processor, batches[0], system_prompt=module.system_prompt)
                         ["input_ids"].shape[1])

@@ -31,6 +31,7 @@ from mmpo.data.synthetic import make_items  # noqa: E402
 from mmpo.vlm.factory import build_tiny_vlm  # noqa: E402
 from mmpo.eval.heldout import checkpoint_heldout_accuracy  # noqa: E402
 from mmpo.files import atomic_write_json  # noqa: E402
+from mmpo.training.config import LossConfig, OptimConfig, RewardConfig, SamplingConfig  # noqa: E402
 
 
 def held_out_accuracy(model_dir: Path, tasks: list[str], n: int, max_new_tokens: int) -> dict[str, float]:
@@ -80,7 +81,7 @@ def main() -> None:
                               num_layers=args.num_layers)
         timings["build_s"] = time.perf_counter() - t
         t = time.perf_counter()
-        sft = SFTModule(str(base), lr=args.sft_lr, warmup_steps=20, lr_schedule="cosine",
+        sft = SFTModule(str(base), optim=OptimConfig(lr=args.sft_lr, warmup_steps=20, lr_schedule="cosine"),
                         output_dir=str(sft_dir), save_hf_on_checkpoint=False)
         data = PromptDataModule(tasks=args.tasks, train_size=args.train_size, val_size=8, seed=args.seed,
                                 batch_size=args.sft_batch)
@@ -92,9 +93,12 @@ def main() -> None:
     print("after SFT  :", json.dumps(before), flush=True)
 
     t = time.perf_counter()
-    grpo = GRPOModule(str(sft_dir), num_generations=args.num_generations, max_new_tokens=args.max_new_tokens,
-                      temperature=args.temperature, lr=args.grpo_lr, beta=args.beta, clip_high=0.28,
-                      output_dir=str(args.out / "grpo"), seed=args.seed, reward_timeout_s=None)
+    grpo = GRPOModule(str(sft_dir),
+                      sampling=SamplingConfig(num_generations=args.num_generations, max_new_tokens=args.max_new_tokens, temperature=args.temperature),
+                      optim=OptimConfig(lr=args.grpo_lr),
+                      loss=LossConfig(beta=args.beta, clip_high=0.28),
+                      output_dir=str(args.out / "grpo"), seed=args.seed,
+                      rewards=RewardConfig(timeout_s=None))
     data = PromptDataModule(tasks=args.tasks, train_size=args.train_size, val_size=8, seed=args.seed,
                             batch_size=args.grpo_batch)
     trainer(args.grpo_steps, args.out, "grpo").fit(grpo, datamodule=data)

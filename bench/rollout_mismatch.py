@@ -15,6 +15,7 @@ from mmpo.algos.grpo import GRPOModule
 from mmpo.core import rollout_is_weights
 from mmpo.data import SYSTEM_PROMPT
 from mmpo.data.synthetic import corpus, make_items
+from mmpo.training.config import LossConfig, SamplingConfig
 from mmpo.vlm.factory import build_tiny_vlm
 from mmpo.vlm.logprobs import completion_log_probs
 from mmpo.vlm.rollout import HFGenerateEngine
@@ -33,7 +34,8 @@ def main() -> None:
           "sequence_truncate mean w | sequence_mask clipped frac (C=2) |")
     print("|---|---|---|---|---|---|---|---|")
     for dtype in ("float32", "bfloat16"):
-        module = GRPOModule(str(path), num_generations=args.samples, beta=0.0, dtype=dtype).to(args.device)
+        module = GRPOModule(str(path), sampling=SamplingConfig(num_generations=args.samples),
+                            loss=LossConfig(beta=0.0), dtype=dtype).to(args.device)
         engine = HFGenerateEngine(module.model, module.processor)
         for temperature in (1.0, 0.7):
             torch.manual_seed(0)

@@ -1,12 +1,13 @@
 """Example reward functions of your own, used by configs/vlm/grpo_tiny_user_reward.yaml.
 
 Give one to GRPO as ``path/to/file.py:function`` (or ``package.module:function``) in
-``reward_weights``, next to the registered ones::
+``rewards.weights``, next to the registered ones::
 
-    reward_weights:
-      accuracy: 1.0
-      examples/rewards.py:answer_mentioned: 0.5
-      examples/rewards.py:brevity_when_easy: 0.2
+    rewards:
+      weights:
+        accuracy: 1.0
+        examples/rewards.py:answer_mentioned: 0.5
+        examples/rewards.py:brevity_when_easy: 0.2
 
 The signature is TRL's: ``fn(prompts, completions, **columns) -> list[float | None]``.
 ``prompts[i]`` is the question that ``completions[i]`` answers; every dataset column comes as

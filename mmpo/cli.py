@@ -45,7 +45,7 @@ def lightning_main(argv: Sequence[str]) -> None:
     from lightning.pytorch import LightningDataModule, LightningModule
 
     from mmpo.training.cli_errors import ConfigErrorsMixin
-    from mmpo.training.cli_support import MMPOLightningCLI
+    from mmpo.training.cli_support import MMPOLightningCLI, nested_nulls_as_mappings
     from mmpo.training.quiet import quiet_lightning_notices
     from mmpo.training.resume_args import ResumeArgsMixin
 
@@ -58,7 +58,7 @@ def lightning_main(argv: Sequence[str]) -> None:
         LightningDataModule,
         subclass_mode_model=True,
         subclass_mode_data=True,
-        args=list(argv),
+        args=nested_nulls_as_mappings(argv),
         save_config_kwargs={"overwrite": True},
     )
 

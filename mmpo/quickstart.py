@@ -225,12 +225,13 @@ def run_sft(model_path: Path, config: QuickstartConfig, stage_dir: Path, *, seed
     """Stage 3: SFT warm-up on rendered think/answer solutions; returns the HF export."""
     from mmpo.algos.sft import SFTModule
     from mmpo.data.datamodule import PromptDataModule
+    from mmpo.training.config import OptimConfig
 
     datamodule = PromptDataModule(tasks=list(config.tasks), train_size=config.sft_train_size, val_size=0,
                                   seed=seed, batch_size=config.sft_batch_size)
     # The module writes the HF export (output_dir) when fit ends.
-    module = SFTModule(model_path=str(model_path), lr=config.sft_lr, output_dir=str(stage_dir / "hf"),
-                       save_hf_on_checkpoint=False)
+    module = SFTModule(model_path=str(model_path), optim=OptimConfig(lr=config.sft_lr),
+                       output_dir=str(stage_dir / "hf"), save_hf_on_checkpoint=False)
     trainer = _trainer(stage_dir, max_steps=config.sft_steps, progress=progress)
     _fit(trainer, module, datamodule, stage_dir)
     return stage_dir / "hf"
@@ -240,15 +241,18 @@ def run_grpo(model_path: Path, config: QuickstartConfig, stage_dir: Path, *, see
     """Stage 4: GRPO with the default accuracy + format reward; returns the HF export."""
     from mmpo.algos.grpo import GRPOModule
     from mmpo.data.datamodule import PromptDataModule
+    from mmpo.training.config import LossConfig, OptimConfig, SamplingConfig
 
     # seed + 1: other training prompts than SFT (the module and datamodule seeds must agree for Lightning).
     datamodule = PromptDataModule(tasks=list(config.tasks), train_size=config.grpo_train_size,
                                   val_size=config.grpo_val_size, seed=seed + 1,
                                   batch_size=config.grpo_prompts_per_step)
     # One rollout batch = one optimizer step (mu 1, whole-rollout minibatch), so max_steps counts batches.
-    module = GRPOModule(model_path=str(model_path), lr=config.grpo_lr, num_generations=config.grpo_group_size,
-                        temperature=config.grpo_temperature, max_new_tokens=config.max_new_tokens,
-                        beta=config.grpo_beta, seed=seed + 1, output_dir=str(stage_dir / "hf"))
+    module = GRPOModule(model_path=str(model_path), optim=OptimConfig(lr=config.grpo_lr),
+                        sampling=SamplingConfig(num_generations=config.grpo_group_size,
+                                                temperature=config.grpo_temperature,
+                                                max_new_tokens=config.max_new_tokens),
+                        loss=LossConfig(beta=config.grpo_beta), seed=seed + 1, output_dir=str(stage_dir / "hf"))
     trainer = _trainer(stage_dir, max_steps=config.grpo_steps, progress=progress, val_every=config.grpo_val_every)
     _fit(trainer, module, datamodule, stage_dir, validate_first=True)
     return stage_dir / "hf"

@@ -27,6 +27,7 @@ from torch.utils.data import DataLoader
 
 from mmpo.algos.grpo import GRPOModule
 from mmpo.data.synthetic import make_items
+from mmpo.training.config import LossConfig, OptimConfig, SamplingConfig
 from mmpo.training.fsdp import FSDP2Strategy
 from mmpo.training.lora import unwrap
 from mmpo.vlm.factory import load_vlm
@@ -71,8 +72,10 @@ class FixedGRPO(GRPOModule):
 LORA = {"lora_rank": 16, "lora_alpha": 32, "lora_dropout": 0.0, "freeze_vision_tower": True,
         "lora_target_modules": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]}
 LORA = {**LORA, "output_dir": out.removesuffix(".safetensors") + "_hf"} if int(lora) else {}
-module = FixedGRPO(model_path, num_generations=3, beta=float(beta), max_grad_norm=float(max_grad_norm), agg=agg,
-                   micro_batch_size=1 if parallel else None, **LORA)
+module = FixedGRPO(model_path, sampling=SamplingConfig(num_generations=3),
+                   loss=LossConfig(beta=float(beta), agg=agg),
+                   optim=OptimConfig(max_grad_norm=float(max_grad_norm), micro_batch_size=1 if parallel else None),
+                   **LORA)
 callbacks = [ModelCheckpoint(dirpath=ckpt_dir, every_n_train_steps=1, save_top_k=-1)] if ckpt_dir != "-" else []
 trainer = L.Trainer(accelerator="cpu", devices=2 if parallel else 1, strategy=STRATEGIES[mode],
                     max_steps=int(steps), logger=False, enable_checkpointing=bool(callbacks), callbacks=callbacks,

@@ -35,6 +35,7 @@ from mmpo.algos.dpo import DPOModule
 from mmpo.algos.inpo import INPOModule
 from mmpo.data.preference import synthetic_preference_row
 from mmpo.data.synthetic import make_items
+from mmpo.training.config import SamplingConfig
 from mmpo.training.fsdp import FSDP2Strategy
 from mmpo.vlm.fsdp import full_state_dict, is_sharded
 from mmpo.vlm.rollout import HFGenerateEngine
@@ -94,7 +95,8 @@ class FixedINPO(SGD, INPOModule):
 if algo == "dpo":
     module = FixedDPO(model_path, beta=0.5)
 else:
-    module = FixedINPO(model_path, eta=2.0, tau=0.25, iteration_steps=1, num_generations=3, max_new_tokens=6)
+    module = FixedINPO(model_path, eta=2.0, tau=0.25, iteration_steps=1,
+                       sampling=SamplingConfig(num_generations=3, max_new_tokens=6))
     module.anchor_engine = FixedEngine(HFGenerateEngine(module.anchor_model, module.processor))
 callbacks = [ModelCheckpoint(dirpath=ckpt_dir, every_n_train_steps=1, save_top_k=-1)] if ckpt_dir != "-" else []
 strategy = FSDP2Strategy(timeout=timedelta(seconds=float(timeout_s))) if parallel else "auto"

@@ -13,6 +13,8 @@ from pathlib import Path
 import pytest
 import yaml
 
+from mmpo.training.config import LossConfig, SamplingConfig
+
 DOC = Path(__file__).resolve().parents[1] / "docs" / "extending.md"
 
 
@@ -64,7 +66,8 @@ def test_advantage_estimator_recipe(unregister_estimator, tmp_path):
     from mmpo.algos.grpo import GRPOModule
     from mmpo.vlm.factory import build_tiny_vlm
 
-    module = GRPOModule(str(build_tiny_vlm(tmp_path / "tiny")), num_generations=2, beta=0.0, **model["init_args"])
+    module = GRPOModule(str(build_tiny_vlm(tmp_path / "tiny")), sampling=SamplingConfig(num_generations=2),
+                        loss=LossConfig(beta=0.0), **model["init_args"])
     advantages, metrics = module.compute_advantages(namespace["rewards"], namespace["prompt_ids"], None)
     assert advantages.tolist() == [0.625, 0.0, -0.375, -0.375, 0.0, 0.125]
     assert metrics["advantages/minmax_range_mean"] == pytest.approx(4 / 6)

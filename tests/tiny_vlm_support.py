@@ -40,7 +40,7 @@ def tiny_grpo_fit_args(config: Path, tiny_path: str, tmp_path: Path, *overrides:
         f"--trainer.callbacks.init_args.dirpath={tmp_path / 'ckpt'}",
         "--trainer.max_steps=2", "--trainer.limit_val_batches=0", "--trainer.enable_progress_bar=false",
         f"--model.init_args.model_path={tiny_path}", f"--model.init_args.output_dir={tmp_path / 'hf'}",
-        "--model.init_args.num_generations=2", "--model.init_args.max_new_tokens=4",
+        "--model.init_args.sampling.num_generations=2", "--model.init_args.sampling.max_new_tokens=4",
         *overrides,
         "--data.init_args.tasks=[count_shapes,arithmetic]", "--data.init_args.train_size=4",
         "--data.init_args.val_size=2", "--data.init_args.batch_size=2",

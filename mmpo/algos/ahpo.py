@@ -24,6 +24,7 @@ from torch import Tensor
 
 from mmpo.algos.config import require
 from mmpo.algos.grpo import GRPOModule
+from mmpo.training.config import LossConfig, SamplingConfig, as_config
 from mmpo.core import LossParts
 from mmpo.core.groups import build_group_index
 from mmpo.vlm.logprobs import completion_log_probs
@@ -127,8 +128,8 @@ class AHPOModule(GRPOModule):
         success_value: reward of a fully correct rollout (1.0 = 0.9 accuracy + 0.1 format).
         static: Static-AHPO: the expert term is always on for prompts with a trace.
         expert_max_length: truncate expert traces to this many tokens (None = full trace).
-        num_generations: G (paper 5).
-        beta: reference KL coefficient (paper: none).
+        sampling: G 5 by default (paper).
+        loss: reference KL coefficient ``beta`` 0 by default (paper: none); ``agg`` must be token-mean.
         **kwargs: every other :class:`GRPOModule` setting.
     """
 
@@ -140,15 +141,17 @@ class AHPOModule(GRPOModule):
         success_value: float = 1.0,
         static: bool = False,
         expert_max_length: int | None = None,
-        num_generations: int = 5,
-        beta: float = 0.0,
+        sampling: SamplingConfig = SamplingConfig(num_generations=5),
+        loss: LossConfig = LossConfig(beta=0.0),
         **kwargs: Any,
     ) -> None:
         require(min_successes >= 1, f"min_successes must be >= 1, got {min_successes}")
-        agg = kwargs.get("agg", "token-mean")
+        loss = as_config(loss, LossConfig(beta=0.0))
+        agg = loss.agg
         require(agg == "token-mean",
                 f"AHPO normalises over the union of on- and off-policy tokens: agg must be token-mean, got {agg!r}")
-        super().__init__(model_path, num_generations=num_generations, beta=beta, **kwargs)
+        super().__init__(model_path, sampling=as_config(sampling, SamplingConfig(num_generations=5)), loss=loss,
+                         **kwargs)
         self._off_policy_tokens = torch.zeros(())
 
     def _trace_token_counts(self, traces: list[str]) -> Tensor:
@@ -159,9 +162,9 @@ class AHPOModule(GRPOModule):
 
     def compute_advantages(self, rewards: Tensor, group_ids: Tensor, rollout: Rollout) -> tuple[Tensor, dict[str, float]]:
         h = self.hparams
-        require(h.minibatch_size in (None, len(rollout)),
+        require(self.optim.minibatch_size in (None, len(rollout)),
                 f"AHPO needs the whole rollout in one optimizer step (minibatch_size None or {len(rollout)}), "
-                f"got minibatch_size {h.minibatch_size}")
+                f"got minibatch_size {self.optim.minibatch_size}")
         advantages, metrics = super().compute_advantages(rewards, group_ids, rollout)
         has_trace = torch.tensor([bool(row.get("expert_trace")) for row in rollout.rows])
         prompt_ids, gate = expert_gate(rewards, group_ids, has_trace, min_successes=h.min_successes,

@@ -27,6 +27,7 @@ from torch import Tensor
 
 from mmpo.algos.config import refuse_rollout_correction, require
 from mmpo.algos.grpo import GRPOModule
+from mmpo.training.config import AdvantageConfig, as_config
 from mmpo.core import compute_advantages_with_metrics
 from mmpo.core.advantages_budget import BUDGET_PRIORS, budget_prior
 from mmpo.core.groups import build_group_index
@@ -52,6 +53,7 @@ class BRPOModule(GRPOModule):
         self,
         model_path: str,
         *,
+        advantage: AdvantageConfig = AdvantageConfig(name="brpo"),
         num_budgets: int = 4,
         num_summaries: int = 4,
         summary_max_tokens: int = 32,
@@ -59,8 +61,9 @@ class BRPOModule(GRPOModule):
         summary_cue: str = "</think>\n<answer>",
         **kwargs: Any,
     ) -> None:
-        require(kwargs.pop("advantage", "brpo") == "brpo", "BRPOModule's advantage is 'brpo'")
-        super().__init__(model_path, advantage="brpo", **kwargs)
+        advantage = as_config(advantage, AdvantageConfig(name="brpo"))
+        require(advantage.name == "brpo", "BRPOModule's advantage is 'brpo'")
+        super().__init__(model_path, advantage=advantage, **kwargs)
         self._cue_ids = torch.tensor(self.processor.tokenizer(summary_cue, add_special_tokens=False)["input_ids"],
                                      dtype=torch.long)
 
@@ -68,17 +71,19 @@ class BRPOModule(GRPOModule):
         super()._validate_settings()
         h = self.hparams
         require(h.num_budgets >= 1, f"num_budgets must be >= 1, got {h.num_budgets}")
-        require(h.max_new_tokens % h.num_budgets == 0,
-                f"num_budgets {h.num_budgets} must divide max_new_tokens {h.max_new_tokens} (budgets b_j = L j / S)")
+        require(self.sampling.max_new_tokens % h.num_budgets == 0,
+                f"num_budgets {h.num_budgets} must divide max_new_tokens {self.sampling.max_new_tokens} "
+                "(budgets b_j = L j / S)")
         require(h.num_summaries >= 1, f"num_summaries must be >= 1, got {h.num_summaries}")
         require(h.summary_max_tokens >= 1, f"summary_max_tokens must be >= 1, got {h.summary_max_tokens}")
         require(h.budget_prior in BUDGET_PRIORS, f"budget_prior must be one of {BUDGET_PRIORS}, got {h.budget_prior!r}")
-        require(not h.dynamic_sampling_retries, "dynamic_sampling_retries is not supported with budgeted rollouts")
-        refuse_rollout_correction(h)
+        require(not self.advantage.dynamic_sampling_retries,
+                "dynamic_sampling_retries is not supported with budgeted rollouts")
+        refuse_rollout_correction(self.rollout_correction)
 
     @property
     def _segment_len(self) -> int:
-        return self.hparams.max_new_tokens // self.hparams.num_budgets
+        return self.sampling.max_new_tokens // self.hparams.num_budgets
 
     def build_rollout(self, rows: Sequence[Mapping[str, Any]]) -> Rollout:
         h = self.hparams
@@ -108,7 +113,8 @@ class BRPOModule(GRPOModule):
         prompts = extend_prompts(select_rows(traces.prompt_inputs, index), prefix, prefix_mask,
                                  pad_token_id=self.engine.pad_token_id)
         summaries = generate_from_inputs(self.engine, [traces.rows[g] for g in index], prompts,
-                                         max_new_tokens=h.summary_max_tokens, temperature=h.temperature, top_p=h.top_p,
+                                         max_new_tokens=h.summary_max_tokens,
+                                         temperature=self.sampling.temperature, top_p=self.sampling.top_p,
                                          group_ids=traces.group_ids[index])
         # the reward reads the whole answer: truncated trace + cue + summary
         heads = self.processor.batch_decode([prefix[k, : prefix_len[k] + len(cue)] for k in range(len(jobs))],

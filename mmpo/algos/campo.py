@@ -103,7 +103,7 @@ class CAMPOModule(CheckpointedState, GRPOModule):
     @property
     def stage_lengths(self) -> list[int]:
         h = self.hparams
-        return list(h.stage_lengths) if h.stage_lengths else [h.max_new_tokens]
+        return list(h.stage_lengths) if h.stage_lengths else [self.sampling.max_new_tokens]
 
     @property
     def stage_max_new_tokens(self) -> int:
@@ -122,10 +122,10 @@ class CAMPOModule(CheckpointedState, GRPOModule):
 
     def build_rollout(self, rows: Sequence[Mapping[str, Any]]) -> Rollout:
         """G completions per row within the current stage's length budget."""
-        h = self.hparams
         return self.engine.generate(
-            rows, num_samples=h.num_generations, max_new_tokens=self.stage_max_new_tokens,
-            temperature=h.temperature, top_p=h.top_p, do_sample=True, **self._engine_log_prob_request(),
+            rows, num_samples=self.sampling.num_generations, max_new_tokens=self.stage_max_new_tokens,
+            temperature=self.sampling.temperature, top_p=self.sampling.top_p, do_sample=True,
+            **self._engine_log_prob_request(),
         )
 
     def compute_rewards(self, rollout: Rollout) -> tuple[Tensor, dict[str, float]]:

@@ -23,10 +23,11 @@ def require(condition: bool, message: str) -> None:
         raise ValueError(message)
 
 
-def refuse_rollout_correction(hparams: Any) -> None:
+def refuse_rollout_correction(correction: Any) -> None:
     """Structured rollouts (BRPO, TreePO, T-PPO) sample continuations outside the engine's ``generate``,
-    which alone records the engine's log-probs: refuse ``rollout_is`` / ``rollout_bypass`` before the model loads."""
-    require(hparams.rollout_is is None and not hparams.rollout_bypass,
+    which alone records the engine's log-probs: refuse a ``rollout_correction`` (its ``mode`` or ``bypass``,
+    a :class:`~mmpo.training.config.RolloutCorrectionConfig`) before the model loads."""
+    require(correction.mode is None and not correction.bypass,
             "rollout_is / rollout_bypass need the engine's log-probs of every token; this variant's structured "
             "rollout does not record them: set rollout_is null and rollout_bypass false")
 

@@ -25,6 +25,7 @@ from torch import Tensor
 
 from mmpo.algos.config import greedy_validation_metrics, require
 from mmpo.algos.vlm_base import VLMPolicyModule
+from mmpo.training.config import OptimConfig
 from mmpo.core import check_preference_settings, preference_loss
 from mmpo.vlm.logprobs import completion_log_probs
 from mmpo.vlm.processing import encode_completions, encode_prompts, select_rows
@@ -50,7 +51,8 @@ class DPOModule(VLMPolicyModule):
         rpo_alpha: weight of the chosen completions' token-mean NLL added to the loss (RPO, arXiv
             2404.19733; TRL 1.16.0's ``loss_type=["sigmoid", "sft"], loss_weights=[1.0, rpo_alpha]``);
             0 = off. The paper uses 1.0.
-        lr: AdamW learning rate (TRL's DPO default 1e-6).
+        optim: AdamW and its schedule (:class:`~mmpo.training.config.OptimConfig`: lr 1e-6 by default as TRL's DPO,
+            weight_decay, warmup_steps, lr_schedule).
         max_completion_length: truncate chosen / rejected completions to this many tokens (None = no limit).
         ref_batch_size: pairs per forward when the reference log-probs are precomputed.
         val_max_new_tokens: completion length for greedy validation.
@@ -71,7 +73,7 @@ class DPOModule(VLMPolicyModule):
         label_smoothing: float = 0.0,
         length_normalize: bool = False,
         rpo_alpha: float = 0.0,
-        lr: float = 1e-6,
+        optim: OptimConfig = OptimConfig(),
         max_completion_length: int | None = None,
         ref_batch_size: int = 8,
         val_max_new_tokens: int = 64,
@@ -79,7 +81,7 @@ class DPOModule(VLMPolicyModule):
         save_hf_on_checkpoint: bool = False,
         **kwargs: Any,
     ) -> None:
-        super().__init__(model_path, lr=lr, save_hf_on_checkpoint=save_hf_on_checkpoint, **kwargs)
+        super().__init__(model_path, optim=optim, save_hf_on_checkpoint=save_hf_on_checkpoint, **kwargs)
         self.ref_log_probs: dict[str, tuple[float, float]] = {}  # row id -> (log pi_ref(chosen), log pi_ref(rejected))
 
     def _validate_settings(self) -> None:

@@ -34,6 +34,7 @@ from transformers import BatchFeature
 
 from mmpo.algos.config import require
 from mmpo.algos.grpo import GRPOModule
+from mmpo.training.config import LossConfig, as_config
 from mmpo.vlm.factory import make_reference_model
 from mmpo.vlm.processing import encode_prompts, model_inputs, repeat_rows
 from mmpo.vlm.rollout import HFGenerateEngine, Rollout, completion_mask_from_ids, concat_rollouts
@@ -122,13 +123,14 @@ class DRPOModule(GRPOModule):
         kl_reward_coef: the paper's kl_coef: the reward loses kl_reward_coef * sum_t (log pi_old - log pi_ref)
             over the generated tokens (0.05 in the official code); 0 = no KL in the reward (GRPO's ``beta``
             still adds its KL to the loss when set).
-        beta: GRPO's in-loss KL coefficient; 0 by default (the paper's KL is the one in the reward).
+        loss: GRPO's loss; its in-loss KL coefficient ``beta`` is 0 by default (the paper's KL is the one in the
+            reward).
         **kwargs: every :class:`~mmpo.algos.grpo.GRPOModule` setting (num_generations, loss, advantage, ...).
     """
 
-    def __init__(self, model_path: str, reset_prob: float = 0.5, kl_reward_coef: float = 0.05, beta: float = 0.0,
-                 **kwargs: Any) -> None:
-        super().__init__(model_path, beta=beta, **kwargs)
+    def __init__(self, model_path: str, reset_prob: float = 0.5, kl_reward_coef: float = 0.05,
+                 loss: LossConfig = LossConfig(beta=0.0), **kwargs: Any) -> None:
+        super().__init__(model_path, loss=as_config(loss, LossConfig(beta=0.0)), **kwargs)
         if kl_reward_coef > 0 and self._reference[0] is None:  # GRPO builds pi_ref only for an in-loss KL
             self._reference = [make_reference_model(self.model, 1.0)]
         self.reset_fraction = 0.0
@@ -138,7 +140,7 @@ class DRPOModule(GRPOModule):
         h = self.hparams
         require(0.0 <= h.reset_prob <= 1.0, f"reset_prob must be in [0, 1], got {h.reset_prob}")
         require(h.kl_reward_coef >= 0, f"kl_reward_coef must be >= 0, got {h.kl_reward_coef}")
-        require(h.reset_prob == 0 or (h.rollout_is is None and not h.rollout_bypass),
+        require(h.reset_prob == 0 or (self.rollout_correction.mode is None and not self.rollout_correction.bypass),
                 "dataset resets sample with their own generate call, which records no engine log-probs: "
                 "set rollout_is null and rollout_bypass false, or reset_prob 0")
 
@@ -160,8 +162,10 @@ class DRPOModule(GRPOModule):
             parts.append(super().build_rollout([rows[i] for i in fresh]))
         if reset:
             parts.append(prefix_rollout(self.engine, [rows[i] for i in reset],
-                                        [responses[i][: lengths[i]] for i in reset], num_samples=h.num_generations,
-                                        max_new_tokens=h.max_new_tokens, temperature=h.temperature, top_p=h.top_p))
+                                        [responses[i][: lengths[i]] for i in reset],
+                                        num_samples=self.sampling.num_generations,
+                                        max_new_tokens=self.sampling.max_new_tokens,
+                                        temperature=self.sampling.temperature, top_p=self.sampling.top_p))
         return parts[0] if len(parts) == 1 else concat_rollouts(parts)
 
     def compute_rewards(self, rollout: Rollout) -> tuple[torch.Tensor, dict[str, float]]:
@@ -172,7 +176,7 @@ class DRPOModule(GRPOModule):
         if h.kl_reward_coef == 0:
             return total, metrics
         on_device = rollout.to(self.device)
-        micro = h.micro_batch_size or len(rollout)
+        micro = self.optim.micro_batch_size or len(rollout)
         policy = self._log_probs_no_grad(self.model, on_device, micro)
         reference = self._log_probs_no_grad(self.reference_model, on_device, micro)
         kl = ((policy - reference) * on_device.completion_mask.to(policy)).sum(-1).cpu()

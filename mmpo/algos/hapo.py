@@ -18,6 +18,7 @@ eps 0.2 / 0.2, c 10, G 16, no KL; the official code's sign of h^ for low-entropy
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Mapping, Sequence
 
 import torch
@@ -25,6 +26,7 @@ from transformers import LogitsProcessor
 
 from mmpo.algos.config import require
 from mmpo.algos.grpo import GRPOModule
+from mmpo.training.config import AdvantageConfig, LossConfig, as_config
 from mmpo.training.step_state import StepState
 from mmpo.core import LossParts
 from mmpo.core.hapo import EntropyNormStats, adaptive_temperature, hapo_entropy_norm, hapo_module_loss_settings
@@ -62,6 +64,9 @@ class EntropyStatsState:
         self.stats = EntropyNormStats(**state) if state else None
 
 
+HAPO_LOSS = LossConfig(name="hapo", dual_clip=10.0, clip_low=0.2, clip_high=0.2)
+
+
 class HAPOModule(CheckpointedState, GRPOModule):
     """GRPO with HAPO's adaptive temperature, token-level advantage, adaptive clip and advantage redistribution.
 
@@ -73,7 +78,8 @@ class HAPOModule(CheckpointedState, GRPOModule):
         hapo_adv_beta: beta of the advantage redistribution (official 1.0).
         hapo_signed_entropy: keep h^ negative for low-entropy tokens (the paper's intent, UNVERIFIED);
             false = the official code, where h^ >= 0 for every token.
-        advantage, loss, dual_clip, clip_low, clip_high: HAPO's (``hapo``, ``hapo``, 10, 0.2, 0.2).
+        advantage, loss: HAPO's by default (advantage ``hapo``; loss ``hapo`` with dual_clip 10, clip_low 0.2,
+            clip_high 0.2); the ``hapo`` loss gets the hapo_* options under ``loss.settings``.
         **kwargs: every :class:`GRPOModule` setting.
 
     Metrics: ``hapo/temperature_mean`` (T (1 + tau clamp(h^)) averaged over the step's update tokens, with
@@ -92,20 +98,17 @@ class HAPOModule(CheckpointedState, GRPOModule):
         hapo_clip_alpha: float = 1.0,
         hapo_adv_beta: float = 1.0,
         hapo_signed_entropy: bool = False,
-        advantage: str = "hapo",
-        loss: str = "hapo",
-        dual_clip: float | None = 10.0,
-        clip_low: float | None = 0.2,
-        clip_high: float | None = 0.2,
-        loss_settings: dict[str, Any] | None = None,
+        advantage: AdvantageConfig = AdvantageConfig(name="hapo"),
+        loss: LossConfig = HAPO_LOSS,
         **kwargs: Any,
     ) -> None:
         require(hapo_tau >= 0, f"hapo_tau must be >= 0, got {hapo_tau}")
-        settings = hapo_module_loss_settings(loss, loss_settings, entropy_pivot=hapo_entropy_pivot,
+        loss = as_config(loss, HAPO_LOSS)
+        settings = hapo_module_loss_settings(loss.name, loss.settings, entropy_pivot=hapo_entropy_pivot,
                                              clip_alpha=hapo_clip_alpha, adv_beta=hapo_adv_beta,
                                              signed_entropy=hapo_signed_entropy)
-        super().__init__(model_path, advantage=advantage, loss=loss, dual_clip=dual_clip, clip_low=clip_low,
-                         clip_high=clip_high, loss_settings=settings, **kwargs)
+        super().__init__(model_path, advantage=as_config(advantage, AdvantageConfig(name="hapo")),
+                         loss=dataclasses.replace(loss, settings=settings), **kwargs)
         self.entropy_stats = EntropyStatsState()
 
     def build_rollout(self, rows: Sequence[Mapping[str, Any]]) -> Rollout:
@@ -113,11 +116,12 @@ class HAPOModule(CheckpointedState, GRPOModule):
         stats = self.entropy_stats.stats
         if h.hapo_tau == 0 or stats is None:  # first step: no statistics yet, plain temperature
             return super().build_rollout(rows)
-        processor = AdaptiveTemperatureProcessor(stats, tau=h.hapo_tau, temperature=h.temperature,
+        processor = AdaptiveTemperatureProcessor(stats, tau=h.hapo_tau, temperature=self.sampling.temperature,
                                                  signed=h.hapo_signed_entropy)
         return self.engine.generate(
-            rows, num_samples=h.num_generations, max_new_tokens=h.max_new_tokens, temperature=h.temperature,
-            top_p=h.top_p, do_sample=True, logits_processors=[processor], **self._engine_log_prob_request(),
+            rows, num_samples=self.sampling.num_generations, max_new_tokens=self.sampling.max_new_tokens,
+            temperature=self.sampling.temperature,
+            top_p=self.sampling.top_p, do_sample=True, logits_processors=[processor], **self._engine_log_prob_request(),
         )
 
     def extra_loss_terms(self, minibatch: Rollout, outputs: Mapping[str, Any]) -> tuple[LossParts, dict[str, Any]]:
@@ -135,5 +139,5 @@ class HAPOModule(CheckpointedState, GRPOModule):
                                          pivot_quantile=self.hparams.hapo_entropy_pivot,
                                          signed=self.hparams.hapo_signed_entropy)
         self.entropy_stats.stats = stats
-        temperature = adaptive_temperature(self.hparams.temperature, h_hat, self.hparams.hapo_tau)
+        temperature = adaptive_temperature(self.sampling.temperature, h_hat, self.hparams.hapo_tau)
         state.metrics.update({"hapo/temperature_mean": float(temperature.mean()), "hapo/entropy_pivot": stats.pivot})

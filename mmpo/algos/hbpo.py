@@ -20,6 +20,7 @@ from torch import Tensor
 
 from mmpo.algos.config import require
 from mmpo.algos.grpo import GRPOModule
+from mmpo.training.config import AdvantageConfig, as_config
 from mmpo.core import compute_advantages_with_metrics
 from mmpo.core.advantages_hbpo import BUDGET_REWARD_FORMS, hbpo_rewards
 from mmpo.rewards import compute_rewards
@@ -56,23 +57,24 @@ class HBPOModule(GRPOModule):
         deviation_weight: float | None = None,
         reward_form: str = "min",
         correctness_reward: str = "accuracy",
-        advantage: str = "hbpo",
+        advantage: AdvantageConfig = AdvantageConfig(name="hbpo"),
         **kwargs: Any,
     ) -> None:
-        super().__init__(model_path, advantage=advantage, **kwargs)
+        super().__init__(model_path, advantage=as_config(advantage, AdvantageConfig(name="hbpo")), **kwargs)
 
     def _validate_settings(self) -> None:
         super()._validate_settings()
         h = self.hparams
         budgets = self.budgets
-        require(h.advantage == "hbpo", f"HBPOModule's advantage is 'hbpo', got {h.advantage!r}")
+        require(self.advantage.name == "hbpo", f"HBPOModule's advantage is 'hbpo', got {self.advantage.name!r}")
         require(len(budgets) >= 1 and all(isinstance(b, int) and b >= 1 for b in budgets),
                 f"budgets must be ints >= 1, got {budgets}")
         require(len(set(budgets)) == len(budgets), f"budgets must differ, got {budgets}")
-        require(h.num_generations % len(budgets) == 0,
-                f"num_generations {h.num_generations} must be a multiple of the {len(budgets)} budgets {budgets} "
+        require(self.sampling.num_generations % len(budgets) == 0,
+                f"num_generations {self.sampling.num_generations} must be a multiple of the {len(budgets)} budgets "
+                f"{budgets} "
                 f"(each budget gets an equal subgroup)")
-        require(h.num_generations // len(budgets) >= 1, "every budget needs at least one rollout")
+        require(self.sampling.num_generations // len(budgets) >= 1, "every budget needs at least one rollout")
         require("{budget}" in h.budget_prompt, f"budget_prompt must contain '{{budget}}', got {h.budget_prompt!r}")
         require(h.max_length is None or h.max_length >= 1, f"max_length must be >= 1 or None, got {h.max_length}")
         require(h.reward_form in BUDGET_REWARD_FORMS,
@@ -86,7 +88,7 @@ class HBPOModule(GRPOModule):
 
     @property
     def reward_max_length(self) -> int:
-        return self.hparams.max_length or self.hparams.max_new_tokens
+        return self.hparams.max_length or self.sampling.max_new_tokens
 
     def budget_prefix(self, budget: int) -> str:
         return self.hparams.budget_prompt.format(budget=budget)
@@ -96,14 +98,13 @@ class HBPOModule(GRPOModule):
     def build_rollout(self, rows: Sequence[Mapping[str, Any]]) -> Rollout:
         """G completions per row, G / k per budget, each budget's with its prefilled declaration; grouped
         by row (group id = row), budgets in order inside a group, the budget in ``extras["hbpo_budget"]``."""
-        h = self.hparams
-        per_budget = h.num_generations // len(self.budgets)
+        per_budget = self.sampling.num_generations // len(self.budgets)
         parts = []
         for budget in self.budgets:
             prefixed = [{**row, "assistant_prefix": self.budget_prefix(budget)} for row in rows]
-            part = self.engine.generate(prefixed, num_samples=per_budget, max_new_tokens=h.max_new_tokens,
-                                        temperature=h.temperature, top_p=h.top_p, do_sample=True,
-                                        **self._engine_log_prob_request())
+            part = self.engine.generate(prefixed, num_samples=per_budget, max_new_tokens=self.sampling.max_new_tokens,
+                                        temperature=self.sampling.temperature, top_p=self.sampling.top_p,
+                                        do_sample=True, **self._engine_log_prob_request())
             part.extras[BUDGET_KEY] = torch.full((len(part),), budget, dtype=torch.long)
             parts.append(part)
         merged = concat_rollouts(parts)
@@ -112,7 +113,7 @@ class HBPOModule(GRPOModule):
         order = [j * n_rows * per_budget + r * per_budget + s
                  for r in range(n_rows) for j in range(k) for s in range(per_budget)]
         merged = merged.select(order)
-        merged.group_ids = torch.arange(n_rows).repeat_interleave(h.num_generations)
+        merged.group_ids = torch.arange(n_rows).repeat_interleave(self.sampling.num_generations)
         return merged
 
     def compute_rewards(self, rollout: Rollout) -> tuple[Tensor, dict[str, float]]:
@@ -122,7 +123,7 @@ class HBPOModule(GRPOModule):
         texts = [(row.get("assistant_prefix") or "") + text for row, text in zip(rollout.rows, rollout.texts)]
         weights = dict(self.reward_weights)
         weights.setdefault(h.correctness_reward, 0.0)  # scored for correctness only
-        _, per_fn, metrics = compute_rewards(weights, texts, rollout.rows, timeout_s=h.reward_timeout_s)
+        _, per_fn, metrics = compute_rewards(weights, texts, rollout.rows, timeout_s=self.rewards.timeout_s)
         correct = per_fn[h.correctness_reward] >= 1.0
         lengths = rollout.completion_mask.sum(-1)
         budgets = rollout.extras[BUDGET_KEY]
@@ -140,4 +141,4 @@ class HBPOModule(GRPOModule):
         return compute_advantages_with_metrics(
             "hbpo", rewards, group_ids, budgets=rollout.extras[BUDGET_KEY].to(rewards.device),
             max_length=self.reward_max_length, beta=h.reward_scale,
-            eps=h.advantage_eps if h.advantage_eps is not None else 1e-6)
+            eps=self.advantage.eps if self.advantage.eps is not None else 1e-6)

@@ -34,6 +34,7 @@ from torch import Tensor
 from mmpo.algos.config import greedy_validation_metrics, require, step_seed
 from mmpo.algos.dpo import summed_log_probs
 from mmpo.algos.vlm_base import VLMPolicyModule
+from mmpo.training.config import OptimConfig, RewardConfig, SamplingConfig, as_config
 from mmpo.core import check_inpo_settings, inpo_loss
 from mmpo.vlm.factory import make_reference_model
 from mmpo.vlm.fsdp import is_sharded
@@ -100,21 +101,21 @@ class INPOModule(VLMPolicyModule):
         tau: KL regularisation towards pi_ref (the loss weights pi_ref by eta tau and pi_t by 1 - eta tau; eta tau <= 1).
         iteration_steps: optimizer steps per INPO iteration: the anchor pi_t (sampler and loss anchor) is
             replaced by the current policy after this many steps.
-        num_generations: completions sampled per prompt (>= 2); the oracle's best and worst form the pair.
-        max_new_tokens: maximum completion length in tokens.
-        temperature: sampling temperature (log-probs use the same temperature).
-        top_p: nucleus sampling threshold (1.0 = off).
-        lr: AdamW learning rate.
-        reward_weights: the oracle's reward functions (registered names or ``file.py:fn``; default accuracy 1.0).
+        sampling: rollout sampling (:class:`~mmpo.training.config.SamplingConfig`); ``num_generations`` >= 2: the
+            oracle's best and worst form the pair; ``val_max_new_tokens`` is the greedy validation length.
+        optim: AdamW and its schedule (:class:`~mmpo.training.config.OptimConfig`: lr, weight_decay, warmup_steps,
+            lr_schedule).
+        rewards: the oracle's reward functions (:class:`~mmpo.training.config.RewardConfig`: ``weights``, registered
+            names or ``file.py:fn``, None = accuracy 1.0; ``timeout_s`` per call, None = inline, no deadline).
         brevity: break reward ties by length (fewer completion tokens preferred).
         judge: a pairwise judge ``file.py:fn`` / ``module:fn`` (TRL's ``judge(prompts, completions)`` -> 0 / 1 / -1)
             used instead of the reward ranking; needs num_generations 2.
-        reward_timeout_s: per reward-function call deadline in seconds; None = inline, no deadline.
-        val_max_new_tokens: completion length for greedy validation; None = max_new_tokens.
         save_hf_on_checkpoint: also write HF weights to output_dir whenever a Lightning checkpoint is saved.
         seed: seeds sampling (per step and rank).
         **kwargs: the settings every VLM module shares (:class:`~mmpo.algos.vlm_base.VLMPolicyModule`).
     """
+
+    config_groups = ("sampling", "optim", "rewards")
 
     # memory (mmpo estimate): pi_ref and the anchor pi_t are two frozen copies of the policy, in its dtype
     FROZEN_POLICY_COPIES = 2
@@ -127,22 +128,20 @@ class INPOModule(VLMPolicyModule):
         eta: float = 2.0,
         tau: float = 0.1,
         iteration_steps: int = 1,
-        num_generations: int = 4,
-        max_new_tokens: int = 64,
-        temperature: float = 1.0,
-        top_p: float = 1.0,
-        lr: float = 1e-6,
-        reward_weights: dict[str, float] | None = None,
+        sampling: SamplingConfig = SamplingConfig(),
+        optim: OptimConfig = OptimConfig(),
+        rewards: RewardConfig = RewardConfig(),
         brevity: bool = True,
         judge: str | None = None,
-        reward_timeout_s: float | None = 10.0,
-        val_max_new_tokens: int | None = None,
         save_hf_on_checkpoint: bool = False,
         seed: int = 0,
         **kwargs: Any,
     ) -> None:
-        super().__init__(model_path, lr=lr, save_hf_on_checkpoint=save_hf_on_checkpoint, **kwargs)
-        self.reward_weights = dict(reward_weights) if reward_weights is not None else dict(DEFAULT_ORACLE_REWARDS)
+        self.sampling = as_config(sampling, SamplingConfig())  # set before the base class validates them
+        self.rewards = as_config(rewards, RewardConfig())
+        super().__init__(model_path, optim=optim, save_hf_on_checkpoint=save_hf_on_checkpoint, **kwargs)
+        weights = self.rewards.weights
+        self.reward_weights = dict(weights) if weights is not None else dict(DEFAULT_ORACLE_REWARDS)
         self._judge = load_judge(judge) if judge is not None else None
         # kept out of the module tree (not trained; pi_ref is rebuilt from model_path, pi_t is checkpointed)
         self._frozen = {"reference": make_reference_model(self.model, 1.0), "anchor": make_reference_model(self.model, 1.0)}
@@ -153,15 +152,14 @@ class INPOModule(VLMPolicyModule):
         h = self.hparams
         check_inpo_settings(h.eta, h.tau)
         require(h.iteration_steps >= 1, f"iteration_steps must be >= 1, got {h.iteration_steps}")
-        require(h.num_generations >= 2, f"num_generations must be >= 2 (a pair per prompt), got {h.num_generations}")
-        require(h.judge is None or h.num_generations == 2,
-                f"a pairwise judge compares two completions: num_generations must be 2, got {h.num_generations}")
-        require(h.max_new_tokens >= 1, f"max_new_tokens must be >= 1, got {h.max_new_tokens}")
-        require(h.temperature > 0, f"temperature must be > 0, got {h.temperature}")
-        require(0 < h.top_p <= 1, f"top_p must be in (0, 1], got {h.top_p}")
+        require(self.sampling.num_generations >= 2,
+                f"num_generations must be >= 2 (a pair per prompt), got {self.sampling.num_generations}")
+        require(h.judge is None or self.sampling.num_generations == 2,
+                "a pairwise judge compares two completions: num_generations must be 2, "
+                f"got {self.sampling.num_generations}")
         from mmpo.rewards.user import validate_reward_weights
 
-        validate_reward_weights(h.reward_weights)
+        validate_reward_weights(self.rewards.weights)
 
     @property
     def reference_model(self) -> torch.nn.Module:
@@ -190,14 +188,14 @@ class INPOModule(VLMPolicyModule):
         from mmpo.rewards import compute_rewards
 
         rewards, _, metrics = compute_rewards(self.reward_weights, rollout.texts, rollout.rows,
-                                              timeout_s=self.hparams.reward_timeout_s)
+                                              timeout_s=self.rewards.timeout_s)
         lengths = rollout.completion_mask.sum(-1)
         metrics["rewards/total/mean"] = float(rewards.mean())
         return select_pairs(rewards, lengths, rollout.group_ids, brevity=self.hparams.brevity), metrics
 
     def _pair_log_probs(self, model: torch.nn.Module, pairs: Rollout) -> Tensor:
         return summed_log_probs(model, pairs.prompt_inputs, pairs.completion_ids, pairs.completion_mask,
-                                chunk_size=self.hparams.logprob_chunk_size, temperature=self.hparams.temperature)
+                                chunk_size=self.hparams.logprob_chunk_size, temperature=self.sampling.temperature)
 
     def training_step(self, batch: Sequence[Mapping[str, Any]], batch_idx: int) -> Tensor | None:
         h = self.hparams
@@ -207,8 +205,11 @@ class INPOModule(VLMPolicyModule):
         devices = [self.device] if self.device.type == "cuda" else []
         with torch.random.fork_rng(devices=devices):
             torch.manual_seed(step_seed(h.seed, self.trainer.global_step, self.global_rank))
-            rollout = self.anchor_engine.generate(rows, num_samples=h.num_generations, max_new_tokens=h.max_new_tokens,
-                                                  temperature=h.temperature, top_p=h.top_p, do_sample=True)
+            sampling = self.sampling
+            rollout = self.anchor_engine.generate(rows, num_samples=sampling.num_generations,
+                                                  max_new_tokens=sampling.max_new_tokens,
+                                                  temperature=sampling.temperature, top_p=sampling.top_p,
+                                                  do_sample=True)
         # 2. the oracle's pairs
         pairs, metrics = self.preference_pairs(rollout)
         metrics["pairs/count"] = float(len(pairs))
@@ -258,9 +259,9 @@ class INPOModule(VLMPolicyModule):
 
     def validation_step(self, batch: Sequence[Mapping[str, Any]], batch_idx: int) -> None:
         """Greedy ``val/accuracy`` and ``val/format`` of the policy on held-out prompts."""
-        h = self.hparams
-        metrics = greedy_validation_metrics(self.engine, list(batch), max_new_tokens=h.val_max_new_tokens or h.max_new_tokens,
-                                            timeout_s=h.reward_timeout_s)
+        metrics = greedy_validation_metrics(self.engine, list(batch), max_new_tokens=self.sampling.val_max_new_tokens
+                                            or self.sampling.max_new_tokens,
+                                            timeout_s=self.rewards.timeout_s)
         self.log_dict(metrics, batch_size=len(batch), sync_dist=True, prog_bar=True)
 
     # ------------------------------------------------------------------ checkpoints

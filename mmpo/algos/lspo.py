@@ -21,6 +21,7 @@ from typing import Any
 from torch import Tensor
 
 from mmpo.algos.grpo import GRPOModule
+from mmpo.training.config import AdvantageConfig, as_config
 from mmpo.training.variants import LengthBands
 from mmpo.vlm.rollout import Rollout
 
@@ -33,7 +34,7 @@ class LSPOModule(GRPOModule):
         lspo_low: quantile of the short band's upper edge (keep L(q) <= Q(lspo_low)).
         lspo_high: quantile of the long band's lower edge (keep Q(lspo_high) <= L(q) ...).
         lspo_max: ... <= Q(lspo_max), the long band's upper edge; 1.0 disables it.
-        dynamic_sampling: the zero-variance filter LSPO runs after (default on, as the paper).
+        advantage: its ``dynamic_sampling`` is the zero-variance filter LSPO runs after (default on, as the paper).
         **kwargs: every :class:`GRPOModule` setting.
 
     Metrics: ``rewards/dropped_groups`` (zero-variance filter), ``lspo/dropped_groups`` (length
@@ -47,11 +48,11 @@ class LSPOModule(GRPOModule):
         lspo_low: float = 0.3,
         lspo_high: float = 0.65,
         lspo_max: float = 0.95,
-        dynamic_sampling: bool = True,
+        advantage: AdvantageConfig = AdvantageConfig(dynamic_sampling=True),
         **kwargs: Any,
     ) -> None:
         bands = LengthBands(lspo_low, lspo_high, lspo_max)
-        super().__init__(model_path, dynamic_sampling=dynamic_sampling, **kwargs)
+        super().__init__(model_path, advantage=as_config(advantage, AdvantageConfig(dynamic_sampling=True)), **kwargs)
         self.length_bands = bands
 
     def filter_groups(self, rewards: Tensor, rollout: Rollout) -> tuple[Tensor | None, dict[str, float]]:

@@ -22,6 +22,7 @@ from torch import Tensor
 
 from mmpo.algos.config import require
 from mmpo.algos.grpo import GRPOModule
+from mmpo.training.config import AdvantageConfig, as_config
 from mmpo.core.groups import build_group_index
 from mmpo.vlm.rollout import Rollout
 
@@ -49,12 +50,15 @@ class MAPOModule(GRPOModule):
 
     Args:
         model_path: saved HF model directory.
-        advantage: ``mapo`` (paper), or the ablations ``mapo_apd`` / ``mapo_random_lambda``.
+        advantage: its ``name`` is ``mapo`` (paper), or the ablations ``mapo_apd`` / ``mapo_random_lambda``.
         **kwargs: every :class:`GRPOModule` setting (paper: beta 0.01 k3, clip 0.2/0.3, G 12 or 8).
     """
 
-    def __init__(self, model_path: str, *, advantage: str = "mapo", **kwargs: Any) -> None:
-        require(advantage in MAPO_ESTIMATORS, f"MAPOModule advantage must be one of {MAPO_ESTIMATORS}, got {advantage!r}")
+    def __init__(self, model_path: str, *, advantage: AdvantageConfig = AdvantageConfig(name="mapo"),
+                 **kwargs: Any) -> None:
+        advantage = as_config(advantage, AdvantageConfig(name="mapo"))
+        require(advantage.name in MAPO_ESTIMATORS,
+                f"MAPOModule advantage must be one of {MAPO_ESTIMATORS}, got {advantage.name!r}")
         super().__init__(model_path, advantage=advantage, **kwargs)
 
     def compute_advantages(self, rewards: Tensor, group_ids: Tensor, rollout: Rollout) -> tuple[Tensor, dict[str, float]]:
@@ -62,7 +66,7 @@ class MAPOModule(GRPOModule):
         p, lam = certainty_lambda(rewards, group_ids)
         metrics["mapo/success_frac"] = float(p.mean())
         metrics["mapo/fallback_groups"] = metrics.get("advantages/mapo_fallback_groups", 0.0)
-        if self.hparams.advantage == "mapo":
+        if self.advantage.name == "mapo":
             metrics["mapo/lambda_mean"] = float(lam.mean())
             metrics["mapo/lambda_min"] = float(lam.min())
             metrics["mapo/lambda_max"] = float(lam.max())

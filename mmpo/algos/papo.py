@@ -319,12 +319,12 @@ class PAPOModule(GRPOModule):
         rollout.extras[MASK_STEP] = step
         if self.hparams.masked_with_grad:
             return rollout
-        masked_prompts = repeat_rows(self.masked_prompt_inputs(rows, step), self.hparams.num_generations)
+        masked_prompts = repeat_rows(self.masked_prompt_inputs(rows, step), self.sampling.num_generations)
         original_grid = rollout.prompt_inputs.get("image_grid_thw")
         if original_grid is not None and not torch.equal(original_grid, masked_prompts["image_grid_thw"]):
             raise RuntimeError("PAPO: the masked images produced a different image grid than the originals")
         masked = dataclasses.replace(rollout, prompt_inputs=masked_prompts).to(self.device)
-        chunk = self.hparams.micro_batch_size or self.hparams.minibatch_size or len(masked)
+        chunk = self.optim.micro_batch_size or self.optim.minibatch_size or len(masked)
         with torch.no_grad():  # rollout-time weights, no gradient (official compute_log_probs_aug)
             parts = [self.sequence_log_probs(self.model, masked.select(index))[0]
                      for index in torch.arange(len(masked)).split(chunk)]

@@ -27,6 +27,7 @@ from torch import Tensor
 
 from mmpo.algos.config import require, step_seed
 from mmpo.algos.grpo import GRPOModule
+from mmpo.training.config import AdvantageConfig, as_config
 from mmpo.training.state_hooks import CheckpointedState
 from mmpo.training.step_state import StepState
 from mmpo.core import compute_advantages_with_metrics
@@ -119,7 +120,7 @@ class PVPOModule(CheckpointedState, GRPOModule):
         self,
         model_path: str,
         *,
-        advantage: str = "pvpo",
+        advantage: AdvantageConfig = AdvantageConfig(name="pvpo"),
         ref_rollouts: int | None = None,
         refresh_every: int = 0,
         offline_pass: bool = True,
@@ -128,19 +129,20 @@ class PVPOModule(CheckpointedState, GRPOModule):
         pass_batch_size: int = 8,
         **kwargs: Any,
     ) -> None:
-        super().__init__(model_path, advantage=advantage, **kwargs)
+        super().__init__(model_path, advantage=as_config(advantage, AdvantageConfig(name="pvpo")), **kwargs)
         self.baselines = BaselineTable()
 
     def _validate_settings(self) -> None:
         super()._validate_settings()
         h = self.hparams
-        require(h.advantage == "pvpo", f"PVPOModule's advantage is 'pvpo' (the static baseline), got {h.advantage!r}")
+        require(self.advantage.name == "pvpo",
+                f"PVPOModule's advantage is 'pvpo' (the static baseline), got {self.advantage.name!r}")
         require(h.ref_rollouts is None or h.ref_rollouts >= 1, f"ref_rollouts must be >= 1 or None, got {h.ref_rollouts}")
         require(h.refresh_every >= 0, f"refresh_every must be >= 0 (0 = never), got {h.refresh_every}")
         require(h.trivial_accuracy is None or 0 < h.trivial_accuracy <= 1,
                 f"trivial_accuracy must be in (0, 1] or None, got {h.trivial_accuracy}")
         require(h.pass_batch_size >= 1, f"pass_batch_size must be >= 1, got {h.pass_batch_size}")
-        require(not (h.inject_expert and (h.rollout_is is not None or h.rollout_bypass)),
+        require(not (h.inject_expert and (self.rollout_correction.mode is not None or self.rollout_correction.bypass)),
                 "inject_expert adds completions the engine did not sample (no engine log-probs): "
                 "it cannot be combined with rollout_is / rollout_bypass")
 
@@ -153,7 +155,7 @@ class PVPOModule(CheckpointedState, GRPOModule):
         Seeded by (seed, step, chunk) and not by rank, so every data-parallel rank builds the same table.
         """
         h = self.hparams
-        m = h.ref_rollouts or h.num_generations
+        m = h.ref_rollouts or self.sampling.num_generations
         unique: dict[str, Mapping[str, Any]] = {}
         for row in rows:
             unique.setdefault(prompt_key(row), row)
@@ -163,8 +165,9 @@ class PVPOModule(CheckpointedState, GRPOModule):
             with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []):
                 torch.manual_seed(step_seed(h.seed, step, 0) + 31337 + start)
                 rollout = self.engine.generate([unique[k] for k in chunk], num_samples=m,
-                                               max_new_tokens=h.max_new_tokens, temperature=h.temperature,
-                                               top_p=h.top_p, do_sample=True)
+                                               max_new_tokens=self.sampling.max_new_tokens,
+                                               temperature=self.sampling.temperature, top_p=self.sampling.top_p,
+                                               do_sample=True)
             rewards, accuracy = self._reward_and_accuracy(rollout)
             self.baselines.record(chunk, rewards, accuracy, rollout.group_ids)
         return {"pvpo/pass_prompts": float(len(keys)), "pvpo/pass_rollouts": float(len(keys) * m)}
@@ -174,7 +177,7 @@ class PVPOModule(CheckpointedState, GRPOModule):
         weights = dict(self.reward_weights)
         if "accuracy" not in weights:
             weights["accuracy"] = 0.0  # scored for the difficulty filter only
-        total, per_fn, _ = compute_rewards(weights, rollout.texts, rollout.rows, timeout_s=self.hparams.reward_timeout_s)
+        total, per_fn, _ = compute_rewards(weights, rollout.texts, rollout.rows, timeout_s=self.rewards.timeout_s)
         return total, per_fn["accuracy"]
 
     def _training_rows(self) -> list[Mapping[str, Any]]:
@@ -226,7 +229,7 @@ class PVPOModule(CheckpointedState, GRPOModule):
         last = {int(g): i for i, g in enumerate(rollout.group_ids.tolist())}  # group -> its last position
         positions = [last[g] for g in targets]
         traces = [rows[g]["expert_trace"] for g in targets]
-        return inject_completions(rollout, positions, traces, self.processor, max_length=self.hparams.max_new_tokens)
+        return inject_completions(rollout, positions, traces, self.processor, max_length=self.sampling.max_new_tokens)
 
     def compute_advantages(self, rewards: Tensor, group_ids: Tensor, rollout: Rollout) -> tuple[Tensor, dict[str, float]]:
         """``r - V_hat(q)``; trivial prompts get advantage 0 and leave the loss (their completion mask is

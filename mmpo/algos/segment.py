@@ -26,6 +26,7 @@ from torch import Tensor
 
 from mmpo.algos.config import require
 from mmpo.algos.grpo import GRPOModule
+from mmpo.training.config import AdvantageConfig, as_config
 from mmpo.core import compute_advantages_with_metrics
 from mmpo.core.advantages_tree import SEGMENT_PROB_THRESHOLD, segment_cut_points, segment_probability_mask
 from mmpo.vlm.continuation import extend_prompts, generate_from_inputs, join_completions
@@ -50,6 +51,7 @@ class SegmentPOModule(GRPOModule):
         self,
         model_path: str,
         *,
+        advantage: AdvantageConfig = AdvantageConfig(name="segment"),
         cutpoint_interval: int = 5,
         mc_samples: int = 9,
         max_cut_points: int | None = None,
@@ -57,8 +59,9 @@ class SegmentPOModule(GRPOModule):
         segment_whiten: bool = True,
         **kwargs: Any,
     ) -> None:
-        require(kwargs.pop("advantage", "segment") == "segment", "SegmentPOModule's advantage is 'segment'")
-        super().__init__(model_path, advantage="segment", **kwargs)
+        advantage = as_config(advantage, AdvantageConfig(name="segment"))
+        require(advantage.name == "segment", "SegmentPOModule's advantage is 'segment'")
+        super().__init__(model_path, advantage=advantage, **kwargs)
 
     def _validate_settings(self) -> None:
         super()._validate_settings()
@@ -77,7 +80,7 @@ class SegmentPOModule(GRPOModule):
         rollout = super().build_rollout(rows)
         h = self.hparams
         log_probs = self._log_probs_no_grad(self.model, rollout.to(self.device),
-                                            h.micro_batch_size or len(rollout)).float().cpu()
+                                            self.optim.micro_batch_size or len(rollout)).float().cpu()
         mask = rollout.completion_mask
         cuts = segment_cut_points(log_probs, mask, interval=h.cutpoint_interval)
         if h.max_cut_points is not None:
@@ -119,13 +122,13 @@ class SegmentPOModule(GRPOModule):
                 prefix_mask[j, : c + 1] = 1
             prompts = extend_prompts(select_rows(rollout.prompt_inputs, index), prefix, prefix_mask, pad_token_id=pad)
             # a cut point lies before the last token (c + 1 < length <= max_new_tokens): budget >= 1
-            budget = h.max_new_tokens - min(c + 1 for _, (_, c) in chunk)
+            budget = self.sampling.max_new_tokens - min(c + 1 for _, (_, c) in chunk)
             cont = generate_from_inputs(self.engine, [rollout.rows[i] for i in index], prompts, max_new_tokens=budget,
-                                        temperature=h.temperature, top_p=h.top_p)
+                                        temperature=self.sampling.temperature, top_p=self.sampling.top_p)
             # each continuation is cut at its own remaining budget (a shorter sample of the same process)
             cont_mask = cont.completion_mask.clone()
             for j, (_, (_, c)) in enumerate(chunk):
-                cont_mask[j, max(0, h.max_new_tokens - (c + 1)):] = 0
+                cont_mask[j, max(0, self.sampling.max_new_tokens - (c + 1)):] = 0
             full_ids, _ = join_completions(prefix, prefix_mask, cont.completion_ids, cont_mask, pad_token_id=pad)
             texts = self.processor.batch_decode(full_ids, skip_special_tokens=True)
             scores = self._score(texts, [rollout.rows[i] for i in index])
@@ -136,7 +139,7 @@ class SegmentPOModule(GRPOModule):
     def _score(self, texts: list[str], rows: list[Mapping[str, Any]]) -> Tensor:
         from mmpo.rewards import compute_rewards
 
-        total, _per_fn, _metrics = compute_rewards(self.reward_weights, texts, rows, timeout_s=self.hparams.reward_timeout_s)
+        total, _per_fn, _metrics = compute_rewards(self.reward_weights, texts, rows, timeout_s=self.rewards.timeout_s)
         return total
 
     def compute_advantages(self, rewards: Tensor, group_ids: Tensor, rollout: Rollout) -> tuple[Tensor, dict[str, float]]:

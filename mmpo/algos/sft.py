@@ -15,6 +15,7 @@ import torch
 
 from mmpo.algos.config import greedy_validation_metrics, require
 from mmpo.algos.vlm_base import VLMPolicyModule
+from mmpo.training.config import OptimConfig, as_config
 from mmpo.vlm.logprobs import completion_log_probs
 from mmpo.vlm.processing import encode_completions, encode_prompts
 
@@ -26,21 +27,22 @@ class SFTModule(VLMPolicyModule):
 
     Args:
         model_path: saved HF model directory (e.g. ``build_tiny_vlm`` output or a real checkpoint).
-        lr: AdamW learning rate.
+        optim: AdamW and its schedule (:class:`~mmpo.training.config.OptimConfig`: lr 1e-4 by default, weight_decay,
+            warmup_steps, lr_schedule).
         style: solution style taught: think-answer (default) or steps (StepGRPO).
         max_completion_length: truncate target completions to this many tokens (None = no limit).
         val_max_new_tokens: completion length for greedy validation.
         save_hf_on_checkpoint: also write HF weights to output_dir whenever a Lightning checkpoint is saved.
         reward_timeout_s: per reward-function call deadline during validation.
         **kwargs: the settings every VLM module shares (:class:`~mmpo.algos.vlm_base.VLMPolicyModule`:
-            weight_decay, warmup_steps, lr_schedule, dtype, system_prompt ("default" = the prompt of
+            dtype, system_prompt ("default" = the prompt of
             ``style``), output_dir, ...).
     """
 
     def __init__(
         self,
         model_path: str,
-        lr: float = 1e-4,
+        optim: OptimConfig = OptimConfig(lr=1e-4),
         style: str = "think-answer",
         max_completion_length: int | None = None,
         val_max_new_tokens: int = 64,
@@ -48,7 +50,8 @@ class SFTModule(VLMPolicyModule):
         reward_timeout_s: float = 10.0,
         **kwargs: Any,
     ) -> None:
-        super().__init__(model_path, lr=lr, save_hf_on_checkpoint=save_hf_on_checkpoint, **kwargs)
+        super().__init__(model_path, optim=as_config(optim, OptimConfig(lr=1e-4)),
+                         save_hf_on_checkpoint=save_hf_on_checkpoint, **kwargs)
 
     def _validate_settings(self) -> None:
         h = self.hparams

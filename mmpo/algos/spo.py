@@ -21,6 +21,7 @@ from torch import Tensor
 
 from mmpo.algos.config import require, step_seed
 from mmpo.algos.grpo import GRPOModule
+from mmpo.training.config import SamplingConfig, as_config
 from mmpo.training.state_hooks import CheckpointedState
 from mmpo.training.step_state import StepState
 from mmpo.algos.spo_tracker import (
@@ -84,7 +85,7 @@ class SPOModule(CheckpointedState, GRPOModule):
         self,
         model_path: str,
         *,
-        num_generations: int = 1,
+        sampling: SamplingConfig = SamplingConfig(num_generations=1),
         rho_type: str = "kl",
         rho_value: float = 0.875,
         rho_min: float = 0.875,
@@ -96,7 +97,7 @@ class SPOModule(CheckpointedState, GRPOModule):
         exploration_epsilon: float = 0.05,
         **kwargs: Any,
     ) -> None:
-        super().__init__(model_path, num_generations=num_generations, **kwargs)
+        super().__init__(model_path, sampling=as_config(sampling, SamplingConfig(num_generations=1)), **kwargs)
         values = load_offline_values(offline_values) if offline_values else None
         self.tracker = BetaTracker(rho_min=rho_min, offline_n=offline_n, offline_values=values,
                                    seed=self.hparams.seed)
@@ -104,7 +105,8 @@ class SPOModule(CheckpointedState, GRPOModule):
     def _validate_settings(self) -> None:
         super()._validate_settings()
         h = self.hparams
-        require(h.num_generations == 1, f"SPO is single-stream: num_generations must be 1, got {h.num_generations}")
+        require(self.sampling.num_generations == 1,
+                f"SPO is single-stream: num_generations must be 1, got {self.sampling.num_generations}")
         require(h.rho_type in RHO_TYPES, f"unknown rho_type {h.rho_type!r}; valid: {list(RHO_TYPES)}")
         require(0 <= h.rho_min < 1, f"rho_min must be in [0, 1), got {h.rho_min}")
         require(h.rho_min <= h.rho_max <= 1, f"rho_max must be in [rho_min, 1], got {h.rho_max}")
@@ -182,7 +184,7 @@ class SPOModule(CheckpointedState, GRPOModule):
     def response_drift(self, rollout: Rollout, keys: list[str]) -> tuple[Tensor, dict[str, tuple[list[int], list[float]]]]:
         """(N,) token-mean ``|log pi_stored - log pi_now|`` on each prompt's last stored response (0 on a
         first visit), and this step's responses with their log-probs under the updated policy (to store)."""
-        micro = self.hparams.micro_batch_size or len(rollout)
+        micro = self.optim.micro_batch_size or len(rollout)
         now = self._log_probs_no_grad(self.model, rollout.to(self.device), micro).double().cpu()
         drift = torch.zeros(len(keys), dtype=torch.float64)
         seen = [i for i, k in enumerate(keys) if k in self.tracker.responses]

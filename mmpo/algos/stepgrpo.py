@@ -14,11 +14,13 @@ GRPO with dense step-wise rewards on responses in the R1-VL section format:
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 from torch import Tensor
 
 from mmpo.algos.grpo import GRPOModule
+from mmpo.training.config import AdvantageConfig, LossConfig, RewardConfig, SamplingConfig, as_config
 from mmpo.data import system_prompt_for
 from mmpo.rewards.step import key_step_match_fraction, step_rar_reward_name
 from mmpo.vlm.rollout import Rollout
@@ -32,12 +34,11 @@ class StepGRPOModule(GRPOModule):
         no_answer_zero: the paper's "no final answer -> StepRAR 0" rule (the official code lacks it).
         skip_missing_key_steps: rows without ``key_steps`` score k = 0 and are counted
             (``stepgrpo/missing_key_steps``) instead of raising.
-        num_generations: G (paper 4).
-        advantage_eps: group std epsilon (official 1e-4).
-        beta: k3 KL coefficient (TRL 0.14 default 0.04, used by R1-VL).
-        temperature: sampling temperature (official 2B script 1.2).
+        sampling: G 4 (paper) and temperature 1.2 (official 2B script) by default.
+        advantage: group std epsilon ``eps`` 1e-4 by default (official).
+        loss: k3 KL coefficient ``beta`` 0.04 by default (TRL 0.14 default, used by R1-VL).
         system_prompt: ``"steps"`` = ``mmpo.data.STEPS_SYSTEM_PROMPT``; any other text is used as is.
-        reward_weights: None = {StepRAR variant: 1.0, ``step_rvr``: 1.0}.
+        rewards: ``weights`` None = {StepRAR variant: 1.0, ``step_rvr``: 1.0}.
         **kwargs: every other :class:`GRPOModule` setting.
     """
 
@@ -47,22 +48,23 @@ class StepGRPOModule(GRPOModule):
         *,
         no_answer_zero: bool = False,
         skip_missing_key_steps: bool = False,
-        num_generations: int = 4,
-        advantage_eps: float | None = 1e-4,
-        beta: float = 0.04,
-        temperature: float = 1.2,
+        sampling: SamplingConfig = SamplingConfig(temperature=1.2),
+        advantage: AdvantageConfig = AdvantageConfig(eps=1e-4),
+        loss: LossConfig = LossConfig(beta=0.04),
         system_prompt: str | None = "steps",
-        reward_weights: dict[str, float] | None = None,
+        rewards: RewardConfig = RewardConfig(),
         **kwargs: Any,
     ) -> None:
         if system_prompt == "steps":
             system_prompt = system_prompt_for("steps")
-        if reward_weights is None:
+        rewards = as_config(rewards, RewardConfig())
+        if rewards.weights is None:
             rar = step_rar_reward_name(no_answer_zero=no_answer_zero, skip_missing_key_steps=skip_missing_key_steps)
-            reward_weights = {rar: 1.0, "step_rvr": 1.0}
+            rewards = dataclasses.replace(rewards, weights={rar: 1.0, "step_rvr": 1.0})
         super().__init__(
-            model_path, num_generations=num_generations, advantage_eps=advantage_eps, beta=beta,
-            temperature=temperature, system_prompt=system_prompt, reward_weights=reward_weights, **kwargs,
+            model_path, sampling=as_config(sampling, SamplingConfig(temperature=1.2)),
+            advantage=as_config(advantage, AdvantageConfig(eps=1e-4)), loss=as_config(loss, LossConfig(beta=0.04)),
+            system_prompt=system_prompt, rewards=rewards, **kwargs,
         )
 
     def compute_rewards(self, rollout: Rollout) -> tuple[Tensor, dict[str, float]]:

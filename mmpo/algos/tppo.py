@@ -27,6 +27,7 @@ from torch import Tensor
 
 from mmpo.algos.config import refuse_rollout_correction, require
 from mmpo.algos.grpo import GRPOModule
+from mmpo.training.config import AdvantageConfig, as_config
 from mmpo.training.state_hooks import CheckpointedState
 from mmpo.core import LossParts, compute_advantages_with_metrics
 from mmpo.training.lr_schedule import warmup_schedule
@@ -86,6 +87,7 @@ class TPPOModule(CheckpointedState, GRPOModule):
         self,
         model_path: str,
         *,
+        advantage: AdvantageConfig = AdvantageConfig(name="tppo"),
         window_len: int = 16,
         gamma: float = 1.0,
         lam: float = 1.0,
@@ -94,8 +96,9 @@ class TPPOModule(CheckpointedState, GRPOModule):
         max_inflight: int | None = None,
         **kwargs: Any,
     ) -> None:
-        require(kwargs.pop("advantage", "tppo") == "tppo", "TPPOModule's advantage is 'tppo'")
-        super().__init__(model_path, advantage="tppo", **kwargs)
+        advantage = as_config(advantage, AdvantageConfig(name="tppo"))
+        require(advantage.name == "tppo", "TPPOModule's advantage is 'tppo'")
+        super().__init__(model_path, advantage=advantage, **kwargs)
         hidden = self.model.get_output_embeddings().weight.shape[1]
         self.value_head = torch.nn.Linear(hidden, 1)
         torch.nn.init.zeros_(self.value_head.weight)
@@ -105,24 +108,28 @@ class TPPOModule(CheckpointedState, GRPOModule):
     def _validate_settings(self) -> None:
         super()._validate_settings()
         h = self.hparams
-        require(1 <= h.window_len <= h.max_new_tokens,
-                f"window_len must be in [1, max_new_tokens={h.max_new_tokens}], got {h.window_len}")
+        require(1 <= h.window_len <= self.sampling.max_new_tokens,
+                f"window_len must be in [1, max_new_tokens={self.sampling.max_new_tokens}], got {h.window_len}")
         require(0 < h.gamma <= 1, f"gamma must be in (0, 1], got {h.gamma}")
         require(0 <= h.lam <= 1, f"lam must be in [0, 1], got {h.lam}")
         require(h.value_lr is None or h.value_lr > 0, f"value_lr must be > 0 or None, got {h.value_lr}")
         require(h.value_coef >= 0, f"value_coef must be >= 0, got {h.value_coef}")
         require(h.max_inflight is None or h.max_inflight >= 0, f"max_inflight must be >= 0 or None, got {h.max_inflight}")
-        require(h.minibatch_size is None, "T-PPO's rollout size varies (carried responses): set minibatch_size null")
-        require(not h.dynamic_sampling, "dynamic_sampling does not apply to T-PPO (critic baseline, no groups)")
-        refuse_rollout_correction(h)
+        require(self.optim.minibatch_size is None,
+                "T-PPO's rollout size varies (carried responses): set minibatch_size null")
+        require(not self.advantage.dynamic_sampling,
+                "dynamic_sampling does not apply to T-PPO (critic baseline, no groups)")
+        refuse_rollout_correction(self.rollout_correction)
 
     def configure_optimizers(self) -> dict[str, Any]:
         h = self.hparams
         total = self.trainer.max_steps if self._trainer is not None and self.trainer.max_steps > 0 else None
         groups = [{"params": [p for p in self.model.parameters() if p.requires_grad]},
-                  {"params": list(self.value_head.parameters()), "lr": h.value_lr or h.lr, "weight_decay": 0.0}]
-        optimizer = torch.optim.AdamW(groups, lr=h.lr, weight_decay=h.weight_decay)
-        scheduler = warmup_schedule(optimizer, warmup_steps=h.warmup_steps, schedule=h.lr_schedule, total_steps=total)
+                  {"params": list(self.value_head.parameters()), "lr": h.value_lr or self.optim.lr,
+                   "weight_decay": 0.0}]
+        optimizer = torch.optim.AdamW(groups, lr=self.optim.lr, weight_decay=self.optim.weight_decay)
+        scheduler = warmup_schedule(optimizer, warmup_steps=self.optim.warmup_steps, schedule=self.optim.lr_schedule,
+                                    total_steps=total)
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
     # ------------------------------------------------------------------ rollout
@@ -132,8 +139,9 @@ class TPPOModule(CheckpointedState, GRPOModule):
         ``extras``: ``tppo_completed`` (N,) ended by EOS or the full budget; ``tppo_prefix_len`` (N,)."""
         h = self.hparams
         engine = self.engine
-        fresh = engine.generate(rows, num_samples=h.num_generations, max_new_tokens=min(h.window_len, h.max_new_tokens),
-                                temperature=h.temperature, top_p=h.top_p)
+        fresh = engine.generate(rows, num_samples=self.sampling.num_generations,
+                                max_new_tokens=min(h.window_len, self.sampling.max_new_tokens),
+                                temperature=self.sampling.temperature, top_p=self.sampling.top_p)
         fresh.extras = {"tppo_prefix_len": torch.zeros(len(fresh), dtype=torch.long)}  # the keys both parts share
         fresh.extras["tppo_completed"] = self._completed(fresh)
         parts = [fresh]
@@ -145,13 +153,14 @@ class TPPOModule(CheckpointedState, GRPOModule):
                                                      padding_value=engine.pad_token_id)
             prefix_mask = torch.nn.utils.rnn.pad_sequence([torch.ones_like(c["tokens"]) for c in carried], batch_first=True)
             # one generate call for all: the shortest response's budget, each row cut at its own below
-            budget = min(h.window_len, h.max_new_tokens - min(len(c["tokens"]) for c in carried))
+            budget = min(h.window_len, self.sampling.max_new_tokens - min(len(c["tokens"]) for c in carried))
             more = generate_from_inputs(engine, [c["row"] for c in carried],
                                         extend_prompts(prompts, prefix, prefix_mask, pad_token_id=engine.pad_token_id),
-                                        max_new_tokens=max(budget, 1), temperature=h.temperature, top_p=h.top_p)
+                                        max_new_tokens=max(budget, 1), temperature=self.sampling.temperature,
+                                        top_p=self.sampling.top_p)
             # each carried response keeps its own budget; the reward reads the whole response so far
             for i, c in enumerate(carried):
-                more.completion_mask[i, max(0, h.max_new_tokens - len(c["tokens"])):] = 0
+                more.completion_mask[i, max(0, self.sampling.max_new_tokens - len(c["tokens"])):] = 0
             more.completion_ids = more.completion_ids.masked_fill(more.completion_mask == 0, engine.pad_token_id)
             heads = self.processor.batch_decode([c["tokens"] for c in carried], skip_special_tokens=True)
             more.texts = [head + text for head, text in
@@ -173,7 +182,7 @@ class TPPOModule(CheckpointedState, GRPOModule):
     def _completed(self, part: Rollout) -> Tensor:
         """``(N,)`` bool: the response ended in this window (EOS / vision token) or used its full budget."""
         total = part.extras["tppo_prefix_len"] + part.completion_mask.sum(-1)
-        return ended(part, self.engine.eos_token_id) | (total >= self.hparams.max_new_tokens)
+        return ended(part, self.engine.eos_token_id) | (total >= self.sampling.max_new_tokens)
 
     # ------------------------------------------------------------------ critic
 
@@ -195,7 +204,7 @@ class TPPOModule(CheckpointedState, GRPOModule):
         h = self.hparams
         values = []
         with torch.no_grad():
-            for index in torch.arange(len(rollout)).split(h.micro_batch_size or len(rollout)):
+            for index in torch.arange(len(rollout)).split(self.optim.micro_batch_size or len(rollout)):
                 values.append(self.state_values(rollout.select(index).to(self.device)).cpu())
         values = torch.cat(values).to(rewards)
         mask = rollout.completion_mask.to(rewards)

@@ -29,6 +29,7 @@ from torch import Tensor
 
 from mmpo.algos.config import refuse_rollout_correction, require
 from mmpo.algos.grpo import GRPOModule
+from mmpo.training.config import AdvantageConfig, as_config
 from mmpo.core import compute_advantages_with_metrics, dynamic_sampling_filter
 from mmpo.core.advantages_tree import TREE_WEIGHTINGS
 from mmpo.vlm.continuation import ended, extend_prompts, generate_from_inputs
@@ -157,6 +158,7 @@ class TreePOModule(GRPOModule):
         self,
         model_path: str,
         *,
+        advantage: AdvantageConfig = AdvantageConfig(name="treepo"),
         segment_len: int = 512,
         branching: int = 2,
         first_branching: int = 2,
@@ -164,33 +166,37 @@ class TreePOModule(GRPOModule):
         skip_zero_std_subgroups: bool = False,
         **kwargs: Any,
     ) -> None:
-        require(kwargs.pop("advantage", "treepo") == "treepo", "TreePOModule's advantage is 'treepo'")
-        super().__init__(model_path, advantage="treepo", **kwargs)
+        advantage = as_config(advantage, AdvantageConfig(name="treepo"))
+        require(advantage.name == "treepo", "TreePOModule's advantage is 'treepo'")
+        super().__init__(model_path, advantage=advantage, **kwargs)
 
     def _validate_settings(self) -> None:
         super()._validate_settings()
         h = self.hparams
         require(h.segment_len >= 1, f"segment_len must be >= 1, got {h.segment_len}")
         require(h.branching >= 1, f"branching must be >= 1, got {h.branching}")
-        require(2 <= h.first_branching <= h.num_generations,
-                f"first_branching must be in [2, num_generations={h.num_generations}] (the root group needs two "
+        require(2 <= h.first_branching <= self.sampling.num_generations,
+                f"first_branching must be in [2, num_generations={self.sampling.num_generations}] "
+                "(the root group needs two "
                 f"leaves), got {h.first_branching}")
         require(h.tree_weighting in TREE_WEIGHTINGS, f"tree_weighting must be one of {TREE_WEIGHTINGS}, got {h.tree_weighting!r}")
-        require(h.minibatch_size is None, "TreePO's leaf count varies per step: set minibatch_size null "
+        require(self.optim.minibatch_size is None, "TreePO's leaf count varies per step: set minibatch_size null "
                                           "(one optimizer step per rollout)")
-        require(not h.dynamic_sampling_retries, "dynamic_sampling_retries is not supported with tree rollouts")
-        refuse_rollout_correction(h)
+        require(not self.advantage.dynamic_sampling_retries,
+                "dynamic_sampling_retries is not supported with tree rollouts")
+        refuse_rollout_correction(self.rollout_correction)
 
     def build_rollout(self, rows: Sequence[Mapping[str, Any]]) -> Rollout:
         h = self.hparams
-        return grow_trees(self.engine, rows, width=h.num_generations, segment_len=h.segment_len,
-                          max_new_tokens=h.max_new_tokens, branching=h.branching, first_branching=h.first_branching,
-                          temperature=h.temperature, top_p=h.top_p)
+        return grow_trees(self.engine, rows, width=self.sampling.num_generations, segment_len=h.segment_len,
+                          max_new_tokens=self.sampling.max_new_tokens, branching=h.branching,
+                          first_branching=h.first_branching,
+                          temperature=self.sampling.temperature, top_p=self.sampling.top_p)
 
     def compute_advantages(self, rewards: Tensor, group_ids: Tensor, rollout: Rollout) -> tuple[Tensor, dict[str, float]]:
         h = self.hparams
         mask = rollout.completion_mask.to(rewards)
-        if h.dynamic_sampling:
+        if self.advantage.dynamic_sampling:
             # the recipe rejects zero-std prompts before the estimator: they stay out of the whitening too
             mask = mask * dynamic_sampling_filter(rewards, group_ids).keep_mask.to(rewards).unsqueeze(-1)
         if float(mask.sum()) < 2:  # nothing left to whiten: every prompt was filtered (the step is then skipped)

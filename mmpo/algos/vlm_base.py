@@ -3,17 +3,20 @@
 ``SFTModule`` and ``GRPOModule`` (and through it every RL algorithm) subclass
 :class:`VLMPolicyModule`: the settings below are declared once, here. LightningCLI still lists
 each of them as a typed argument of every subclass (jsonargparse follows ``**kwargs`` into
-``super().__init__``), so configs keep them flat under ``model.init_args``.
+``super().__init__``); the grouped ones (``optim``, and GRPO's ``sampling``, ``loss`` ...) are the
+dataclasses of mmpo.training.config, nested under ``model.init_args``.
 """
 
 from __future__ import annotations
 
-from typing import Any
+import dataclasses
+from typing import Any, Mapping
 
 import lightning as L
 import torch
 
 from mmpo.algos.config import VLMCheckpointHooks, make_optimizer, require
+from mmpo.training.config import OptimConfig, as_config
 from mmpo.training.lora import LoraSettings, unwrap, wrap_with_lora
 from mmpo.training.nonfinite import DEFAULT_MAX_CONSECUTIVE_SKIPS, NonFiniteGuard, NonFiniteGuardMixin
 from mmpo.training.fsdp import FSDP2Strategy, check_sharding_support
@@ -31,10 +34,9 @@ class VLMPolicyModule(NonFiniteGuardMixin, VLMCheckpointHooks, L.LightningModule
 
     Args:
         model_path: saved HF model directory (``build_tiny_vlm`` output, an SFT output, or a real checkpoint).
-        lr: AdamW learning rate.
-        weight_decay: AdamW weight decay.
-        warmup_steps: linear learning-rate warm-up, in optimizer steps.
-        lr_schedule: after warm-up: constant, linear or cosine decay to trainer.max_steps.
+        optim: AdamW and its learning-rate schedule (:class:`~mmpo.training.config.OptimConfig`: lr, weight_decay,
+            warmup_steps, lr_schedule; the GRPO family also reads max_grad_norm, mu, minibatch_size,
+            micro_batch_size). Each subclass declares it with its own default (SFT: lr 1e-4).
         max_prompt_length: refuse prompts longer than this (never truncated); None = no limit.
         logprob_chunk_size: token positions per chunk of the vocabulary projection.
         min_pixels: image processor min pixels override (None = saved processor's).
@@ -59,15 +61,16 @@ class VLMPolicyModule(NonFiniteGuardMixin, VLMCheckpointHooks, L.LightningModule
             no gradient, and with LoRA it gets no adapter.
     """
 
+    config_groups: tuple[str, ...] = ("optim",)
+    """Attributes holding the module's config dataclasses (mmpo.training.config); a subclass that takes more
+    groups sets them before calling ``super().__init__`` and lists them here."""
+
     def __init__(
         self,
         model_path: str,
         *,
-        lr: float,
+        optim: OptimConfig | Mapping[str, Any],
         save_hf_on_checkpoint: bool,
-        weight_decay: float = 0.0,
-        warmup_steps: int = 0,
-        lr_schedule: str = "constant",
         max_prompt_length: int | None = None,
         logprob_chunk_size: int = DEFAULT_LOGPROB_CHUNK,
         min_pixels: int | None = None,
@@ -86,8 +89,12 @@ class VLMPolicyModule(NonFiniteGuardMixin, VLMCheckpointHooks, L.LightningModule
     ) -> None:
         super().__init__()
         self.save_hyperparameters()  # also the subclasses' own init arguments (Lightning walks their frames)
+        self.optim = as_config(optim, OptimConfig())
+        # the config groups (``self.optim``, a subclass's ``self.sampling`` ...) go into hparams (and so into
+        # checkpoints) as plain dicts: a checkpoint loads with weights_only=True and its dicts build them back
+        for name in self.config_groups:
+            self.hparams[name] = dataclasses.asdict(getattr(self, name))
         self.nonfinite = NonFiniteGuard(max_consecutive_skips)
-        require(lr > 0, f"lr must be > 0, got {lr}")
         require(lora_rank >= 0, f"lora_rank must be >= 0 (0 = no LoRA), got {lora_rank}")
         self._validate_settings()  # before the (slow) model load
         self.model, self.processor = load_vlm(
@@ -137,7 +144,6 @@ class VLMPolicyModule(NonFiniteGuardMixin, VLMCheckpointHooks, L.LightningModule
         return system_prompt
 
     def configure_optimizers(self) -> dict[str, Any]:
-        h = self.hparams
         total = self.trainer.max_steps if self._trainer is not None and self.trainer.max_steps > 0 else None
-        return make_optimizer(self.model.parameters(), lr=h.lr, weight_decay=h.weight_decay,
-                              warmup_steps=h.warmup_steps, total_steps=total, schedule=h.lr_schedule)
+        return make_optimizer(self.model.parameters(), lr=self.optim.lr, weight_decay=self.optim.weight_decay,
+                              warmup_steps=self.optim.warmup_steps, total_steps=total, schedule=self.optim.lr_schedule)

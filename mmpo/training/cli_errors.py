@@ -65,7 +65,7 @@ def describe_parse_error(message: str) -> str:
 
     The message nests ``Parser key "k":`` and ``- Problem with given class_path 'C':`` blocks
     by indentation; the first leaf that is not the "or None" alternative is the cause, and
-    the blocks above it give its full key (``model.init_args.lr``), as typed on the command line.
+    the blocks above it give its full key (``model.init_args.optim.lr``), as typed on the command line.
     """
     lines = [(len(raw) - len(raw.lstrip()), raw.strip()) for raw in message.splitlines() if raw.strip()]
     stack: list[tuple[int, str]] = []  # (indent, key fragment)

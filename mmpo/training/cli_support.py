@@ -8,8 +8,9 @@ or disables it, ``StepProgressBar`` (``step k/max_steps`` with an ETA) instead o
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 from lightning.pytorch import Trainer
 from lightning.pytorch.callbacks import ProgressBar
@@ -58,3 +59,33 @@ def replace_default_progress_bar(trainer: Trainer, configured_callbacks: list[An
     if default_bar is None or any(isinstance(cb, ProgressBar) for cb in configured_callbacks):
         return
     trainer.callbacks[trainer.callbacks.index(default_bar)] = StepProgressBar()
+
+
+_NESTED_KEY = re.compile(r"^--(model\.init_args\.[\w.]+)\.(\w+)$")
+_YAML_NULLS = ("null", "Null", "NULL", "~")
+
+
+def nested_nulls_as_mappings(argv: Sequence[str]) -> list[str]:
+    """``--model.init_args.loss.clip_low=null`` as ``--model.init_args.loss={clip_low: null}``.
+
+    A field of a config group (mmpo.training.config) set to null on the command line reaches
+    jsonargparse (4.x, subclass mode) as the string ``'None'`` and is refused as "not a float"; the
+    mapping form sets the same field (the group's other values are kept) and parses. Other
+    arguments, and other values, pass unchanged.
+    """
+    out: list[str] = []
+    args = list(argv)
+    i = 0
+    while i < len(args):
+        arg = args[i]
+        key, eq, value = arg.partition("=")
+        consumed = 1
+        if not eq and i + 1 < len(args) and _NESTED_KEY.match(key):
+            value, consumed = args[i + 1], 2  # ``--key value``
+        match = _NESTED_KEY.match(key)
+        if match and value in _YAML_NULLS and (eq or consumed == 2):
+            out.append(f"--{match.group(1)}={{{match.group(2)}: null}}")
+        else:
+            out.extend(args[i:i + consumed])
+        i += consumed
+    return out

@@ -2,12 +2,12 @@
 
 LightningCLI (``LightningCLI._parse_ckpt_path``) replaces the model arguments of the config
 and the command line with the hyperparameters saved in the checkpoint, silently: a resumed
-run ignored ``--model.init_args.lr 0.5`` and exported into the checkpoint's ``output_dir``.
+run ignored ``--model.init_args.optim.lr 0.5`` and exported into the checkpoint's ``output_dir``.
 The rule here instead (:class:`ResumeArgsMixin`):
 
 1. the config and the command line win: model and data are built from them;
 2. every difference from the checkpoint's saved hyperparameters is printed, one line per key
-   (``model.init_args.lr: checkpoint=0.0001 now=0.5``), before anything is built;
+   (``model.init_args.optim.lr: checkpoint=0.0001 now=0.5``), before anything is built;
 3. a difference that breaks resumption is an error before training starts: another module or
    data class, an argument in :data:`RESUME_FIXED_ARGS` (the base model, the rollout group,
    the data order), or any parameter whose shape or name no longer matches the checkpoint's;
@@ -39,7 +39,7 @@ from mmpo.training.cli_errors import fail
 # rollout shape is G completions per prompt, the saved data position counts batches of one
 # shuffled list of rows. Shape-defining settings not listed are caught by the shape check.
 RESUME_FIXED_ARGS: dict[str, tuple[str, ...]] = {
-    "mmpo.algos.grpo.GRPOModule": ("model_path", "num_generations"),
+    "mmpo.algos.grpo.GRPOModule": ("model_path", "sampling.num_generations"),
     "mmpo.algos.sft.SFTModule": ("model_path",),
     "mmpo.dllm.rl.DiffuGRPO": ("model_path", "group_size"),
     "mmpo.dllm.sft.MaskedDiffusionSFT": ("init_from", "tokenizer_task"),
@@ -99,7 +99,8 @@ def hparam_differences(saved: Mapping[str, Any], now: Mapping[str, Any], prefix:
     """``(key, checkpoint value, current value)`` for every argument that differs.
 
     ``saved`` is a checkpoint's ``hyper_parameters`` (``_class_path`` + arguments), ``now`` the
-    config's ``{"class_path", "init_args"}`` for the same section.
+    config's ``{"class_path", "init_args"}`` for the same section. A config group (a dict on both sides,
+    e.g. ``sampling``, mmpo.training.config) is compared field by field (``...init_args.sampling.top_p``).
     """
     differences = []
     saved_class, now_class = saved.get("_class_path"), now.get("class_path")
@@ -109,7 +110,12 @@ def hparam_differences(saved: Mapping[str, Any], now: Mapping[str, Any], prefix:
     saved_args = {k: v for k, v in saved.items() if k not in _INTERNAL_KEYS}
     for key in sorted(set(saved_args) | set(now_args)):
         before, after = saved_args.get(key, _MISSING), now_args.get(key, _MISSING)
-        if before is _MISSING or after is _MISSING or _plain(before) != _plain(after):
+        if isinstance(before, Mapping) and isinstance(after, Mapping):
+            for field in sorted(set(before) | set(after)):
+                old, new = before.get(field, _MISSING), after.get(field, _MISSING)
+                if old is _MISSING or new is _MISSING or _plain(old) != _plain(new):
+                    differences.append((f"{prefix}.init_args.{key}.{field}", old, new))
+        elif before is _MISSING or after is _MISSING or _plain(before) != _plain(after):
             differences.append((f"{prefix}.init_args.{key}", before, after))
     return differences
 
@@ -130,10 +136,11 @@ def fixed_args_for(class_path: str | None) -> set[str]:
 
 
 def resume_conflicts(differences: Iterable[tuple[str, Any, Any]], fixed: set[str]) -> list[tuple[str, Any, Any]]:
-    """The differences that break resumption: a class change or a fixed argument present in both."""
+    """The differences that break resumption: a class change or a fixed argument present in both
+    (``fixed`` names an argument as under ``init_args``: ``model_path``, ``sampling.num_generations``)."""
     conflicts = []
     for key, before, after in differences:
-        name = key.rsplit(".", 1)[-1]
+        name = key.split(".init_args.", 1)[-1]
         if key.endswith(".class_path") or (name in fixed and before is not _MISSING and after is not _MISSING):
             conflicts.append((key, before, after))
     return conflicts

@@ -8,6 +8,7 @@ prints :func:`mmpo.vlm.memory.format_budget`. The arithmetic is in :mod:`mmpo.vl
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib
 import inspect
 import os
@@ -49,13 +50,26 @@ def module_settings(model_section: Mapping[str, Any]) -> dict[str, Any]:
             continue
         for name, param in inspect.signature(init).parameters.items():
             if param.default is not inspect.Parameter.empty:
-                settings[name] = param.default
-    settings.update(model_section.get("init_args") or {})
-    settings["_is_rl"] = "num_generations" in settings
+                default = param.default
+                # a config group (mmpo.training.config) as the dict of its fields
+                is_group = dataclasses.is_dataclass(default) and not isinstance(default, type)
+                settings[name] = dataclasses.asdict(default) if is_group else default
+    for name, value in (model_section.get("init_args") or {}).items():
+        # a group in the config sets some of its fields; the others keep the module's defaults
+        both = isinstance(value, Mapping) and isinstance(settings.get(name), Mapping)
+        settings[name] = {**settings[name], **value} if both else value
+    settings["_is_rl"] = "sampling" in settings
     # frozen whole-policy copies the module holds, where it says (DPO: none; INPO: two); None = the KL rule
     settings["_frozen_policy_copies"] = getattr(cls, "FROZEN_POLICY_COPIES", None)
     settings["_samples_from_frozen_copy"] = bool(getattr(cls, "SAMPLES_FROM_FROZEN_COPY", False))  # INPO's pi_t
     return settings
+
+
+def _kl_beta(settings: Mapping[str, Any]) -> float:
+    """The KL coefficient: the GRPO family's ``loss.beta``, else a flat ``beta`` (DPO's)."""
+    loss = settings.get("loss")
+    beta = loss.get("beta") if isinstance(loss, Mapping) else settings.get("beta")
+    return float(beta or 0.0)
 
 
 def _devices(trainer: Mapping[str, Any], override: int | None) -> int:
@@ -119,16 +133,17 @@ def run_shape(config: Mapping[str, Any], *, devices: int | None = None, prompt_t
     pixels = _image_pixels(s, s.get("model_path"), default_pixels)
     batch = int(data.get("batch_size", 8))
     if s["_is_rl"]:
-        group = int(s["num_generations"])
-        completion = int(s["max_new_tokens"])
+        sampling, optim = s["sampling"], s.get("optim") or {}
+        group = int(sampling["num_generations"])
+        completion = int(sampling["max_new_tokens"])
         rollout = batch * group
-        minibatch = int(s.get("minibatch_size") or rollout)
-        micro = int(s.get("micro_batch_size") or minibatch)
+        minibatch = int(optim.get("minibatch_size") or rollout)
+        micro = int(optim.get("micro_batch_size") or minibatch)
         accumulates = micro < minibatch
         generation = rollout
         # one on-policy pass keeps each group's completions together; shuffled minibatches (mu > 1 or
         # minibatch_size < rollout) can put up to one completion of each prompt in a micro-batch
-        on_policy = int(s.get("mu") or 1) == 1 and minibatch == rollout
+        on_policy = int(optim.get("mu") or 1) == 1 and minibatch == rollout
         prompts_per_micro = -(-micro // group) if on_policy else min(micro, batch)
     else:  # SFT: teacher forcing on the batch; greedy generation only in validation
         completion = int(s.get("max_completion_length") or DEFAULT_SFT_COMPLETION_TOKENS)
@@ -146,7 +161,7 @@ def run_shape(config: Mapping[str, Any], *, devices: int | None = None, prompt_t
         micro_batch=micro, prompt_tokens=prompt_tokens, completion_tokens=completion, image_pixels=pixels,
         generation_sequences=generation, dtype=weights, compute_dtype=compute,
         gradient_checkpointing=bool(s.get("gradient_checkpointing")),
-        logprob_chunk=int(s.get("logprob_chunk_size") or 1024), beta=float(s.get("beta") or 0.0),
+        logprob_chunk=int(s.get("logprob_chunk_size") or 1024), beta=_kl_beta(s),
         ref_dtype=s.get("ref_dtype"), ref_offload=bool(s.get("ref_offload")),
         frozen_policy_copies=s.get("_frozen_policy_copies"),
         lora_rank=int(s.get("lora_rank") or 0),

@@ -18,7 +18,7 @@ def _fit(config: str, model: Path, root: Path, *overrides: str) -> list[dict[str
     main([
         "fit", "-c", str(CONFIGS / config),
         f"--model.init_args.model_path={model}", "--model.init_args.output_dir=null",
-        "--model.init_args.max_new_tokens=6", "--trainer.max_steps=2", f"--trainer.default_root_dir={root}",
+        "--model.init_args.sampling.max_new_tokens=6", "--trainer.max_steps=2", f"--trainer.default_root_dir={root}",
         "--trainer.logger=lightning.pytorch.loggers.CSVLogger", f"--trainer.logger.init_args.save_dir={root}",
         "--trainer.enable_progress_bar=false", "--data.init_args.train_size=8", "--trainer.max_epochs=1", *overrides,
     ])

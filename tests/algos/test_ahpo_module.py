@@ -11,6 +11,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from mmpo.data.synthetic import make_items
+from mmpo.training.config import LossConfig, OptimConfig, RewardConfig, SamplingConfig
 
 
 @pytest.fixture(scope="module")
@@ -42,8 +43,9 @@ def test_gate_and_update_equal_the_hand_computed_hybrid_loss(tiny_model, hand_gr
         def configure_optimizers(self):
             return torch.optim.SGD(self.model.parameters(), lr=1.0)
 
-    settings = dict(num_generations=3, max_new_tokens=4, reward_timeout_s=None)
-    module = FixedRolloutAHPO(str(tiny_model), max_grad_norm=0.0, **settings)
+    module = FixedRolloutAHPO(str(tiny_model), optim=OptimConfig(max_grad_norm=0.0),
+                              sampling={"num_generations": 3, "max_new_tokens": 4},
+                              rewards=RewardConfig(timeout_s=None))
     rows = make_items("count_shapes", 3, seed=2)
     rows[2] = {**rows[2], "expert_trace": None}  # no trace: plain GRPO whatever its rewards
     torch.manual_seed(0)
@@ -89,12 +91,12 @@ def test_ahpo_requires_token_mean(tiny_model):
     from mmpo.algos.ahpo import AHPOModule
 
     with pytest.raises(ValueError, match="token-mean"):
-        AHPOModule(str(tiny_model), agg="seq-mean-token-mean")
+        AHPOModule(str(tiny_model), loss={"agg": "seq-mean-token-mean"})
 
 
 def test_ahpo_fit_smoke_static(tiny_model, tmp_path, fit_vlm_config):
     rows = fit_vlm_config("ahpo_tiny.yaml", tiny_model, tmp_path, "--model.init_args.static=true",
-                          "--model.init_args.num_generations=2")
+                          "--model.init_args.sampling.num_generations=2")
     gate = [float(r["ahpo/gate_on_frac"]) for r in rows if r.get("ahpo/gate_on_frac")]
     logged = [r for r in rows if r.get("ahpo/off_policy_token_share")]
     assert gate == [1.0, 1.0]  # static: always on (every synthetic row has a trace)

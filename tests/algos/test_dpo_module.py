@@ -13,6 +13,7 @@ from mmpo.algos.dpo import DPOModule
 from mmpo.data import SYSTEM_PROMPT
 from mmpo.data.datamodule import PreferenceDataModule
 from mmpo.data.synthetic import corpus
+from mmpo.training.config import OptimConfig
 from mmpo.vlm.factory import build_tiny_vlm
 from mmpo.vlm.logprobs import sequence_inputs
 from mmpo.vlm.processing import encode_completions, encode_prompts, model_inputs
@@ -49,7 +50,7 @@ def test_pair_log_probs_match_hf_logits(tiny_path):
 
 def test_first_step_is_log2_and_training_separates_the_pairs(tiny_path):
     dm = _datamodule()
-    module = DPOModule(tiny_path, lr=5e-3, beta=0.5)
+    module = DPOModule(tiny_path, optim=OptimConfig(lr=5e-3), beta=0.5)
     module.precompute_reference(dm.train_rows)
     assert len(module.ref_log_probs) == 4
     rows = list(dm.train_rows)
@@ -93,7 +94,7 @@ def test_rpo_alpha_raises_the_chosen_likelihood(tiny_path):
     nll = {}
     for alpha in (0.0, 1.0):
         torch.manual_seed(0)
-        module = DPOModule(tiny_path, lr=5e-3, beta=0.5, rpo_alpha=alpha)
+        module = DPOModule(tiny_path, optim=OptimConfig(lr=5e-3), beta=0.5, rpo_alpha=alpha)
         trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=6, logger=False, enable_checkpointing=False,
                             limit_val_batches=0, enable_progress_bar=False, enable_model_summary=False)
         trainer.fit(module, datamodule=_datamodule())
@@ -152,12 +153,12 @@ def test_resumed_fit_keeps_the_initial_reference(tiny_path, tmp_path, monkeypatc
                          enable_progress_bar=False, enable_model_summary=False, default_root_dir=tmp_path,
                          callbacks=[ModelCheckpoint(dirpath=tmp_path / "ckpt", save_last=True)])
 
-    first = DPOModule(tiny_path, lr=5e-3)
+    first = DPOModule(tiny_path, optim=OptimConfig(lr=5e-3))
     trainer(2).fit(first, datamodule=_datamodule())
     computed = dict(first.ref_log_probs)
     calls = []
     monkeypatch.setattr(DPOModule, "precompute_reference", lambda self, rows: calls.append(len(rows)))
-    resumed = DPOModule(tiny_path, lr=5e-3)  # the initial weights again, then the checkpoint's
+    resumed = DPOModule(tiny_path, optim=OptimConfig(lr=5e-3))  # the initial weights again, then the checkpoint's
     trainer(4).fit(resumed, datamodule=_datamodule(), ckpt_path=str(tmp_path / "ckpt" / "last.ckpt"))
     assert calls == []  # not recomputed by the trained weights: restored from the checkpoint
     assert resumed.ref_log_probs.keys() == computed.keys()

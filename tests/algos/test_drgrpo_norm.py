@@ -21,6 +21,7 @@ from torch.utils.data import DataLoader
 from mmpo.algos.grpo import GRPOModule
 from mmpo.data import SYSTEM_PROMPT
 from mmpo.data.synthetic import make_items
+from mmpo.training.config import AdvantageConfig, LossConfig, OptimConfig, RewardConfig, SamplingConfig, merged_settings
 from mmpo.vlm.factory import build_tiny_vlm
 from mmpo.vlm.logprobs import completion_log_probs
 from mmpo.vlm.rollout import HFGenerateEngine
@@ -54,9 +55,10 @@ class FixedDrGRPO(GRPOModule):
 
 
 def _module(path: str, **settings) -> FixedDrGRPO:
-    module = FixedDrGRPO(path, num_generations=3, max_new_tokens=MAX_NEW_TOKENS, advantage="drgrpo",
-                         agg="seq-mean-token-sum-norm", beta=BETA, entropy_coef=ENTROPY_COEF, max_grad_norm=0.0,
-                         reward_timeout_s=None, **settings)
+    module = FixedDrGRPO(path, **merged_settings(dict(
+        sampling=SamplingConfig(num_generations=3, max_new_tokens=MAX_NEW_TOKENS), advantage=AdvantageConfig(name="drgrpo"),
+        loss=LossConfig(agg="seq-mean-token-sum-norm", beta=BETA, entropy_coef=ENTROPY_COEF),
+        optim=OptimConfig(max_grad_norm=0.0), rewards=RewardConfig(timeout_s=None)), settings))
     # a reference that differs from the policy, so the KL term and its gradient are not zero
     generator = torch.Generator().manual_seed(1)
     with torch.no_grad():
@@ -68,7 +70,8 @@ def _module(path: str, **settings) -> FixedDrGRPO:
 @pytest.fixture(scope="module")
 def batch(tiny_path):
     rows = make_items("count_shapes", 2, seed=0)
-    module = GRPOModule(tiny_path, num_generations=3, beta=0.0)
+    module = GRPOModule(tiny_path, sampling=SamplingConfig(num_generations=3),
+                        loss=LossConfig(beta=0.0))
     torch.manual_seed(0)
     rollout = HFGenerateEngine(module.model, module.processor).generate(rows, num_samples=3, max_new_tokens=WIDTH)
     # completion lengths 1..5 (as if EOS came early); padded width 5 < max_new_tokens 8
@@ -107,7 +110,7 @@ def test_drgrpo_loss_and_gradient_match_trl_dr_grpo(tiny_path, batch, micro_batc
     rows, rollout = batch
     expected_loss, expected_grads = _trl_dr_grpo(tiny_path, rollout)
 
-    module = _module(tiny_path, micro_batch_size=micro_batch_size)
+    module = _module(tiny_path, optim={"micro_batch_size": micro_batch_size})
     module.fixed_rollout = rollout
     before = {n: p.detach().clone() for n, p in module.model.named_parameters()}
     trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=1, logger=False, enable_checkpointing=False,
@@ -122,7 +125,7 @@ def test_drgrpo_loss_and_gradient_match_trl_dr_grpo(tiny_path, batch, micro_batc
 
 def test_norm_len_overrides_max_new_tokens_and_is_validated(tiny_path, batch):
     rows, rollout = batch
-    module = _module(tiny_path, norm_len=16)
+    module = _module(tiny_path, loss={"norm_len": 16})
     module.fixed_rollout = rollout
     trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=1, logger=False, enable_checkpointing=False,
                         enable_progress_bar=False, enable_model_summary=False)
@@ -130,4 +133,4 @@ def test_norm_len_overrides_max_new_tokens_and_is_validated(tiny_path, batch):
     expected_loss, _ = _trl_dr_grpo(tiny_path, rollout)
     assert module.last_metrics["losses/total"] == pytest.approx(expected_loss * MAX_NEW_TOKENS / 16, rel=1e-5)
     with pytest.raises(ValueError, match="norm_len must be >= 1"):
-        GRPOModule(tiny_path, norm_len=0)
+        GRPOModule(tiny_path, loss=LossConfig(norm_len=0))

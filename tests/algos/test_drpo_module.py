@@ -10,6 +10,7 @@ from mmpo.algos.drpo import DRPOModule, append_prefixes, preferred_response, res
 from mmpo.data import SYSTEM_PROMPT, render_solution
 from mmpo.data.preference import synthetic_preference_row
 from mmpo.data.synthetic import corpus, make_items
+from mmpo.training.config import LossConfig, RewardConfig, RolloutCorrectionConfig, SamplingConfig
 from mmpo.vlm.factory import build_tiny_vlm
 from mmpo.vlm.logprobs import completion_log_probs
 
@@ -47,7 +48,8 @@ def test_append_prefixes_re_left_pads():
 
 
 def test_reset_rollout_continues_the_preferred_prefix(tiny_path):
-    module = DRPOModule(tiny_path, reset_prob=1.0, kl_reward_coef=0.0, num_generations=2, max_new_tokens=4)
+    module = DRPOModule(tiny_path, reset_prob=1.0, kl_reward_coef=0.0,
+                        sampling=SamplingConfig(num_generations=2, max_new_tokens=4))
     rows = [synthetic_preference_row(r, seed=0) for r in make_items("arithmetic", 2, seed=0)]
     torch.manual_seed(0)
     rollout = module.build_rollout(rows)
@@ -68,8 +70,10 @@ def test_reset_rollout_continues_the_preferred_prefix(tiny_path):
 
 def test_kl_penalty_in_the_reward(tiny_path, scripted_reward):
     weights = scripted_reward([1.0, 0.0])
-    module = DRPOModule(tiny_path, reset_prob=0.0, kl_reward_coef=0.5, num_generations=2, max_new_tokens=4,
-                        reward_weights=weights, reward_timeout_s=None, beta=0.0)
+    module = DRPOModule(tiny_path, reset_prob=0.0, kl_reward_coef=0.5,
+                        sampling=SamplingConfig(num_generations=2, max_new_tokens=4),
+                        rewards=RewardConfig(weights=weights, timeout_s=None),
+                        loss={"beta": 0.0})
     torch.manual_seed(0)
     rollout = module.build_rollout(make_items("arithmetic", 2, seed=0))
     total, metrics = module.compute_rewards(rollout)
@@ -92,12 +96,12 @@ def test_config_errors(tiny_path):
     with pytest.raises(ValueError, match=r"reset_prob must be in \[0, 1\]"):
         DRPOModule(tiny_path, reset_prob=1.5)
     with pytest.raises(ValueError, match="set rollout_is null"):
-        DRPOModule(tiny_path, rollout_is="token_truncate")
+        DRPOModule(tiny_path, rollout_correction=RolloutCorrectionConfig(mode="token_truncate"))
 
 
 def test_drpo_tiny_config_fits_two_steps(tiny_path, tmp_path, fit_vlm_config):
     rows = fit_vlm_config("drpo_tiny.yaml", tiny_path, tmp_path, "--model.init_args.reset_prob=1.0",
-                          "--model.init_args.num_generations=2", "--model.init_args.val_max_new_tokens=4",
+                          "--model.init_args.sampling.num_generations=2", "--model.init_args.sampling.val_max_new_tokens=4",
                           "--trainer.callbacks=[]", "--trainer.enable_checkpointing=false", "--data.init_args.batch_size=4")
     steps = [r for r in rows if r.get("losses/policy")]
     assert len(steps) == 2

@@ -10,6 +10,7 @@ import torch
 from transformers import BatchFeature
 
 from mmpo.data.synthetic import make_items
+from mmpo.training.config import RewardConfig, SamplingConfig
 from mmpo.vlm.rollout import Rollout
 
 
@@ -30,7 +31,8 @@ def _text(aux: bool, answer: str) -> str:
 def test_module_rewards_with_contrastive_mask_hand_computed(tiny_model):
     from mmpo.algos.gcpo import GCPOModule
 
-    module = GCPOModule(str(tiny_model), num_generations=4, reward_timeout_s=None, length_cap=10)
+    module = GCPOModule(str(tiny_model), sampling={"num_generations": 4},
+                        rewards=RewardConfig(timeout_s=None), length_cap=10)
     row_a = {"id": "ext-1", "answer": "100", "aux_helps": True}
     row_b = {"id": "int-1", "answer": "80", "aux_helps": False}
     # prompt A: aux rollouts right, plain ones wrong -> M = +1; prompt B: aux wrong, plain right -> M = -1
@@ -51,13 +53,14 @@ def test_module_rewards_with_contrastive_mask_hand_computed(tiny_model):
     assert metrics["gcpo/aux_rate_helps"] == pytest.approx(0.5)
     assert metrics["gcpo/aux_rate_not_helps"] == pytest.approx(0.5)
     # the ablation without the mask rewards every construction: B's aux rollouts get +0.5
-    plain = GCPOModule(str(tiny_model), num_generations=4, reward_timeout_s=None, length_cap=10, contrastive_mask=False)
+    plain = GCPOModule(str(tiny_model), sampling={"num_generations": 4},
+                       rewards=RewardConfig(timeout_s=None), length_cap=10, contrastive_mask=False)
     total_plain, _ = plain.compute_rewards(rollout)
     assert total_plain.tolist() == pytest.approx([2.5, 2.25, 0.5, 2.0, 1.5, 2.0, 2.0, 2.5])
 
 
 def test_gcpo_fit_smoke(tiny_model, tmp_path, fit_vlm_config):
-    rows = fit_vlm_config("gcpo_tiny.yaml", tiny_model, tmp_path, "--model.init_args.num_generations=2")
+    rows = fit_vlm_config("gcpo_tiny.yaml", tiny_model, tmp_path, "--model.init_args.sampling.num_generations=2")
     logged = [{k: float(v) for k, v in r.items() if v not in (None, "")} for r in rows if r.get("gcpo/mask_pos_frac")]
     assert len(logged) == 2
     for m in logged:

@@ -11,6 +11,7 @@ from mmpo.algos.grpo import GRPOModule
 from mmpo.core import LossParts
 from mmpo.data import SYSTEM_PROMPT
 from mmpo.data.synthetic import make_items
+from mmpo.training.config import AdvantageConfig, LossConfig, OptimConfig, SamplingConfig, merged_settings
 from mmpo.vlm.factory import build_tiny_vlm
 from mmpo.vlm.logprobs import completion_hidden_states, completion_log_probs
 from mmpo.vlm.processing import vision_token_ids
@@ -47,7 +48,8 @@ class FixedRolloutGRPO(GRPOModule):
 
 
 def _fixed_rollout(path, rows, *, num_samples=3, max_new_tokens=5, seed=0):
-    module = GRPOModule(path, num_generations=num_samples, beta=0.0)
+    module = GRPOModule(path, sampling=SamplingConfig(num_generations=num_samples),
+                        loss=LossConfig(beta=0.0))
     torch.manual_seed(seed)
     rollout = HFGenerateEngine(module.model, module.processor).generate(
         rows, num_samples=num_samples, max_new_tokens=max_new_tokens
@@ -82,7 +84,8 @@ def fixed(tiny_path):
 
 def _run(tiny_path, fixed, **settings):
     rows, rollout, rewards = fixed
-    module = FixedRolloutGRPO(tiny_path, num_generations=3, max_grad_norm=0.0, **{"beta": 0.0, **settings})
+    module = FixedRolloutGRPO(tiny_path, **merged_settings(
+        {"sampling": {"num_generations": 3}, "optim": {"max_grad_norm": 0.0}, "loss": {"beta": 0.0}}, settings))
     module.fixed_rollout, module.fixed_rewards = rollout, rewards
     before = _params(module)
     _fit_one_step(module, rows)
@@ -95,15 +98,16 @@ def _run(tiny_path, fixed, **settings):
 @pytest.mark.parametrize(
     ("settings", "message"),
     [
-        ({"num_generations": 1}, "num_generations must be >= 2"),
-        ({"lr": 0.0}, "lr must be > 0"),
-        ({"loss": "nope"}, r"unknown loss 'nope'; valid: \['aspo', "),
-        ({"agg": "mean"}, "unknown agg 'mean'; valid:"),
-        ({"advantage": "gae2"}, "unknown advantage 'gae2'; valid:"),
-        ({"kl_kind": "k4"}, "unknown kl_kind"),
-        ({"mu": 0}, "mu"),
-        ({"minibatch_size": 6, "micro_batch_size": 4}, r"micro_batch_size 4 must divide minibatch_size 6; valid: \[1, 2, 3, 6\]"),
-        ({"loss_settings": {"bogus": 1}}, "bogus"),
+        ({"sampling": {"num_generations": 1}}, "num_generations must be >= 2"),
+        ({"optim": {"lr": 0.0}}, "lr must be > 0"),
+        ({"loss": {"name": "nope"}}, r"unknown loss 'nope'; valid: \['aspo', "),
+        ({"loss": {"agg": "mean"}}, "unknown agg 'mean'; valid:"),
+        ({"advantage": {"name": "gae2"}}, "unknown advantage 'gae2'; valid:"),
+        ({"loss": {"kl_kind": "k4"}}, "unknown kl_kind"),
+        ({"optim": {"mu": 0}}, "mu"),
+        ({"optim": {"minibatch_size": 6, "micro_batch_size": 4}},
+         r"micro_batch_size 4 must divide minibatch_size 6; valid: \[1, 2, 3, 6\]"),
+        ({"loss": {"settings": {"bogus": 1}}}, "bogus"),
     ],
 )
 def test_bad_settings_fail_with_clear_messages(tiny_path, settings, message):
@@ -112,7 +116,7 @@ def test_bad_settings_fail_with_clear_messages(tiny_path, settings, message):
 
 
 def test_minibatch_must_divide_rollout(tiny_path, fixed):
-    module = GRPOModule(tiny_path, num_generations=3, minibatch_size=4)
+    module = GRPOModule(tiny_path, sampling=SamplingConfig(num_generations=3), optim=OptimConfig(minibatch_size=4))
     with pytest.raises(ValueError, match=r"minibatch_size 4 must divide the rollout size 6 \(2 prompts x "
                                          r"num_generations 3\); valid: \[1, 2, 3, 6\]"):
         module._check_batch_size(6, 2)
@@ -128,7 +132,8 @@ def test_on_policy_gradient_is_the_hand_computed_policy_gradient(tiny_path, fixe
     # GRPO advantages by hand: group 0 rewards (1, 0, 0.5): mean 0.5, unbiased std 0.5
     # -> (1, -1, 0); group 1 (0, 1, 1): mean 2/3, std sqrt(1/3) -> (-2/3, 1/3, 1/3) / 0.57735
     expected_adv = torch.tensor([1.0, -1.0, 0.0, -2 / 3 / 3**-0.5, 1 / 3 / 3**-0.5, 1 / 3 / 3**-0.5])
-    reference = GRPOModule(tiny_path, num_generations=3, beta=0.0).model
+    reference = GRPOModule(tiny_path, sampling=SamplingConfig(num_generations=3),
+                           loss=LossConfig(beta=0.0)).model
     reference.train()
     log_probs, _ = completion_log_probs(reference, rollout.prompt_inputs, rollout.completion_ids, rollout.completion_mask)
     mask = rollout.completion_mask.float()
@@ -147,16 +152,16 @@ def test_on_policy_gradient_is_the_hand_computed_policy_gradient(tiny_path, fixe
 @pytest.mark.parametrize("agg", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"])
 def test_micro_batching_does_not_change_the_update(tiny_path, fixed, agg):
     """Global normalisation: 6 completions in one pass == 6 micro-batches of 1."""
-    _, whole = _run(tiny_path, fixed, agg=agg)
-    _, split = _run(tiny_path, fixed, agg=agg, micro_batch_size=1)
+    _, whole = _run(tiny_path, fixed, loss={"agg": agg})
+    _, split = _run(tiny_path, fixed, loss={"agg": agg}, optim={"micro_batch_size": 1})
     for name in whole:
         torch.testing.assert_close(split[name], whole[name], atol=1e-6, rtol=1e-5, msg=name)
 
 
 def test_kl_to_identical_reference_is_zero_with_zero_gradient(tiny_path, fixed):
     """At the first step policy == reference: k3 = 0 and its gradient is 0."""
-    module, with_kl = _run(tiny_path, fixed, beta=0.5)
-    _, without = _run(tiny_path, fixed, beta=0.0)
+    module, with_kl = _run(tiny_path, fixed, loss={"beta": 0.5})
+    _, without = _run(tiny_path, fixed, loss={"beta": 0.0})
     assert module.last_metrics["kl"] == pytest.approx(0.0, abs=1e-7)
     assert module.last_metrics["losses/kl"] == pytest.approx(0.0, abs=1e-7)
     for name in with_kl:
@@ -171,11 +176,12 @@ def test_inner_epochs_use_old_log_probs_and_clip(tiny_path, fixed, hand_grpo_adv
     before and after a hand-made first step."""
     rows, rollout, rewards = fixed
     clip_low, clip_high = 0.2, 0.28
-    module, _ = _run(tiny_path, fixed, mu=2, clip_low=clip_low, clip_high=clip_high)
+    module, _ = _run(tiny_path, fixed, optim={"mu": 2}, loss={"clip_low": clip_low, "clip_high": clip_high})
     metrics = module.last_metrics
 
     # by hand: the old log-probs, the first (on-policy) SGD step, the log-probs after it
-    policy = GRPOModule(tiny_path, num_generations=3, beta=0.0).model
+    policy = GRPOModule(tiny_path, sampling=SamplingConfig(num_generations=3),
+                        loss=LossConfig(beta=0.0)).model
     policy.train()
     mask = rollout.completion_mask.float()
     adv = hand_grpo_advantages(rewards, 3)[:, None].expand_as(mask)
@@ -214,7 +220,7 @@ def test_dynamic_sampling_masks_constant_groups(tiny_path, fixed):
     update on group 0 alone."""
     rows, rollout, _ = fixed
     rewards = torch.tensor([1.0, 0.0, 0.5, 1.0, 1.0, 1.0])
-    module, filtered = _run(tiny_path, (rows, rollout, rewards), dynamic_sampling=True)
+    module, filtered = _run(tiny_path, (rows, rollout, rewards), advantage={"dynamic_sampling": True})
     assert module.last_metrics["rewards/dropped_groups"] == 1
     _, group0 = _run(tiny_path, ([rows[0]], rollout.select([0, 1, 2]), rewards[:3]))
     for name in filtered:
@@ -226,7 +232,10 @@ def test_all_groups_filtered_still_counts_the_step_and_changes_nothing(tiny_path
     is counted, so a run bounded by max_steps still ends (it used to loop forever)."""
     rows, rollout, _ = fixed
     rewards = torch.tensor([1.0, 1.0, 1.0, 0.0, 0.0, 0.0])
-    module = FixedRolloutGRPO(tiny_path, num_generations=3, max_grad_norm=0.0, beta=0.0, dynamic_sampling=True)
+    module = FixedRolloutGRPO(tiny_path, sampling=SamplingConfig(num_generations=3),
+                              optim=OptimConfig(max_grad_norm=0.0),
+                              loss=LossConfig(beta=0.0),
+                              advantage=AdvantageConfig(dynamic_sampling=True))
     module.fixed_rollout, module.fixed_rewards = rollout, rewards
     before = _params(module)
     trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=2, logger=False, enable_checkpointing=False,
@@ -249,7 +258,8 @@ def test_extra_loss_terms_hook_is_added_with_the_same_normaliser(tiny_path, fixe
             return 2.0 * share, {"extra/share": share.detach()}
 
     rows, rollout, rewards = fixed
-    module = WithExtra(tiny_path, num_generations=3, beta=0.0, micro_batch_size=2)
+    module = WithExtra(tiny_path, sampling=SamplingConfig(num_generations=3), loss=LossConfig(beta=0.0),
+                       optim=OptimConfig(micro_batch_size=2))
     module.fixed_rollout, module.fixed_rewards = rollout, rewards
     _fit_one_step(module, rows)
     assert calls == [2, 2, 2]
@@ -271,11 +281,12 @@ def test_extra_loss_terms_named_parts_are_logged_and_summed_once(tiny_path, fixe
             return LossParts().add("test/three", share, 3.0).add("test/half", -0.5 * share), {}
 
     rows, rollout, rewards = fixed
-    module = WithParts(tiny_path, num_generations=3, beta=0.0, micro_batch_size=2, entropy_coef=0.1)
+    module = WithParts(tiny_path, sampling=SamplingConfig(num_generations=3), loss=LossConfig(beta=0.0, entropy_coef=0.1),
+                       optim=OptimConfig(micro_batch_size=2))
     module.fixed_rollout, module.fixed_rewards = rollout, rewards
     _fit_one_step(module, rows)
     tokens = float(rollout.completion_mask.sum())
-    assert seen == {"mode": "token-mean", "tokens": tokens, "seqs": 6.0, "norm_len": module.hparams.max_new_tokens,
+    assert seen == {"mode": "token-mean", "tokens": tokens, "seqs": 6.0, "norm_len": module.sampling.max_new_tokens,
                     "parts": ["policy", "kl", "entropy"]}
     m = module.last_metrics
     # each part is logged unweighted; the shares of the micro-batches sum to 1
@@ -302,7 +313,8 @@ def test_grpo_increases_a_learnable_reward(tiny_path):
             hits = (low.float() * mask).sum(-1) / mask.sum(-1).clamp(min=1)
             return hits, {"rewards/token/mean": float(hits.mean())}
 
-    module = TokenReward(tiny_path, num_generations=4, max_new_tokens=4, lr=3e-2, beta=0.0, seed=0)
+    module = TokenReward(tiny_path, sampling=SamplingConfig(num_generations=4, max_new_tokens=4),
+                         optim=OptimConfig(lr=3e-2), loss=LossConfig(beta=0.0), seed=0)
     rows = _rows(2)
     trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=12, logger=False, enable_checkpointing=False,
                         enable_progress_bar=False, enable_model_summary=False)
@@ -348,8 +360,10 @@ def test_dynamic_sampling_resamples_constant_groups(tiny_path):
                 rewards[4:] = torch.tensor([0.0, 1.0, 1.0, 1.0])  # prompt 1's group varies
             return rewards, {}
 
-    module = FirstCallConstant(tiny_path, num_generations=4, max_new_tokens=3, beta=0.0, dynamic_sampling=True,
-                               dynamic_sampling_retries=3, seed=1)
+    module = FirstCallConstant(tiny_path, sampling=SamplingConfig(num_generations=4, max_new_tokens=3),
+                               loss=LossConfig(beta=0.0),
+                               advantage=AdvantageConfig(dynamic_sampling=True, dynamic_sampling_retries=3),
+                               seed=1)
     _fit_one_step(module, _rows(2))
     assert calls[0] == 8 and all(n == 4 for n in calls[1:])  # only prompt 0 was sampled again
     metrics = module.last_metrics
@@ -367,7 +381,8 @@ def test_engine_log_probs_equal_the_trainers(tiny_path, temperature, top_p):
     temperature, renormalised over the tokens the sampler may draw: vision tokens are suppressed, so
     log pi_engine = log pi_trainer - log(1 - sum_vision pi_trainer). Top-p renormalises further over the
     nucleus, so there they are >= that."""
-    module = GRPOModule(tiny_path, num_generations=3, beta=0.0)
+    module = GRPOModule(tiny_path, sampling=SamplingConfig(num_generations=3),
+                        loss=LossConfig(beta=0.0))
     engine = HFGenerateEngine(module.model, module.processor)
     sampling = dict(num_samples=3, max_new_tokens=6, temperature=temperature, top_p=top_p)
     torch.manual_seed(3)
@@ -398,7 +413,8 @@ def test_engine_log_probs_equal_the_trainers(tiny_path, temperature, top_p):
 def _with_engine_log_probs(tiny_path, fixed, shift):
     """The fixed rollout with engine log-probs = the trainer's + ``shift`` (N, T) on real tokens."""
     rows, rollout, rewards = fixed
-    model = GRPOModule(tiny_path, num_generations=3, beta=0.0).model
+    model = GRPOModule(tiny_path, sampling=SamplingConfig(num_generations=3),
+                       loss=LossConfig(beta=0.0)).model
     with torch.no_grad():
         trainer_lp, _ = completion_log_probs(model, rollout.prompt_inputs, rollout.completion_ids,
                                              rollout.completion_mask)
@@ -413,7 +429,8 @@ _ADV = torch.tensor([1.0, -1.0, 0.0, -2 / 3 / 3**-0.5, 1 / 3 / 3**-0.5, 1 / 3 / 
 
 def _hand_gradient(tiny_path, rollout, per_token_loss_of):
     """Gradient of sum(per_token_loss_of(log_probs) * mask) / num_tokens on a fresh copy of the policy."""
-    reference = GRPOModule(tiny_path, num_generations=3, beta=0.0).model
+    reference = GRPOModule(tiny_path, sampling=SamplingConfig(num_generations=3),
+                           loss=LossConfig(beta=0.0)).model
     reference.train()
     log_probs, _ = completion_log_probs(reference, rollout.prompt_inputs, rollout.completion_ids,
                                         rollout.completion_mask)
@@ -436,7 +453,7 @@ def test_rollout_is_weights_multiply_the_per_token_loss(tiny_path, fixed, mode):
         seq = torch.exp(-(shift * mask).sum(-1, keepdim=True))
         weights = torch.where(seq > 2.0, torch.zeros_like(seq), seq).expand_as(shift) * mask
     assert 0 < float((weights == 0).logical_and(mask > 0).sum() + (weights == 2.0).sum())  # a bound binds
-    module, step = _run(tiny_path, data, rollout_is=mode, rollout_is_cap=2.0)
+    module, step = _run(tiny_path, data, rollout_correction={"mode": mode, "cap": 2.0})
     expected = _hand_gradient(tiny_path, data[1], lambda lp: -_ADV.unsqueeze(-1) * weights * lp)
     for name in step:
         torch.testing.assert_close(step[name], expected[name], atol=2e-6, rtol=1e-4, msg=name)
@@ -452,8 +469,8 @@ def test_rollout_is_weights_multiply_the_per_token_loss(tiny_path, fixed, mode):
 def test_rollout_is_update_does_not_depend_on_micro_batching(tiny_path, fixed, mode):
     n, width = fixed[1].completion_ids.shape
     data, _ = _with_engine_log_probs(tiny_path, fixed, torch.linspace(-0.9, 0.9, n * width).view(n, width))
-    _, whole = _run(tiny_path, data, rollout_is=mode)
-    _, split = _run(tiny_path, data, rollout_is=mode, micro_batch_size=1)
+    _, whole = _run(tiny_path, data, rollout_correction={"mode": mode})
+    _, split = _run(tiny_path, data, rollout_correction={"mode": mode}, optim={"micro_batch_size": 1})
     for name in whole:
         torch.testing.assert_close(split[name], whole[name], atol=1e-6, rtol=1e-5, msg=name)
 
@@ -463,7 +480,7 @@ def test_rollout_bypass_uses_engine_log_probs_as_old(tiny_path, fixed):
     n, width = fixed[1].completion_ids.shape
     shift = torch.linspace(-0.1, 0.1, n * width).view(n, width)  # inside ppo's clip range: no clip binds
     data, _ = _with_engine_log_probs(tiny_path, fixed, shift)
-    module, step = _run(tiny_path, data, rollout_bypass=True)
+    module, step = _run(tiny_path, data, rollout_correction={"bypass": True})
     rollout = data[1]
     engine = rollout.extras["engine_log_probs"]
     expected = _hand_gradient(tiny_path, rollout, lambda lp: -_ADV.unsqueeze(-1) * torch.exp(lp - engine))
@@ -479,7 +496,8 @@ def test_rollout_bypass_with_gpg_weights_by_the_current_policy(tiny_path, fixed)
     n, width = fixed[1].completion_ids.shape
     shift = torch.linspace(-0.9, 0.9, n * width).view(n, width)
     data, _ = _with_engine_log_probs(tiny_path, fixed, shift)
-    _, step = _run(tiny_path, data, loss="gpg", rollout_bypass=True, rollout_is="token_truncate", rollout_is_cap=1.5)
+    _, step = _run(tiny_path, data, loss={"name": "gpg"},
+                   rollout_correction={"bypass": True, "mode": "token_truncate", "cap": 1.5})
     weights = torch.exp(-shift).clamp(max=1.5) * data[1].completion_mask
     expected = _hand_gradient(tiny_path, data[1], lambda lp: -_ADV.unsqueeze(-1) * weights * lp)
     for name in step:
@@ -492,18 +510,18 @@ def test_rollout_bypass_skips_the_old_log_prob_pass(tiny_path, fixed, monkeypatc
     calls = []
     original = GRPOModule._log_probs_no_grad
     monkeypatch.setattr(GRPOModule, "_log_probs_no_grad", lambda *a, **k: calls.append(1) or original(*a, **k))
-    _run(tiny_path, data, mu=2)
+    _run(tiny_path, data, optim={"mu": 2})
     assert calls == [1]
-    _run(tiny_path, data, mu=2, rollout_bypass=True)
+    _run(tiny_path, data, optim={"mu": 2}, rollout_correction={"bypass": True})
     assert calls == [1]
 
 
 @pytest.mark.parametrize(
     ("settings", "message"),
     [
-        ({"rollout_is": "token"}, "unknown rollout_is mode 'token'"),
-        ({"rollout_is": "token_mask", "rollout_is_cap": 0.0}, "rollout_is_cap must be > 0"),
-        ({"rollout_is": "token_mask", "rollout_bypass": True}, "needs the ratio-free loss 'gpg'"),
+        ({"rollout_correction": {"mode": "token"}}, "unknown rollout_is mode 'token'"),
+        ({"rollout_correction": {"mode": "token_mask", "cap": 0.0}}, "rollout_is_cap must be > 0"),
+        ({"rollout_correction": {"mode": "token_mask", "bypass": True}}, "needs the ratio-free loss 'gpg'"),
     ],
 )
 def test_bad_rollout_correction_settings(tiny_path, settings, message):
@@ -513,7 +531,7 @@ def test_bad_rollout_correction_settings(tiny_path, settings, message):
 
 def test_rollout_is_without_engine_log_probs_fails_clearly(tiny_path, fixed):
     with pytest.raises(RuntimeError, match="return_log_probs=True"):
-        _run(tiny_path, fixed, rollout_is="token_truncate")
+        _run(tiny_path, fixed, rollout_correction={"mode": "token_truncate"})
 
 
 # ----------------------------------------------------------------------------- cheap levers
@@ -534,7 +552,9 @@ def test_entropy_is_computed_only_on_steps_that_log_and_changes_no_update(tiny_p
     updates = []
     for every in (2, 1):
         asked.clear()
-        module = FixedRolloutGRPO(tiny_path, num_generations=3, max_grad_norm=0.0, beta=0.0)
+        module = FixedRolloutGRPO(tiny_path, sampling=SamplingConfig(num_generations=3),
+                                  optim=OptimConfig(max_grad_norm=0.0),
+                                  loss=LossConfig(beta=0.0))
         module.fixed_rollout, module.fixed_rewards = rollout, rewards
         before = _params(module)
         trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=2, logger=False, enable_checkpointing=False,
@@ -565,7 +585,9 @@ def test_diagnostics_go_to_lightning_on_logging_steps_shared_and_monitored_keys_
     from lightning.pytorch.callbacks import ModelCheckpoint
 
     rows, rollout, rewards = fixed
-    module = FixedRolloutGRPO(tiny_path, num_generations=3, max_grad_norm=0.0, beta=0.0)
+    module = FixedRolloutGRPO(tiny_path, sampling=SamplingConfig(num_generations=3),
+                              optim=OptimConfig(max_grad_norm=0.0),
+                              loss=LossConfig(beta=0.0))
     module.fixed_rollout, module.fixed_rewards = rollout, rewards
     monitor = ModelCheckpoint(monitor="response/length_mean", save_top_k=0)
     trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=1, logger=False, enable_progress_bar=False,

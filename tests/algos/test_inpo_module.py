@@ -12,6 +12,7 @@ from torch.utils.data import DataLoader
 from mmpo.algos.inpo import INPOModule, judge_pairs, select_pairs
 from mmpo.data import SYSTEM_PROMPT
 from mmpo.data.synthetic import corpus, make_items
+from mmpo.training.config import OptimConfig, RewardConfig, SamplingConfig
 from mmpo.vlm.factory import build_tiny_vlm
 from mmpo.vlm.rollout import Rollout
 
@@ -59,8 +60,10 @@ def test_judge_pairs_follow_trls_convention():
 
 
 def test_first_step_loss_and_the_anchor_iterations(tiny_path, first_judge):
-    module = INPOModule(tiny_path, eta=1.0, tau=0.5, iteration_steps=2, num_generations=2, max_new_tokens=5,
-                        lr=1e-2, judge=first_judge, reward_timeout_s=None)
+    module = INPOModule(tiny_path, eta=1.0, tau=0.5, iteration_steps=2,
+                        sampling=SamplingConfig(num_generations=2, max_new_tokens=5),
+                        optim=OptimConfig(lr=1e-2), judge=first_judge,
+                        rewards=RewardConfig(timeout_s=None))
     rows = make_items("arithmetic", 2, seed=0)
     losses = []
     module.training_step = _recording(module.training_step, losses)
@@ -76,7 +79,7 @@ def test_first_step_loss_and_the_anchor_iterations(tiny_path, first_judge):
     assert not _same(module, "reference")  # pi_ref stays the initial policy
     checkpoint: dict = {}
     module.on_save_checkpoint(checkpoint)
-    fresh = INPOModule(tiny_path, eta=1.0, tau=0.5, num_generations=2, judge=first_judge)
+    fresh = INPOModule(tiny_path, eta=1.0, tau=0.5, sampling=SamplingConfig(num_generations=2), judge=first_judge)
     fresh.on_load_checkpoint(checkpoint)
     for a, b in zip(fresh.anchor_model.parameters(), module.anchor_model.parameters()):
         assert torch.equal(a, b)
@@ -106,15 +109,15 @@ def test_config_errors(tiny_path, first_judge):
     with pytest.raises(ValueError, match=r"eta \* tau <= 1"):
         INPOModule(tiny_path, eta=2.0, tau=1.0)
     with pytest.raises(ValueError, match="num_generations must be 2"):
-        INPOModule(tiny_path, judge=first_judge, num_generations=4)
+        INPOModule(tiny_path, judge=first_judge, sampling=SamplingConfig(num_generations=4))
     with pytest.raises(ValueError, match="iteration_steps must be >= 1"):
         INPOModule(tiny_path, iteration_steps=0)
 
 
 def test_inpo_tiny_config_fits_two_steps(tiny_path, tmp_path, first_judge, fit_preference_config):
-    rows = fit_preference_config("inpo_tiny.yaml", tiny_path, tmp_path, "--model.init_args.max_new_tokens=6",
-                                 "--model.init_args.num_generations=2", f"--model.init_args.judge={first_judge}",
-                                 "--model.init_args.val_max_new_tokens=4")
+    rows = fit_preference_config("inpo_tiny.yaml", tiny_path, tmp_path, "--model.init_args.sampling.max_new_tokens=6",
+                                 "--model.init_args.sampling.num_generations=2", f"--model.init_args.judge={first_judge}",
+                                 "--model.init_args.sampling.val_max_new_tokens=4")
     steps = [r for r in rows if r.get("losses/preference")]
     assert len(steps) == 2
     assert [float(r["pairs/count"]) for r in steps] == [8.0, 8.0]  # the judge prefers one of every prompt's two
@@ -125,8 +128,10 @@ def test_a_checkpoint_at_the_end_of_an_iteration_holds_the_new_anchor(tiny_path,
     """ModelCheckpoint saves in its on_train_batch_end, which Lightning calls before the module's (where pi_t
     is refreshed): the checkpoint taken after step 2 (iteration_steps 2) must hold the refreshed pi_t, or a
     run resumed from it samples step 3 from the previous iteration's anchor."""
-    module = INPOModule(tiny_path, eta=1.0, tau=0.5, iteration_steps=2, num_generations=2, max_new_tokens=5,
-                        lr=1e-2, judge=first_judge, reward_timeout_s=None)
+    module = INPOModule(tiny_path, eta=1.0, tau=0.5, iteration_steps=2,
+                        sampling=SamplingConfig(num_generations=2, max_new_tokens=5),
+                        optim=OptimConfig(lr=1e-2), judge=first_judge,
+                        rewards=RewardConfig(timeout_s=None))
     saved = {}
 
     class SaveLikeModelCheckpoint(L.Callback):

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from mmpo.data.synthetic import make_items
+from mmpo.training.config import AdvantageConfig, LossConfig, SamplingConfig
 
 
 @pytest.fixture(scope="module")
@@ -25,7 +26,8 @@ def tiny_model(tmp_path_factory) -> Path:
 def module(tiny_model):
     from mmpo.algos.mapo import MAPOModule
 
-    return MAPOModule(str(tiny_model), num_generations=4, beta=0.0)
+    return MAPOModule(str(tiny_model), sampling=SamplingConfig(num_generations=4),
+                      loss=LossConfig(beta=0.0))
 
 
 GROUPS = [
@@ -87,14 +89,14 @@ def test_rejects_non_mapo_estimator(tiny_model):
     from mmpo.algos.mapo import MAPOModule
 
     with pytest.raises(ValueError, match="mapo"):
-        MAPOModule(str(tiny_model), advantage="grpo")
+        MAPOModule(str(tiny_model), advantage={"name": "grpo"})
 
 
 def test_mapo_fit_smoke(tiny_model, tmp_path, fit_vlm_config, scripted_reward):
     # G = 4 and rewards [1, 0, 0, 0] per prompt: p = 1/4, lambda = 1 - 4 * 1/4 * 3/4 = 1/4 in every group
     weights = scripted_reward([1.0, 0.0, 0.0, 0.0])
-    rows = fit_vlm_config("mapo_tiny.yaml", tiny_model, tmp_path, "--model.init_args.num_generations=4",
-                          f"--model.init_args.reward_weights={json.dumps(weights)}")
+    rows = fit_vlm_config("mapo_tiny.yaml", tiny_model, tmp_path, "--model.init_args.sampling.num_generations=4",
+                          f"--model.init_args.rewards.weights={json.dumps(weights)}")
     logged = [r for r in rows if r.get("mapo/lambda_mean")]
     assert len(logged) == 2
     for row in logged:

@@ -5,22 +5,23 @@ from __future__ import annotations
 
 import pytest
 
+from mmpo.training.config import EngineConfig
 import mmpo.vlm.vllm_engine as vllm_engine
 from mmpo.algos.grpo import GRPOModule
 
 
 def test_unknown_rollout_engine_is_refused():
     with pytest.raises(ValueError, match="rollout_engine must be hf or vllm, got 'sglang'"):
-        GRPOModule("does/not/matter", rollout_engine="sglang")
+        GRPOModule("does/not/matter", rollout_engine=EngineConfig(name="sglang"))
 
 
 def test_vllm_without_vllm_names_the_install(monkeypatch):
     monkeypatch.setattr(vllm_engine, "vllm_available", lambda: False)
     with pytest.raises(ValueError, match="scripts/install_vllm_cpu.sh"):
-        GRPOModule("does/not/matter", rollout_engine="vllm")
+        GRPOModule("does/not/matter", rollout_engine=EngineConfig(name="vllm"))
 
 
 def test_vllm_with_lora_is_refused(monkeypatch):
     monkeypatch.setattr(vllm_engine, "vllm_available", lambda: True)
     with pytest.raises(ValueError, match="lora_rank > 0 use rollout_engine: hf"):
-        GRPOModule("does/not/matter", rollout_engine="vllm", lora_rank=8)
+        GRPOModule("does/not/matter", rollout_engine=EngineConfig(name="vllm"), lora_rank=8)

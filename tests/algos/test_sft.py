@@ -10,6 +10,7 @@ from torch.utils.data import DataLoader
 from mmpo.algos.sft import SFTModule
 from mmpo.data import SYSTEM_PROMPT, render_solution
 from mmpo.data.synthetic import corpus, make_items
+from mmpo.training.config import OptimConfig
 from mmpo.vlm.factory import build_tiny_vlm, load_vlm
 from mmpo.vlm.logprobs import sequence_inputs
 from mmpo.vlm.processing import encode_completions, encode_prompts, model_inputs
@@ -48,7 +49,7 @@ def test_loss_is_hf_labels_loss_on_completion_tokens_only(tiny_path):
 
 def test_sft_lowers_the_loss_and_saves_hf_weights(tiny_path, tmp_path):
     rows = _rows()
-    module = SFTModule(tiny_path, lr=3e-3, output_dir=str(tmp_path / "hf"))
+    module = SFTModule(tiny_path, optim=OptimConfig(lr=3e-3), output_dir=str(tmp_path / "hf"))
     before = float(module.sft_loss(rows)[0])
     trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=15, logger=False, enable_checkpointing=False,
                         enable_progress_bar=False, enable_model_summary=False)
@@ -63,6 +64,6 @@ def test_sft_lowers_the_loss_and_saves_hf_weights(tiny_path, tmp_path):
 
 def test_bad_settings(tiny_path):
     with pytest.raises(ValueError, match="lr must be > 0"):
-        SFTModule(tiny_path, lr=0.0)
+        SFTModule(tiny_path, optim=OptimConfig(lr=0.0))
     with pytest.raises(ValueError, match="unknown style 'essay'"):
         SFTModule(tiny_path, style="essay")

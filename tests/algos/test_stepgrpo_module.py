@@ -10,6 +10,7 @@ import torch
 from transformers import BatchFeature
 
 from mmpo.data.synthetic import make_items
+from mmpo.training.config import RewardConfig
 from mmpo.vlm.rollout import Rollout
 
 
@@ -37,9 +38,11 @@ def test_module_defaults_and_summed_rewards(tiny_model):
     from mmpo.algos.stepgrpo import StepGRPOModule
     from mmpo.data import STEPS_SYSTEM_PROMPT
 
-    module = StepGRPOModule(str(tiny_model), reward_timeout_s=None)
-    h = module.hparams
-    assert (h.num_generations, h.advantage_eps, h.beta, h.temperature) == (4, 1e-4, 0.04, 1.2)
+    module = StepGRPOModule(str(tiny_model), rewards={"timeout_s": None})
+    assert (module.sampling.num_generations, module.advantage.eps, module.loss.beta,
+            module.sampling.temperature) == (4, 1e-4, 0.04, 1.2)
+    # the checkpointed hparams hold the same groups as plain dicts
+    assert module.hparams.sampling["temperature"] == 1.2 and module.hparams.loss["beta"] == 0.04
     assert module.engine.system_prompt == STEPS_SYSTEM_PROMPT
     row = {"id": "c1", "answer": "3", "key_steps": [["2 + 1 = 3"], ["circle"]]}
     total, metrics = module.compute_rewards(_rollout([GOOD, BAD_FORMAT], [row, row]))
@@ -56,10 +59,10 @@ def test_missing_key_steps_error_or_counted_skip(tiny_model):
     from mmpo.algos.stepgrpo import StepGRPOModule
 
     rows = [{"id": "no-keys-1", "answer": "3", "key_steps": []}, {"id": "k", "answer": "3", "key_steps": [["2 + 1"]]}]
-    strict = StepGRPOModule(str(tiny_model), reward_timeout_s=None)
+    strict = StepGRPOModule(str(tiny_model), rewards={"timeout_s": None})
     with pytest.raises(ValueError, match="no-keys-1"):
         strict.compute_rewards(_rollout([GOOD, GOOD], rows))
-    lenient = StepGRPOModule(str(tiny_model), reward_timeout_s=None, skip_missing_key_steps=True)
+    lenient = StepGRPOModule(str(tiny_model), rewards={"timeout_s": None}, skip_missing_key_steps=True)
     total, metrics = lenient.compute_rewards(_rollout([GOOD, GOOD], rows))
     assert total.tolist() == pytest.approx([2.0, 2.1])
     assert metrics["stepgrpo/missing_key_steps"] == 1.0
@@ -81,7 +84,7 @@ def test_stepgrpo_fit_smoke(tiny_model, tmp_path, fit_vlm_config, monkeypatch):
         return rollout
 
     monkeypatch.setattr(StepGRPOModule, "build_rollout", scripted_texts)
-    rows = fit_vlm_config("stepgrpo_tiny.yaml", tiny_model, tmp_path, "--model.init_args.num_generations=2")
+    rows = fit_vlm_config("stepgrpo_tiny.yaml", tiny_model, tmp_path, "--model.init_args.sampling.num_generations=2")
     logged = [{k: float(v) for k, v in r.items() if v not in (None, "")} for r in rows if r.get("rewards/step_rvr/mean")]
     assert len(logged) == 2
     for m in logged:

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from mmpo.data.synthetic import make_items
+from mmpo.training.config import LossConfig, RewardConfig, RolloutCorrectionConfig, SamplingConfig
 
 
 @pytest.fixture(scope="module")
@@ -26,8 +27,10 @@ def test_budgeted_rollout_rewards_and_advantages_by_hand(tiny_model, scripted_re
 
     # rollout order: traces t0, t1, then 2 summaries each of (t0, b1), (t0, b2), (t1, b1), (t1, b2)
     weights = scripted_reward([0.0, 0.0, 1.0, 0.0, 1.0, 1.0, 0.0, 0.0, 1.0, 0.0])
-    module = BRPOModule(str(tiny_model), num_generations=2, max_new_tokens=4, num_budgets=2, num_summaries=2,
-                        summary_max_tokens=2, beta=0.0, reward_weights=weights)
+    module = BRPOModule(str(tiny_model), sampling=SamplingConfig(num_generations=2, max_new_tokens=4), num_budgets=2,
+                        num_summaries=2, summary_max_tokens=2,
+                        loss=LossConfig(beta=0.0),
+                        rewards=RewardConfig(weights=weights))
     module.model.generation_config.suppress_tokens = [module.engine.eos_token_id, *module.engine.forbidden_ids]
     torch.manual_seed(0)
     rollout = module.build_rollout(make_items("count_shapes", 1, seed=2))
@@ -62,13 +65,13 @@ def test_rejects_budgets_that_do_not_divide_the_length(tiny_model):
     from mmpo.algos.brpo import BRPOModule
 
     with pytest.raises(ValueError, match="must divide max_new_tokens"):
-        BRPOModule(str(tiny_model), max_new_tokens=10, num_budgets=4)
+        BRPOModule(str(tiny_model), sampling=SamplingConfig(max_new_tokens=10), num_budgets=4)
 
 
 def test_brpo_fit_smoke(tiny_model, tmp_path, fit_vlm_config, scripted_reward):
     weights = scripted_reward([1.0, 0.0, 0.0])
     rows = fit_vlm_config("variants/brpo_tiny.yaml", tiny_model, tmp_path, "--model.init_args.num_budgets=2",
-                          "--model.init_args.summary_max_tokens=3", f"--model.init_args.reward_weights={json.dumps(weights)}")
+                          "--model.init_args.summary_max_tokens=3", f"--model.init_args.rewards.weights={json.dumps(weights)}")
     logged = [r for r in rows if r.get("brpo/objective_mean")]
     assert len(logged) == 2
     for row in logged:
@@ -84,4 +87,5 @@ def test_structured_rollouts_refuse_rollout_is(tiny_model, module_path):
     cls = getattr(importlib.import_module(module_name), class_name)
     extra = {"BRPOModule": {"num_budgets": 2}, "TPPOModule": {"window_len": 2}}.get(class_name, {})
     with pytest.raises(ValueError, match="rollout_is null"):
-        cls(str(tiny_model), num_generations=2, max_new_tokens=4, rollout_is="token_truncate", **extra)
+        cls(str(tiny_model), sampling=SamplingConfig(num_generations=2, max_new_tokens=4),
+            rollout_correction=RolloutCorrectionConfig(mode="token_truncate"), **extra)

@@ -12,6 +12,7 @@ from transformers import BatchFeature
 from mmpo.algos.campo import stage_at
 from mmpo.core.repetition import loop_ratio, repetition_penalties
 from mmpo.data.synthetic import make_items
+from mmpo.training.config import LossConfig, RewardConfig, SamplingConfig, merged_settings
 
 
 @pytest.mark.parametrize(("tokens", "min_repeats", "expected"), [
@@ -57,13 +58,16 @@ def test_stage_at():
 def _module(path, **settings):
     from mmpo.algos.campo import CAMPOModule
 
-    return CAMPOModule(str(path), num_generations=2, max_new_tokens=8, beta=0.0, reward_timeout_s=None, **settings)
+    return CAMPOModule(str(path), **merged_settings(dict(
+        sampling=SamplingConfig(num_generations=2, max_new_tokens=8), loss=LossConfig(beta=0.0),
+        rewards=RewardConfig(timeout_s=None)), settings))
 
 
 def test_module_rewards_subtract_the_penalty(variant_tiny_vlm, scripted_reward):
     from mmpo.vlm.rollout import Rollout
 
-    module = _module(variant_tiny_vlm, reward_weights=scripted_reward([1.0, 0.5]), stage_lengths=[8, 16], stage_starts=[5])
+    module = _module(variant_tiny_vlm, rewards={"weights": scripted_reward([1.0, 0.5])}, stage_lengths=[8, 16],
+                     stage_starts=[5])
     ids = torch.tensor([[1, 2, 3, 4, 3, 4, 3, 4], [5, 5, 5, 5, 0, 0, 0, 0]])
     mask = torch.tensor([[1] * 8, [1] * 4 + [0] * 4])
     rows = make_items("count_shapes", 1, seed=0) * 2
@@ -88,7 +92,7 @@ def test_settings_are_checked(variant_tiny_vlm):
 def test_stage_schedule_and_resume(variant_tiny_vlm, tmp_path, scripted_reward, cpu_trainer):
     weights = scripted_reward([1.0, 0.0])
     loader = DataLoader(make_items("count_shapes", 2, seed=0), batch_size=2, collate_fn=lambda x: x)
-    module = _module(variant_tiny_vlm, reward_weights=weights, stage_lengths=[2, 5], stage_starts=[1])
+    module = _module(variant_tiny_vlm, rewards={"weights": weights}, stage_lengths=[2, 5], stage_starts=[1])
     widths = []
     build = module.build_rollout
     module.build_rollout = lambda rows: widths.append(module.stage_max_new_tokens) or build(rows)
@@ -100,17 +104,17 @@ def test_stage_schedule_and_resume(variant_tiny_vlm, tmp_path, scripted_reward, 
     assert torch.load(tmp_path / "campo.ckpt", weights_only=False)["campo_stage"] == {
         "stage": 1, "started_at": 1, "lengths": [2, 5]}
 
-    resumed = _module(variant_tiny_vlm, reward_weights=weights, stage_lengths=[2, 5], stage_starts=[1])
+    resumed = _module(variant_tiny_vlm, rewards={"weights": weights}, stage_lengths=[2, 5], stage_starts=[1])
     cpu_trainer(3).fit(resumed, loader, ckpt_path=tmp_path / "campo.ckpt")
     # restored: without the checkpoint's stage, step 2 would have "entered" stage 1 at step 2
     assert (resumed.progress.stage, resumed.progress.started_at) == (1, 1)
-    other = _module(variant_tiny_vlm, reward_weights=weights, stage_lengths=[2, 6], stage_starts=[1])
+    other = _module(variant_tiny_vlm, rewards={"weights": weights}, stage_lengths=[2, 6], stage_starts=[1])
     with pytest.raises(ValueError, match="same schedule"):
         cpu_trainer(3).fit(other, loader, ckpt_path=tmp_path / "campo.ckpt")
 
 
 def test_tiny_config_trains_two_steps(fit_variant):
-    logged = fit_variant("campo", "--model.init_args.num_generations=2",
+    logged = fit_variant("campo", "--model.init_args.sampling.num_generations=2",
                          "--model.init_args.stage_lengths=[4,6]",
                          "--model.init_args.stage_starts=[1]")
     steps = [row for row in logged if row.get("campo/stage")]

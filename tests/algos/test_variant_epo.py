@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from mmpo.core import Aggregation
+from mmpo.training.config import LossConfig, SamplingConfig
 from mmpo.training.step_state import StepState
 
 CONFIG = "variants/epo_tiny.yaml"
@@ -25,7 +26,8 @@ def _outputs():
 def test_smoothing_part_hand_computed(tiny_model):
     from mmpo.algos.epo import EPOModule
 
-    module = EPOModule(str(tiny_model), num_generations=2, beta=0.0)
+    module = EPOModule(str(tiny_model), sampling=SamplingConfig(num_generations=2),
+                       loss={"beta": 0.0})
     parts, metrics = module.extra_loss_terms(None, _outputs())
     # no history yet: no penalty
     assert float(parts.weighted("epo_smooth")) == 0.0 and metrics["epo/history_mean"] == 0.0
@@ -36,21 +38,22 @@ def test_smoothing_part_hand_computed(tiny_model):
     assert float(parts["epo_smooth"]) == pytest.approx(0.04)
     assert parts.coefficient("epo_smooth") == pytest.approx(0.001)
     assert float(metrics["epo/within_frac"]) == pytest.approx(0.6) and metrics["epo/history_mean"] == 1.0
-    phased = EPOModule(str(tiny_model), num_generations=2, beta=0.0, epo_phase_weights=True)
+    phased = EPOModule(str(tiny_model), sampling=SamplingConfig(num_generations=2),
+                       loss={"beta": 0.0}, epo_phase_weights=True)
     phased.entropy_history.load_state_dict(module.entropy_history.state_dict())
     parts, metrics = phased.extra_loss_terms(None, _outputs())
     assert metrics["epo/phase_weight"] == 1.0  # epoch 0: w = 1
     with pytest.raises(ValueError, match="epo_mask_mode"):
         EPOModule(str(tiny_model), epo_mask_mode="sequence")
     with pytest.raises(ValueError, match="entropy_coef"):
-        EPOModule(str(tiny_model), entropy_coef=0.0)
+        EPOModule(str(tiny_model), loss={"entropy_coef": 0.0})
 
 
 def test_fit_history_and_checkpoint_round_trip(tiny_model, tmp_path, fit_vlm_config):
     from mmpo.algos.epo import EPOModule
 
     ckpt_dir = tmp_path / "ckpt"
-    rows = fit_vlm_config(CONFIG, tiny_model, tmp_path, "--model.init_args.num_generations=2",
+    rows = fit_vlm_config(CONFIG, tiny_model, tmp_path, "--model.init_args.sampling.num_generations=2",
                           f"--trainer.callbacks.init_args.dirpath={ckpt_dir}",
                           "--trainer.callbacks.init_args.every_n_train_steps=1")
     logged = [r for r in rows if r.get("epo/history_mean")]
@@ -63,7 +66,8 @@ def test_fit_history_and_checkpoint_round_trip(tiny_model, tmp_path, fit_vlm_con
     checkpoint = torch.load(ckpt_dir / "last.ckpt", weights_only=False, map_location="cpu")
     state = checkpoint["epo_entropy_history"]
     assert state["count"] == 2 and state["total"] == pytest.approx(first + second, rel=1e-6)
-    resumed = EPOModule(str(tiny_model), num_generations=2, beta=0.0)
+    resumed = EPOModule(str(tiny_model), sampling=SamplingConfig(num_generations=2),
+                        loss={"beta": 0.0})
     assert resumed.entropy_history.mean is None
     resumed.on_load_checkpoint(checkpoint)
     assert resumed.entropy_history.count == 2

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from mmpo.core.hapo import EntropyNormStats
+from mmpo.training.config import LossConfig, SamplingConfig
 
 CONFIG = "variants/hapo_tiny.yaml"
 
@@ -54,8 +55,8 @@ def test_fit_uses_the_previous_steps_statistics_and_checkpoints_them(tiny_model,
     monkeypatch.setattr(HFGenerateEngine, "generate", recording)
     weights = scripted_reward([1.0, 0.0])
     ckpt_dir = tmp_path / "ckpt"
-    rows = fit_vlm_config(CONFIG, tiny_model, tmp_path, "--model.init_args.num_generations=2",
-                          f"--model.init_args.reward_weights={json.dumps(weights)}",
+    rows = fit_vlm_config(CONFIG, tiny_model, tmp_path, "--model.init_args.sampling.num_generations=2",
+                          f"--model.init_args.rewards.weights={json.dumps(weights)}",
                           f"--trainer.callbacks.init_args.dirpath={ckpt_dir}",
                           "--trainer.callbacks.init_args.every_n_train_steps=1")
     # step 1 samples at the plain temperature (no statistics yet); step 2 with the adaptive processor
@@ -68,8 +69,9 @@ def test_fit_uses_the_previous_steps_statistics_and_checkpoints_them(tiny_model,
     checkpoint = torch.load(ckpt_dir / "last.ckpt", weights_only=False, map_location="cpu")
     state = checkpoint["hapo_entropy_stats"]
     assert state["pivot"] == pytest.approx(float(logged[1]["hapo/entropy_pivot"]), rel=1e-6)
-    resumed = HAPOModule(str(tiny_model), num_generations=2, beta=0.0)
+    resumed = HAPOModule(str(tiny_model), sampling=SamplingConfig(num_generations=2),
+                         loss={"beta": 0.0})
     assert resumed.entropy_stats.stats is None
     resumed.on_load_checkpoint(checkpoint)
     assert resumed.entropy_stats.stats == EntropyNormStats(**state)
-    assert resumed.hparams.loss == "hapo" and resumed.hparams.dual_clip == 10.0
+    assert resumed.loss.name == "hapo" and resumed.loss.dual_clip == 10.0

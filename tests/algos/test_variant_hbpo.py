@@ -11,6 +11,7 @@ from transformers import BatchFeature
 
 from mmpo.core import compute_advantages_with_metrics, hbpo_rewards
 from mmpo.data.synthetic import make_items
+from mmpo.training.config import LossConfig, RewardConfig, merged_settings
 
 C = [math.cos(math.pi * k / 8) for k in range(5)]  # cos(k pi / 8): 1, 0.923880, 0.707107, 0.382683, 0
 
@@ -58,8 +59,9 @@ def test_hierarchical_advantage_hand_computed():
 def _module(path, **settings):
     from mmpo.algos.hbpo import HBPOModule
 
-    settings = {"budgets": [3, 5], "num_generations": 4, "max_new_tokens": 4, **settings}
-    return HBPOModule(str(path), beta=0.0, reward_timeout_s=None, **settings)
+    return HBPOModule(str(path), **merged_settings(dict(
+        budgets=[3, 5], sampling={"num_generations": 4, "max_new_tokens": 4}, loss=LossConfig(beta=0.0),
+        rewards=RewardConfig(timeout_s=None)), settings))
 
 
 def test_rollout_has_one_subgroup_per_budget(variant_tiny_vlm):
@@ -80,7 +82,7 @@ def test_module_rewards_hand_computed(variant_tiny_vlm, scripted_reward):
     from mmpo.vlm.rollout import Rollout
 
     weights = scripted_reward([1.0, 1.0, 1.0, 0.0])
-    module = _module(variant_tiny_vlm, budgets=[4, 6], max_length=8, reward_weights=weights,
+    module = _module(variant_tiny_vlm, budgets=[4, 6], max_length=8, rewards={"weights": weights},
                      correctness_reward="scripted")
     rows = [{**make_items("count_shapes", 1, seed=0)[0], "assistant_prefix": "<think> I will"}] * 4
     mask = torch.tensor([[1, 1, 0, 0, 0, 0], [1] * 6, [1, 1, 0, 0, 0, 0], [1] * 6])
@@ -99,15 +101,15 @@ def test_module_rewards_hand_computed(variant_tiny_vlm, scripted_reward):
 
 def test_settings_are_checked(variant_tiny_vlm):
     with pytest.raises(ValueError, match="multiple"):
-        _module(variant_tiny_vlm, num_generations=6, budgets=[1, 2, 3, 4])
+        _module(variant_tiny_vlm, sampling={"num_generations": 6}, budgets=[1, 2, 3, 4])
     with pytest.raises(ValueError, match="budget_prompt"):
         _module(variant_tiny_vlm, budget_prompt="think briefly")
     with pytest.raises(ValueError, match="'hbpo'"):
-        _module(variant_tiny_vlm, advantage="grpo")
+        _module(variant_tiny_vlm, advantage={"name": "grpo"})
 
 
 def test_tiny_config_trains_two_steps(fit_variant):
-    logged = fit_variant("hbpo", "--model.init_args.num_generations=4",
+    logged = fit_variant("hbpo", "--model.init_args.sampling.num_generations=4",
                          "--model.init_args.budgets=[3,5]",
                          "--model.init_args.max_length=6")
     steps = [row for row in logged if row.get("hbpo/correct_frac")]

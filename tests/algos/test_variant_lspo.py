@@ -9,6 +9,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from mmpo.training.config import AdvantageConfig, LossConfig, SamplingConfig
+
 
 CONFIG = "variants/lspo_tiny.yaml"
 
@@ -24,7 +26,8 @@ def _rollout(lengths: list[int], group_size: int) -> SimpleNamespace:
 def test_filter_after_zero_variance_hand_computed(tiny_model):
     from mmpo.algos.lspo import LSPOModule
 
-    module = LSPOModule(str(tiny_model), num_generations=2, beta=0.0)
+    module = LSPOModule(str(tiny_model), sampling=SamplingConfig(num_generations=2),
+                        loss=LossConfig(beta=0.0))
     # 5 prompts x 2: mean lengths 3, 10, 6, 22, 8; prompt 1's rewards agree -> zero-variance filter drops it
     rollout = _rollout([2, 4, 10, 10, 5, 7, 20, 24, 8, 8], 2)
     rewards = torch.tensor([1.0, 0.0, 1.0, 1.0, 0.0, 1.0, 1.0, 0.0, 0.0, 1.0])
@@ -40,7 +43,10 @@ def test_filter_after_zero_variance_hand_computed(tiny_model):
 def test_without_zero_variance_filter_and_bad_bands(tiny_model):
     from mmpo.algos.lspo import LSPOModule
 
-    module = LSPOModule(str(tiny_model), num_generations=2, beta=0.0, dynamic_sampling=False, lspo_max=1.0)
+    module = LSPOModule(str(tiny_model), sampling=SamplingConfig(num_generations=2),
+                        loss=LossConfig(beta=0.0),
+                        advantage={"dynamic_sampling": False},
+                        lspo_max=1.0)
     rollout = _rollout([2, 4, 10, 10, 5, 7, 20, 24, 8, 8], 2)
     keep, metrics = module.filter_groups(torch.zeros(10), rollout)
     # all 5 prompts in play: Q(0.3) = 6.4, Q(0.65) = 9.2, Q(1) = 22 -> only prompt 4 (L = 8) goes
@@ -52,8 +58,8 @@ def test_without_zero_variance_filter_and_bad_bands(tiny_model):
 
 def test_lspo_fit_smoke(tiny_model, tmp_path, fit_vlm_config, scripted_reward):
     weights = scripted_reward([1.0, 0.0])  # every group varies: the zero-variance filter drops none
-    rows = fit_vlm_config(CONFIG, tiny_model, tmp_path, "--model.init_args.num_generations=2",
-                          f"--model.init_args.reward_weights={json.dumps(weights)}")
+    rows = fit_vlm_config(CONFIG, tiny_model, tmp_path, "--model.init_args.sampling.num_generations=2",
+                          f"--model.init_args.rewards.weights={json.dumps(weights)}")
     logged = [r for r in rows if r.get("lspo/kept_frac")]
     assert len(logged) == 2
     for row in logged:

@@ -11,6 +11,7 @@ from torch.utils.data import DataLoader
 from mmpo.algos.pvpo import BaselineTable, inject_completions
 from mmpo.core import ADVANTAGE_ESTIMATORS, compute_advantages, compute_advantages_with_metrics
 from mmpo.data.synthetic import make_items
+from mmpo.training.config import LossConfig, RewardConfig, SamplingConfig, merged_settings
 
 
 def test_static_baseline_advantages_hand_computed():
@@ -89,8 +90,9 @@ def scripted_accuracy(monkeypatch):
 def _module(path, **settings):
     from mmpo.algos.pvpo import PVPOModule
 
-    return PVPOModule(str(path), num_generations=2, max_new_tokens=3, beta=0.0, reward_timeout_s=None,
-                      reward_weights={"accuracy": 1.0}, **settings)
+    return PVPOModule(str(path), **merged_settings(dict(
+        sampling=SamplingConfig(num_generations=2, max_new_tokens=3), loss=LossConfig(beta=0.0),
+        rewards=RewardConfig(timeout_s=None, weights={"accuracy": 1.0})), settings))
 
 
 def _recording(module, seen):
@@ -170,13 +172,13 @@ def test_lazy_entries_of_other_ranks_are_merged(variant_tiny_vlm, scripted_accur
 
 def test_settings_are_checked(variant_tiny_vlm):
     with pytest.raises(ValueError, match="'pvpo'"):
-        _module(variant_tiny_vlm, advantage="grpo")
+        _module(variant_tiny_vlm, advantage={"name": "grpo"})
     with pytest.raises(ValueError, match="rollout_is"):
-        _module(variant_tiny_vlm, rollout_is="token_truncate")
+        _module(variant_tiny_vlm, rollout_correction={"mode": "token_truncate"})
 
 
 def test_tiny_config_trains_two_steps(fit_variant):
-    logged = fit_variant("pvpo", "--model.init_args.num_generations=2", "--model.init_args.ref_rollouts=2")
+    logged = fit_variant("pvpo", "--model.init_args.sampling.num_generations=2", "--model.init_args.ref_rollouts=2")
     steps = [row for row in logged if row.get("pvpo/static_value_mean")]
     assert len(steps) == 2
     assert all(0.0 <= float(r["pvpo/static_value_mean"]) <= 1.0 for r in steps)

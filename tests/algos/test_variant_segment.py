@@ -14,6 +14,7 @@ from mmpo.algos.grpo import loss_mask
 from mmpo.core import compute_advantages
 from mmpo.core.advantages_tree import segment_cut_points, segment_probability_mask
 from mmpo.data.synthetic import make_items
+from mmpo.training.config import AdvantageConfig, LossConfig, RewardConfig, SamplingConfig
 
 
 @pytest.fixture(scope="module")
@@ -30,8 +31,9 @@ def test_mc_values_at_cut_points(tiny_model, scripted_reward):
     # 3 continuations per cut point, one cut point per generate call: the scripted reward gives each call's
     # continuations [1, 0, 0], so every Monte Carlo value is (1 + 0 + 0) / 3
     weights = scripted_reward([1.0, 0.0, 0.0])
-    module = SegmentPOModule(str(tiny_model), num_generations=2, max_new_tokens=8, beta=0.0, cutpoint_interval=2,
-                             mc_samples=3, mc_batch_size=3, reward_weights=weights)
+    module = SegmentPOModule(str(tiny_model), sampling=SamplingConfig(num_generations=2, max_new_tokens=8),
+                             loss=LossConfig(beta=0.0), cutpoint_interval=2,
+                             mc_samples=3, mc_batch_size=3, rewards=RewardConfig(weights=weights))
     torch.manual_seed(0)
     rollout = module.build_rollout(make_items("count_shapes", 2, seed=3))
     log_probs, mask = rollout.extras["segment_log_probs"], rollout.completion_mask
@@ -61,7 +63,7 @@ def test_rejects_other_estimators(tiny_model):
     from mmpo.algos.segment import SegmentPOModule
 
     with pytest.raises(ValueError, match="segment"):
-        SegmentPOModule(str(tiny_model), advantage="grpo")
+        SegmentPOModule(str(tiny_model), advantage={"name": "grpo"})
     with pytest.raises(ValueError, match="mc_samples"):
         SegmentPOModule(str(tiny_model), mc_samples=0)
 
@@ -69,7 +71,7 @@ def test_rejects_other_estimators(tiny_model):
 def test_segment_fit_smoke(tiny_model, tmp_path, fit_vlm_config, scripted_reward):
     weights = scripted_reward([1.0, 0.0])
     rows = fit_vlm_config("variants/segment_tiny.yaml", tiny_model, tmp_path, "--model.init_args.mc_samples=2",
-                          "--model.init_args.num_generations=2", f"--model.init_args.reward_weights={json.dumps(weights)}")
+                          "--model.init_args.sampling.num_generations=2", f"--model.init_args.rewards.weights={json.dumps(weights)}")
     logged = [r for r in rows if r.get("segment/cut_points_mean")]
     assert len(logged) == 2
     for row in logged:

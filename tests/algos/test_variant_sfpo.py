@@ -11,6 +11,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from mmpo.training.config import LossConfig, SamplingConfig
+
 
 CONFIG = "variants/sfpo_tiny.yaml"
 
@@ -22,10 +24,10 @@ def _weights(root: Path) -> dict[str, torch.Tensor]:
 
 
 def _fit(fit_vlm_config, tiny_model, root, weights, *overrides):
-    return fit_vlm_config(CONFIG, tiny_model, root, "--model.init_args.num_generations=2",
-                          f"--model.init_args.reward_weights={json.dumps(weights)}",
+    return fit_vlm_config(CONFIG, tiny_model, root, "--model.init_args.sampling.num_generations=2",
+                          f"--model.init_args.rewards.weights={json.dumps(weights)}",
                           f"--model.init_args.output_dir={root / 'hf'}", "--trainer.enable_checkpointing=false",
-                          "--trainer.callbacks=[]", "--model.init_args.lr=1e-3", *overrides)
+                          "--trainer.callbacks=[]", "--model.init_args.optim.lr=1e-3", *overrides)
 
 
 def test_k1_alpha1_equals_two_plain_updates(tiny_model, tmp_path, fit_vlm_config, scripted_reward):
@@ -35,7 +37,7 @@ def test_k1_alpha1_equals_two_plain_updates(tiny_model, tmp_path, fit_vlm_config
                 "--model.init_args.sfpo_alpha=1.0")
     # GRPO with mu = 2 on the same batch: the same two updates, pi_old = theta_0 in both
     _fit(fit_vlm_config, tiny_model, tmp_path / "grpo", weights, "--model.class_path=mmpo.algos.grpo.GRPOModule",
-         "--model.init_args.mu=2")
+         "--model.init_args.optim.mu=2")
     # SFPO alpha = 0.5: the slow update starts halfway, so the end point differs
     _fit(fit_vlm_config, tiny_model, tmp_path / "half", weights, "--model.init_args.sfpo_inner_steps=1",
          "--model.init_args.sfpo_alpha=0.5")
@@ -55,14 +57,15 @@ def test_switch_state_through_a_checkpoint(tiny_model, tmp_path, fit_vlm_config,
 
     weights = scripted_reward([1.0, 0.0])
     ckpt_dir = tmp_path / "ckpt"
-    fit_vlm_config(CONFIG, tiny_model, tmp_path, "--model.init_args.num_generations=2",
-                   f"--model.init_args.reward_weights={json.dumps(weights)}", "--model.init_args.sfpo_inner_steps=1",
+    fit_vlm_config(CONFIG, tiny_model, tmp_path, "--model.init_args.sampling.num_generations=2",
+                   f"--model.init_args.rewards.weights={json.dumps(weights)}", "--model.init_args.sfpo_inner_steps=1",
                    f"--trainer.callbacks.init_args.dirpath={ckpt_dir}", "--trainer.callbacks.init_args.every_n_train_steps=1",
                    "--trainer.max_steps=4")  # 2 batches x (K + 1 = 2) optimizer steps
     checkpoint = torch.load(ckpt_dir / "last.ckpt", weights_only=False, map_location="cpu")
     state = checkpoint["sfpo_switch"]
     assert len(state["entropies"]) == 2 and state["stopped"] is False
-    resumed = SFPOModule(str(tiny_model), num_generations=2, beta=0.0)
+    resumed = SFPOModule(str(tiny_model), sampling=SamplingConfig(num_generations=2),
+                         loss=LossConfig(beta=0.0))
     resumed.on_load_checkpoint(checkpoint)
     assert resumed.update_wrapper.switch.entropies == state["entropies"]
     with pytest.raises(ValueError, match="sfpo_alpha"):

@@ -21,6 +21,7 @@ from mmpo.algos.spo_tracker import (
     spo_advantages,
 )
 from mmpo.data.synthetic import make_items
+from mmpo.training.config import LossConfig, RewardConfig, SamplingConfig, merged_settings
 
 
 def test_kl_forgetting_rho_worked_values():
@@ -99,12 +100,13 @@ def test_tracker_update_and_state_round_trip():
 def _module(path, **settings):
     from mmpo.algos.spo import SPOModule
 
-    return SPOModule(str(path), max_new_tokens=4, beta=0.0, reward_timeout_s=None, **settings)
+    return SPOModule(str(path), **merged_settings(dict(
+        sampling={"max_new_tokens": 4}, loss=LossConfig(beta=0.0), rewards=RewardConfig(timeout_s=None)), settings))
 
 
 def test_settings_are_checked(variant_tiny_vlm):
     with pytest.raises(ValueError, match="single-stream"):
-        _module(variant_tiny_vlm, num_generations=2)
+        _module(variant_tiny_vlm, sampling={"num_generations": 2})
     with pytest.raises(ValueError, match="rho_type"):
         _module(variant_tiny_vlm, rho_type="linear")
 
@@ -140,7 +142,7 @@ def test_tracker_survives_checkpoint_and_resume(variant_tiny_vlm, tmp_path, scri
     weights = scripted_reward([1.0, 0.0, 0.0, 1.0])
     rows = make_items("count_shapes", 4, seed=0)
     loader = DataLoader([rows] * 3, batch_size=None, collate_fn=lambda x: x)
-    module = _module(variant_tiny_vlm, reward_weights=weights, train_batch_size=3)
+    module = _module(variant_tiny_vlm, rewards={"weights": weights}, train_batch_size=3)
     trainer = cpu_trainer(2)
     trainer.fit(module, loader)
     saved = module.tracker.state_dict()
@@ -148,7 +150,7 @@ def test_tracker_survives_checkpoint_and_resume(variant_tiny_vlm, tmp_path, scri
     trainer.save_checkpoint(tmp_path / "spo.ckpt")
     assert torch.load(tmp_path / "spo.ckpt", weights_only=False)["spo_tracker"] == saved
 
-    resumed = _module(variant_tiny_vlm, reward_weights=weights, train_batch_size=3)
+    resumed = _module(variant_tiny_vlm, rewards={"weights": weights}, train_batch_size=3)
     assert len(resumed.tracker) == 0
     seen = []
     original = resumed.compute_advantages

@@ -15,6 +15,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 
 from mmpo.data.datamodule import PromptDataModule
 from mmpo.data.synthetic import make_items
+from mmpo.training.config import merged_settings
 
 
 @pytest.fixture(scope="module")
@@ -28,9 +29,9 @@ def tiny_model(tmp_path_factory) -> Path:
 def _module(tiny_model, **overrides):
     from mmpo.algos.tppo import TPPOModule
 
-    settings = dict(num_generations=2, max_new_tokens=7, window_len=3, beta=0.0, lr=1e-3, value_lr=1e-2, seed=5)
-    settings.update(overrides)
-    return TPPOModule(str(tiny_model), **settings)
+    settings = dict(sampling={"num_generations": 2, "max_new_tokens": 7}, window_len=3, loss={"beta": 0.0},
+                    optim={"lr": 1e-3}, value_lr=1e-2, seed=5)
+    return TPPOModule(str(tiny_model), **merged_settings(settings, overrides))
 
 
 def _no_eos(module):
@@ -132,7 +133,7 @@ def test_resume_restores_inflight_responses(tiny_model, tmp_path):
 def test_tppo_fit_smoke(tiny_model, tmp_path, fit_vlm_config, scripted_reward):
     weights = scripted_reward([1.0, 0.0])
     rows = fit_vlm_config("variants/tppo_tiny.yaml", tiny_model, tmp_path, "--model.init_args.window_len=3",
-                          "--model.init_args.num_generations=2", f"--model.init_args.reward_weights={json.dumps(weights)}")
+                          "--model.init_args.sampling.num_generations=2", f"--model.init_args.rewards.weights={json.dumps(weights)}")
     logged = [r for r in rows if r.get("tppo/completed_frac")]
     assert len(logged) == 2
     assert float(logged[1]["tppo/carried"]) >= 0

@@ -12,6 +12,7 @@ import torch
 
 from mmpo.algos.treepo import fork_counts, grow_trees
 from mmpo.data.synthetic import make_items
+from mmpo.training.config import AdvantageConfig, LossConfig, SamplingConfig
 
 
 def test_fork_counts_by_hand():
@@ -76,7 +77,7 @@ def test_tree_shape_and_shared_prefixes(engine, width, expected):
 def test_treepo_fit_smoke(tiny_model, tmp_path, fit_vlm_config, scripted_reward):
     weights = scripted_reward([1.0, 0.0, 0.0])
     rows = fit_vlm_config("variants/treepo_tiny.yaml", tiny_model, tmp_path, "--model.init_args.segment_len=2",
-                          f"--model.init_args.reward_weights={json.dumps(weights)}")
+                          f"--model.init_args.rewards.weights={json.dumps(weights)}")
     logged = [r for r in rows if r.get("treepo/leaves_per_prompt")]
     assert len(logged) == 2
     for row in logged:
@@ -89,7 +90,9 @@ def test_filtered_prompts_leave_the_whitening(tiny_model):
     from mmpo.algos.treepo import TreePOModule
     from mmpo.vlm.rollout import Rollout
 
-    module = TreePOModule(str(tiny_model), num_generations=4, beta=0.0, dynamic_sampling=True)
+    module = TreePOModule(str(tiny_model), sampling=SamplingConfig(num_generations=4),
+                          loss=LossConfig(beta=0.0),
+                          advantage={"dynamic_sampling": True})
     # prompt 0: leaves [0,0], [0,1], [1,0], [1,1] with rewards 1, 0, 1, 1 (tests/core/test_advantages_tree.py:
     # averages .375, -.625, .125, .125, sample var .1875); prompt 1: all 1 -> dropped by the zero-std filter,
     # so its four zero scores do not enter the whitening statistics

@@ -22,6 +22,7 @@ from torch.utils.data import DataLoader
 from mmpo.algos.grpo import GRPOModule
 from mmpo.algos.sft import SFTModule
 from mmpo.data.synthetic import make_items
+from mmpo.training.config import LossConfig, OptimConfig, RewardConfig, SamplingConfig
 from mmpo.training.lora import is_lora
 from mmpo.vlm.factory import load_vlm, make_reference_model, vision_tower_prefixes
 from mmpo.vlm.logprobs import completion_log_probs
@@ -57,8 +58,10 @@ class FixedRollout(GRPOModule):
 
 
 def _lora_module(path: str, **settings) -> FixedRollout:
-    return FixedRollout(path, num_generations=2, max_new_tokens=5, beta=0.1, lr=1e-2, reward_timeout_s=None,
-                        lora_rank=4, lora_alpha=8, lora_target_modules=TEXT_TARGETS, **settings)
+    return FixedRollout(path, sampling=SamplingConfig(num_generations=2, max_new_tokens=5),
+                        loss=LossConfig(beta=0.1), optim=OptimConfig(lr=1e-2),
+                        rewards=RewardConfig(timeout_s=None), lora_rank=4, lora_alpha=8,
+                        lora_target_modules=TEXT_TARGETS, **settings)
 
 
 def _log_probs(model, rollout) -> torch.Tensor:
@@ -126,16 +129,20 @@ def test_lora_export_is_merged_weights_plus_adapter(tiny_path, batch, tmp_path):
 
 def test_freeze_vision_tower(tiny_path):
     # full fine-tuning: vision weights frozen, every other weight trains
-    module = GRPOModule(tiny_path, num_generations=2, beta=0.0, freeze_vision_tower=True)
+    module = GRPOModule(tiny_path, sampling=SamplingConfig(num_generations=2),
+                        loss=LossConfig(beta=0.0), freeze_vision_tower=True)
     (prefix,) = vision_tower_prefixes(module.model)
     frozen = {n for n, p in module.model.named_parameters() if not p.requires_grad}
     assert frozen and frozen == {n for n, _ in module.model.named_parameters() if n.startswith(prefix + ".")}
     # LoRA on a name the vision MLP shares (gate_proj): adapters in the text layers only
-    lora = GRPOModule(tiny_path, num_generations=2, beta=0.0, lora_rank=2, lora_target_modules=["gate_proj"],
-                      freeze_vision_tower=True)
+    lora = GRPOModule(tiny_path, sampling=SamplingConfig(num_generations=2),
+                      loss=LossConfig(beta=0.0), lora_rank=2,
+                      lora_target_modules=["gate_proj"], freeze_vision_tower=True)
     adapters = [n for n, p in lora.model.named_parameters() if p.requires_grad]
     assert len(adapters) == 4 and not any(".visual." in n for n in adapters)  # 2 text layers x (A, B)
-    unfrozen = GRPOModule(tiny_path, num_generations=2, beta=0.0, lora_rank=2, lora_target_modules=["gate_proj"])
+    unfrozen = GRPOModule(tiny_path, sampling=SamplingConfig(num_generations=2),
+                          loss=LossConfig(beta=0.0), lora_rank=2,
+                          lora_target_modules=["gate_proj"])
     assert sum(".visual." in n for n, p in unfrozen.model.named_parameters() if p.requires_grad) == 2
 
 
@@ -169,7 +176,8 @@ def test_reference_copy_in_bfloat16_is_cast_while_copied(tiny_path, batch):
     # log-probs of the bf16 reference: those of the fp32 model up to bf16 rounding (8 mantissa bits)
     torch.testing.assert_close(_log_probs(reference, rollout), _log_probs(model, rollout), rtol=0, atol=0.1)
 
-    module = GRPOModule(tiny_path, num_generations=2, beta=0.1, ref_dtype="bfloat16")
+    module = GRPOModule(tiny_path, sampling=SamplingConfig(num_generations=2),
+                        loss=LossConfig(beta=0.1), ref_dtype="bfloat16")
     assert {p.dtype for p in module.reference_model.parameters()} == {torch.bfloat16}
     with pytest.raises(ValueError, match="ref_dtype must be"):
         GRPOModule(tiny_path, ref_dtype="half")
@@ -177,7 +185,8 @@ def test_reference_copy_in_bfloat16_is_cast_while_copied(tiny_path, batch):
 
 def test_ref_offload_moves_the_reference_for_its_pass_only(tiny_path, batch, monkeypatch):
     rows, rollout = batch
-    module = GRPOModule(tiny_path, num_generations=2, beta=0.1, ref_offload=True)
+    module = GRPOModule(tiny_path, sampling=SamplingConfig(num_generations=2),
+                        loss=LossConfig(beta=0.1), ref_offload=True)
     # a pretend accelerator: the spy records where the reference is sent (it stays on the CPU here)
     monkeypatch.setattr(GRPOModule, "device", property(lambda self: torch.device("cuda", 7)))
     moves: list[str] = []
@@ -188,7 +197,8 @@ def test_ref_offload_moves_the_reference_for_its_pass_only(tiny_path, batch, mon
         assert reference is module.reference_model and moves == ["cuda:7"]
     assert moves == ["cuda:7", "cpu"]
 
-    kept_module = GRPOModule(tiny_path, num_generations=2, beta=0.1)
+    kept_module = GRPOModule(tiny_path, sampling=SamplingConfig(num_generations=2),
+                             loss=LossConfig(beta=0.1))
     monkeypatch.setattr(kept_module.reference_model, "to", lambda device: moves.append(str(device)))
     moves.clear()
     kept_module.on_fit_start()
@@ -201,8 +211,9 @@ def test_ref_offload_gives_the_same_training_step(tiny_path, batch):
     rows, rollout = batch
 
     def step(offload: bool) -> tuple[dict, torch.Tensor]:
-        module = FixedRollout(tiny_path, num_generations=2, max_new_tokens=5, beta=0.1, reward_timeout_s=None,
-                              ref_offload=offload)
+        module = FixedRollout(tiny_path, sampling=SamplingConfig(num_generations=2, max_new_tokens=5),
+                              loss=LossConfig(beta=0.1),
+                              rewards=RewardConfig(timeout_s=None), ref_offload=offload)
         module.fixed_rollout = rollout
         with torch.no_grad():  # a reference that differs from the policy, so the KL is not zero
             next(module.reference_model.parameters()).add_(0.05)
@@ -220,9 +231,9 @@ def test_ref_offload_gives_the_same_training_step(tiny_path, batch):
 def test_grpo_tiny_lora_config_runs_through_mmpo_fit(tiny_path, tmp_path, fit_vlm_config, scripted_reward):
     weights = scripted_reward([1.0, 0.0])  # reward variance in every group: the adapter gets a gradient
     out = tmp_path / "hf"
-    rows = fit_vlm_config("grpo_tiny_lora.yaml", tiny_path, tmp_path / "run", "--model.init_args.num_generations=2",
+    rows = fit_vlm_config("grpo_tiny_lora.yaml", tiny_path, tmp_path / "run", "--model.init_args.sampling.num_generations=2",
                           "--data.init_args.batch_size=2", f"--model.init_args.output_dir={out}",
-                          f"--model.init_args.reward_weights={json.dumps(weights)}")
+                          f"--model.init_args.rewards.weights={json.dumps(weights)}")
     steps = [r for r in rows if r.get("losses/total")]
     assert len(steps) == 2
     # step 1: the adapter is still zero (lora_B = 0), so policy == reference and the KL is exactly 0;

@@ -189,6 +189,7 @@ def test_shuffling_the_batch_permutes_the_advantages(name):
 
 def test_grpo_module_remax_hook_samples_one_greedy_completion_per_prompt():
     from mmpo.algos.grpo import GRPOModule
+    from mmpo.training.config import SamplingConfig
 
     calls = []
 
@@ -197,7 +198,7 @@ def test_grpo_module_remax_hook_samples_one_greedy_completion_per_prompt():
         return SimpleNamespace(rows=list(rows))
 
     fake = SimpleNamespace(
-        engine=SimpleNamespace(generate=generate), hparams=SimpleNamespace(max_new_tokens=7),
+        engine=SimpleNamespace(generate=generate), sampling=SamplingConfig(max_new_tokens=7),
         # greedy reward of a prompt: its "score" column
         compute_rewards=lambda rollout: (torch.tensor([r["score"] for r in rollout.rows]), {}),
     )

@@ -51,7 +51,7 @@ WORKER = textwrap.dedent(
             return adv, metrics
 
 
-    module = FixedSPO(model_path, max_new_tokens=4, beta=0.0, reward_timeout_s=None)
+    module = FixedSPO(model_path, sampling={"max_new_tokens": 4}, loss={"beta": 0.0}, rewards={"timeout_s": None})
     trainer = L.Trainer(accelerator="cpu", devices=2 if ddp else 1,
                         strategy="ddp_find_unused_parameters_true" if ddp else "auto", max_steps=1, logger=False,
                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,

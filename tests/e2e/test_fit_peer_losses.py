@@ -39,13 +39,14 @@ def tiny_path(tmp_path_factory):
 
 @pytest.mark.parametrize(("loss", "kl_kind", "metric"), CASES)
 def test_peer_loss_trains_two_steps(tiny_path, tmp_path, loss, kl_kind, metric):
-    clip = [] if loss in TAKES_CLIP else ["--model.init_args.clip_low=null", "--model.init_args.clip_high=null"]
-    assert main(tiny_grpo_fit_args(CONFIG, tiny_path, tmp_path,
-        "--model.init_args.beta=0.01", f"--model.init_args.kl_kind={kl_kind}", f"--model.init_args.loss={loss}",
-        *clip)) == 0
+    clip = [] if loss in TAKES_CLIP else ["--model.init_args.loss.clip_low=null",
+                                          "--model.init_args.loss.clip_high=null"]
+    assert main(tiny_grpo_fit_args(CONFIG, tiny_path, tmp_path, "--model.init_args.loss.beta=0.01",
+                                   f"--model.init_args.loss.kl_kind={kl_kind}", f"--model.init_args.loss.name={loss}",
+                                   *clip)) == 0
     (hparams,) = tmp_path.glob("**/hparams.yaml")
     saved = yaml.safe_load(hparams.read_text())
-    assert (saved["loss"], saved["kl_kind"]) == (loss, kl_kind)
+    assert (saved["loss"]["name"], saved["loss"]["kl_kind"]) == (loss, kl_kind)
     (path,) = tmp_path.glob("**/metrics.csv")
     rows = [r for r in csv.DictReader(path.open()) if r.get("losses/policy")]
     assert len(rows) == 2, "two optimizer steps logged"

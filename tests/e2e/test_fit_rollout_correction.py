@@ -1,5 +1,5 @@
 """The rollout IS correction trains 2 steps through `mmpo fit -c configs/vlm/grpo_tiny.yaml`:
-`--model.init_args.rollout_is=token_truncate` (TRL / verl decoupled) and verl's bypass mode."""
+`--model.init_args.rollout_correction.mode=token_truncate` (TRL / verl decoupled) and verl's bypass mode."""
 
 from __future__ import annotations
 
@@ -27,10 +27,10 @@ def tiny_path(tmp_path_factory):
 
 
 @pytest.mark.parametrize("overrides", [
-    ["--model.init_args.rollout_is=token_truncate"],
-    ["--model.init_args.rollout_is=sequence_mask", "--model.init_args.rollout_is_cap=3.0",
-     "--model.init_args.mu=2"],
-    ["--model.init_args.rollout_bypass=true"],
+    ["--model.init_args.rollout_correction.mode=token_truncate"],
+    ["--model.init_args.rollout_correction.mode=sequence_mask", "--model.init_args.rollout_correction.cap=3.0",
+     "--model.init_args.optim.mu=2"],
+    ["--model.init_args.rollout_correction.bypass=true"],
 ])
 def test_rollout_correction_trains_two_steps(tiny_path, tmp_path, overrides):
     assert main(tiny_grpo_fit_args(CONFIG, tiny_path, tmp_path,
@@ -38,14 +38,14 @@ def test_rollout_correction_trains_two_steps(tiny_path, tmp_path, overrides):
     (path,) = tmp_path.glob("**/metrics.csv")
     rows = [r for r in csv.DictReader(path.open()) if r.get("losses/policy")]
     # mu = 2 makes both optimizer steps in one training step (one logged row, old log-probs recomputed)
-    assert len(rows) == (1 if "--model.init_args.mu=2" in overrides else 2)
+    assert len(rows) == (1 if "--model.init_args.optim.mu=2" in overrides else 2)
     for row in rows:
         assert math.isfinite(float(row["losses/policy"]))
         # the engine samples with the vision tokens suppressed: pi_engine = pi_trainer / (1 - m), m the
         # trainer's probability of the 4 vision tokens (~1% on this random 400-token model), so each
         # pi_trainer / pi_engine is 1 - m, a little below 1 (HF generate and the trainer agree to ~1e-6);
         # the sequence modes' weight is the product over the <= 4 tokens (measured 0.990 token, 0.959 sequence)
-        if "--model.init_args.rollout_bypass=true" in overrides:
+        if "--model.init_args.rollout_correction.bypass=true" in overrides:
             # ratio pi_theta / pi_engine at the first pass
             assert 0.97 < float(row["policy/ratio_mean"]) < 1.0
         else:

@@ -58,7 +58,7 @@ def test_grpo_trains_with_user_rewards_from_examples(tmp_path, monkeypatch):
     monkeypatch.chdir(REPO)  # the config names examples/rewards.py relative to the repository root
     assert main([
         "fit", "-c", str(CONFIG), f"--model.init_args.model_path={model}", "--model.init_args.output_dir=null",
-        "--model.init_args.num_generations=4", "--model.init_args.max_new_tokens=6",
+        "--model.init_args.sampling.num_generations=4", "--model.init_args.sampling.max_new_tokens=6",
         "--trainer.max_steps=2", "--trainer.limit_val_batches=0", "--trainer.enable_progress_bar=false",
         f"--trainer.default_root_dir={tmp_path / 'run'}", f"--trainer.logger.init_args.save_dir={tmp_path / 'run'}",
         f"--trainer.callbacks.init_args.dirpath={tmp_path / 'ckpt'}",

@@ -1,5 +1,5 @@
 """Each of verl's advantage estimators trains 2 steps through `mmpo fit -c configs/vlm/grpo_tiny.yaml`
-with `--model.init_args.advantage=<name>`, and the module feeds the loss exactly what the core
+with `--model.init_args.advantage.name=<name>`, and the module feeds the loss exactly what the core
 estimator gives for that step's rewards, mask and (ReMax) greedy baselines."""
 
 from __future__ import annotations
@@ -61,8 +61,8 @@ def test_verl_advantage_trains_two_steps(name, tiny_path, tmp_path, monkeypatch)
     run = tmp_path / "run"
     assert main([
         "fit", "-c", str(CONFIG), f"--model.init_args.model_path={tiny_path}", "--model.init_args.output_dir=null",
-        f"--model.init_args.advantage={name}", "--model.init_args.num_generations=2",
-        "--model.init_args.max_new_tokens=4", "--trainer.max_steps=2", "--trainer.limit_val_batches=0",
+        f"--model.init_args.advantage.name={name}", "--model.init_args.sampling.num_generations=2",
+        "--model.init_args.sampling.max_new_tokens=4", "--trainer.max_steps=2", "--trainer.limit_val_batches=0",
         "--trainer.enable_progress_bar=false", f"--trainer.default_root_dir={run}",
         f"--trainer.logger.init_args.save_dir={run}", f"--trainer.callbacks.init_args.dirpath={tmp_path / 'ckpt'}",
         "--data.init_args.tasks=[count_shapes,arithmetic]", "--data.init_args.train_size=4",

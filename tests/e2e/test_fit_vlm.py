@@ -66,8 +66,8 @@ def test_sft_then_grpo_through_the_cli(tiny_path, tmp_path):
     assert main([
         "fit", "-c", str(CONFIGS / "grpo_tiny.yaml"), *_common(tmp_path, "grpo"),
         f"--model.init_args.model_path={sft_out}", f"--model.init_args.output_dir={grpo_out}",
-        "--model.init_args.num_generations=2", "--model.init_args.max_new_tokens=4",
-        "--model.init_args.beta=0.01",
+        "--model.init_args.sampling.num_generations=2", "--model.init_args.sampling.max_new_tokens=4",
+        "--model.init_args.loss.beta=0.01",
     ]) == 0
     load_vlm(grpo_out)
     rows = _metrics(tmp_path / "grpo")
@@ -83,7 +83,7 @@ def test_cli_reports_bad_settings(tiny_path, tmp_path, capsys):
     # a constructor's validation error is one final line naming the class (mmpo.training.cli_errors), exit 2
     with pytest.raises(SystemExit) as exit_info:
         main(["fit", "-c", str(CONFIGS / "grpo_tiny.yaml"), *_common(tmp_path, "bad"),
-              f"--model.init_args.model_path={tiny_path}", "--model.init_args.num_generations=1"])
+              f"--model.init_args.model_path={tiny_path}", "--model.init_args.sampling.num_generations=1"])
     assert exit_info.value.code == 2
     assert capsys.readouterr().err.strip().splitlines()[-1].startswith(
         "mmpo fit: error: model (mmpo.algos.grpo.GRPOModule): num_generations must be >= 2")
@@ -109,9 +109,9 @@ def test_every_vlm_config_parses(name, class_path, num_generations, capsys):
     model = yaml.safe_load(capsys.readouterr().out)["model"]
     assert model["class_path"] == class_path
     if num_generations is None:  # SFT has no rollout group
-        assert "num_generations" not in model["init_args"]
+        assert "sampling" not in model["init_args"]
     else:
-        assert model["init_args"]["num_generations"] == num_generations
+        assert model["init_args"]["sampling"]["num_generations"] == num_generations
 
 
 REAL_SIZE_CONFIGS = sorted(p.stem for p in CONFIGS.glob("*_qwen2_5_vl_*.yaml"))

@@ -67,7 +67,7 @@ def test_fsdp2_two_processes_match_one_process_and_resume(tiny_path, tmp_path):
     assert len(list(step1.glob("*.distcp"))) == 2
     # what --ckpt_path compares with the config (mmpo.training.resume_args): hyper-parameters and shapes
     saved = read_checkpoint(step1)
-    assert saved["global_step"] == 1 and saved["hyper_parameters"]["num_generations"] == 3
+    assert saved["global_step"] == 1 and saved["hyper_parameters"]["sampling"]["num_generations"] == 3
     assert saved["state_dict"] == {f"model.{k}": v.shape for k, v in initial.items()}
     resumed, log = run_fixed_grpo(tmp_path, "fsdp", tiny_path, "resumed", resume=step1, **settings)
     assert "global_step 2" in log

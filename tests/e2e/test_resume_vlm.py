@@ -16,6 +16,7 @@ from mmpo.algos.grpo import GRPOModule
 from mmpo.data import SYSTEM_PROMPT
 from mmpo.data.datamodule import PromptDataModule
 from mmpo.data.synthetic import corpus
+from mmpo.training.config import LossConfig, OptimConfig, SamplingConfig
 from mmpo.vlm.factory import build_tiny_vlm
 
 N_STEPS, M_STEPS = 2, 2
@@ -42,8 +43,9 @@ class Recorder(L.Callback):
 
 
 def _module(tiny_path):
-    return GRPOModule(tiny_path, num_generations=2, max_new_tokens=4, lr=1e-3, warmup_steps=3,
-                      lr_schedule="linear", beta=0.05, mu=2, minibatch_size=4, clip_high=0.28, seed=7)
+    return GRPOModule(tiny_path, sampling=SamplingConfig(num_generations=2, max_new_tokens=4),
+                      optim=OptimConfig(lr=1e-3, warmup_steps=3, lr_schedule="linear", mu=2, minibatch_size=4),
+                      loss=LossConfig(beta=0.05, clip_high=0.28), seed=7)
 
 
 def _data():

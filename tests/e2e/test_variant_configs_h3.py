@@ -14,10 +14,10 @@ VARIANTS = Path(__file__).resolve().parents[2] / "configs" / "vlm" / "variants"
 
 
 @pytest.mark.parametrize(("name", "class_path", "settings"), [
-    ("lspo_tiny", "mmpo.algos.lspo.LSPOModule", {"lspo_low": 0.3, "lspo_high": 0.65, "dynamic_sampling": True}),
-    ("epo_tiny", "mmpo.algos.epo.EPOModule", {"entropy_coef": 0.001, "epo_min_ratio": 0.5, "epo_penalty": 0.1}),
+    ("lspo_tiny", "mmpo.algos.lspo.LSPOModule", {"lspo_low": 0.3, "lspo_high": 0.65, "advantage.dynamic_sampling": True}),
+    ("epo_tiny", "mmpo.algos.epo.EPOModule", {"loss.entropy_coef": 0.001, "epo_min_ratio": 0.5, "epo_penalty": 0.1}),
     ("sfpo_tiny", "mmpo.algos.sfpo.SFPOModule", {"sfpo_inner_steps": 3, "sfpo_alpha": 0.8}),
-    ("hapo_tiny", "mmpo.algos.hapo.HAPOModule", {"loss": "hapo", "advantage": "hapo", "dual_clip": 10.0}),
+    ("hapo_tiny", "mmpo.algos.hapo.HAPOModule", {"loss.name": "hapo", "advantage.name": "hapo", "loss.dual_clip": 10.0}),
 ])
 def test_variant_config_parses(name, class_path, settings, capsys):
     with pytest.raises(SystemExit) as exit_info:
@@ -26,5 +26,6 @@ def test_variant_config_parses(name, class_path, settings, capsys):
     model = yaml.safe_load(capsys.readouterr().out)["model"]
     assert model["class_path"] == class_path
     assert model["init_args"]["model_path"] == "runs/tiny/sft"
-    for key, value in settings.items():
-        assert model["init_args"][key] == value, key
+    for key, value in settings.items():  # "group.field": a field of a config group (mmpo.training.config)
+        group, _, field = key.rpartition(".")
+        assert (model["init_args"][group][field] if group else model["init_args"][key]) == value, key

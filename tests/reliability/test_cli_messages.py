@@ -22,16 +22,22 @@ IGPO = ["fit", "-c", str(REPO / "configs/dllm/igpo_tiny.yaml"), "--trainer.logge
 
 
 @pytest.mark.parametrize(("argv", "last_line"), [
-    (GRPO + ["--model.init_args.lr", "abc"], "mmpo fit: error: model.init_args.lr: 'abc' is not a float"),
-    (GRPO + ["--model.init_args.clip_low=x"], "mmpo fit: error: model.init_args.clip_low: 'x' is not a float (or null)"),
+    (GRPO + ["--model.init_args.optim.lr", "abc"], "mmpo fit: error: model.init_args.optim.lr: 'abc' is not a float"),
+    (GRPO + ["--model.init_args.loss.clip_low=x"], "mmpo fit: error: model.init_args.loss.clip_low: 'x' is not a float (or null)"),
     (GRPO + ["--data.init_args.batch_size=two"], "mmpo fit: error: data.init_args.batch_size: 'two' is not an int"),
     (GRPO + ["--trainer.max_steps=1.5"], "mmpo fit: error: trainer.max_steps: '1.5' is not an int"),
     (GRPO + ["--model.init_args.model_path=null"],
      "mmpo fit: error: model.init_args.model_path: required but missing or null"),
     (GRPO + ["--model.init_args.num_gens=4"], "mmpo fit: error: model.init_args.num_gens: unknown option"),
-    (GRPO + ["--model.init_args.num_generations=-1"],
+    # a config group's own check (mmpo.training.config.SamplingConfig), then the module's
+    (GRPO + ["--model.init_args.sampling.num_generations=-1"],
+     "mmpo fit: error: model (mmpo.algos.grpo.GRPOModule): num_generations must be >= 1, got -1"),
+    (GRPO + ["--model.init_args.sampling.num_generations=1"],
      "mmpo fit: error: model (mmpo.algos.grpo.GRPOModule): num_generations must be >= 2 "
-     "(group-relative advantages need a group), got -1"),
+     "(group-relative advantages need a group), got 1"),
+    (GRPO + ["--model.init_args.sampling.num_gens=4"],
+     "mmpo fit: error: model: cannot use class_path 'mmpo.algos.grpo.GRPOModule': unrecognized arguments: "
+     "--sampling.num_gens=4"),
     (GRPO + ["--model.init_args.model_path="],
      "mmpo fit: error: model (mmpo.algos.grpo.GRPOModule): model path is empty (''): give a saved HF model directory"),
     (IGPO + ["--model.init_args.group_size=-1"],

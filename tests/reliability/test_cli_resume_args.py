@@ -1,7 +1,7 @@
 """``mmpo fit --ckpt_path``: the config and command line win over the checkpoint's hyperparameters.
 
 Before: LightningCLI replaced the model arguments with the checkpoint's, so a resumed run
-ignored ``--model.init_args.lr 0.5`` and exported into the checkpoint's ``output_dir``.
+ignored ``--model.init_args.optim.lr 0.5`` and exported into the checkpoint's ``output_dir``.
 """
 
 from __future__ import annotations
@@ -30,8 +30,8 @@ def tiny_vlm(tmp_path_factory) -> Path:
 def _fit_grpo(model: Path, root: Path, max_steps: int, *extra: str) -> None:
     main([
         "fit", "-c", str(REPO / "configs/vlm/grpo_tiny.yaml"), f"--model.init_args.model_path={model}",
-        f"--model.init_args.output_dir={root / 'out'}", "--model.init_args.max_new_tokens=4",
-        "--model.init_args.num_generations=2", f"--trainer.max_steps={max_steps}",
+        f"--model.init_args.output_dir={root / 'out'}", "--model.init_args.sampling.max_new_tokens=4",
+        "--model.init_args.sampling.num_generations=2", f"--trainer.max_steps={max_steps}",
         f"--trainer.default_root_dir={root}", "--trainer.logger=false", "--trainer.enable_progress_bar=false",
         "--trainer.enable_model_summary=false", "--trainer.limit_val_batches=0",
         f"--trainer.callbacks.init_args.dirpath={root / 'ckpt'}", "--trainer.callbacks.init_args.every_n_train_steps=1",
@@ -51,14 +51,14 @@ def test_vlm_resume_keeps_command_line_lr_and_config_output_dir(tiny_vlm, tmp_pa
     run_id = (first / "out" / MARKER_NAME).read_text()
     capsys.readouterr()
 
-    _fit_grpo(tiny_vlm, second, 2, "--model.init_args.lr=0.5", f"--ckpt_path={first / 'ckpt' / 'last.ckpt'}")
+    _fit_grpo(tiny_vlm, second, 2, "--model.init_args.optim.lr=0.5", f"--ckpt_path={first / 'ckpt' / 'last.ckpt'}")
     err = capsys.readouterr().err
-    assert "  model.init_args.lr: checkpoint=0.0001 now=0.5" in err.splitlines()
+    assert "  model.init_args.optim.lr: checkpoint=0.0001 now=0.5" in err.splitlines()
     assert f"  model.init_args.output_dir: checkpoint='{first / 'out'}' now='{second / 'out'}'" in err.splitlines()
 
     resumed = _load(second / "ckpt" / "last.ckpt")
     assert resumed["global_step"] == 2  # it resumed (one more step), not restarted
-    assert resumed["hyper_parameters"]["lr"] == 0.5
+    assert resumed["hyper_parameters"]["optim"]["lr"] == 0.5
     assert resumed["optimizer_states"][0]["param_groups"][0]["lr"] == 0.5  # the optimizer really used 0.5
     assert resumed["lr_schedulers"][0]["base_lrs"] == [0.5]
     # the export went to the configured directory; the first run's export is untouched
@@ -74,12 +74,12 @@ def test_vlm_resume_changing_the_group_size_is_refused_before_training(tiny_vlm,
     _fit_grpo(tiny_vlm, first, 1)
     capsys.readouterr()
     with pytest.raises(SystemExit) as exit_info:
-        _fit_grpo(tiny_vlm, second, 2, "--model.init_args.num_generations=3",
+        _fit_grpo(tiny_vlm, second, 2, "--model.init_args.sampling.num_generations=3",
                   f"--ckpt_path={first / 'ckpt' / 'last.ckpt'}")
     assert exit_info.value.code == 2
     last = capsys.readouterr().err.strip().splitlines()[-1]
     assert last.startswith(f"mmpo fit: error: cannot resume from {first / 'ckpt' / 'last.ckpt'}: "
-                           "model.init_args.num_generations (checkpoint=2 now=3) must stay as in the checkpoint")
+                           "model.init_args.sampling.num_generations (checkpoint=2 now=3) must stay as in the checkpoint")
     assert not (second / "ckpt").exists()  # nothing trained
 
 
@@ -177,8 +177,25 @@ def test_differences_and_resume_conflicts_per_key():
     assert differences == [("model.class_path", "mmpo.algos.grpo.GRPOModule", "mmpo.algos.papo.PAPOModule"),
                            ("model.init_args.lr", 1e-4, 0.5)]
     # a subclass inherits its base's fixed arguments; a class change always conflicts
-    assert fixed_args_for("mmpo.algos.papo.PAPOModule") >= {"model_path", "num_generations"}
+    assert fixed_args_for("mmpo.algos.papo.PAPOModule") >= {"model_path", "sampling.num_generations"}
     assert resume_conflicts(differences, {"model_path"}) == differences[:1]
+
+
+def test_config_groups_are_compared_field_by_field():
+    """A config group (mmpo.training.config, saved as a dict) differs per field, and a fixed field of a
+    group (``sampling.num_generations``) is a conflict while its other fields are not."""
+    from mmpo.training.resume_args import fixed_args_for, hparam_differences, resume_conflicts
+
+    saved = {"_class_path": "mmpo.algos.grpo.GRPOModule", "model_path": "a",
+             "sampling": {"num_generations": 2, "temperature": 1.0}, "optim": {"lr": 1e-4, "mu": 1}}
+    now = {"class_path": "mmpo.algos.grpo.GRPOModule",
+           "init_args": {"model_path": "a", "sampling": {"num_generations": 3, "temperature": 0.7},
+                         "optim": {"lr": 1e-4, "mu": 1}}}
+    differences = hparam_differences(saved, now, "model")
+    assert differences == [("model.init_args.sampling.num_generations", 2, 3),
+                           ("model.init_args.sampling.temperature", 1.0, 0.7)]
+    fixed = fixed_args_for("mmpo.algos.grpo.GRPOModule")
+    assert resume_conflicts(differences, fixed) == differences[:1]
 
 
 def test_dllm_export_refuses_another_runs_save_dir(tmp_path):

@@ -66,6 +66,7 @@ def _shipped_schedules() -> list[tuple[str, dict]]:
     for path in sorted(CONFIGS.rglob("*.yaml")):
         config = yaml.safe_load(path.read_text()) or {}
         model = (config.get("model") or {}).get("init_args") or {}
+        model = {**model, **(model.get("optim") or {})}  # the VLM modules' optimizer group (mmpo.training.config)
         if "warmup_steps" not in model and "lr_schedule" not in model and "lr_min" not in model:
             continue
         total = (config.get("trainer") or {}).get("max_steps", -1)

@@ -11,6 +11,8 @@ import torch
 from golden_support import load_script
 from torch.utils.data import DataLoader
 
+from mmpo.training.config import LossConfig, OptimConfig, RewardConfig, SamplingConfig
+
 TESTS = Path(__file__).resolve().parents[1]
 
 # the keys every family's RL training step logs (docs/core.md)
@@ -39,8 +41,10 @@ def test_grpo_step_logs_the_shared_keys(tmp_path):
 
     REWARDS["vocabulary_scripted"] = scripted
     try:
-        module = GRPOModule(str(path), num_generations=2, max_new_tokens=3, beta=0.0, mu=2, minibatch_size=2,
-                            reward_weights={"vocabulary_scripted": 1.0}, reward_timeout_s=None)
+        module = GRPOModule(str(path), sampling=SamplingConfig(num_generations=2, max_new_tokens=3),
+                            loss=LossConfig(beta=0.0),
+                            optim=OptimConfig(mu=2, minibatch_size=2),
+                            rewards=RewardConfig(weights={"vocabulary_scripted": 1.0}, timeout_s=None))
         trainer = _trainer(max_steps=2)
         trainer.fit(module, DataLoader([make_items("count_shapes", 2, seed=0)], batch_size=None, collate_fn=lambda x: x))
     finally:

@@ -23,6 +23,7 @@ import torch
 from gymnasium.vector import AutoresetMode, SyncVectorEnv
 from torch.utils.data import DataLoader, TensorDataset
 
+from mmpo.training.config import LossConfig, OptimConfig, RewardConfig, SamplingConfig
 from mmpo.training.nonfinite import NonFiniteGuard, NonFiniteTrainingError
 
 torch.set_num_threads(1)
@@ -277,8 +278,9 @@ def _grpo(tiny_vlm: str, poisoned_calls: set[int], **kwargs):
             return advantages, metrics
 
     torch.manual_seed(0)
-    return PoisonedGRPO(tiny_vlm, num_generations=3, max_new_tokens=3, beta=0.0, lr=1e-2, reward_timeout_s=None,
-                        **kwargs)
+    return PoisonedGRPO(tiny_vlm, sampling=SamplingConfig(num_generations=3, max_new_tokens=3),
+                        loss=LossConfig(beta=0.0), optim=OptimConfig(lr=1e-2),
+                        rewards=RewardConfig(timeout_s=None), **kwargs)
 
 
 def test_grpo_skips_a_nan_advantage_step(tiny_vlm, tmp_path):
@@ -311,7 +313,7 @@ def test_vlm_sft_skips_a_nan_loss_step(tiny_vlm, tmp_path):
             return (loss * NAN if self.calls == 2 else loss), metrics
 
     snaps = Snapshots()
-    module = PoisonedSFT(tiny_vlm, lr=1e-2)
+    module = PoisonedSFT(tiny_vlm, optim=OptimConfig(lr=1e-2))
     _trainer(tmp_path, [snaps], max_steps=3).fit(module, _vlm_loader(3))
     _check_middle_step_skipped(snaps)
 

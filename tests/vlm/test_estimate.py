@@ -22,6 +22,7 @@ from torch.utils.data import DataLoader
 from mmpo.algos.grpo import GRPOModule
 from mmpo.cli import main
 from mmpo.data.synthetic import make_items
+from mmpo.training.config import LossConfig, OptimConfig, RewardConfig, SamplingConfig
 from mmpo.training.live_memory import LiveTensorBytes
 from mmpo.vlm.estimate_cli import config_comment, estimate_config, run_shape
 from mmpo.vlm.factory import load_vlm
@@ -140,8 +141,10 @@ def test_estimate_within_25_percent_of_the_measured_training_peak(tiny_path, rol
         def compute_rewards(self, rollout_):
             return torch.tensor([1.0, 0.0, 0.0, 1.0, 1.0, 0.0, 0.0, 1.0]), {}
 
-    module = FixedRollout(tiny_path, num_generations=4, beta=beta, reward_timeout_s=None,
-                          gradient_checkpointing=checkpointing, micro_batch_size=micro)
+    module = FixedRollout(tiny_path, sampling=SamplingConfig(num_generations=4),
+                          loss=LossConfig(beta=beta),
+                          rewards=RewardConfig(timeout_s=None), gradient_checkpointing=checkpointing,
+                          optim=OptimConfig(micro_batch_size=micro))
     existing = [*module.model.parameters(), *module.model.buffers()]
     if module.reference_model is not None:
         existing += [*module.reference_model.parameters(), *module.reference_model.buffers()]

@@ -13,6 +13,7 @@ from PIL import Image
 from mmpo.data import BadRowError
 from mmpo.data.datamodule import PromptDataModule
 from mmpo.data.loaders import ColumnKeys, load_rows, open_rows
+from mmpo.training.config import LossConfig, OptimConfig, RewardConfig, SamplingConfig
 
 COLOURS = ["red", "green", "blue", "white"]
 
@@ -287,8 +288,8 @@ def test_a_two_image_row_and_a_text_only_row_train_in_one_grpo_step(tmp_path, ti
         def compute_rewards(self, rollout):  # group 1: (1, 0), group 2: (0, 1) -> non-zero advantages
             return torch.tensor([1.0, 0.0, 0.0, 1.0]), {}
 
-    module = ScriptedRewards(tiny_vlm, num_generations=2, max_new_tokens=3, beta=0.0, lr=1e-3,
-                             reward_timeout_s=None)
+    module = ScriptedRewards(tiny_vlm, sampling=SamplingConfig(num_generations=2, max_new_tokens=3),
+                             loss=LossConfig(beta=0.0), optim=OptimConfig(lr=1e-3), rewards=RewardConfig(timeout_s=None))
     before = {n: p.detach().clone() for n, p in module.model.named_parameters()}
     # the data's seed and system prompt differ from the module's: all hparams are logged without a clash
     data = PromptDataModule(tasks=[], data_path=str(path), batch_size=2, seed=1, system_prompt="Be brief.")

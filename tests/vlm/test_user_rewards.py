@@ -17,6 +17,7 @@ import pytest
 
 from mmpo.rewards import UserReward, compute_rewards, resolve_reward, validate_reward_weights
 from mmpo.rewards.worker import get_reward_worker
+from mmpo.training.config import RewardConfig
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -249,9 +250,9 @@ def test_grpo_refuses_a_bad_reward_before_loading_the_model(user_file, monkeypat
 
     monkeypatch.setattr(vlm_base, "load_vlm", must_not_load)  # the shared VLM base loads the model
     with pytest.raises(ValueError, match=r"reward_weights: reward '.*my_rewards.py:no_prompts': bad signature"):
-        grpo.GRPOModule("no/model/here", reward_weights={spec(user_file, "no_prompts"): 1.0})
+        grpo.GRPOModule("no/model/here", rewards=RewardConfig(weights={spec(user_file, "no_prompts"): 1.0}))
     with pytest.raises(ValueError, match="unknown reward 'acuracy'; registered:"):
-        grpo.GRPOModule("no/model/here", reward_weights={"acuracy": 1.0})
+        grpo.GRPOModule("no/model/here", rewards=RewardConfig(weights={"acuracy": 1.0}))
 
 
 def test_the_cli_refuses_a_bad_reward_path_before_loading_the_model(monkeypatch, capsys, tmp_path):
@@ -264,7 +265,7 @@ def test_the_cli_refuses_a_bad_reward_path_before_loading_the_model(monkeypatch,
     with pytest.raises(SystemExit) as exit_info:
         main(["fit", "-c", str(REPO / "configs/vlm/grpo_tiny_user_reward.yaml"),
               f"--trainer.default_root_dir={tmp_path}", "--trainer.logger=false",
-              '--model.init_args.reward_weights={"examples/rewardz.py:answer_mentioned": 1.0}'])
+              '--model.init_args.rewards.weights={"examples/rewardz.py:answer_mentioned": 1.0}'])
     assert exit_info.value.code == 2 and calls == []
     last = capsys.readouterr().err.strip().splitlines()[-1]
     assert last.startswith("mmpo fit: error: model (mmpo.algos.grpo.GRPOModule): reward_weights: "

@@ -167,7 +167,7 @@ def test_fit_two_steps_with_the_vllm_config(tiny_path, tmp_path):
     """`mmpo fit -c configs/vlm/grpo_tiny_vllm.yaml`: 2 GRPO steps sampled by vLLM, with the IS correction
     reading the engine's log-probs (each trainer / engine ratio is 1 - the vision tokens' mass, ~1% here)."""
     assert main(tiny_grpo_fit_args(CONFIG, tiny_path, tmp_path,
-        "--model.init_args.rollout_is=token_truncate")) == 0
+        "--model.init_args.rollout_correction.mode=token_truncate")) == 0
     (path,) = tmp_path.glob("**/metrics.csv")
     rows = [r for r in csv.DictReader(path.open()) if r.get("losses/policy")]
     assert len(rows) == 2

@@ -33,6 +33,7 @@ from mmpo.algos.papo import PAPOModule
 from mmpo.algos.stepgrpo import StepGRPOModule
 from mmpo.data import STEPS_SYSTEM_PROMPT, SYSTEM_PROMPT, render_solution
 from mmpo.data.synthetic import make_items
+from mmpo.training.config import merged_settings
 from mmpo.vlm.factory import build_tiny_vlm
 
 HERE = Path(__file__).parent
@@ -42,7 +43,8 @@ from golden_support import gradient_fingerprint  # noqa: E402
 GOLDEN_PATH = HERE / "algos_golden.json"
 # Timings and the learning rate say nothing about the math.
 UNCHECKED_PREFIXES = ("perf/", "lr")
-COMMON = dict(num_generations=3, max_new_tokens=4, mu=2, max_grad_norm=0.0, reward_timeout_s=None, dtype="float64")
+COMMON = dict(sampling={"num_generations": 3, "max_new_tokens": 4}, optim={"mu": 2, "max_grad_norm": 0.0},
+              rewards={"timeout_s": None}, dtype="float64")
 
 
 def build_model(root: Path) -> Path:
@@ -96,12 +98,14 @@ def _gcpo_texts(i: int, row: dict[str, Any]) -> str:
 
 # name -> (module class, settings, task, how rewards come about)
 ALGORITHMS: dict[str, tuple[type, dict[str, Any], str, dict[str, Any]]] = {
-    "papo_g": (PAPOModule, dict(gamma=0.02, eta_orig=0.01, eta_masked=0.01, beta=0.01, clip_low=0.2, clip_high=0.3),
+    "papo_g": (PAPOModule, dict(gamma=0.02, eta_orig=0.01, eta_masked=0.01,
+                                loss={"beta": 0.01, "clip_low": 0.2, "clip_high": 0.3}),
                "count_shapes", dict(rewards=[1.0, 0.0, 0.5, 0.0, 1.0, 1.0])),
-    "papo_d": (PAPOModule, dict(gamma=0.01, eta_orig=0.03, eta_masked=0.03, beta=0.0, clip_low=0.2, clip_high=0.28,
-                                dynamic_sampling=True),
+    "papo_d": (PAPOModule, dict(gamma=0.01, eta_orig=0.03, eta_masked=0.03,
+                                loss={"beta": 0.0, "clip_low": 0.2, "clip_high": 0.28},
+                                advantage={"dynamic_sampling": True}),
                "count_shapes", dict(rewards=[1.0, 0.0, 0.1, 1.0, 1.0, 1.0])),  # group 1 constant: masked
-    "mapo": (MAPOModule, dict(beta=0.01, clip_low=0.2, clip_high=0.3),
+    "mapo": (MAPOModule, dict(loss={"beta": 0.01, "clip_low": 0.2, "clip_high": 0.3}),
              "count_shapes", dict(rewards=[1.0, 0.0, 0.0, 1.0, 0.1, 1.0])),
     "stepgrpo": (StepGRPOModule, dict(), "count_shapes", dict(texts=_steps_text)),
     "gcpo": (GCPOModule, dict(length_cap=8), "geometry_aux", dict(texts=_gcpo_texts)),
@@ -113,7 +117,7 @@ def run(name: str, model_path: Path) -> dict[str, Any]:
     """One training step of algorithm ``name``: {"metrics": {...}, "grad": {param: [sum, sumsq, proj]}}."""
     cls, settings, task, script = ALGORITHMS[name]
     torch.manual_seed(0)
-    module = _scripted(cls, **script)(str(model_path), **{**COMMON, **settings})
+    module = _scripted(cls, **script)(str(model_path), **merged_settings(COMMON, settings))
     rows = make_items(task, 2, seed=0)
     before = {n: p.detach().clone() for n, p in module.model.named_parameters()}
     trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=2, logger=False, enable_checkpointing=False,

@@ -79,16 +79,16 @@ def vlm_runs(work: Path) -> dict[str, dict[str, dict[str, float]]]:
             "--trainer.limit_val_batches=0"]
     sft = _fit("configs/vlm/sft_tiny.yaml", work / "vlm_sft", *data, "--trainer.max_steps=3",
                f"--model.init_args.model_path={base}", f"--model.init_args.output_dir={work / 'vlm_sft_hf'}",
-               "--model.init_args.warmup_steps=1")
+               "--model.init_args.optim.warmup_steps=1")
     grpo = _fit("configs/vlm/grpo_tiny.yaml", work / "vlm_grpo", *data, "--trainer.max_steps=2",
                 f"--model.init_args.model_path={work / 'vlm_sft_hf'}",
                 f"--model.init_args.output_dir={work / 'vlm_grpo_hf'}",
-                "--model.init_args.num_generations=4", "--model.init_args.max_new_tokens=8",
+                "--model.init_args.sampling.num_generations=4", "--model.init_args.sampling.max_new_tokens=8",
                 # accuracy and format are 0 at this size; the example brevity reward (1 / (1 + words) on easy items)
                 # varies within a group, so the policy loss is not 0; KL and entropy terms move the gradient too
-                '--model.init_args.reward_weights={"accuracy": 0.9, "format": 0.1, '
+                '--model.init_args.rewards.weights={"accuracy": 0.9, "format": 0.1, '
                 '"examples/rewards.py:brevity_when_easy": 1.0}',
-                "--model.init_args.beta=0.01", "--model.init_args.entropy_coef=0.01")
+                "--model.init_args.loss.beta=0.01", "--model.init_args.loss.entropy_coef=0.01")
     return {"vlm/sft_tiny": sft, "vlm/grpo_tiny": grpo}
 
 
