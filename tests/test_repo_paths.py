@@ -81,10 +81,13 @@ def machine_path_hits(name: str, text: str) -> list[str]:
 def _tracked_text_files() -> list[tuple[str, str]]:
     try:
         listed = subprocess.run(["git", "ls-files", "-z"], cwd=ROOT, capture_output=True, check=True).stdout
-    except (OSError, subprocess.CalledProcessError):
-        pytest.skip("not a git checkout")
+        names = list(filter(None, listed.decode().split("\0")))
+    except (OSError, subprocess.CalledProcessError):  # not a git checkout (an unpacked sdist): every file
+        skip = {".git", ".venv", "runs", "__pycache__", ".pytest_cache"}
+        names = [p.relative_to(ROOT).as_posix() for p in ROOT.rglob("*")
+                 if p.is_file() and not skip & set(p.relative_to(ROOT).parts) and not p.name.endswith(".egg-info")]
     files = []
-    for name in filter(None, listed.decode().split("\0")):
+    for name in names:
         path = ROOT / name
         if not path.is_file():  # deleted in the work tree, or a submodule
             continue
