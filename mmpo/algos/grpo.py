@@ -405,13 +405,7 @@ class GRPOModule(VLMPolicyModule):
         return torch.cat(parts, 0)
 
     def _sum_over_ranks(self, value: Tensor) -> Tensor:
-        if self._trainer is None or self.trainer.world_size == 1:
-            return value
-        return self.trainer.strategy.reduce(value.clone(), reduce_op="sum")
-
-    @property
-    def _world_size(self) -> int:
-        return 1 if self._trainer is None else self.trainer.world_size
+        return self.update_engine.sum_over_ranks(value)
 
     @contextmanager
     def _sampling_seed(self, step: int, attempt: int = 0) -> Iterator[None]:
@@ -643,8 +637,7 @@ class GRPOModule(VLMPolicyModule):
         so each loss is multiplied by the world size to turn that average into the sum.
         """
         mask = loss_mask(rollout)[index]
-        global_tokens = self._sum_over_ranks(mask.sum().to(torch.float32))
-        global_seqs = self._sum_over_ranks((mask.sum(-1) > 0).sum().to(torch.float32))
+        global_tokens, global_seqs = self.update_engine.global_normalisers(mask)
         if float(global_tokens) == 0:
             # Every group was filtered out (e.g. dynamic sampling). global_tokens is summed over ranks, so all agree.
             log.warning("step %s: no completion tokens left in the minibatch; update skipped", self.global_step)
@@ -704,7 +697,7 @@ class GRPOModule(VLMPolicyModule):
             return MicroLoss(loss, sums)
 
         return self.update_engine.optimizer_step(index.split(micro_size), micro_loss,
-                                                 loss_scale=self._world_size).metrics
+                                                 loss_scale=self.update_engine.world_size).metrics
 
     def core_loss_spec(self) -> CoreLossSpec:
         """The core loss of this module's settings: ``loss`` with its clip bounds and ``loss_settings``, the KL
