@@ -8,13 +8,13 @@ from __future__ import annotations
 
 import random
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any
 
 import numpy as np
 import torch
 
 from mmpo.training.export_guard import ExportOwnershipMixin
-from mmpo.training.lr_schedule import SCHEDULES, warmup_schedule
+from mmpo.training.optim import make_optimizer  # noqa: F401  (re-exported: the VLM modules' old import path)
 
 
 def require(condition: bool, message: str) -> None:
@@ -35,41 +35,6 @@ def refuse_rollout_correction(correction: Any) -> None:
 def divisors(n: int) -> list[int]:
     """Positive divisors of ``n``, used to list the valid values in error messages."""
     return [d for d in range(1, n + 1) if n % d == 0]
-
-
-def make_optimizer(
-    params: Iterable[torch.nn.Parameter],
-    *,
-    lr: float,
-    weight_decay: float,
-    betas: tuple[float, float] = (0.9, 0.999),
-    eps: float = 1e-8,
-    warmup_steps: int = 0,
-    total_steps: int | None = None,
-    schedule: str = "constant",
-) -> dict[str, Any]:
-    """AdamW with linear warm-up then constant / linear decay / cosine decay (stepped per optimizer step).
-
-    AdamW is torch's fused implementation where the parameters' device supports it (CPU, CUDA), else
-    torch's default; both implement the same update (they differ in float rounding only).
-
-    Returns Lightning's ``configure_optimizers`` dict.
-    """
-    require(lr > 0, f"lr must be > 0, got {lr}")
-    require(weight_decay >= 0, f"weight_decay must be >= 0, got {weight_decay}")
-    require(warmup_steps >= 0, f"warmup_steps must be >= 0, got {warmup_steps}")
-    require(schedule in SCHEDULES, f"unknown schedule {schedule!r}; valid: {list(SCHEDULES)}")
-    if schedule != "constant":
-        require(total_steps is not None and total_steps > 0,
-                f"schedule {schedule!r} needs a positive total_steps (set trainer.max_steps)")
-    trainable = [p for p in params if p.requires_grad]
-    settings = dict(lr=lr, weight_decay=weight_decay, betas=betas, eps=eps)
-    try:  # torch's fused kernel (one kernel for all parameters; CPU and CUDA, floating point parameters)
-        optimizer = torch.optim.AdamW(trainable, fused=True, **settings)
-    except RuntimeError:  # a device / dtype without the fused kernel: torch's default (foreach) path
-        optimizer = torch.optim.AdamW(trainable, **settings)
-    scheduler = warmup_schedule(optimizer, warmup_steps=warmup_steps, schedule=schedule, total_steps=total_steps)
-    return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
 
 def rng_state() -> dict[str, Any]:

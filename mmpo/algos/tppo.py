@@ -30,7 +30,7 @@ from mmpo.algos.grpo import GRPOModule
 from mmpo.training.config import AdvantageConfig, as_config
 from mmpo.training.state_hooks import CheckpointedState
 from mmpo.core import LossParts, compute_advantages_with_metrics
-from mmpo.training.lr_schedule import warmup_schedule
+from mmpo.training.optim import make_optimizer, max_steps_or_none
 from mmpo.vlm.continuation import ended, extend_prompts, generate_from_inputs
 from mmpo.vlm.logprobs import _decoder, sequence_inputs
 from mmpo.vlm.processing import encode_prompts
@@ -122,15 +122,12 @@ class TPPOModule(CheckpointedState, GRPOModule):
         refuse_rollout_correction(self.rollout_correction)
 
     def configure_optimizers(self) -> dict[str, Any]:
-        h = self.hparams
-        total = self.trainer.max_steps if self._trainer is not None and self.trainer.max_steps > 0 else None
-        groups = [{"params": [p for p in self.model.parameters() if p.requires_grad]},
-                  {"params": list(self.value_head.parameters()), "lr": h.value_lr or self.optim.lr,
+        groups = [{"params": list(self.model.parameters())},
+                  {"params": list(self.value_head.parameters()), "lr": self.hparams.value_lr or self.optim.lr,
                    "weight_decay": 0.0}]
-        optimizer = torch.optim.AdamW(groups, lr=self.optim.lr, weight_decay=self.optim.weight_decay)
-        scheduler = warmup_schedule(optimizer, warmup_steps=self.optim.warmup_steps, schedule=self.optim.lr_schedule,
-                                    total_steps=total)
-        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+        return make_optimizer(groups, lr=self.optim.lr, weight_decay=self.optim.weight_decay,
+                              warmup_steps=self.optim.warmup_steps, schedule=self.optim.lr_schedule,
+                              total_steps=max_steps_or_none(self))
 
     # ------------------------------------------------------------------ rollout
 

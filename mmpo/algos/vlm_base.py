@@ -15,7 +15,8 @@ from typing import Any, Mapping
 import lightning as L
 import torch
 
-from mmpo.algos.config import VLMCheckpointHooks, make_optimizer, require
+from mmpo.algos.config import VLMCheckpointHooks, require
+from mmpo.training.optim import make_optimizer, max_steps_or_none
 from mmpo.training.config import OptimConfig, as_config
 from mmpo.training.lora import LoraSettings, unwrap, wrap_with_lora
 from mmpo.training.nonfinite import DEFAULT_MAX_CONSECUTIVE_SKIPS, NonFiniteGuard, NonFiniteGuardMixin
@@ -144,6 +145,6 @@ class VLMPolicyModule(NonFiniteGuardMixin, VLMCheckpointHooks, L.LightningModule
         return system_prompt
 
     def configure_optimizers(self) -> dict[str, Any]:
-        total = self.trainer.max_steps if self._trainer is not None and self.trainer.max_steps > 0 else None
         return make_optimizer(self.model.parameters(), lr=self.optim.lr, weight_decay=self.optim.weight_decay,
-                              warmup_steps=self.optim.warmup_steps, total_steps=total, schedule=self.optim.lr_schedule)
+                              fused=True, warmup_steps=self.optim.warmup_steps, total_steps=max_steps_or_none(self),
+                              schedule=self.optim.lr_schedule)

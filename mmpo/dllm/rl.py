@@ -56,7 +56,8 @@ from mmpo.core.aggregate import AggregationMode
 from mmpo.training.nonfinite import DEFAULT_MAX_CONSECUTIVE_SKIPS, NonFiniteGuard, NonFiniteGuardMixin
 from mmpo.training.step_state import StepState
 from mmpo.training.update import MicroLoss, PassContext, UpdateEngine, UpdateSchedule, UpdateWrapper
-from mmpo.training.lr_schedule import SCHEDULES, warmup_schedule
+from mmpo.training.lr_schedule import SCHEDULES
+from mmpo.training.optim import make_optimizer, max_steps_or_none
 
 
 # inputs of core advantage estimators that this module provides (see DiffuGRPO.compute_advantages)
@@ -559,8 +560,5 @@ class DiffuGRPO(NonFiniteGuardMixin, MaskPredictorExportHooks, PlainHparamsMixin
 
     def configure_optimizers(self):
         h = self.hparams
-        trainable = [p for p in self.model.parameters() if p.requires_grad]  # only the adapter under LoRA
-        optimizer = torch.optim.AdamW(trainable, lr=h.lr, weight_decay=h.weight_decay, betas=tuple(h.betas))
-        total = self.trainer.max_steps if self._trainer is not None and self.trainer.max_steps > 0 else None
-        schedule = warmup_schedule(optimizer, warmup_steps=h.warmup_steps, schedule=h.lr_schedule, total_steps=total)
-        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}
+        return make_optimizer(self.model.parameters(), lr=h.lr, weight_decay=h.weight_decay, betas=tuple(h.betas),
+                              warmup_steps=h.warmup_steps, schedule=h.lr_schedule, total_steps=max_steps_or_none(self))

@@ -34,7 +34,7 @@ from mmpo.training.nonfinite import DEFAULT_MAX_CONSECUTIVE_SKIPS, NonFiniteGuar
 from mmpo.dllm.sampler import SamplerConfig
 from mmpo.dllm.task import ArithmeticTaskConfig, corpus
 from mmpo.dllm.tokenizer import train_char_tokenizer
-from mmpo.training.lr_schedule import warmup_schedule
+from mmpo.training.optim import make_optimizer
 
 
 def sft_forward_process(
@@ -145,6 +145,6 @@ class MaskedDiffusionSFT(NonFiniteGuardMixin, MaskPredictorExportHooks, PlainHpa
         super().on_load_checkpoint(checkpoint)  # the run id
 
     def configure_optimizers(self):
-        optimizer = torch.optim.AdamW(self.model.parameters(), lr=self.lr, weight_decay=self.weight_decay)
-        schedule = warmup_schedule(optimizer, warmup_steps=self.warmup_steps)  # linear warm-up, then constant
-        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}
+        # linear warm-up, then constant
+        return make_optimizer(self.model.parameters(), lr=self.lr, weight_decay=self.weight_decay,
+                              warmup_steps=self.warmup_steps)

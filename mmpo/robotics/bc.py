@@ -19,7 +19,7 @@ from torch.utils.data import DataLoader, Dataset, default_collate, random_split
 
 from mmpo.algos.config import step_seed
 from mmpo.data.resumable import ResumableSampler, ResumableTrainData
-from mmpo.training.lr_schedule import warmup_schedule
+from mmpo.training.optim import make_optimizer
 from mmpo.training.nonfinite import DEFAULT_MAX_CONSECUTIVE_SKIPS, NonFiniteGuard, NonFiniteGuardMixin
 from mmpo.robotics.policy import DiffusionPolicy
 from mmpo.robotics.policy.io import save_policy_safetensors
@@ -238,11 +238,10 @@ class BCModule(NonFiniteGuardMixin, pl.LightningModule):
         return loss
 
     def configure_optimizers(self) -> dict[str, Any]:
-        optimizer = torch.optim.AdamW(self.policy.parameters(), lr=self.hparams.lr, weight_decay=self.hparams.weight_decay)
         total = max(int(self.trainer.estimated_stepping_batches), 1)
-        scheduler = warmup_schedule(optimizer, warmup_steps=min(self.hparams.warmup_steps, total), schedule="cosine",
-                                    total_steps=total, min_lr_ratio=self.hparams.lr_min / self.hparams.lr)
-        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+        return make_optimizer(self.policy.parameters(), lr=self.hparams.lr, weight_decay=self.hparams.weight_decay,
+                              warmup_steps=min(self.hparams.warmup_steps, total), schedule="cosine",
+                              total_steps=total, min_lr_ratio=self.hparams.lr_min / self.hparams.lr)
 
     # ------------------------------------------------------------------ checkpoints
     def robotics_metadata(self) -> dict[str, Any]:

@@ -39,6 +39,7 @@ from mmpo.core import POLICY_LOSSES, gae, policy_loss
 from mmpo.core import LossParts
 from mmpo.training.nonfinite import DEFAULT_MAX_CONSECUTIVE_SKIPS, NonFiniteGuard, NonFiniteGuardMixin
 from mmpo.training.update import MicroLoss, PassContext, UpdateEngine, UpdateSchedule, UpdateWrapper
+from mmpo.training.optim import make_adamw
 from mmpo.robotics.envs.chunking import SKIP_AUTORESET_AFTER
 from mmpo.robotics.evaluate import EpisodeTracker, check_same_step_autoreset, evaluate_policy, final_observations
 from mmpo.robotics.policy import CriticMLP, DiffusionPolicy
@@ -381,8 +382,8 @@ class DPPOModule(NonFiniteGuardMixin, pl.LightningModule):
 
     def configure_optimizers(self) -> list[torch.optim.Optimizer]:
         hp = self.hparams
-        actor = torch.optim.AdamW(self.policy.ft_network.parameters(), lr=hp.actor_lr, weight_decay=hp.weight_decay)
-        critic = torch.optim.AdamW(self.critic.parameters(), lr=hp.critic_lr, weight_decay=hp.weight_decay)
+        actor = make_adamw(self.policy.ft_network.parameters(), lr=hp.actor_lr, weight_decay=hp.weight_decay)
+        critic = make_adamw(self.critic.parameters(), lr=hp.critic_lr, weight_decay=hp.weight_decay)
         return [actor, critic]
 
     # ------------------------------------------------------------------ rollout

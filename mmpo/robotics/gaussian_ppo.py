@@ -27,6 +27,7 @@ import torch
 from torch import nn
 
 from mmpo.training.nonfinite import DEFAULT_MAX_CONSECUTIVE_SKIPS, NonFiniteGuard, NonFiniteGuardMixin
+from mmpo.training.optim import make_adamw
 from mmpo.robotics.bc import _unpack_batch
 from mmpo.robotics.dppo import DPPOModule
 from mmpo.robotics.policy.io import _read_checkpoint
@@ -167,7 +168,7 @@ class GaussianBCModule(NonFiniteGuardMixin, pl.LightningModule):
         return loss
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
-        return torch.optim.AdamW(self.policy.parameters(), lr=self.hparams.lr, weight_decay=self.hparams.weight_decay)
+        return make_adamw(self.policy.parameters(), lr=self.hparams.lr, weight_decay=self.hparams.weight_decay)
 
     def robotics_metadata(self) -> dict[str, Any]:
         hp = self.hparams

@@ -569,10 +569,10 @@ def test_entropy_is_computed_only_on_steps_that_log_and_changes_no_update(tiny_p
 
 
 def test_adamw_is_torchs_fused_kernel_on_cpu_with_the_hand_computed_first_step():
-    from mmpo.algos.config import make_optimizer
+    from mmpo.training.optim import make_optimizer
 
     p = torch.nn.Parameter(torch.tensor([1.0, -2.0]))
-    optimizer = make_optimizer([p], lr=0.1, weight_decay=0.01)["optimizer"]
+    optimizer = make_optimizer([p], lr=0.1, weight_decay=0.01, fused=True)["optimizer"]
     assert optimizer.defaults["fused"] is True
     p.grad = torch.tensor([0.5, -0.25])
     optimizer.step()

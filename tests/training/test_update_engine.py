@@ -175,6 +175,35 @@ def test_one_clip_site_and_one_optimizer_step_site_for_policy_updates():
     assert {s.split(":")[0] for s in step} == {"mmpo/training/update.py", "mmpo/training/nonfinite.py"}
 
 
+def test_every_family_builds_its_optimizer_in_one_place():
+    """AdamW is constructed only by mmpo/training/optim.py; each configure_optimizers calls it."""
+    sites = []
+    for path in _python_files("mmpo"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Call) and ast.unparse(node.func).endswith("AdamW"):
+                sites.append(str(path.relative_to(REPO)))
+    assert set(sites) == {"mmpo/training/optim.py"}
+
+
+def test_make_optimizer_drops_frozen_parameters_and_keeps_group_settings():
+    from mmpo.training.optim import make_adamw, make_optimizer
+
+    frozen = torch.nn.Parameter(torch.zeros(2), requires_grad=False)
+    trained = torch.nn.Parameter(torch.ones(2))
+    head = torch.nn.Parameter(torch.ones(1))
+    optimizer = make_adamw([{"params": [frozen, trained]}, {"params": [head], "lr": 0.5, "weight_decay": 0.0}],
+                           lr=0.1, weight_decay=0.01)
+    assert [len(g["params"]) for g in optimizer.param_groups] == [1, 1]
+    assert optimizer.param_groups[0]["params"][0] is trained
+    assert (optimizer.param_groups[0]["lr"], optimizer.param_groups[1]["lr"]) == (0.1, 0.5)
+    assert optimizer.param_groups[1]["weight_decay"] == 0.0 and optimizer.defaults["fused"] is None
+    built = make_optimizer([trained], lr=1.0, warmup_steps=4)
+    # linear warm-up: the first step already trains at lr / warmup_steps
+    assert built["optimizer"].param_groups[0]["lr"] == 0.25
+    with pytest.raises(ValueError, match="needs a positive total_steps"):
+        make_optimizer([trained], lr=1.0, schedule="cosine")
+
+
 def test_no_rl_module_overrides_training_step():
     from mmpo.algos import grpo  # noqa: F401  (imports register nothing; the classes are walked below)
     import mmpo.algos

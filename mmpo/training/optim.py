@@ -1,0 +1,90 @@
+"""The one place every family builds its optimizer: AdamW plus the learning-rate schedule.
+
+Every ``configure_optimizers`` (VLM, T-PPO, dLLM SFT and RL, robot BC, DPPO and its Gaussian
+baseline) calls :func:`make_adamw` or :func:`make_optimizer`; a family only chooses its parameter
+groups and settings. ``fused`` is a per-family choice because it is not free: torch's fused kernel
+and its default (foreach) path implement the same update but round differently, and the recorded
+golden runs of each family were made with the path it uses today (the VLM modules fused, the
+others not).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterable, Mapping, Union
+
+import torch
+
+from mmpo.training.lr_schedule import SCHEDULES, warmup_schedule
+
+ParamsOrGroups = Union[Iterable[torch.nn.Parameter], Iterable[Mapping[str, Any]]]
+
+
+def _require(condition: bool, message: str) -> None:
+    if not condition:
+        raise ValueError(message)
+
+
+def _trainable(params: ParamsOrGroups) -> list[Any]:
+    """Parameters (or param groups) with the frozen parameters left out (LoRA: only the adapter)."""
+    items = list(params)
+    if items and isinstance(items[0], Mapping):
+        return [{**group, "params": [p for p in group["params"] if p.requires_grad]} for group in items]
+    return [p for p in items if p.requires_grad]
+
+
+def make_adamw(
+    params: ParamsOrGroups,
+    *,
+    lr: float,
+    weight_decay: float = 0.0,
+    betas: tuple[float, float] = (0.9, 0.999),
+    eps: float = 1e-8,
+    fused: bool = False,
+) -> torch.optim.AdamW:
+    """AdamW over the trainable ``params`` (a parameter iterable or torch param groups).
+
+    ``fused=True`` asks for torch's fused kernel (one kernel for all parameters; CPU and CUDA,
+    floating-point parameters) and falls back to the default path where the device or dtype has none.
+    """
+    _require(lr > 0, f"lr must be > 0, got {lr}")
+    _require(weight_decay >= 0, f"weight_decay must be >= 0, got {weight_decay}")
+    settings = dict(lr=lr, weight_decay=weight_decay, betas=tuple(betas), eps=eps)
+    trainable = _trainable(params)
+    if fused:
+        try:
+            return torch.optim.AdamW(trainable, fused=True, **settings)
+        except RuntimeError:  # a device / dtype without the fused kernel
+            pass
+    return torch.optim.AdamW(trainable, **settings)
+
+
+def make_optimizer(
+    params: ParamsOrGroups,
+    *,
+    lr: float,
+    weight_decay: float = 0.0,
+    betas: tuple[float, float] = (0.9, 0.999),
+    eps: float = 1e-8,
+    fused: bool = False,
+    warmup_steps: int = 0,
+    total_steps: int | None = None,
+    schedule: str = "constant",
+    min_lr_ratio: float = 0.0,
+) -> dict[str, Any]:
+    """:func:`make_adamw` with linear warm-up then constant / linear / cosine decay, stepped per optimizer
+    step (:func:`mmpo.training.lr_schedule.warmup_schedule`). Returns Lightning's ``configure_optimizers`` dict."""
+    _require(warmup_steps >= 0, f"warmup_steps must be >= 0, got {warmup_steps}")
+    _require(schedule in SCHEDULES, f"unknown schedule {schedule!r}; valid: {list(SCHEDULES)}")
+    if schedule != "constant":
+        _require(total_steps is not None and total_steps > 0,
+                 f"schedule {schedule!r} needs a positive total_steps (set trainer.max_steps)")
+    optimizer = make_adamw(params, lr=lr, weight_decay=weight_decay, betas=betas, eps=eps, fused=fused)
+    scheduler = warmup_schedule(optimizer, warmup_steps=warmup_steps, schedule=schedule, total_steps=total_steps,
+                                min_lr_ratio=min_lr_ratio)
+    return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+
+def max_steps_or_none(module: Any) -> int | None:
+    """The attached trainer's ``max_steps`` when positive (the decay horizon), else None."""
+    trainer = getattr(module, "_trainer", None)
+    return trainer.max_steps if trainer is not None and trainer.max_steps > 0 else None
