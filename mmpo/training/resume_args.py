@@ -33,6 +33,7 @@ import yaml
 from lightning.fabric.utilities.rank_zero import rank_zero_only
 
 from mmpo.training.cli_errors import fail
+from mmpo.training.legacy_hparams import upgrade_saved_hparams
 
 # Arguments a resumed run must keep, per class (subclasses inherit their bases' entries). Each
 # makes the checkpoint mean something else: the weights belong to one base model, a step's
@@ -224,7 +225,7 @@ class ResumeArgsMixin:
         if not ckpt_path or not (Path(ckpt_path).is_file() or is_sharded_checkpoint(ckpt_path)):
             return  # "last" / "best": Lightning resolves them at fit time
         if model_config is None or not getattr(model_config, "class_path", None):
-            super()._parse_ckpt_path()  # type: ignore[misc]  # nothing configured: the checkpoint's hparams
+            self._model_from_checkpoint(ckpt_path)  # nothing configured: the checkpoint's hparams
             return
         try:
             checkpoint = read_checkpoint(ckpt_path)
@@ -235,6 +236,7 @@ class ResumeArgsMixin:
         differences, conflicts = [], []
         for section, saved_key in (("model", "hyper_parameters"), ("data", "datamodule_hyper_parameters")):
             saved, now = checkpoint.get(saved_key), current.get(section)
+            saved = upgrade_saved_hparams(saved) if isinstance(saved, Mapping) else saved
             if not saved or not isinstance(now, Mapping):
                 continue
             found = hparam_differences(saved, now, section)
@@ -253,6 +255,23 @@ class ResumeArgsMixin:
                              "Keep the checkpoint's value, or start a new run without --ckpt_path "
                              "(e.g. from the exported weights).")
         self._resume_checkpoint = checkpoint
+
+    def _model_from_checkpoint(self, ckpt_path: str) -> None:
+        """Lightning's own rule (the checkpoint's hyperparameters build the model), on the hyperparameters
+        as today's modules name them (:func:`mmpo.training.legacy_hparams.upgrade_saved_hparams`)."""
+        if not Path(ckpt_path).is_file():
+            return
+        hparams = upgrade_saved_hparams(read_checkpoint(ckpt_path).get("hyper_parameters") or {})
+        hparams.pop("_instantiator", None)
+        if not hparams:
+            return
+        if "_class_path" in hparams:
+            hparams = {"class_path": hparams.pop("_class_path"), "dict_kwargs": hparams}
+        try:
+            self.config = self.parser.parse_object({self.config.subcommand: {"model": hparams}}, self.config)
+        except SystemExit:
+            sys.stderr.write("Parsing of ckpt_path hyperparameters failed!\n")
+            raise
 
     def instantiate_classes(self) -> None:
         super().instantiate_classes()  # type: ignore[misc]

@@ -220,3 +220,36 @@ def test_dllm_export_refuses_another_runs_save_dir(tmp_path):
     DiffuGRPO(model_path=str(tmp_path / "start"), warmup_config=None, save_dir=str(tmp_path / "out"),
               overwrite_output=True).export()
     assert (tmp_path / "out" / MARKER_NAME).read_text() != owner
+
+
+@pytest.mark.slow
+def test_a_checkpoint_with_the_old_flat_arguments_resumes_and_keeps_its_group_size(tiny_vlm, tmp_path, capsys):
+    """A checkpoint written before the typed configs (flat ``num_generations``, ``lr``, ...): resuming it with
+    the same settings lists no difference in them; changing its group size is refused as before."""
+    from mmpo.training.checkpoint import atomic_torch_save
+    from mmpo.training.legacy_hparams import flat_to_grouped_for
+
+    first = tmp_path / "first"
+    _fit_grpo(tiny_vlm, first, 1)
+    last = first / "ckpt" / "last.ckpt"
+    checkpoint = _load(last)
+    grouped = checkpoint["hyper_parameters"]
+    rows = flat_to_grouped_for(grouped["_class_path"])
+    groups = {group for group, _ in rows.values()}
+    hparams = {k: v for k, v in grouped.items() if k not in groups}  # back to the old form
+    hparams.update({old: grouped[group][field] for old, (group, field) in rows.items()
+                    if field in (grouped.get(group) or {})})
+    assert hparams["num_generations"] == 2 and "sampling" not in hparams
+    checkpoint["hyper_parameters"] = hparams
+    atomic_torch_save(checkpoint, last, keep_previous=False)
+    capsys.readouterr()
+
+    with pytest.raises(SystemExit):
+        _fit_grpo(tiny_vlm, tmp_path / "changed", 2, "--model.init_args.sampling.num_generations=3", f"--ckpt_path={last}")
+    assert "model.init_args.sampling.num_generations (checkpoint=2 now=3)" in capsys.readouterr().err
+
+    second = tmp_path / "second"
+    _fit_grpo(tiny_vlm, second, 2, f"--ckpt_path={last}")
+    err = capsys.readouterr().err
+    assert "sampling." not in err and "optim." not in err and "loss." not in err  # nothing reported as changed
+    assert _load(second / "ckpt" / "last.ckpt")["global_step"] == 2
