@@ -124,10 +124,12 @@ class PreemptionCheckpoint(Callback):
             return
         path = self._last_path(trainer)
         if not self._already_saved(trainer, path):
-            trainer.save_checkpoint(path)
             checkpoint = trainer.checkpoint_callback
             if isinstance(checkpoint, ModelCheckpoint) and path.parent == Path(checkpoint.dirpath or ""):
+                # recorded in the checkpoint, so the resumed run's ModelCheckpoint keeps writing last.ckpt
+                # (not last-v1.ckpt beside it)
                 checkpoint.last_model_path = str(path)
+            trainer.save_checkpoint(path)
         self.saved_path = path
         if trainer.is_global_zero:
             log.warning("stopped by %s after step %d; saved %s (resume with --ckpt_path %s)",
