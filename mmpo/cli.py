@@ -120,7 +120,9 @@ def _written_path(error: BaseException) -> str:
 
     current: BaseException | None = error
     fallback = "a file (the writer did not say which)"
-    while current is not None:
+    seen: set[int] = set()
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
         if isinstance(current, DiskFullError):
             return str(current.filename)
         if isinstance(current, OSError) and current.filename and fallback.startswith("a file"):
