@@ -6,6 +6,11 @@ one entry point serves every algorithm (VLM, masked-diffusion LM, robot policy).
 The other sub-commands are plain programs, imported lazily so that, e.g.,
 ``mmpo demos`` does not import transformers. A command whose optional extra is not installed
 (``mmpo demos`` and robot configs without ``mmpo[robotics]``) ends in one line naming the extra, exit code 2.
+
+Exit codes of ``mmpo fit``: 0 finished; 2 a configuration error; 128 + N stopped by signal N at a step
+boundary with ``last.ckpt`` saved (SIGTERM: 143, SIGUSR1: 138; mmpo.training.preemption);
+``DISK_FULL_EXIT_CODE`` (28, ENOSPC's errno) a save found the disk full (one line naming the file);
+1 any other error.
 """
 
 from __future__ import annotations
@@ -17,6 +22,9 @@ from typing import Callable, Sequence
 from mmpo._extras import MissingExtraError
 
 LIGHTNING_SUBCOMMANDS = ("fit", "validate", "test", "predict")
+
+#: exit status when a save ran out of disk space (ENOSPC's errno number)
+DISK_FULL_EXIT_CODE = 28
 
 # sub-command -> ("module:function", one-line help). Each function takes argv.
 PROGRAM_SUBCOMMANDS: dict[str, tuple[str, str]] = {
@@ -86,6 +94,43 @@ def _usage() -> str:
     return "\n".join(lines)
 
 
+def _run_lightning(command: str, rest: Sequence[str]) -> int:
+    """``lightning_main`` with a stop signal and a full disk turned into their exit codes."""
+    from lightning.pytorch.utilities.exceptions import SIGTERMException
+
+    from mmpo.training.checkpoint import disk_full_error
+    from mmpo.training.preemption import preempted_exit_code, received_stop_signal
+
+    try:
+        lightning_main([command, *rest])
+    except SIGTERMException:  # a SystemExit without a code: it used to exit 0 as if the run had finished
+        return preempted_exit_code(received_stop_signal())
+    except Exception as error:  # noqa: BLE001 - only a full disk is handled here; anything else re-raises
+        full = disk_full_error(error, _written_path(error))
+        if full is None:
+            raise
+        print(f"mmpo {command}: error: {full}", file=sys.stderr)
+        return DISK_FULL_EXIT_CODE
+    return 0
+
+
+def _written_path(error: BaseException) -> str:
+    """The file an out-of-space error was writing, as far as the exception chain tells."""
+    from mmpo.training.checkpoint import DiskFullError
+
+    current: BaseException | None = error
+    fallback = "a file (the writer did not say which)"
+    seen: set[int] = set()
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        if isinstance(current, DiskFullError):
+            return str(current.filename)
+        if isinstance(current, OSError) and current.filename and fallback.startswith("a file"):
+            fallback = str(current.filename)
+        current = current.__cause__ or current.__context__
+    return fallback
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help"):
@@ -97,8 +142,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     command, rest = argv[0], argv[1:]
     try:
         if command in LIGHTNING_SUBCOMMANDS:
-            lightning_main([command, *rest])
-            return 0
+            return _run_lightning(command, rest)
         if command in PROGRAM_SUBCOMMANDS:
             result = _load(PROGRAM_SUBCOMMANDS[command][0])(rest)
             return int(result or 0)

@@ -2,10 +2,12 @@
 
 ``VerifiedCheckpointIO`` is a Lightning ``CheckpointIO`` plugin (a ``TorchCheckpointIO``):
 
-- **save**: ``torch.save`` to a temporary file in the same directory, fsync, keep the file it
-  replaces as ``<name>.prev.ckpt`` when that one verifies (one previous good checkpoint to fall
-  back to), ``os.replace`` into place, then write ``<name>.ckpt.sha256`` beside it
-  (``sha256sum -c`` format). A save that raises leaves the old file untouched and no partial file.
+- **save**: ``torch.save`` to a temporary file in the same directory, fsync; the file it replaces,
+  when it verifies, gets a second name ``<name>.prev.ckpt`` (hard link) with its own sidecar (one
+  previous good checkpoint to fall back to); ``os.replace`` over the old file, then
+  ``<name>.ckpt.sha256`` beside it (``sha256sum -c`` format, run in the directory). At every instant
+  of a save one of ``<name>.ckpt`` / ``<name>.prev.ckpt`` verifies. A save that raises leaves the old
+  file untouched and no partial file; a full disk raises ``DiskFullError`` naming the file.
 - **load**: the file's sha256 must match its sidecar; a file without one (older mmpo versions)
   loads with a warning. The weights and optimizer state must be finite. A damaged checkpoint
   raises ``CorruptCheckpointError`` naming the file and the newest good checkpoint beside it.
@@ -15,6 +17,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import warnings
 import zipfile
 from pathlib import Path
@@ -24,10 +27,14 @@ import torch
 from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 
-from mmpo.files import file_sha256
+from mmpo.files import DiskFullError, disk_full_error, file_sha256, is_disk_full  # noqa: F401 - re-exported
 
 SIDECAR_SUFFIX = ".sha256"
 PREVIOUS_TAG = ".prev"
+#: what a save writes first (hidden, ``.NAME.<pid>.tmp``), removed at the start of the next run when a kill left it
+TEMPORARY_SUFFIX = ".tmp"
+#: FSDP2Strategy's staging directory of a sharded save (``.NAME.staging``)
+STAGING_SUFFIX = ".staging"
 # Entries of a Lightning checkpoint that feed the weights: a NaN/inf here poisons the model. Callback
 # state is left out on purpose (ModelCheckpoint stores +-inf as its initial best score).
 FINITE_KEYS = ("state_dict", "optimizer_states")
@@ -76,8 +83,9 @@ def _fsync_directory(directory: Path) -> None:
 
 
 def _write_sidecar(path: Path, digest: str) -> None:
+    """``NAME.sha256`` holding ``digest  NAME`` (so ``sha256sum -c`` run in the directory checks ``path``)."""
     sidecar = sidecar_path(path)
-    temporary = sidecar.with_name(f".{sidecar.name}.{os.getpid()}.tmp")
+    temporary = sidecar.with_name(f".{sidecar.name}.{os.getpid()}{TEMPORARY_SUFFIX}")
     with open(temporary, "w") as handle:
         handle.write(f"{digest}  {path.name}\n")
         handle.flush()
@@ -85,38 +93,95 @@ def _write_sidecar(path: Path, digest: str) -> None:
     os.replace(temporary, sidecar)
 
 
-def _move_with_sidecar(source: Path, target: Path) -> None:
-    os.replace(source, target)
-    if sidecar_path(source).is_file():
-        os.replace(sidecar_path(source), sidecar_path(target))
+def _keep_as_previous(path: Path, digest: str) -> None:
+    """Make ``<name>.prev.ckpt`` a second name of ``path``'s verified bytes, with its own sidecar.
+
+    A hard link, so nothing is copied and ``path`` never disappears; filesystems without hard links get a
+    copy. While the previous file is being swapped, ``path`` itself still verifies.
+    """
+    previous = previous_path(path)
+    linked = previous.with_name(f".{previous.name}.{os.getpid()}{TEMPORARY_SUFFIX}")
+    linked.unlink(missing_ok=True)
+    try:
+        os.link(path, linked)
+    except OSError:  # no hard links here (some network filesystems): copy the bytes
+        shutil.copyfile(path, linked)
+        with open(linked, "rb+") as handle:
+            os.fsync(handle.fileno())
+    os.replace(linked, previous)
+    _write_sidecar(previous, digest)
 
 
 def atomic_torch_save(checkpoint: dict[str, Any], path: _PATH, *, keep_previous: bool = True) -> Path:
     """Write ``checkpoint`` to ``path`` atomically with its sha256 sidecar; returns the path.
 
-    With ``keep_previous`` the file being replaced becomes ``<name>.prev.ckpt`` when it verifies
-    (a damaged one is overwritten, so the good ``.prev`` is never replaced by a bad file).
+    The order keeps a verifiable checkpoint at every instant, whatever moment a kill lands on:
+
+    1. the new bytes go to a temporary file beside ``path`` and are fsynced;
+    2. with ``keep_previous``, a ``path`` that verifies becomes also ``<name>.prev.ckpt`` (hard link + its
+       own sidecar) - ``path`` still verifies throughout;
+    3. the temporary file is renamed over ``path`` (now ``path`` mismatches its old sidecar, and the
+       ``.prev`` copy is the one that verifies), then ``path``'s new sidecar is renamed into place.
+
+    A damaged ``path`` is never kept as ``.prev`` (the good ``.prev`` stays). Running out of space
+    raises ``DiskFullError`` naming ``path``, with the files as they were.
     """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    temporary = path.with_name(f".{path.name}.{os.getpid()}{TEMPORARY_SUFFIX}")
     try:
-        with open(temporary, "wb") as handle:
-            torch.save(checkpoint, handle)
-            handle.flush()
-            os.fsync(handle.fileno())
+        try:
+            with open(temporary, "wb") as handle:
+                torch.save(checkpoint, handle)
+                handle.flush()
+                os.fsync(handle.fileno())
+        except (OSError, RuntimeError) as error:
+            raise disk_full_error(error, path) or error
         digest = file_sha256(temporary)
-        if path.is_file() and not path.is_symlink() and keep_previous and checksum_status(path) == "ok":
-            _move_with_sidecar(path, previous_path(path))
-        else:
-            # The old sidecar describes the old bytes; never leave it next to the new ones.
-            sidecar_path(path).unlink(missing_ok=True)
+        if keep_previous and path.is_file() and not path.is_symlink():
+            old_digest = _recorded_digest(path)
+            if old_digest is not None and old_digest == file_sha256(path):
+                _keep_as_previous(path, old_digest)
         os.replace(temporary, path)
+        _write_sidecar(path, digest)
+        _fsync_directory(path.parent)
+    except OSError as error:
+        raise disk_full_error(error, path) or error
     finally:
         temporary.unlink(missing_ok=True)
-    _write_sidecar(path, digest)
-    _fsync_directory(path.parent)
     return path
+
+
+def _recorded_digest(path: Path) -> str | None:
+    sidecar = sidecar_path(path)
+    if not sidecar.is_file():
+        return None
+    recorded = sidecar.read_text().split()
+    return recorded[0] if recorded else None
+
+
+def remove_stale_temporaries(directory: _PATH) -> list[Path]:
+    """Delete what interrupted saves left in ``directory``; returns what was removed.
+
+    Temporary checkpoint and sidecar files (``.NAME.<pid>.tmp``), ``mmpo.files`` partial files and FSDP2
+    staging directories (``.NAME.staging``). Call it only while holding the directory's run lock.
+    """
+    directory = Path(directory)
+    removed: list[Path] = []
+    if not directory.is_dir():
+        return removed
+    for entry in directory.iterdir():
+        name = entry.name
+        stale = name.startswith(".") and (name.endswith(TEMPORARY_SUFFIX) or ".partial-" in name
+                                          or name.endswith(STAGING_SUFFIX))
+        if not stale:
+            continue
+        if entry.is_dir() and not entry.is_symlink():
+            shutil.rmtree(entry)
+        else:
+            entry.unlink(missing_ok=True)
+        removed.append(entry)
+    return removed
 
 
 def _tensors(value: Any, prefix: str) -> Iterator[tuple[str, torch.Tensor]]:
@@ -175,15 +240,27 @@ def checkpoint_problem(path: _PATH, *, unverifiable_is_problem: bool = True) -> 
     return None if bad is None else f"{bad} holds NaN or inf"
 
 
+def _sharded_problem(directory: Path) -> str | None:
+    from mmpo.training.fsdp import manifest_problem  # fsdp imports this module
+
+    problem = manifest_problem(directory)
+    return "it has no manifest to verify it by" if problem == "missing" else problem
+
+
 def newest_good_checkpoint(directory: _PATH, *, exclude: _PATH | None = None) -> Path | None:
-    """The most recently written ``*.ckpt`` in ``directory`` that passes ``checkpoint_problem``."""
+    """The most recently written ``*.ckpt`` in ``directory`` that verifies.
+
+    Files must pass ``checkpoint_problem``; FSDP2 sharded checkpoints (directories) must match their
+    ``SHA256SUMS`` manifest.
+    """
     directory = Path(directory)
     if not directory.is_dir():
         return None
     excluded = Path(exclude).absolute() if exclude is not None else None
-    candidates = [p for p in directory.glob("*.ckpt") if p.is_file() and p.absolute() != excluded]
+    candidates = [p for p in directory.glob("*.ckpt") if (p.is_file() or p.is_dir()) and p.absolute() != excluded]
     for candidate in sorted(candidates, key=lambda p: p.stat().st_mtime, reverse=True):
-        if checkpoint_problem(candidate) is None:
+        problem = _sharded_problem(candidate) if candidate.is_dir() else checkpoint_problem(candidate)
+        if problem is None:
             return candidate
     return None
 
@@ -215,7 +292,7 @@ def select_resume_checkpoint(last: _PATH) -> Path | None:
     last = Path(last)
     if not last.exists():
         return None
-    problem = checkpoint_problem(last)
+    problem = _sharded_problem(last) if last.is_dir() else checkpoint_problem(last)
     if problem is None:
         return last
     fallback = newest_good_checkpoint(last.parent, exclude=last)
@@ -224,6 +301,31 @@ def select_resume_checkpoint(last: _PATH) -> Path | None:
     warnings.warn(f"checkpoint {last} is damaged ({problem}); resuming from the previous good checkpoint "
                   f"{fallback} instead", stacklevel=2)
     return fallback
+
+
+def resolve_resume_path(requested: _PATH) -> tuple[Path, str | None]:
+    """The checkpoint a resume from ``requested`` should load, and the one line saying why when it differs.
+
+    ``requested`` when it verifies (or has no checksum to check: older versions). When it is missing
+    or damaged - a kill during a save can leave ``last.ckpt`` newer than its sidecar, or gone - the
+    newest verifiable checkpoint in its directory is used instead. With nothing verifiable there,
+    ``requested`` is returned unchanged (a damaged one is then refused when loaded, a missing one
+    reported missing).
+    """
+    requested = Path(requested)
+    if requested.is_dir():
+        problem = _sharded_problem(requested) if (requested / "SHA256SUMS").is_file() else None
+    elif requested.is_file():
+        problem = checkpoint_problem(requested, unverifiable_is_problem=False)
+    else:
+        problem = "it does not exist"
+    if problem is None:
+        return requested, None
+    fallback = newest_good_checkpoint(requested.parent, exclude=requested)
+    if fallback is None:
+        return requested, None
+    return fallback, (f"checkpoint {requested} cannot be used ({problem}); resuming from the newest verifiable "
+                      f"checkpoint beside it, {fallback}")
 
 
 class VerifiedCheckpointIO(TorchCheckpointIO):

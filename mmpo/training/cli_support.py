@@ -2,13 +2,15 @@
 
 Every ``mmpo fit|validate|test`` Trainer gets ``VerifiedCheckpointIO`` (atomic, checksummed
 checkpoints that refuse to load when damaged) and ``RunDirectoryLock`` (one run per checkpoint
-directory; ``last.ckpt`` is always the newest run's) and, unless the config names a progress bar
+directory; ``last.ckpt`` is always the newest run's), ``PreemptionCheckpoint`` (SIGTERM / SIGUSR1 save
+``last.ckpt`` at a step boundary and exit 128 + signal) unless the config names one, and, unless the config names a progress bar
 or disables it, ``StepProgressBar`` (``step k/max_steps`` with an ETA) instead of Lightning's.
 """
 
 from __future__ import annotations
 
 import re
+import sys
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -16,7 +18,8 @@ from lightning.pytorch import Trainer
 from lightning.pytorch.callbacks import ProgressBar
 from lightning.pytorch.cli import ArgsType, LightningArgumentParser, LightningCLI
 
-from mmpo.training.checkpoint import install_verified_checkpoint_io, refuse_if_damaged
+from mmpo.training.checkpoint import install_verified_checkpoint_io, refuse_if_damaged, resolve_resume_path
+from mmpo.training.preemption import PreemptionCheckpoint
 from mmpo.training.progress import StepProgressBar
 from mmpo.training.run_lock import RunDirectoryLock
 
@@ -36,8 +39,14 @@ class MMPOLightningCLI(LightningCLI):
         # LightningCLI reads --ckpt_path's hyperparameters with a bare torch.load next: verify it first.
         subcommand = self.config.get("subcommand")
         ckpt_path = self.config[subcommand].get("ckpt_path") if subcommand else None
-        if ckpt_path and Path(ckpt_path).is_file():
-            refuse_if_damaged(ckpt_path)
+        if ckpt_path and ckpt_path not in LIGHTNING_CKPT_KEYWORDS:
+            # a kill during a save may leave last.ckpt missing or newer than its sidecar: take the newest good one
+            resolved, reason = resolve_resume_path(ckpt_path)
+            if reason is not None:
+                print(f"mmpo {subcommand}: {reason}", file=sys.stderr, flush=True)
+                self.config[subcommand]["ckpt_path"] = str(resolved)
+            if resolved.is_file():
+                refuse_if_damaged(resolved)
 
     def instantiate_trainer(self, **kwargs: Any) -> Trainer:
         # copied before the Trainer is built: it appends its default bar to this very list
@@ -45,6 +54,9 @@ class MMPOLightningCLI(LightningCLI):
         configured = list(configured) if isinstance(configured, list) else [configured]
         trainer = super().instantiate_trainer(**kwargs)
         install_verified_checkpoint_io(trainer)
+        if not any(isinstance(cb, PreemptionCheckpoint) for cb in trainer.callbacks):
+            # first, so that on an exception it saves before RunDirectoryLock lets go of the directory
+            trainer.callbacks.insert(0, PreemptionCheckpoint())  # a configured one keeps its settings
         replace_default_progress_bar(trainer, configured)
         return trainer
 
@@ -60,6 +72,9 @@ def replace_default_progress_bar(trainer: Trainer, configured_callbacks: list[An
         return
     trainer.callbacks[trainer.callbacks.index(default_bar)] = StepProgressBar()
 
+
+#: ``ckpt_path`` values Lightning resolves itself
+LIGHTNING_CKPT_KEYWORDS = ("last", "best", "hpc", "registry")
 
 _NESTED_KEY = re.compile(r"^--(model\.init_args\.[\w.]+)\.(\w+)$")
 _YAML_NULLS = ("null", "Null", "NULL", "~")

@@ -6,7 +6,8 @@ run is simply taken over; a live holder makes the next run fail at once with its
 
 ``RunDirectoryLock`` is the Lightning callback that every ``mmpo fit`` Trainer gets: it locks each
 ``ModelCheckpoint`` directory in ``on_fit_start`` (once Lightning has resolved the directories and
-restored any checkpoint, before the first step can write one) and releases the locks in
+restored any checkpoint, before the first step can write one), removes the temporary files and
+staging directories that killed saves left there, and releases the locks in
 ``teardown`` / ``on_exception``. Under the lock (from ``on_train_start``, once every strategy has
 restored its checkpoint) it also keeps ``last.ckpt`` the newest: Lightning
 would write a fresh run's last checkpoint as ``last-v1.ckpt`` beside an earlier run's
@@ -30,7 +31,7 @@ from typing import Any
 from lightning.pytorch import Callback
 from lightning.pytorch.callbacks import ModelCheckpoint
 
-from mmpo.training.checkpoint import previous_path, sidecar_path
+from mmpo.training.checkpoint import previous_path, remove_stale_temporaries, sidecar_path
 
 LOCK_NAME = ".lock"
 
@@ -170,6 +171,9 @@ class RunDirectoryLock(Callback):
             return
         for directory in self._checkpoint_dirs(trainer):
             self._lock(directory)
+            # under the lock no other run writes here: what a killed save left behind can go
+            for stale in remove_stale_temporaries(directory):
+                warnings.warn(f"removed {stale}, left by an interrupted save", stacklevel=2)
 
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
         # Not in on_fit_start: a strategy that restores after setup (FSDP2Strategy, Lightning's

@@ -171,7 +171,7 @@ def test_symlinked_last_is_verified_through_its_target(tmp_path):
 
 
 @pytest.mark.parametrize("damage", ["overwrite", "truncate"])
-def test_mmpo_cli_refuses_a_damaged_ckpt_path(run_dir, damage):
+def test_mmpo_cli_falls_back_from_a_damaged_ckpt_path_and_refuses_with_nothing_good(run_dir, damage, capsys):
     from lightning.pytorch.demos.boring_classes import BoringDataModule
 
     from mmpo.training.cli_support import MMPOLightningCLI
@@ -183,7 +183,16 @@ def test_mmpo_cli_refuses_a_damaged_ckpt_path(run_dir, damage):
         last.write_bytes(last.read_bytes()[:1000])
     args = ["fit", f"--ckpt_path={last}", f"--trainer.default_root_dir={run_dir / 'resume'}", "--trainer.logger=false",
             "--trainer.max_steps=6", "--trainer.enable_progress_bar=false"]
-    with pytest.raises(CorruptCheckpointError) as raised:
+    # the newest verifiable checkpoint beside it (the step-4 top-k file, written just before last.ckpt) is used
+    cli = MMPOLightningCLI(AdamBoring, BoringDataModule, args=args)
+    good = run_dir / "checkpoints" / "epoch=0-step=4.ckpt"
+    assert cli.trainer.ckpt_path == str(good) and cli.trainer.global_step == 6
+    (line,) = [line for line in capsys.readouterr().err.splitlines() if "cannot be used" in line]
+    assert line.startswith(f"mmpo fit: checkpoint {last} cannot be used (") and line.endswith(f"beside it, {good}")
+
+    for other in run_dir.joinpath("checkpoints").glob("*.ckpt"):
+        if other != last:
+            other.unlink()
+    with pytest.raises(CorruptCheckpointError, match="No good checkpoint was found") as raised:
         MMPOLightningCLI(AdamBoring, BoringDataModule, args=args)
     assert str(last) in str(raised.value)
-    assert str(run_dir / "checkpoints" / "epoch=0-step=4.ckpt") in str(raised.value)
