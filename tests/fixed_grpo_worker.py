@@ -103,7 +103,14 @@ if LORA:  # the KL reference of a LoRA policy (its adapter disabled), sharded, a
             state["reference_log_probs"] = completion_log_probs(reference, *inputs)[0]
         state["policy_log_probs"] = completion_log_probs(module.model, *inputs)[0]
         state["base_log_probs"] = completion_log_probs(load_vlm(model_path)[0], *inputs)[0]
+rank_losses = [module.last_metrics["losses/policy"]]
+if parallel:  # every rank's last policy loss (each a share of the global token mean), for the 2-vs-1 check
+    import torch.distributed as dist
+
+    rank_losses = [None] * trainer.world_size
+    dist.all_gather_object(rank_losses, module.last_metrics["losses/policy"])
 if trainer.is_global_zero:
+    print("rank_policy_losses", ",".join(repr(float(v)) for v in rank_losses))
     save_file({k: v.contiguous() for k, v in state.items()}, out)
     print("global_step", trainer.global_step, "kl", module.last_metrics.get("kl", 0.0), "losses/policy",
           module.last_metrics["losses/policy"], "grad_norm", module.last_metrics["policy/grad_norm"],
