@@ -64,7 +64,15 @@ def test_build_tiny_text_then_sft_grpo_dpo_through_the_cli(tmp_path):
     for key in ("losses/policy", "losses/kl", "policy/clipfrac", "rewards/accuracy/mean", "rewards/total/mean",
                 "response/length_mean", "val/accuracy"):
         assert key in logged, key
-    assert (tmp_path / "grpo" / "ckpt" / "last.ckpt").is_file()
+    last = tmp_path / "grpo" / "ckpt" / "last.ckpt"
+    assert last.is_file()
+    # resume: one more step from the step-2 checkpoint
+    assert main(["fit", "-c", str(CONFIGS / "grpo_tiny.yaml"), *_common(tmp_path, "grpo"), "--trainer.max_steps=3",
+                 f"--model.init_args.model_path={sft_out}", f"--model.init_args.output_dir={grpo_out}",
+                 "--model.init_args.overwrite_output=true",
+                 "--model.init_args.sampling.num_generations=2", "--model.init_args.sampling.max_new_tokens=4",
+                 "--model.init_args.loss.beta=0.01", f"--ckpt_path={last}"]) == 0
+    assert torch.load(last, weights_only=True, map_location="cpu")["global_step"] == 3
 
     dpo_out = tmp_path / "text_dpo"
     assert main(["fit", "-c", str(CONFIGS / "dpo_tiny.yaml"), *_common(tmp_path, "dpo"),
