@@ -29,7 +29,7 @@ DISK_FULL_EXIT_CODE = 28
 # sub-command -> ("module:function", one-line help). Each function takes argv.
 PROGRAM_SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "quickstart": ("mmpo.quickstart:main", "build a tiny VLM, SFT warm-up, GRPO, evaluate and plot (CPU)"),
-    "build-tiny": ("mmpo.vlm.tiny_cli:main", "build the tiny Qwen2.5-VL the tiny VLM configs start from (CPU)"),
+    "build-tiny": ("mmpo.vlm.tiny_cli:main", "build the tiny Qwen2.5-VL (or, --kind text, Qwen3 text LM) the tiny configs start from (CPU)"),
     "eval": ("mmpo.eval.cli:main", "evaluate a checkpoint on registered benchmarks"),
     "estimate": ("mmpo.vlm.estimate_cli:main", "per-device memory budget of a VLM config (no weights loaded)"),
     "demos": ("mmpo.robotics.cli:demos_main", "generate scripted demonstrations in robomimic's HDF5 layout"),

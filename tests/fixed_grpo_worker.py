@@ -13,11 +13,15 @@ then the run also exports to OUT without its suffix + "_hf" (merged weights and 
 ``base_log_probs`` (the unsharded model loaded from MODEL_PATH) of the fixed global rollout. The global rollout is 2 prompts x G 3 (seeded, the same in every
 process), completions cut to unequal lengths so that a rank-local token mean would differ; a
 data-parallel rank keeps its prompt's group and trains with micro-batches of one completion.
-The optimizer is SGD (lr 1 without momentum: the weight change is minus the gradient). Rank 0
+The optimizer is SGD (lr 1 without momentum: the weight change is minus the gradient). A text-only LM at
+MODEL_PATH (mmpo.vlm.factory.model_kind) gets text prompts (long_arithmetic, countdown) instead of
+(count_shapes, arithmetic), and its LoRA run has no vision tower to freeze. Rank 0
 writes the final full weights to OUT (safetensors) and prints ``global_step`` and the last ``kl``.
 """
 
+import json
 import sys
+from pathlib import Path
 
 import lightning as L
 import torch
@@ -30,7 +34,7 @@ from mmpo.data.synthetic import make_items
 from mmpo.training.config import LossConfig, OptimConfig, SamplingConfig
 from mmpo.training.fsdp import FSDP2Strategy
 from mmpo.training.lora import unwrap
-from mmpo.vlm.factory import load_vlm
+from mmpo.vlm.factory import load_vlm, model_kind
 from mmpo.vlm.fsdp import full_state_dict, is_sharded
 from mmpo.vlm.logprobs import completion_log_probs
 from mmpo.vlm.rollout import HFGenerateEngine
@@ -38,7 +42,9 @@ from mmpo.vlm.rollout import HFGenerateEngine
 torch.set_num_threads(1)
 mode, model_path, out, agg, steps, beta, momentum, ckpt_dir, resume, max_grad_norm, lora = sys.argv[1:12]
 parallel = mode != "single"
-rows = make_items("count_shapes", 1, seed=0) + make_items("arithmetic", 1, seed=0)
+text_only = model_kind(json.loads((Path(model_path) / "config.json").read_text())) == "text"
+rows = (make_items("long_arithmetic", 1, seed=0) + make_items("countdown", 1, seed=0) if text_only
+        else make_items("count_shapes", 1, seed=0) + make_items("arithmetic", 1, seed=0))
 REWARDS = torch.tensor([1.0, 0.0, 0.5, 0.0, 1.0, 1.0])
 STRATEGIES = {"single": "auto", "ddp": "ddp_find_unused_parameters_true", "fsdp": FSDP2Strategy()}
 
@@ -71,6 +77,7 @@ class FixedGRPO(GRPOModule):
 
 LORA = {"lora_rank": 16, "lora_alpha": 32, "lora_dropout": 0.0, "freeze_vision_tower": True,
         "lora_target_modules": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]}
+LORA = {**LORA, "freeze_vision_tower": False} if text_only else LORA
 LORA = {**LORA, "output_dir": out.removesuffix(".safetensors") + "_hf"} if int(lora) else {}
 module = FixedGRPO(model_path, sampling=SamplingConfig(num_generations=3),
                    loss=LossConfig(beta=float(beta), agg=agg),
@@ -96,7 +103,14 @@ if LORA:  # the KL reference of a LoRA policy (its adapter disabled), sharded, a
             state["reference_log_probs"] = completion_log_probs(reference, *inputs)[0]
         state["policy_log_probs"] = completion_log_probs(module.model, *inputs)[0]
         state["base_log_probs"] = completion_log_probs(load_vlm(model_path)[0], *inputs)[0]
+rank_losses = [module.last_metrics["losses/policy"]]
+if parallel:  # every rank's last policy loss (each a share of the global token mean), for the 2-vs-1 check
+    import torch.distributed as dist
+
+    rank_losses = [None] * trainer.world_size
+    dist.all_gather_object(rank_losses, module.last_metrics["losses/policy"])
 if trainer.is_global_zero:
+    print("rank_policy_losses", ",".join(repr(float(v)) for v in rank_losses))
     save_file({k: v.contiguous() for k, v in state.items()}, out)
     print("global_step", trainer.global_step, "kl", module.last_metrics.get("kl", 0.0), "losses/policy",
           module.last_metrics["losses/policy"], "grad_norm", module.last_metrics["policy/grad_norm"],

@@ -45,3 +45,19 @@ def tiny_grpo_fit_args(config: Path, tiny_path: str, tmp_path: Path, *overrides:
         "--data.init_args.tasks=[count_shapes,arithmetic]", "--data.init_args.train_size=4",
         "--data.init_args.val_size=2", "--data.init_args.batch_size=2",
     ]
+
+
+TEXT_TEST_TASKS = ["long_arithmetic", "word_problem", "countdown"]
+
+
+def build_small_text_lm(directory: Path, *, hidden_size: int = 32, intermediate_size: int = 64,
+                        num_layers: int = 2) -> str:
+    """``build_tiny_text_lm`` (a tiny Qwen3) with a 400-token vocabulary trained on the text tasks' corpus
+    (20 items per task and split); returns its path."""
+    from mmpo.data import SYSTEM_PROMPT
+    from mmpo.data.synthetic import corpus
+    from mmpo.vlm.factory import build_tiny_text_lm
+
+    texts = [SYSTEM_PROMPT, *corpus(TEXT_TEST_TASKS, n=20)]
+    return str(build_tiny_text_lm(directory, corpus=texts, vocab_size=400, hidden_size=hidden_size,
+                                  intermediate_size=intermediate_size, num_layers=num_layers))

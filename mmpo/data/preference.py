@@ -52,13 +52,16 @@ _ALTERNATIVES_RE = re.compile(r"(?:the )?(\w+)(?: one)? or (?:the )?(\w+)")
 def wrong_answer(row: dict[str, Any], rng: random.Random) -> str:
     """A plausible wrong answer for a synthetic / choice row.
 
-    Integers: the answer plus one of -2, -1, 1, 2 (kept >= 0); multiple choice: another letter;
+    Integers: the answer plus one of -2, -1, 1, 2 (kept >= 0 for a non-negative answer); countdown
+    expressions: the same numbers with one operator changed so the target is missed; multiple choice: another letter;
     "A or B" questions: the other alternative. Raises ValueError for anything else.
     """
     answer = str(row["answer"]).strip()
+    if row.get("numbers") is not None and row.get("target") is not None:
+        return _wrong_expression(answer, int(row["target"]), rng)
     if re.fullmatch(r"-?\d+", answer):
         value = int(answer)
-        candidates = [value + d for d in (-2, -1, 1, 2) if value + d >= 0]
+        candidates = [value + d for d in (-2, -1, 1, 2) if value + d >= 0 or value < 0]  # negatives stay
         return str(rng.choice(candidates))
     if row.get("choices"):
         letters = [chr(ord("A") + k) for k in range(len(row["choices"]))]
@@ -69,6 +72,37 @@ def wrong_answer(row: dict[str, Any], rng: random.Random) -> str:
         return second if answer == first else first
     raise ValueError(f"row {row.get('id')!r}: cannot make a wrong answer for {answer!r} (not an integer, a choice "
                      "letter, or one of two alternatives named in the problem)")
+
+
+def _evaluate_expression(expression: str) -> int:
+    """Value of an integer expression of ``+ - *`` and parentheses (parsed with ``ast``, nothing else runs)."""
+    import ast
+    import operator
+
+    ops = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul}
+
+    def value(node: ast.AST) -> int:
+        if isinstance(node, ast.BinOp) and type(node.op) in ops:
+            return ops[type(node.op)](value(node.left), value(node.right))
+        if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.USub):
+            return -value(node.operand)
+        if isinstance(node, ast.Constant) and isinstance(node.value, int):
+            return node.value
+        raise ValueError(f"not an integer +, -, * expression: {expression!r}")
+
+    return value(ast.parse(expression, mode="eval").body)
+
+
+def _wrong_expression(expression: str, target: int, rng: random.Random) -> str:
+    """A countdown answer that uses the same numbers but misses the target: one operator of ``expression``
+    swapped for another (the first swap, in random order, whose value differs)."""
+    positions = [i for i, char in enumerate(expression) if char in "+-*" and (i == 0 or expression[i - 1] == " ")]
+    candidates = [expression[:i] + op + expression[i + 1:] for i in positions for op in "+-*" if op != expression[i]]
+    rng.shuffle(candidates)
+    for candidate in candidates:
+        if _evaluate_expression(candidate) != target:
+            return candidate
+    raise ValueError(f"cannot make a wrong countdown answer from {expression!r}")
 
 
 def wrong_solution(row: dict[str, Any], wrong: str, style: str = "think-answer") -> str:

@@ -6,8 +6,8 @@ Four kinds of names resolve here:
 * local-file benchmarks (``register_local_benchmark``; ``mmpo.eval.benchmarks``: MathVista,
   MathVerse, MathVision, Geometry3K, GeoQA, ChartQA, MMMU, GSM8K, MATH-500) read from the
   publisher's files under a data folder (``mmpo eval --data-dir DIR``);
-* ``synth/<task>`` (the held-out test split of one synthetic task) and
-  ``synth/all`` (every task), generated on the fly from
+* ``synth/<task>`` (the held-out test split of one synthetic task),
+  ``synth/all`` (every task) and ``synth/text`` (the text-LM tasks, ``TEXT_TASKS``), generated on the fly from
   ``mmpo.data.synthetic`` so tasks added later with ``register_task`` appear too;
 * ``file:<path>`` for a local dataset read by ``mmpo.data.loaders.load_rows``.
 
@@ -148,7 +148,7 @@ def available_benchmarks() -> list[str]:
     """Every valid name: registered ones, ``synth/all``, ``synth/<task>`` and the ``file:<path>`` form."""
     _load_plugins()
     names = sorted({*BENCHMARKS, *LOCAL_BENCHMARKS})
-    names += [f"{SYNTH_PREFIX}all"] + [f"{SYNTH_PREFIX}{task}" for task in synthetic_tasks()]
+    names += [f"{SYNTH_PREFIX}all", f"{SYNTH_PREFIX}text"] + [f"{SYNTH_PREFIX}{task}" for task in synthetic_tasks()]
     names.append(f"{FILE_PREFIX}<path>")
     return names
 
@@ -218,12 +218,16 @@ def resolve_benchmark(
         tasks = synthetic_tasks()
         if task == "all":
             selected = tasks
+        elif task == "text":  # the text-only tasks a text LM is evaluated on (docs/llm.md)
+            from mmpo.data.synthetic import TEXT_TASKS
+
+            selected = list(TEXT_TASKS)
         elif task in tasks:
             selected = [task]
         else:
             raise UnknownBenchmarkError(
                 f"unknown synthetic task {task!r} in benchmark {name!r}; valid: "
-                + ", ".join(f"{SYNTH_PREFIX}{t}" for t in ["all", *tasks])
+                + ", ".join(f"{SYNTH_PREFIX}{t}" for t in ["all", "text", *tasks])
             )
         if synth_size < 1:
             raise ValueError(f"synth_size must be >= 1, got {synth_size}")

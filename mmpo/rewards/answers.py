@@ -152,3 +152,36 @@ def answers_match(predicted: str | None, gold: str) -> bool:
     if not gold_parsed or not pred_parsed:
         return False
     return bool(verify(gold_parsed, pred_parsed, timeout_seconds=timeout))
+
+
+_EXPRESSION_CHARS = frozenset("0123456789+-*() ")
+
+
+def uses_exactly(expression: str, numbers: list[int]) -> bool:
+    """True when ``expression`` is made of integers, ``+ - * ( )`` and spaces only and its integers are
+    ``numbers`` (as a multiset: each used exactly once). One linear scan. Example:
+    ``uses_exactly("(3 + 5) * 7", [3, 5, 7])`` -> True; ``"22"`` or ``"3 * 5 + 7 + 1"`` -> False."""
+    if len(expression) > MAX_ANSWER_CHARS or not expression.strip() or set(expression) - _EXPRESSION_CHARS:
+        return False
+    found: list[int] = []
+    digits = ""
+    for char in expression + " ":
+        if char.isdigit():
+            digits += char
+        elif digits:
+            found.append(int(digits))
+            digits = ""
+    return sorted(found) == sorted(int(n) for n in numbers)
+
+
+def row_answer_correct(predicted: str | None, row: dict) -> bool:
+    """Whether ``predicted`` answers ``row``: :func:`answers_match` against ``row["answer"]``; for a
+    countdown-style row (``numbers`` and ``target``, ``mmpo.data.synthetic.text_tasks.countdown``) the
+    predicted expression must use exactly the row's numbers (:func:`uses_exactly`) and math-verify must
+    find it equal to the target."""
+    numbers = row.get("numbers")
+    if numbers is not None and row.get("target") is not None:
+        if predicted is None or not uses_exactly(predicted, list(numbers)):
+            return False
+        return answers_match(predicted, str(row["target"]))
+    return answers_match(predicted, str(row["answer"]))

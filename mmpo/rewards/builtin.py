@@ -11,7 +11,7 @@ from typing import Any
 import torch
 
 from mmpo.data.solution import render_solution
-from mmpo.rewards.answers import answers_match, extract_answer
+from mmpo.rewards.answers import extract_answer, row_answer_correct
 from mmpo.rewards.registry import register_reward
 
 _FORMAT_TAGS = ("<think>", "</think>", "<answer>", "</answer>")
@@ -28,13 +28,15 @@ def accuracy_reward(completions: list[str], rows: list[dict[str, Any]]) -> torch
 
     The answer is read from ``<answer>...</answer>`` (or ``\\boxed{}``, or R1-VL's
     ``### The final answer is:`` line); no answer gives 0. Numbers and LaTeX are
-    compared with math-verify, word answers by normalised string.
+    compared with math-verify, word answers by normalised string. A countdown row (``numbers``,
+    ``target``) takes any expression that uses exactly its numbers and equals the target
+    (:func:`mmpo.rewards.answers.row_answer_correct`).
 
     Returns:
         (N,) float32.
     """
     _check_lengths(completions, rows)
-    scores = [float(answers_match(extract_answer(text), str(row["answer"]))) for text, row in zip(completions, rows)]
+    scores = [float(row_answer_correct(extract_answer(text), row)) for text, row in zip(completions, rows)]
     return torch.tensor(scores, dtype=torch.float32)
 
 

@@ -20,7 +20,7 @@ import yaml
 
 from mmpo.vlm.memory import (
     GB,
-    KNOWN_ARCHITECTURES,
+    ALL_ARCHITECTURES,
     QWEN25_VL_MAX_PIXELS,
     RunShape,
     estimate_memory,
@@ -130,7 +130,8 @@ def run_shape(config: Mapping[str, Any], *, devices: int | None = None, prompt_t
     s = module_settings(model)
     n_devices = _devices(trainer, devices)
     weights, compute = _dtypes(s, trainer.get("precision"))
-    pixels = _image_pixels(s, s.get("model_path"), default_pixels)
+    text_only = bool(getattr(dims, "text_only", False))
+    pixels = 0 if text_only else _image_pixels(s, s.get("model_path"), default_pixels)
     batch = int(data.get("batch_size", 8))
     if s["_is_rl"]:
         sampling, optim = s["sampling"], s.get("optim") or {}
@@ -199,13 +200,14 @@ def estimate_config(path: str | Path, *, devices: int | None = None, architectur
     config = apply_overrides(yaml.safe_load(Path(path).read_text()), overrides)
     model_path = ((config.get("model") or {}).get("init_args") or {}).get("model_path")
     dims, source = resolve_model_dims(model_path, architecture)
-    published = "published dimensions" in source  # a known architecture: its processor's max_pixels applies
+    # a known VLM architecture: its processor's max_pixels applies (a text LM counts no image)
+    published = "published dimensions" in source and not dims.text_only
     run = run_shape(config, devices=devices, prompt_tokens=prompt_tokens, dims=dims,
                     default_pixels=QWEN25_VL_MAX_PIXELS if published else None)
     budget = estimate_memory(dims, run)
     header = f"mmpo estimate {path}\n  model: {source}"
     settings = module_settings(config.get("model") or {})
-    if prompt_tokens is None and not settings.get("max_prompt_length"):
+    if prompt_tokens is None and not settings.get("max_prompt_length") and not dims.text_only:
         header += (f"\n  prompt length assumed: image tokens + {DEFAULT_PROMPT_TEXT_TOKENS} text tokens "
                    "(set max_prompt_length, or pass --prompt-tokens)")
     return budget, format_budget(budget, dims, run, header=header)
@@ -262,7 +264,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     parser.add_argument("-c", "--config", required=True, help="a mmpo fit YAML config")
     parser.add_argument("--devices", type=int, default=None, help="device count (default: trainer.devices x num_nodes)")
-    parser.add_argument("--arch", choices=sorted(KNOWN_ARCHITECTURES), default=None,
+    parser.add_argument("--arch", choices=sorted(ALL_ARCHITECTURES), default=None,
                         help="use published dimensions instead of model_path's config.json")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                         help="override a config value, e.g. --set model.init_args.lora_rank=64 "

@@ -1,9 +1,15 @@
-"""Vision-language models: load a real checkpoint, or build a tiny Qwen2.5-VL locally.
+"""Policy models: load a real checkpoint, or build a tiny Qwen2.5-VL or Qwen3 text LM locally.
 
 Both paths end in ``from_pretrained``: ``build_tiny_vlm`` writes a real
 Qwen2.5-VL directory (config, safetensors weights, tokenizer, processor) and
 ``load_vlm`` reads it exactly as it would read ``Qwen/Qwen2.5-VL-3B-Instruct``.
 Qwen2.5-VL: arXiv 2502.13923. Qwen2-VL: arXiv 2409.12191.
+
+Text-only causal LMs (Qwen2.5, Qwen3, Llama, ...) go through the same ``load_vlm``: the model kind is
+read from the checkpoint's config (:func:`model_kind`: a config without a ``vision_config`` is a text
+LM), the model is loaded with ``AutoModelForCausalLM`` and its tokenizer is wrapped in
+:class:`TextProcessor`, which answers the processor calls the pipeline makes (``.tokenizer``, chat
+template, ``batch_decode``, ``save_pretrained``). ``build_tiny_text_lm`` writes a tiny Qwen3.
 """
 
 from __future__ import annotations
@@ -47,6 +53,18 @@ QWEN_VL_CHAT_TEMPLATE = (
     "{% endif %}{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
 
+# The special tokens of the tiny text LM (ids 0..2): a text Qwen tokenizer's end-of-text and ChatML markers.
+QWEN_TEXT_SPECIAL_TOKENS = QWEN_SPECIAL_TOKENS[:3]
+
+# Qwen2.5-Instruct's chat template for plain string messages (its tokenizer_config.json, tool branches
+# left out): a default system turn when the conversation has none, ChatML turns, the assistant header.
+QWEN_TEXT_CHAT_TEMPLATE = (
+    "{% for message in messages %}{% if loop.first and message['role'] != 'system' %}"
+    "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n{% endif %}"
+    "<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
 # Pixel budget for the synthetic images (a 112 x 112 image -> 4 x 4 merged tokens).
 TINY_MIN_PIXELS = 28 * 28 * 4
 TINY_MAX_PIXELS = 28 * 28 * 16
@@ -69,6 +87,86 @@ def _model_class(model_type: str):
     return transformers.AutoModelForImageTextToText
 
 
+MODEL_KINDS = ("vlm", "text")
+
+
+def model_kind(config: Any) -> str:
+    """``"vlm"`` or ``"text"``, from a transformers config (or its ``config.json`` as a dict).
+
+    A config with a ``vision_config`` (Qwen2/2.5/3-VL and every HF image-text model) is a VLM; one
+    without it whose ``architectures`` name a ``...ForCausalLM`` (or that names none) is a text LM
+    (Qwen2.5, Qwen3, Llama, ...). Anything else (a vision-only or encoder config) raises ValueError.
+    """
+    get = config.get if isinstance(config, dict) else (lambda key, default=None: getattr(config, key, default))
+    if get("vision_config") is not None:
+        return "vlm"
+    architectures = list(get("architectures") or [])
+    if not architectures or any(name.endswith("ForCausalLM") for name in architectures):
+        return "text"
+    raise ValueError(f"model_type {get('model_type')!r} (architectures {architectures}) is neither a "
+                     "vision-language model (no vision_config) nor a causal LM (no ...ForCausalLM)")
+
+
+class TextProcessor:
+    """A text LM's tokenizer in the role of a VLM processor: the one object the pipeline passes around.
+
+    ``.tokenizer`` is the tokenizer; calling it tokenizes chat-rendered text (``images`` must be empty;
+    no special tokens are added: the chat template already wrote them, e.g. Llama's BOS);
+    ``apply_chat_template``, ``batch_decode``, ``decode`` and ``save_pretrained`` are the tokenizer's.
+    """
+
+    is_text_only = True
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+        if tokenizer.pad_token_id is None:  # Llama has none: pad with EOS (always masked out)
+            tokenizer.pad_token = tokenizer.eos_token
+        self.chat_template = tokenizer.chat_template
+
+    def __call__(self, text: Sequence[str], images: Any = None, **kwargs: Any):
+        if images:
+            raise ValueError("a text-only model's processor got images")
+        kwargs.setdefault("add_special_tokens", False)
+        return self.tokenizer(list(text), **kwargs)
+
+    def apply_chat_template(self, messages: Any, **kwargs: Any) -> Any:
+        return self.tokenizer.apply_chat_template(messages, **kwargs)
+
+    def batch_decode(self, *args: Any, **kwargs: Any) -> list[str]:
+        return self.tokenizer.batch_decode(*args, **kwargs)
+
+    def decode(self, *args: Any, **kwargs: Any) -> str:
+        return self.tokenizer.decode(*args, **kwargs)
+
+    def save_pretrained(self, directory: str | Path, **kwargs: Any) -> Any:
+        return self.tokenizer.save_pretrained(directory, **kwargs)
+
+    def __repr__(self) -> str:
+        return f"TextProcessor({type(self.tokenizer).__name__}, vocab {len(self.tokenizer)})"
+
+
+def is_text_processor(processor: Any) -> bool:
+    """True for the processor of a text-only LM (:class:`TextProcessor`)."""
+    return bool(getattr(processor, "is_text_only", False))
+
+
+def turn_end_token_id(tokenizer: Any) -> int:
+    """The token that ends an assistant turn: ChatML's ``<|im_end|>`` (Qwen), Llama 3's ``<|eot_id|>``,
+    else the tokenizer's EOS."""
+    vocab = tokenizer.get_vocab()
+    for token in ("<|im_end|>", "<|eot_id|>"):
+        if token in vocab:
+            return int(vocab[token])
+    if tokenizer.eos_token_id is None:
+        raise ValueError(f"{type(tokenizer).__name__} has no <|im_end|>, <|eot_id|> or EOS token to end a turn")
+    return int(tokenizer.eos_token_id)
+
+
+def load_model(path: str | Path, **kwargs: Any) -> tuple[torch.nn.Module, Any]:
+    """:func:`load_vlm` under the name that says it loads both kinds."""
+    return load_vlm(path, **kwargs)
+
+
 def load_vlm(
     path: str | Path,
     *,
@@ -78,14 +176,19 @@ def load_vlm(
     trust_remote_code: bool = False,
     attn_implementation: str | None = None,
 ) -> tuple[torch.nn.Module, Any]:
-    """Load a saved VLM and its processor with ``from_pretrained``.
+    """Load a saved VLM or text LM and its processor with ``from_pretrained``.
+
+    The kind comes from the checkpoint's config (:func:`model_kind`): a VLM loads its
+    ``...ForConditionalGeneration`` class and ``AutoProcessor``; a text LM loads through
+    ``AutoModelForCausalLM`` with its tokenizer (and chat template) as a :class:`TextProcessor`.
 
     Args:
-        path: a local HF directory (a real Qwen2/2.5/3-VL checkpoint or one written by
-            :func:`build_tiny_vlm`).
+        path: a local HF directory (a real Qwen2/2.5/3-VL or Qwen2.5/Qwen3/Llama checkpoint, or one
+            written by :func:`build_tiny_vlm` / :func:`build_tiny_text_lm`).
         dtype: weights dtype (``torch.float32`` on CPU, ``torch.bfloat16`` on GPU).
         min_pixels, max_pixels: override the image processor's pixel budget (each image is
-            resized so that H*W lies in [min_pixels, max_pixels], sides multiples of 28).
+            resized so that H*W lies in [min_pixels, max_pixels], sides multiples of 28). A text LM
+            has no image processor: setting either raises ValueError.
         trust_remote_code: only when the user asks for it.
         attn_implementation: e.g. ``"sdpa"`` or ``"flash_attention_2"``; None = transformers' default.
 
@@ -102,10 +205,24 @@ def load_vlm(
     if isinstance(dtype, str):
         dtype = getattr(torch, dtype)
     config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
-    model_cls = _model_class(config.model_type)
+    kind = model_kind(config)
     kwargs: dict[str, Any] = {"dtype": dtype, "trust_remote_code": trust_remote_code}
     if attn_implementation is not None:
         kwargs["attn_implementation"] = attn_implementation
+    if kind == "text":
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        if min_pixels is not None or max_pixels is not None:
+            raise ValueError(f"{path} is a text-only LM ({config.model_type}): min_pixels / max_pixels do not apply")
+        model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
+        model.eval()
+        tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
+        if not tokenizer.chat_template:
+            raise ValueError(f"{path}: the tokenizer has no chat template (prompts are rendered with it)")
+        processor = TextProcessor(tokenizer)
+        tokenizer.padding_side = "left"
+        return model, processor
+    model_cls = _model_class(config.model_type)
     model = model_cls.from_pretrained(path, **kwargs)
     model.eval()
 
@@ -135,6 +252,8 @@ def set_pixel_budget(processor: Any, *, min_pixels: int | None, max_pixels: int 
 
 def pixel_budget(processor: Any) -> tuple[int, int]:
     """``(min_pixels, max_pixels)`` currently used by the processor's image processor."""
+    if is_text_processor(processor):
+        raise ValueError("a text-only LM has no image processor (no pixel budget)")
     size = processor.image_processor.size
     get = size.get if isinstance(size, dict) else (lambda k: getattr(size, k, None))
     return int(get("shortest_edge")), int(get("longest_edge"))
@@ -151,8 +270,9 @@ def default_corpus() -> list[str]:
     return [SYSTEM_PROMPT, *corpus()]
 
 
-def _train_tokenizer(corpus: Sequence[str], vocab_size: int):
-    """Byte-level BPE trained locally (no hub): Qwen's special tokens get ids 0..6."""
+def _train_tokenizer(corpus: Sequence[str], vocab_size: int, *,
+                     special_tokens: Sequence[str] = QWEN_SPECIAL_TOKENS, chat_template: str = QWEN_VL_CHAT_TEMPLATE):
+    """Byte-level BPE trained locally (no hub): ``special_tokens`` (Qwen's) get ids 0, 1, ..."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -161,7 +281,7 @@ def _train_tokenizer(corpus: Sequence[str], vocab_size: int):
     tokenizer.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,
-        special_tokens=list(QWEN_SPECIAL_TOKENS),
+        special_tokens=list(special_tokens),
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
@@ -172,9 +292,9 @@ def _train_tokenizer(corpus: Sequence[str], vocab_size: int):
         tokenizer_object=tokenizer,
         eos_token="<|im_end|>",
         pad_token="<|endoftext|>",
-        additional_special_tokens=list(QWEN_SPECIAL_TOKENS[1:]),
+        additional_special_tokens=list(special_tokens[1:]),
         padding_side="left",
-        chat_template=QWEN_VL_CHAT_TEMPLATE,
+        chat_template=chat_template,
     )
     return wrapped
 
@@ -306,6 +426,86 @@ def build_tiny_vlm(
             },
             indent=2,
         )
+    )
+    return output_dir
+
+
+def default_text_corpus() -> list[str]:
+    """Text the tiny text LM's tokenizer is trained on: the system prompts, and the text tasks' problems and
+    solutions (``mmpo.data.synthetic.TEXT_TASKS``)."""
+    from mmpo.data import SYSTEM_PROMPT
+    from mmpo.data.synthetic import TEXT_TASKS, corpus
+
+    return [SYSTEM_PROMPT, *corpus(list(TEXT_TASKS))]
+
+
+def build_tiny_text_lm(
+    output_dir: str | Path,
+    *,
+    seed: int = 0,
+    corpus: Sequence[str] | None = None,
+    vocab_size: int = 1024,
+    hidden_size: int = 128,
+    num_layers: int = 2,
+    num_heads: int = 4,
+    num_kv_heads: int = 2,
+    intermediate_size: int = 384,
+    max_position_embeddings: int = 2048,
+) -> Path:
+    """Build, save and return the directory of a tiny randomly initialised Qwen3 text LM.
+
+    The model is a real ``Qwen3ForCausalLM`` (a ``Qwen3Config`` with ``num_layers`` layers, grouped-query
+    attention with q/k norms), the tokenizer a byte-level BPE trained on ``corpus`` with the ChatML special
+    tokens (``<|endoftext|>``, ``<|im_start|>``, ``<|im_end|>``) and Qwen2.5-Instruct's chat template
+    (:data:`QWEN_TEXT_CHAT_TEMPLATE`). Written with ``save_pretrained``; :func:`load_vlm` reads it back as a
+    text LM (:func:`model_kind`).
+
+    Args:
+        output_dir: directory to write (created).
+        seed: seeds the weight initialisation.
+        corpus: texts for the tokenizer; default: :func:`default_text_corpus`.
+        **size: the model sizes above; head_dim = hidden_size / num_heads must be even.
+    """
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    if hidden_size % num_heads or (hidden_size // num_heads) % 2:
+        raise ValueError(f"hidden_size {hidden_size} / num_heads {num_heads} must be an even integer head_dim")
+    if num_heads % num_kv_heads:
+        raise ValueError(f"num_heads {num_heads} must be a multiple of num_kv_heads {num_kv_heads}")
+    output_dir = Path(output_dir)
+    output_dir.mkdir(parents=True, exist_ok=True)
+    corpus = list(corpus) if corpus is not None else default_text_corpus()
+    if not corpus:
+        raise ValueError("build_tiny_text_lm: empty tokenizer corpus")
+    tokenizer = _train_tokenizer(corpus, vocab_size, special_tokens=QWEN_TEXT_SPECIAL_TOKENS,
+                                 chat_template=QWEN_TEXT_CHAT_TEMPLATE)
+    ids = {tok: tokenizer.convert_tokens_to_ids(tok) for tok in QWEN_TEXT_SPECIAL_TOKENS}
+    config = Qwen3Config(
+        vocab_size=len(tokenizer),
+        hidden_size=hidden_size,
+        intermediate_size=intermediate_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=num_heads,
+        num_key_value_heads=num_kv_heads,
+        head_dim=hidden_size // num_heads,
+        max_position_embeddings=max_position_embeddings,
+        max_window_layers=num_layers,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+        bos_token_id=ids["<|endoftext|>"],
+        eos_token_id=ids["<|im_end|>"],
+        pad_token_id=ids["<|endoftext|>"],
+        tie_word_embeddings=False,
+    )
+    torch.manual_seed(seed)
+    model = Qwen3ForCausalLM(config)
+    model.generation_config.eos_token_id = ids["<|im_end|>"]
+    model.generation_config.pad_token_id = ids["<|endoftext|>"]
+    model.generation_config.bos_token_id = ids["<|endoftext|>"]
+    model.save_pretrained(output_dir)
+    tokenizer.save_pretrained(output_dir)
+    (output_dir / "mmpo_tiny.json").write_text(
+        json.dumps({"kind": "text", "seed": seed, "vocab_size": len(tokenizer), "hidden_size": hidden_size,
+                    "num_layers": num_layers}, indent=2)
     )
     return output_dir
 

@@ -15,6 +15,7 @@ import torch
 from torch import Tensor
 
 from mmpo.core.logprobs import token_log_probs_from_hidden
+from mmpo.vlm.processing import padded_positions
 from mmpo.vlm.fsdp import all_ranks_agree, as_root_forward, is_sharded
 from mmpo.vlm.shared_prompts import shared_prompt_hidden_states
 
@@ -73,6 +74,9 @@ def completion_hidden_states(
     width = completion_ids.shape[1]
     if "pixel_values" in inputs:
         inputs["pixel_values"] = inputs["pixel_values"].to(next(model.parameters()).dtype)
+    if "pixel_values" not in inputs and not hasattr(backbone, "get_rope_index"):
+        # a text LM: positions from the attention mask, as generation had them (left padding shifts no position)
+        inputs["position_ids"] = padded_positions(inputs["attention_mask"])
     if share_prompts:
         # under FSDP2 every rank takes the same path (the backbone passes differ: mmpo.vlm.shared_prompts)
         agree = partial(all_ranks_agree, model) if is_sharded(model) else None

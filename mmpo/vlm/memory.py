@@ -65,11 +65,26 @@ KNOWN_ARCHITECTURES: dict[str, dict[str, Any]] = {
                          max_position_embeddings=128000, rope_parameters=_QWEN25_VL_ROPE),
         vision_config=dict(_QWEN25_VL_VISION, out_hidden_size=3584), tie_word_embeddings=False),
 }
+# Published dimensions of text-only checkpoints (their config.json on the hub): config class name and fields.
+TEXT_ARCHITECTURES: dict[str, tuple[str, dict[str, Any]]] = {
+    "qwen2.5-7b-instruct": ("Qwen2Config", dict(
+        vocab_size=152064, hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,
+        num_key_value_heads=4, max_position_embeddings=32768, tie_word_embeddings=False,
+        rope_parameters={"rope_type": "default", "rope_theta": 1000000.0})),
+    "qwen3-8b": ("Qwen3Config", dict(
+        vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32,
+        num_key_value_heads=8, head_dim=128, max_position_embeddings=40960, tie_word_embeddings=False,
+        rope_parameters={"rope_type": "default", "rope_theta": 1000000.0})),
+}
 # max_pixels of the checkpoints' image processor (preprocessor_config.json of Qwen2.5-VL-3B/7B-Instruct):
 # the budget's image size when neither the config nor a saved processor caps it (16,384 merged tokens)
 QWEN25_VL_MAX_PIXELS = 12845056
 # checkpoint directory names -> architecture, for real-size configs whose model_path is not local
-_ARCHITECTURE_BY_NAME = {"qwen2.5-vl-3b-instruct": "qwen2.5-vl-3b", "qwen2.5-vl-7b-instruct": "qwen2.5-vl-7b"}
+_ARCHITECTURE_BY_NAME = {"qwen2.5-vl-3b-instruct": "qwen2.5-vl-3b", "qwen2.5-vl-7b-instruct": "qwen2.5-vl-7b",
+                         "qwen2.5-7b-instruct": "qwen2.5-7b-instruct", "qwen3-8b": "qwen3-8b"}
+
+
+ALL_ARCHITECTURES = (*KNOWN_ARCHITECTURES, *TEXT_ARCHITECTURES)
 
 
 @dataclass(frozen=True)
@@ -94,14 +109,20 @@ class ModelDims:
     # (module name, in_features, out_features) of every Linear layer, for LoRA adapter sizes
     linears: tuple[tuple[str, int, int], ...] = field(repr=False, default=())
     vision_prefix: str = "model.visual"
+    text_only: bool = False  # a text LM (no vision tower: its vision fields are 0 and no image is counted)
 
 
 def qwen2_5_vl_config(architecture: str) -> Any:
-    """A ``Qwen2_5_VLConfig`` with the published dimensions of ``architecture`` (see ``KNOWN_ARCHITECTURES``)."""
+    """The config with the published dimensions of ``architecture``: a ``Qwen2_5_VLConfig`` (see
+    ``KNOWN_ARCHITECTURES``) or a text LM's (``TEXT_ARCHITECTURES``: ``Qwen2Config``, ``Qwen3Config``)."""
+    import transformers
     from transformers import Qwen2_5_VLConfig
 
+    if architecture in TEXT_ARCHITECTURES:
+        class_name, fields = TEXT_ARCHITECTURES[architecture]
+        return getattr(transformers, class_name)(**fields)
     if architecture not in KNOWN_ARCHITECTURES:
-        raise ValueError(f"unknown architecture {architecture!r}; known: {sorted(KNOWN_ARCHITECTURES)}")
+        raise ValueError(f"unknown architecture {architecture!r}; known: {sorted(ALL_ARCHITECTURES)}")
     return Qwen2_5_VLConfig(**KNOWN_ARCHITECTURES[architecture])
 
 
@@ -120,7 +141,7 @@ def resolve_model_dims(model_path: str | None, architecture: str | None = None) 
         return architecture_dims(arch), f"{arch} (published dimensions; no checkpoint at {model_path})"
     raise FileNotFoundError(
         f"no config.json in {model_path!r} and its name is not a known architecture: pass --arch "
-        f"({', '.join(sorted(KNOWN_ARCHITECTURES))}) or a local model directory"
+        f"({', '.join(sorted(ALL_ARCHITECTURES))}) or a local model directory"
     )
 
 
@@ -131,9 +152,24 @@ def architecture_dims(architecture: str) -> ModelDims:
 
 
 def model_dims(config: Any) -> ModelDims:
-    """Exact parameter counts and Linear shapes of the model ``config`` describes (meta device: no memory)."""
-    from mmpo.vlm.factory import _model_class
+    """Exact parameter counts and Linear shapes of the model ``config`` describes (meta device: no memory).
+    A text LM's config (:func:`mmpo.vlm.factory.model_kind`) gives a :class:`ModelDims` without a vision tower."""
+    from mmpo.vlm.factory import _model_class, model_kind
 
+    if model_kind(config) == "text":
+        from transformers import AutoModelForCausalLM
+
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config)
+        linears = tuple((name, m.in_features, m.out_features) for name, m in model.named_modules()
+                        if isinstance(m, torch.nn.Linear))
+        return ModelDims(
+            num_params=sum(p.numel() for p in model.parameters()), vision_params=0, vocab_size=config.vocab_size,
+            hidden_size=config.hidden_size, intermediate_size=config.intermediate_size,
+            num_layers=config.num_hidden_layers, num_heads=config.num_attention_heads,
+            num_kv_heads=config.num_key_value_heads, vision_hidden_size=0, vision_intermediate_size=0,
+            vision_depth=0, vision_heads=0, patch_size=14, spatial_merge_size=2, temporal_patch_size=2,
+            linears=linears, vision_prefix="", text_only=True)
     with torch.device("meta"):
         model = _model_class(config.model_type)._from_config(config)
     from mmpo.vlm.factory import vision_tower_prefixes

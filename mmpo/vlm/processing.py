@@ -1,4 +1,7 @@
-"""Rows -> model inputs for Qwen-VL models: chat messages, images, token checks.
+"""Rows -> model inputs for Qwen-VL models and text-only LMs: chat messages, images, token checks.
+
+A text LM's processor (:class:`mmpo.vlm.factory.TextProcessor`) takes the same calls: its prompts are the
+tokenizer's chat template over string messages (the same system prompt and row keys), no image keys.
 
 Images go through qwen-vl-utils' ``process_vision_info`` with the processor's own
 pixel budget, so the resize qwen-vl-utils does and the one the image processor does
@@ -16,7 +19,7 @@ import torch
 from PIL import Image
 from transformers import BatchFeature
 
-from mmpo.vlm.factory import pixel_budget
+from mmpo.vlm.factory import is_text_processor, pixel_budget, turn_end_token_id
 
 Row = Mapping[str, Any]
 
@@ -71,6 +74,43 @@ def build_messages(
     return messages
 
 
+def build_text_messages(row: Row, *, system_prompt: str | None) -> list[dict]:
+    """One row -> chat messages for a text-only LM: optional system turn, then the user's ``problem`` as a
+    string (the form every text chat template takes). A row with images is refused, naming the row."""
+    row_id = row.get("id", "<no id>")
+    system_prompt = row.get("system_prompt", system_prompt)
+    problem = row.get("problem")
+    if not isinstance(problem, str) or not problem.strip():
+        raise ValueError(f"row {row_id!r}: 'problem' must be a non-empty string, got {problem!r}")
+    if row.get("images"):
+        raise ValueError(f"row {row_id!r} has {len(row['images'])} image(s) but the model is a text-only LM: "
+                         "use text tasks (mmpo.data.synthetic.TEXT_TASKS) or a dataset without images")
+    messages: list[dict] = []
+    if system_prompt:
+        messages.append({"role": "system", "content": system_prompt})
+    messages.append({"role": "user", "content": problem})
+    return messages
+
+
+def _encode_text_prompts(processor: Any, rows: Sequence[Row], *, system_prompt: str | None,
+                         max_prompt_length: int | None) -> BatchFeature:
+    """:func:`encode_prompts` for a text-only LM: chat template text, tokenized without added special tokens."""
+    tokenizer = processor.tokenizer
+    conversations = [build_text_messages(row, system_prompt=system_prompt) for row in rows]
+    texts = [tokenizer.apply_chat_template(c, tokenize=False, add_generation_prompt=True) for c in conversations]
+    texts = [text + (row.get("assistant_prefix") or "") for text, row in zip(texts, rows)]
+    tokenizer.padding_side = "left"
+    inputs = processor(text=texts, padding=True, return_tensors="pt")
+    out = BatchFeature({"input_ids": inputs["input_ids"], "attention_mask": inputs["attention_mask"],
+                        "image_counts": torch.zeros(len(rows), dtype=torch.long)})
+    if max_prompt_length is not None:
+        for index, (row, length) in enumerate(zip(rows, out["attention_mask"].sum(-1).tolist())):
+            if length > max_prompt_length:
+                raise ValueError(f"row {str(row.get('id', index))!r}: prompt has {length} tokens > max_prompt_length "
+                                 f"{max_prompt_length}; prompts are never truncated: raise max_prompt_length")
+    return out
+
+
 def _merge_size(processor: Any) -> int:
     return int(getattr(processor.image_processor, "merge_size", 2))
 
@@ -98,15 +138,17 @@ def encode_prompts(
 
     Returns:
         BatchFeature with ``input_ids`` (B, P), ``attention_mask`` (B, P), ``mm_token_type_ids``
-        (B, P) and, when any row has images, ``pixel_values`` (num_patches, C*T*p*p) and
+        (B, P; not for a text-only LM) and, when any row has images, ``pixel_values`` (num_patches, C*T*p*p) and
         ``image_grid_thw`` (num_images, 3). ``image_counts`` (B,) is added: images per row.
     """
-    from qwen_vl_utils import process_vision_info
-
     if len(rows) == 0:
         raise ValueError("encode_prompts: no rows")
     if system_prompt == "default":
         system_prompt = default_system_prompt()
+    if is_text_processor(processor):
+        return _encode_text_prompts(processor, rows, system_prompt=system_prompt, max_prompt_length=max_prompt_length)
+    from qwen_vl_utils import process_vision_info
+
     min_pixels, max_pixels = pixel_budget(processor)
     conversations = [
         build_messages(row, system_prompt=system_prompt, min_pixels=min_pixels, max_pixels=max_pixels)
@@ -246,6 +288,13 @@ def repeat_rows(inputs: Mapping[str, Any], times: int) -> BatchFeature:
     return select_rows(inputs, torch.arange(batch_size).repeat_interleave(times))
 
 
+def padded_positions(attention_mask: torch.Tensor) -> torch.Tensor:
+    """(N, L) position ids of left-padded rows, as HF ``generate`` sets them: each token's count of real
+    tokens before it (pad positions 1, never attended). Example: mask [0, 0, 1, 1] -> [1, 1, 0, 1]."""
+    positions = attention_mask.long().cumsum(-1) - 1
+    return positions.masked_fill(attention_mask == 0, 1)
+
+
 def model_inputs(inputs: Mapping[str, Any]) -> dict[str, Any]:
     """The keys a Qwen-VL forward/generate accepts (drops our bookkeeping such as ``image_counts``)."""
     keys = ("input_ids", "attention_mask", "pixel_values", "image_grid_thw", "mm_token_type_ids")
@@ -257,11 +306,11 @@ def encode_completions(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Tokenize assistant completions (teacher forcing) into right-padded ``(ids, mask)`` (N, T).
 
-    ``<|im_end|>`` is appended so the model learns to stop. ``max_length`` truncates the
+    The turn's end token (``<|im_end|>``; Llama 3: ``<|eot_id|>``) is appended so the model learns to stop. ``max_length`` truncates the
     completion (text only, never the prompt).
     """
     tokenizer = processor.tokenizer
-    eos = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    eos = turn_end_token_id(tokenizer)
     pad = tokenizer.pad_token_id
     sequences = []
     for text in completions:

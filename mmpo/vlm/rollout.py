@@ -25,8 +25,10 @@ from transformers import (
     TopPLogitsWarper,
 )
 
+from mmpo.vlm.factory import turn_end_token_id
 from mmpo.vlm.fsdp import full_weights
-from mmpo.vlm.processing import encode_prompts, model_inputs, repeat_rows, select_rows, vision_token_ids
+from mmpo.vlm.processing import (encode_prompts, model_inputs, padded_positions, repeat_rows, select_rows,
+                                 vision_token_ids)
 
 
 @dataclass
@@ -136,7 +138,7 @@ class HFGenerateEngine:
         self.system_prompt = system_prompt
         self.max_prompt_length = max_prompt_length
         tokenizer = processor.tokenizer
-        self.eos_token_id = int(tokenizer.convert_tokens_to_ids("<|im_end|>"))
+        self.eos_token_id = turn_end_token_id(tokenizer)
         self.pad_token_id = int(tokenizer.pad_token_id)
         self.forbidden_ids = vision_token_ids(processor)
 
@@ -287,6 +289,11 @@ class HFGenerateEngine:
             cache = DynamicCache(config=self.model.config)
             self.model(**head, position_ids=positions, cache=cache, use_cache=True, logits_to_keep=1)
             backbone.rope_deltas = deltas
+        elif not hasattr(backbone, "language_model") and "pixel_values" not in head:
+            # a text LM: one forward at HF generate's positions (each row's count of real tokens before it)
+            cache = DynamicCache(config=self.model.config)
+            self.model(**head, position_ids=padded_positions(head["attention_mask"]), cache=cache, use_cache=True,
+                       logits_to_keep=1)
         else:  # any other model or a text-only batch: HF's generate prefills (one greedy token, no RNG)
             # min length off: a generation_config that forces long completions must not apply to this one token
             cache = self.model.generate(**head, max_new_tokens=1, min_new_tokens=0, do_sample=False,
@@ -338,14 +345,19 @@ class HFGenerateEngine:
         Returns the sequences (N, P + T) and, with ``return_log_probs``, the log-probs (N, T) float32 on CPU
         of the sampled tokens under the distribution they were drawn from (:class:`_SampledLogProbRecorder`'s).
         """
-        model, text = self.model, self.model.model.language_model
+        model = self.model
+        # the text decoder: a VLM's language model, or a text LM's own decoder (model.model)
+        text = getattr(model.model, "language_model", model.model)
+        multimodal_rope = text is not model.model  # Qwen-VL: 3-D RoPE positions, offsets in rope_deltas
         prompt_ids, attention = inputs["input_ids"], inputs["attention_mask"]
         rows, width = prompt_ids.shape
         device = prompt_ids.device
         cache = _GrowingKVCache(inputs["cache"], max_new_tokens, copies=cache_copies)
         # HF's positions (_prepare_position_ids_for_generation, then +1 a step) plus Qwen-VL's RoPE offsets: a new
         # token's position is the row's count of real tokens before it + the prompt's delta, equal on the 3 axes
-        start = (attention.long().cumsum(-1) - 1).masked_fill(attention == 0, 0)[:, -1:] + model.model.rope_deltas
+        start = (attention.long().cumsum(-1) - 1).masked_fill(attention == 0, 0)[:, -1:]
+        if multimodal_rope:
+            start = start + model.model.rope_deltas
         sequences = prompt_ids.new_full((rows, width + max_new_tokens), self.pad_token_id)
         sequences[:, :width] = prompt_ids
         # HF's sdpa mask for one query: none without padding, else the 2-D mask as (N, 1, 1, kv) booleans
@@ -367,7 +379,8 @@ class HFGenerateEngine:
         length = width
         for step in range(max_new_tokens):
             hidden = text.embed_tokens(sequences[:, length - 1:length])
-            rope = text.rotary_emb(hidden, (start + step).view(1, rows, 1))
+            positions = (start + step).view(1, rows, 1) if multimodal_rope else (start + step).view(rows, 1)
+            rope = text.rotary_emb(hidden, positions)
             mask = None if visible is None else visible[..., :length]
             for layer in text.layers:
                 hidden = layer(hidden, attention_mask=mask, position_embeddings=rope, position_ids=None, cache=cache,
@@ -396,16 +409,17 @@ _LEAN_GENERATION_FIELDS = frozenset({
     "do_sample", "temperature", "top_p", "top_k", "suppress_tokens", "eos_token_id", "pad_token_id", "use_cache",
     "max_new_tokens", "max_length", "num_return_sequences", "min_new_tokens", "bos_token_id", "decoder_start_token_id",
     "output_attentions", "output_hidden_states", "transformers_version", "_from_model_config"})
-_LEAN_MODEL_CLASSES = ("Qwen2_5_VLForConditionalGeneration",)
+_LEAN_MODEL_CLASSES = ("Qwen2_5_VLForConditionalGeneration", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
+                       "LlamaForCausalLM")
 
 
 def lean_decode_blocker(model: Any, inputs: Mapping[str, Any], *, do_sample: bool, max_new_tokens: int) -> str | None:
     """Why :meth:`HFGenerateEngine._lean_decode` cannot decode this call (then HF ``generate`` does), or None.
 
-    It covers: sampling after :meth:`HFGenerateEngine._prefill` (G > 1) on a Qwen2.5-VL with sdpa
-    attention and full-attention layers, a DynamicCache, Qwen-VL RoPE offsets set, and a generation config
-    with no field set outside :data:`_LEAN_GENERATION_FIELDS`. Greedy decoding, single samples, other models
-    (Qwen2-VL, Qwen3-VL, ...) go to HF. An FSDP2-sharded model decodes here too, on the weights
+    It covers: sampling after :meth:`HFGenerateEngine._prefill` (G > 1) on a Qwen2.5-VL (Qwen-VL RoPE offsets
+    set) or a Qwen2 / Qwen3 / Llama text LM, with sdpa attention and full-attention layers, a DynamicCache, and a
+    generation config with no field set outside :data:`_LEAN_GENERATION_FIELDS`. Greedy decoding, single
+    samples, other models (Qwen2-VL, Qwen3-VL, ...) go to HF. An FSDP2-sharded model decodes here too, on the weights
     :func:`mmpo.vlm.fsdp.full_weights` gathered for the whole rollout (no collective call per token).
     """
     if not do_sample:
@@ -419,12 +433,12 @@ def lean_decode_blocker(model: Any, inputs: Mapping[str, Any], *, do_sample: boo
         return f"model class {type(model).__name__}"
     if type(cache) is not DynamicCache:
         return f"cache {type(cache).__name__}"
-    text_config = model.config.text_config
+    text_config = model.config.get_text_config()
     if text_config._attn_implementation != "sdpa":
         return f"attention {text_config._attn_implementation}"
-    if any(kind != "full_attention" for kind in text_config.layer_types):
+    if any(kind != "full_attention" for kind in getattr(text_config, "layer_types", None) or ()):
         return "sliding-window layers"
-    if getattr(model.model, "rope_deltas", None) is None:
+    if hasattr(model.model, "language_model") and getattr(model.model, "rope_deltas", None) is None:
         return "no RoPE offsets"
     if max_new_tokens < 1:
         return f"max_new_tokens {max_new_tokens}"

@@ -1,7 +1,9 @@
-"""``mmpo build-tiny --out DIR``: the tiny Qwen2.5-VL the tiny VLM configs start from.
+"""``mmpo build-tiny --out DIR``: the tiny Qwen2.5-VL the tiny VLM configs start from; with
+``--kind text``, the tiny Qwen3 text LM of the tiny text configs (configs/llm, docs/llm.md).
 
-The same builder the quickstart uses (``mmpo.vlm.factory.build_tiny_vlm``); its size flags are
-read from that function's integer keyword arguments, so the two never drift apart. The model is
+The same builders the quickstart uses (``mmpo.vlm.factory.build_tiny_vlm`` / ``build_tiny_text_lm``);
+the size flags are read from those functions' integer keyword arguments, so they never drift apart
+(a flag only the VLM has, e.g. ``--vision-depth``, is refused with ``--kind text``). The model is
 built in a temporary folder beside ``--out`` and renamed into place when complete, so an
 interrupted build leaves no half-written model, and an existing ``--out`` is kept unless
 ``--overwrite`` is given.
@@ -18,16 +20,19 @@ import tempfile
 from pathlib import Path
 from typing import Sequence
 
-from mmpo.vlm.factory import build_tiny_vlm
+from mmpo.vlm.factory import build_tiny_text_lm, build_tiny_vlm
 
 DEFAULT_OUT = "runs/tiny/base"  # model_path of configs/vlm/sft_tiny.yaml
+DEFAULT_TEXT_OUT = "runs/tiny/text_base"  # model_path of configs/llm/sft_tiny.yaml
+BUILDERS = {"vlm": build_tiny_vlm, "text": build_tiny_text_lm}
+DEFAULT_OUTS = {"vlm": DEFAULT_OUT, "text": DEFAULT_TEXT_OUT}
 
 
-def size_parameters() -> dict[str, int]:
-    """``build_tiny_vlm``'s integer keyword arguments (the sizes) and their defaults; ``seed`` excluded."""
+def size_parameters(kind: str = "vlm") -> dict[str, int]:
+    """The builder's integer keyword arguments (the sizes) and their defaults; ``seed`` excluded."""
     return {
         name: param.default
-        for name, param in inspect.signature(build_tiny_vlm).parameters.items()
+        for name, param in inspect.signature(BUILDERS[kind]).parameters.items()
         if param.kind is inspect.Parameter.KEYWORD_ONLY and type(param.default) is int and name != "seed"
     }
 
@@ -39,22 +44,27 @@ def build_parser() -> argparse.ArgumentParser:
         "tokenizer trained locally on the synthetic corpus, real Qwen2_5_VLProcessor) for the tiny VLM "
         f"configs: `mmpo build-tiny` writes {DEFAULT_OUT}, the model_path of configs/vlm/sft_tiny.yaml.",
     )
-    parser.add_argument("--out", default=DEFAULT_OUT, help=f"output directory (default: {DEFAULT_OUT})")
+    parser.add_argument("--kind", choices=sorted(BUILDERS), default="vlm",
+                        help="vlm: a tiny Qwen2.5-VL (default); text: a tiny Qwen3 text LM (configs/llm)")
+    parser.add_argument("--out", default=None,
+                        help=f"output directory (default: {DEFAULT_OUT}; with --kind text {DEFAULT_TEXT_OUT})")
     parser.add_argument("--seed", type=int, default=0, help="seed of the weight initialisation (default: 0)")
     parser.add_argument("--overwrite", action="store_true", help="replace an existing --out")
-    for name, default in size_parameters().items():
-        parser.add_argument(f"--{name.replace('_', '-')}", type=int, default=default, help=f"default: {default}")
+    text_sizes = size_parameters("text")
+    for name, default in size_parameters("vlm").items():
+        note = "" if name in text_sizes else " (vlm only)"
+        parser.add_argument(f"--{name.replace('_', '-')}", type=int, default=None, help=f"default: {default}{note}")
     return parser
 
 
-def build_tiny_to(out: Path, *, seed: int, overwrite: bool, sizes: dict[str, int]) -> Path:
+def build_tiny_to(out: Path, *, seed: int, overwrite: bool, sizes: dict[str, int], kind: str = "vlm") -> Path:
     """Build into a temporary sibling of ``out``, then rename it into place (replaces ``out`` only if ``overwrite``)."""
     if out.exists() and not overwrite:
         raise FileExistsError(f"{out} already exists; pass --overwrite to replace it")
     out.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.building-", dir=out.parent))
     try:
-        build_tiny_vlm(staging, seed=seed, **sizes)
+        BUILDERS[kind](staging, seed=seed, **sizes)
         if out.exists():
             old = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=out.parent))
             os.replace(out, old / out.name)
@@ -70,14 +80,22 @@ def build_tiny_to(out: Path, *, seed: int, overwrite: bool, sizes: dict[str, int
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``mmpo build-tiny``; returns the exit code."""
-    args = build_parser().parse_args(list(sys.argv[1:] if argv is None else argv))
-    sizes = {name: getattr(args, name) for name in size_parameters()}
+    parser = build_parser()
+    args = parser.parse_args(list(sys.argv[1:] if argv is None else argv))
+    accepted = size_parameters(args.kind)
+    given = {name: getattr(args, name) for name in size_parameters("vlm") if getattr(args, name) is not None}
+    refused = sorted(set(given) - set(accepted))
+    if refused:
+        parser.error(f"--kind {args.kind} has no " + ", ".join("--" + n.replace("_", "-") for n in refused))
+    sizes = {name: given.get(name, default) for name, default in accepted.items()}
+    out_dir = Path(args.out or DEFAULT_OUTS[args.kind])
     try:
-        out = build_tiny_to(Path(args.out), seed=args.seed, overwrite=args.overwrite, sizes=sizes)
+        out = build_tiny_to(out_dir, seed=args.seed, overwrite=args.overwrite, sizes=sizes, kind=args.kind)
     except (FileExistsError, ValueError) as error:
         print(f"mmpo build-tiny: error: {error}", file=sys.stderr)
         return 2
-    print(f"tiny Qwen2.5-VL written to {out} (load it with mmpo.vlm.factory.load_vlm, or as model_path)")
+    name = "Qwen2.5-VL" if args.kind == "vlm" else "Qwen3 text LM"
+    print(f"tiny {name} written to {out} (load it with mmpo.vlm.factory.load_vlm, or as model_path)")
     return 0
 
 

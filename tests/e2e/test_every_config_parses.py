@@ -17,6 +17,9 @@ ALL = sorted(p.relative_to(CONFIGS).as_posix() for p in CONFIGS.rglob("*.yaml"))
 
 def test_the_configs_are_found():
     assert len(ALL) >= 40 and "vlm/grpo_tiny.yaml" in ALL and "robotics/dppo_lift.yaml" in ALL
+    # the text-LM configs (issue 38)
+    assert {f"llm/{name}.yaml" for name in ("sft_tiny", "grpo_tiny", "dpo_tiny", "grpo_qwen2_5_7b_instruct",
+                                            "grpo_qwen3_8b")} <= set(ALL)
 
 
 @pytest.mark.parametrize("name", ALL)

@@ -1,7 +1,8 @@
 """Synthetic visual reasoning tasks rendered with PIL, deterministic by seed.
 
 Built-in tasks (``TASKS``): count_shapes, shape_position, relative_position,
-compare_size, bar_chart, triangle_angle (all need the image) and arithmetic (text only).
+compare_size, bar_chart, triangle_angle (all need the image), arithmetic (text only), and the
+text LM tasks ``TEXT_TASKS``: long_arithmetic, word_problem, countdown.
 Other modules add tasks with ``@register_task(name)``.
 """
 
@@ -24,11 +25,15 @@ VISUAL_TASKS: tuple[str, ...] = (
 )
 """The built-in tasks that need the image (the default task mix)."""
 
+TEXT_TASKS: tuple[str, ...] = ("long_arithmetic", "word_problem", "countdown")
+"""The built-in text-only reasoning tasks for text LMs (mmpo.data.synthetic.text_tasks; docs/llm.md)."""
+
 __all__ = [
     "DEFAULT_IMAGE_SIZE",
     "DIFFICULTIES",
     "SPLIT_BUCKETS",
     "TASKS",
+    "TEXT_TASKS",
     "VISUAL_TASKS",
     "corpus",
     "get_task",
