@@ -5,6 +5,8 @@ tests/fixed_preference_worker.py."""
 from __future__ import annotations
 
 import os
+import shutil
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -38,6 +40,38 @@ def run_fixed_grpo(tmp_path: Path, mode: str, tiny_path: str, name: str, *, agg:
     args = [mode, tiny_path, str(out), agg, str(steps), str(beta), str(momentum), str(ckpt_dir), str(resume),
             str(max_grad_norm), str(int(lora))]
     return run_worker(WORKER, args, tmp_path, out, expect_ok=expect_ok)
+
+
+def run_fixed_grpo_nodes(tmp_path: Path, tiny_path: str, name: str, *, nodes: int = 2, steps: int = 1,
+                         beta: float = 0.0, momentum: float = 0.0, ckpt_dir: Path | str = "-",
+                         resume: Path | str = "-", max_grad_norm: float = 0.0) -> tuple[dict[str, torch.Tensor], str]:
+    """tests/fixed_grpo_worker.py (MODE torchrun) as ``nodes`` simulated nodes of 1 process each: one
+    ``torchrun --nnodes N --node_rank K --master_addr 127.0.0.1 --nproc_per_node 1`` per node, started
+    together as on N machines. Returns the final full weights and rank 0's stdout."""
+    torchrun = shutil.which("torchrun", path=str(Path(sys.executable).parent)) or shutil.which("torchrun")
+    assert torchrun, "torchrun not found beside the Python running the tests"
+    out = tmp_path / f"{name}.safetensors"
+    with socket.socket() as probe:  # a free port for the rendezvous store on node 0
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    worker_args = ["torchrun", tiny_path, str(out), "token-mean", str(steps), str(beta), str(momentum), str(ckpt_dir),
+                   str(resume), str(max_grad_norm), "0"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+    launches = [subprocess.Popen([torchrun, "--nnodes", str(nodes), "--node_rank", str(rank), "--master_addr",
+                                  "127.0.0.1", "--master_port", str(port), "--nproc_per_node", "1", str(WORKER),
+                                  *worker_args], env=env, cwd=tmp_path, stdout=subprocess.PIPE,
+                                 stderr=subprocess.STDOUT, text=True) for rank in range(nodes)]
+    logs = []
+    try:
+        for launch in launches:
+            logs.append(launch.communicate(timeout=600)[0])
+    finally:
+        for launch in launches:
+            if launch.poll() is None:
+                launch.kill()
+    for rank, (launch, log) in enumerate(zip(launches, logs)):
+        assert launch.returncode == 0, f"node {rank}:\n{log[-4000:]}"
+    return load_file(out), logs[0]
 
 
 def run_fixed_sft(tmp_path: Path, mode: str, tiny_path: str) -> dict[str, torch.Tensor]:

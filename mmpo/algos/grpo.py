@@ -59,6 +59,7 @@ from mmpo.training.config import (
     SamplingConfig,
     as_config,
 )
+from mmpo.training.step_logging import log_with_step_metrics
 from mmpo.training.step_state import StepState
 from mmpo.training.update import (
     CoreLossSpec,
@@ -505,12 +506,16 @@ class GRPOModule(VLMPolicyModule):
         logged = {k: float(v) for k, v in metrics.items()}
         self.log_dict({k: v for k, v in logged.items() if k in shown}, on_step=True, on_epoch=False,
                       batch_size=len(rows), prog_bar=True)
-        # the other ~30 go to Lightning (a per-key cost) on the steps its logger writes; the shared keys
-        # and any a callback monitors (ModelCheckpoint, EarlyStopping) are in callback_metrics every step
+        # the shared keys and any a callback monitors (ModelCheckpoint, EarlyStopping) go through self.log
+        # every step (they are in callback_metrics); the other ~25 only on the steps Lightning writes to its
+        # loggers, merged into that write without self.log's per-key cost (mmpo.training.step_logging)
         every_step = _SHARED_KEYS | self._monitored_keys() | set(state.metrics)
-        rest = {k: v for k, v in logged.items() if k not in shown and (k in every_step or self._logs_this_step())}
-        if rest:
-            self.log_dict(rest, on_step=True, on_epoch=False, batch_size=len(rows))
+        tracked = {k: v for k, v in logged.items() if k not in shown and k in every_step}
+        if tracked:
+            self.log_dict(tracked, on_step=True, on_epoch=False, batch_size=len(rows))
+        if self._trainer is not None and self._logs_this_step():
+            log_with_step_metrics(self, {k: v for k, v in logged.items() if k not in shown and k not in every_step},
+                                  order=[k for k in logged if k in shown] + [k for k in logged if k not in shown])
         self.last_metrics = metrics
 
     def begin_step(self, state: StepState) -> None:

@@ -199,7 +199,7 @@ def estimate_config(path: str | Path, *, devices: int | None = None, architectur
     """``(budget, printed table)`` for the config file at ``path`` (with ``overrides``, see :func:`apply_overrides`)."""
     config = apply_overrides(yaml.safe_load(Path(path).read_text()), overrides)
     model_path = ((config.get("model") or {}).get("init_args") or {}).get("model_path")
-    dims, source = resolve_model_dims(model_path, architecture)
+    dims, source = resolve_model_dims(model_path, architecture, config_path=path)
     # a known VLM architecture: its processor's max_pixels applies (a text LM counts no image)
     published = "published dimensions" in source and not dims.text_only
     run = run_shape(config, devices=devices, prompt_tokens=prompt_tokens, dims=dims,

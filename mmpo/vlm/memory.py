@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import functools
 import math
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
@@ -126,9 +127,21 @@ def qwen2_5_vl_config(architecture: str) -> Any:
     return Qwen2_5_VLConfig(**KNOWN_ARCHITECTURES[architecture])
 
 
-def resolve_model_dims(model_path: str | None, architecture: str | None = None) -> tuple[ModelDims, str]:
+def architecture_named_by(config_path: str | Path) -> str | None:
+    """The known architecture a config file's name names (``*_qwen2_5_vl_7b.yaml`` -> ``qwen2.5-vl-7b``), or None.
+
+    The real-size configs are named after the base model they start from; one whose ``model_path`` is a
+    local fine-tune of it (StepGRPO 7B: a Mulberry-style SFT of Qwen2.5-VL-7B) has that model's dimensions."""
+    found = re.search(r"qwen2[._]5[-_]vl[-_](\d+b)", Path(config_path).stem.lower())
+    name = f"qwen2.5-vl-{found.group(1)}" if found else None
+    return name if name in KNOWN_ARCHITECTURES else None
+
+
+def resolve_model_dims(model_path: str | None, architecture: str | None = None,
+                       config_path: str | Path | None = None) -> tuple[ModelDims, str]:
     """``(dims, where they came from)``: ``architecture`` if given, else ``model_path``'s config.json,
-    else the known architecture its directory name denotes (e.g. ``.../Qwen2.5-VL-3B-Instruct``)."""
+    else the known architecture its directory name denotes (e.g. ``.../Qwen2.5-VL-3B-Instruct``), else the
+    base model the config file's name names (:func:`architecture_named_by`)."""
     from transformers import AutoConfig
 
     if architecture is not None:
@@ -139,9 +152,13 @@ def resolve_model_dims(model_path: str | None, architecture: str | None = None) 
     if name in _ARCHITECTURE_BY_NAME:
         arch = _ARCHITECTURE_BY_NAME[name]
         return architecture_dims(arch), f"{arch} (published dimensions; no checkpoint at {model_path})"
+    named = architecture_named_by(config_path) if config_path is not None else None
+    if named is not None:
+        return architecture_dims(named), (f"{named} (published dimensions: the base model the config's name "
+                                          f"{Path(config_path).name} names; no checkpoint at {model_path})")
     raise FileNotFoundError(
-        f"no config.json in {model_path!r} and its name is not a known architecture: pass --arch "
-        f"({', '.join(sorted(ALL_ARCHITECTURES))}) or a local model directory"
+        f"no config.json in {model_path!r} and neither it nor the config's name names a known architecture: pass "
+        f"--arch ({', '.join(sorted(ALL_ARCHITECTURES))}) or --set model.init_args.model_path=A_LOCAL_MODEL_DIR"
     )
 
 

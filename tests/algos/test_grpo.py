@@ -6,6 +6,7 @@ import lightning as L
 import pytest
 import torch
 from torch.utils.data import DataLoader
+from lightning.pytorch.loggers import Logger
 
 from mmpo.algos.grpo import GRPOModule
 from mmpo.core import LossParts
@@ -598,3 +599,70 @@ def test_diagnostics_go_to_lightning_on_logging_steps_shared_and_monitored_keys_
     assert shared | {"response/length_mean"} <= logged  # step 1 of 50 does not log: only these
     assert "lr" not in logged and "entropy" not in logged and "entropy" not in module.last_metrics
     assert "lr" in module.last_metrics  # still computed, for the caller
+
+
+class _CapturingLogger(Logger):
+    """Every (step, metrics) Lightning hands its loggers."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: list[tuple[int, dict[str, float]]] = []
+
+    @property
+    def name(self) -> str:
+        return "capture"
+
+    @property
+    def version(self) -> int:
+        return 0
+
+    def log_metrics(self, metrics, step=None) -> None:
+        self.calls.append((step, dict(metrics)))
+
+    def log_hyperparams(self, params, *args, **kwargs) -> None:
+        pass
+
+
+def _logged_run(tiny_path, fixed, every: int) -> tuple[_CapturingLogger, GRPOModule]:
+    rows, rollout, rewards = fixed
+    module = FixedRolloutGRPO(tiny_path, sampling=SamplingConfig(num_generations=3), optim=OptimConfig(lr=1e-3),
+                              loss=LossConfig(beta=0.0))
+    module.fixed_rollout, module.fixed_rewards = rollout, rewards
+    logger = _CapturingLogger()
+    trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=2, logger=logger, enable_progress_bar=False,
+                        enable_checkpointing=False, enable_model_summary=False, log_every_n_steps=every)
+    trainer.fit(module, DataLoader([rows, rows], batch_size=None, collate_fn=lambda x: x))
+    return logger, module
+
+
+def test_diagnostics_merged_into_lightnings_logger_call_have_the_self_log_values(tiny_path, fixed, monkeypatch):
+    """The ~25 diagnostics skip self.log (mmpo.training.step_logging) yet the loggers get what self.log gave:
+    one call per logging step with every metric, each the float32 value self.log stores, at the same step,
+    equal to a run that sends them through self.log."""
+    import mmpo.algos.grpo as grpo
+
+    logger, module = _logged_run(tiny_path, fixed, every=1)
+    assert [step for step, _ in logger.calls] == [0, 1]  # one call per step (one metrics.csv row)
+    last = logger.calls[-1][1]
+    assert set(last) == set(module.last_metrics) | {"epoch"} and len(module.last_metrics) > 20
+    for key, value in module.last_metrics.items():
+        assert last[key] == torch.tensor(float(value), dtype=torch.float32).item(), key
+
+    def through_self_log(module, metrics, order):  # the path before: every key through self.log
+        if metrics:
+            module.log_dict(dict(metrics), on_step=True, on_epoch=False)
+
+    monkeypatch.setattr(grpo, "log_with_step_metrics", through_self_log)
+    reference, _ = _logged_run(tiny_path, fixed, every=1)
+    assert [step for step, _ in reference.calls] == [0, 1]
+    for (_, got), (_, expected) in zip(logger.calls, reference.calls):
+        assert set(got) == set(expected)
+        timings = {"perf/rollout_s", "perf/update_s", "perf/tokens_per_s"}  # wall-clock: differ between runs
+        assert {k: v for k, v in got.items() if k not in timings} == {
+            k: float(v) for k, v in expected.items() if k not in timings}
+    monkeypatch.undo()
+
+    # log_every_n_steps 2: step index 0 writes nothing, step 1 writes everything
+    sparse, module = _logged_run(tiny_path, fixed, every=2)
+    assert [step for step, _ in sparse.calls] == [1]
+    assert set(sparse.calls[0][1]) == set(module.last_metrics) | {"epoch"}

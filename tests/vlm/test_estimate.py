@@ -267,3 +267,29 @@ def test_frozen_policy_copies_per_module(name, copies):
     assert run.sharded and run.devices == 8
     sampler_bytes = {"dpo": 0, "inpo": 2, "grpo": 4}[name]
     assert budget["gathered_weights"] == dims.num_params * sampler_bytes
+
+
+def test_estimate_without_arch_uses_the_base_model_the_config_names(tmp_path, capsys):
+    """configs/vlm/stepgrpo_qwen2_5_vl_7b.yaml starts from a local SFT directory (runs/vlm/sft_steps_7b/hf)
+    that is not there: without --arch the budget is the one of the base model its name names (Qwen2.5-VL-7B:
+    the SFT keeps its dimensions), and it says so. A config whose name names no known model says in one
+    line what to pass."""
+    path = REPO / "configs" / "vlm" / "stepgrpo_qwen2_5_vl_7b.yaml"
+    model_path = yaml.safe_load(path.read_text())["model"]["init_args"]["model_path"]
+    assert not (REPO / model_path).exists() and not Path(model_path).exists()
+    named, table = estimate_config(path)
+    assert named == estimate_config(path, architecture="qwen2.5-vl-7b")[0]
+    assert ("model: qwen2.5-vl-7b (published dimensions: the base model the config's name "
+            "stepgrpo_qwen2_5_vl_7b.yaml names; no checkpoint at runs/vlm/sft_steps_7b/hf)") in table
+    assert main(["estimate", "-c", str(path)]) == 0
+    assert f"about {peak_gb(named)} GB per device" in capsys.readouterr().out
+
+    renamed = tmp_path / "stepgrpo_mine.yaml"
+    renamed.write_text(path.read_text())
+    with pytest.raises(SystemExit) as exit_info:
+        main(["estimate", "-c", str(renamed)])
+    assert exit_info.value.code == 2
+    error = capsys.readouterr().err.strip().splitlines()[-1]
+    assert error == ("mmpo estimate: error: no config.json in 'runs/vlm/sft_steps_7b/hf' and neither it nor the "
+                     "config's name names a known architecture: pass --arch (qwen2.5-7b-instruct, qwen2.5-vl-3b, qwen2.5-vl-7b, qwen3-8b) or "
+                     "--set model.init_args.model_path=A_LOCAL_MODEL_DIR")
