@@ -124,8 +124,10 @@ class GRPOModule(VLMPolicyModule):
 
     config_groups = ("sampling", "loss", "advantage", "optim", "rollout_correction", "rollout_engine", "rewards")
 
-    # completions per prompt the module needs at least; single-stream modules (SPO) lower it to 1
-    min_generations = 2
+    # completions per prompt the module needs at least, or None: the advantage estimator's minimum group
+    # (mmpo.core.min_group_size: 2 for group-relative ones, 1 for reinforce_plus_plus[_baseline] / remax);
+    # single-stream modules (SPO) set 1
+    min_generations: int | None = None
 
     needs_entropy: bool = False
     """Subclasses whose ``extra_loss_terms`` read ``outputs["entropy"]`` set True: it is then computed on
@@ -184,9 +186,16 @@ class GRPOModule(VLMPolicyModule):
     def _validate_settings(self) -> None:
         """Checks across groups and against the module (each config dataclass checks its own fields)."""
         h = self.hparams
-        require(self.sampling.num_generations >= self.min_generations,
-                f"num_generations must be >= {self.min_generations} (group-relative advantages need a group), "
-                f"got {self.sampling.num_generations}")
+        if self.min_generations is None:
+            from mmpo.core import min_group_size
+
+            smallest = min_group_size(self.advantage.name)
+            require(self.sampling.num_generations >= smallest,
+                    f"num_generations must be >= {smallest} (advantage estimator {self.advantage.name!r} needs "
+                    f"a group of {smallest}), got {self.sampling.num_generations}")
+        else:
+            require(self.sampling.num_generations >= self.min_generations,
+                    f"num_generations must be >= {self.min_generations}, got {self.sampling.num_generations}")
         require(h.ref_dtype in (None, "float32", "bfloat16", "float16"),
                 f"ref_dtype must be null, float32, bfloat16 or float16, got {h.ref_dtype!r}")
         # imports user reward files and checks their signatures: a bad spec fails before load_vlm

@@ -165,9 +165,23 @@ def test_shuffling_the_batch_permutes_the_output(name):
     assert torch.allclose(adv_shuffled, adv[perm], atol=1e-6)
 
 
-def test_group_of_one_is_a_clear_error():
-    with pytest.raises(ValueError, match=r"group\(s\) \[4\] have fewer than 2 samples"):
-        compute_advantages("grpo", torch.tensor([1.0, 0.0, 1.0]), torch.tensor([1, 1, 4]))
+@pytest.mark.parametrize("name", ["grpo", "drgrpo", "rloo", "mapo", "opo", "gpg", "grpo_passk"])
+def test_group_of_one_is_a_one_line_error_naming_the_estimator_and_the_minimum(name):
+    settings = {"mask": torch.ones(3, 2)} if name == "opo" else {}
+    with pytest.raises(ValueError) as caught:
+        compute_advantages(name, torch.tensor([1.0, 0.0, 1.0]), torch.tensor([1, 1, 4]), **settings)
+    message = str(caught.value)
+    assert "\n" not in message
+    assert message.startswith(f"advantage estimator {name!r} needs at least 2 samples per group; group(s) [4] have [1]")
+
+
+def test_min_group_size_of_each_estimator():
+    from mmpo.core import min_group_size
+
+    assert [min_group_size(n) for n in ("reinforce_plus_plus", "reinforce_plus_plus_baseline", "remax")] == [1, 1, 1]
+    assert [min_group_size(n) for n in ("grpo", "rloo", "opo", "grpo_passk")] == [2, 2, 2, 2]
+    with pytest.raises(ValueError, match="unknown advantage estimator"):
+        min_group_size("no_such_estimator")
 
 
 def test_bad_inputs_are_named():
