@@ -138,6 +138,11 @@ def compute_advantages_with_metrics(
             f"advantage estimator {key!r} needs at least {smallest} samples per group; group(s) "
             f"{index.ids[too_small].tolist()[:10]} have {index.counts[too_small].tolist()[:10]} "
             f"(set sampling.num_generations >= {smallest}, or use reinforce_plus_plus / remax at one sample)")
+    if not bool(torch.isfinite(index.sum(rewards.square())).all()):
+        raise ValueError(
+            f"advantage estimator {key!r}: rewards up to |r| = {float(rewards.abs().max()):.3g} overflow the group "
+            f"statistics in {rewards.dtype} (a sum of squares is inf); bound them (mmpo.rewards clamps |r| <= 1e6) "
+            "or pass float64")
     advantages, metrics = fn(rewards, index, **settings)
     zero_std = index.is_constant(rewards)
     out: Metrics = {

@@ -198,3 +198,18 @@ def test_bad_inputs_are_named():
 def test_integer_rewards_are_promoted_to_float():
     adv = compute_advantages("drgrpo", torch.tensor([1, 0]), torch.tensor([0, 0]))
     assert adv.dtype == torch.get_default_dtype() and adv.tolist() == [0.5, -0.5]
+
+
+def test_finite_rewards_whose_group_statistics_overflow_are_an_error_not_nan_advantages():
+    # 3e38 + 3e38 overflows float32 to inf: the group mean would be inf and r - mean -inf / NaN
+    rewards = torch.tensor([3e38, 3e38, 0.0, 1.0])
+    with pytest.raises(ValueError, match=r"advantage estimator 'grpo': rewards up to \|r\| = 3e\+38 overflow the "
+                                         r"group statistics in torch.float32"):
+        compute_advantages("grpo", rewards, torch.tensor([0, 0, 1, 1]))
+    # in float64 the same rewards are fine: group 0 agrees (A = 0), group 1 is +-1/sqrt(0.5) / (1/sqrt(2) + eps)
+    adv = compute_advantages("grpo", rewards.double(), torch.tensor([0, 0, 1, 1]))
+    assert adv[:2].tolist() == [0.0, 0.0]
+    assert adv[2:].tolist() == pytest.approx([-0.5 / (0.5 ** 0.5 + 1e-6), 0.5 / (0.5 ** 0.5 + 1e-6)], rel=1e-12)
+    # 2e19 is the smallest kind of trouble: its square (4e38) is inf in float32 while its sum is not
+    with pytest.raises(ValueError, match="overflow the group statistics"):
+        compute_advantages("rloo", torch.tensor([2e19, 0.0]), torch.tensor([0, 0]))
