@@ -239,6 +239,7 @@ class GRPOModule(VLMPolicyModule):
         return self._reference[0]
 
     def on_fit_start(self) -> None:
+        self._check_training_prompts()
         self._place_reference()
         if self.rewards.timeout_s is not None:
             # the reward worker's start-up (importing torch, sympy, math-verify: seconds) before step 1,
@@ -249,6 +250,19 @@ class GRPOModule(VLMPolicyModule):
                 get_reward_worker().start()
             except WorkerUnavailable as exc:
                 log.warning("reward worker not started before training: %s", exc)
+
+    def _check_training_prompts(self) -> None:
+        """Before step 1: every training prompt fits max_prompt_length and the model's context less
+        max_new_tokens (mmpo.vlm.prompt_check); offenders are one error, or skipped with skip_bad_rows."""
+        from mmpo.training.lora import unwrap
+        from mmpo.vlm.prompt_check import check_training_prompts, model_context_length, prompt_limit
+
+        datamodule = getattr(self.trainer, "datamodule", None)
+        if datamodule is None:
+            return
+        limit = prompt_limit(self.hparams.max_prompt_length, model_context_length(unwrap(self.model)),
+                             self.sampling.max_new_tokens)
+        check_training_prompts(datamodule, self.processor, system_prompt=self.system_prompt, limit=limit)
 
     def _place_reference(self) -> None:
         """Move the frozen KL reference to the device (unless offloaded) and log its size and dtype."""
