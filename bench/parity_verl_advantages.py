@@ -78,16 +78,18 @@ def load_verl_core_algos(git_dir: str, commit: str) -> types.ModuleType:
 
 
 def make_batch(seed: int, dtype: torch.dtype, *, groups: int = 16, size: int = 4, width: int = 32,
-               binary: bool = True) -> dict:
+               binary: bool = True, sizes: list[int] | None = None) -> dict:
+    """Seeded inputs; ``sizes`` (one per group) gives groups of different sizes instead of ``groups`` x ``size``."""
     gen = torch.Generator().manual_seed(seed)
-    n = groups * size
+    sizes = sizes if sizes is not None else [size] * groups
+    n = sum(sizes)
     lengths = torch.randint(1, width + 1, (n,), generator=gen)
     mask = (torch.arange(width).unsqueeze(0) < lengths.unsqueeze(1)).to(dtype)
     if binary:
         rewards = torch.randint(0, 2, (n,), generator=gen).to(dtype)
     else:
         rewards = torch.rand(n, generator=gen, dtype=torch.float64).to(dtype) * 2 - 0.5
-    group_ids = torch.arange(groups).repeat_interleave(size)
+    group_ids = torch.arange(len(sizes)).repeat_interleave(torch.tensor(sizes))
     perm = torch.randperm(n, generator=gen)  # groups interleaved, not contiguous
     rewards, group_ids, mask, lengths = rewards[perm], group_ids[perm], mask[perm], lengths[perm]
     token_rewards = torch.zeros_like(mask)
@@ -155,6 +157,25 @@ def cases(verl: types.ModuleType, b: dict):
            verl.compute_remax_outcome_advantage(tr.clone(), b["baselines"], m, config=_Config())[0])
 
 
+def one_sample_cases(verl: types.ModuleType, b: dict):
+    """The estimators that accept a group of one (REINFORCE++, its baseline variant, ReMax), on a batch
+    of singletons and mixed group sizes."""
+    r, g, m, tr, idx = b["rewards"], b["group_ids"], b["mask"], b["token_rewards"], b["index"]
+    for gamma in (1.0, 0.9):
+        yield (f"reinforce_plus_plus (gamma={gamma}, groups of 1-4)",
+               compute_advantages("reinforce_plus_plus", r, g, mask=m, gamma=gamma),
+               verl.compute_reinforce_plus_plus_outcome_advantage(tr.clone(), m, config=_Config(gamma=gamma))[0])
+    yield ("reinforce_plus_plus_baseline (groups of 1-4)",
+           compute_advantages("reinforce_plus_plus_baseline", r, g, mask=m),
+           verl.compute_reinforce_plus_plus_baseline_outcome_advantage(tr.clone(), m, idx, config=_Config())[0])
+    yield ("remax (groups of 1-4)", compute_advantages("remax", r, g, reward_baselines=b["baselines"]).unsqueeze(-1) * m,
+           verl.compute_remax_outcome_advantage(tr.clone(), b["baselines"], m, config=_Config())[0])
+
+
+#: group sizes of the one-sample batches: 10 singletons among groups of 2-4
+MIXED_SIZES = [1, 3, 1, 1, 2, 4, 1, 1, 2, 1, 3, 1, 1, 4, 1, 2]
+
+
 def differences(ours: torch.Tensor, theirs: torch.Tensor) -> tuple[float, float]:
     """Max abs difference, and max relative difference over entries where |verl| > 1e-6."""
     ours, theirs = ours.double(), theirs.double()
@@ -175,7 +196,8 @@ def main(argv: list[str] | None = None) -> int:
     for dtype in (torch.float64, torch.float32):
         for seed, binary in ((0, True), (1, False), (2, True), (3, False)):
             batch = make_batch(seed, dtype, binary=binary)
-            for name, ours, theirs in cases(verl, batch):
+            mixed = make_batch(seed, dtype, binary=binary, sizes=MIXED_SIZES)
+            for name, ours, theirs in [*cases(verl, batch), *one_sample_cases(verl, mixed)]:
                 if ours.shape != theirs.shape:
                     raise SystemExit(f"{name}: shape {tuple(ours.shape)} vs verl {tuple(theirs.shape)}")
                 key = (name, str(dtype).replace("torch.", ""))
@@ -183,7 +205,8 @@ def main(argv: list[str] | None = None) -> int:
                 new = differences(ours, theirs)
                 rows[key] = (max(old[0], new[0]), max(old[1], new[1]))
     print(f"verl core_algos.py @ {args.commit}; 4 seeded batches (binary and continuous rewards) of "
-          "16 groups x 4, width 32, random lengths, interleaved groups\n")
+          "16 groups x 4, width 32, random lengths, interleaved groups; the 'groups of 1-4' rows: 16 groups "
+          f"of sizes {MIXED_SIZES}\n")
     print("| estimator (setting) | dtype | max abs diff | max rel diff |")
     print("|---|---|---|---|")
     for (name, dtype), (abs_d, rel_d) in rows.items():

@@ -37,7 +37,7 @@ from mmpo.algos.grpo import GRPOModule
 from mmpo.training.config import LossConfig, as_config
 from mmpo.vlm.factory import make_reference_model
 from mmpo.vlm.processing import encode_prompts, model_inputs, repeat_rows
-from mmpo.vlm.rollout import HFGenerateEngine, Rollout, completion_mask_from_ids, concat_rollouts
+from mmpo.vlm.rollout import HFGenerateEngine, Rollout, _cut_by, completion_mask_from_ids, concat_rollouts
 
 
 def preferred_response(row: Mapping[str, Any]) -> str:
@@ -87,7 +87,9 @@ def prefix_rollout(engine: HFGenerateEngine, rows: Sequence[Mapping[str, Any]], 
     """G sampled continuations of prompt + prefix per row (the engine's sampling settings and masks).
 
     ``texts`` are prefix + continuation (what the rewards score); ``prompt_inputs`` include the prefix,
-    so the trainer's log-probs are those of the continuation given the reset state.
+    so the trainer's log-probs are those of the continuation given the reset state. As the engine's own
+    rollouts, vision special tokens are suppressed while decoding and ``extras["vision_cut"]`` (N,) marks
+    the completions the guard cut, so a batch of reset and fresh groups concatenates.
     """
     tokenizer = engine.processor.tokenizer
     prompts = encode_prompts(engine.processor, list(rows), system_prompt=engine.system_prompt,
@@ -100,11 +102,13 @@ def prefix_rollout(engine: HFGenerateEngine, rows: Sequence[Mapping[str, Any]], 
     try:
         output = engine.model.generate(**inputs, max_new_tokens=max_new_tokens, num_return_sequences=num_samples,
                                        eos_token_id=engine.eos_token_id, pad_token_id=engine.pad_token_id,
-                                       use_cache=True, do_sample=True, temperature=temperature, top_p=top_p, top_k=0)
+                                       use_cache=True, do_sample=True, temperature=temperature, top_p=top_p, top_k=0,
+                                       suppress_tokens=engine.suppressed_token_ids())
     finally:
         engine.model.train(was_training)
     completion_ids = output[:, inputs["input_ids"].shape[1]:].cpu()
     mask = completion_mask_from_ids(completion_ids, eos_token_id=engine.eos_token_id, forbidden_ids=engine.forbidden_ids)
+    vision_cut = _cut_by(completion_ids, eos_token_id=engine.eos_token_id, forbidden_ids=engine.forbidden_ids)
     completion_ids = completion_ids.masked_fill(mask == 0, engine.pad_token_id)
     group_ids = torch.arange(len(rows)).repeat_interleave(num_samples)
     prefix_texts = [tokenizer.decode(list(p), skip_special_tokens=True) for p in prefixes]
@@ -112,7 +116,7 @@ def prefix_rollout(engine: HFGenerateEngine, rows: Sequence[Mapping[str, Any]], 
     texts = [prefix_texts[g] + text for g, text in zip(group_ids.tolist(), continuations)]
     return Rollout(rows=[rows[g] for g in group_ids.tolist()], group_ids=group_ids,
                    prompt_inputs=repeat_rows(prompts, num_samples), completion_ids=completion_ids,
-                   completion_mask=mask, texts=texts)
+                   completion_mask=mask, texts=texts, extras={"vision_cut": vision_cut})
 
 
 class DRPOModule(GRPOModule):

@@ -125,8 +125,10 @@ class GRPOModule(VLMPolicyModule):
 
     config_groups = ("sampling", "loss", "advantage", "optim", "rollout_correction", "rollout_engine", "rewards")
 
-    # completions per prompt the module needs at least; single-stream modules (SPO) lower it to 1
-    min_generations = 2
+    # completions per prompt the module needs at least, or None: the advantage estimator's minimum group
+    # (mmpo.core.min_group_size: 2 for group-relative ones, 1 for reinforce_plus_plus[_baseline] / remax);
+    # single-stream modules (SPO) set 1
+    min_generations: int | None = None
 
     needs_entropy: bool = False
     """Subclasses whose ``extra_loss_terms`` read ``outputs["entropy"]`` set True: it is then computed on
@@ -185,9 +187,16 @@ class GRPOModule(VLMPolicyModule):
     def _validate_settings(self) -> None:
         """Checks across groups and against the module (each config dataclass checks its own fields)."""
         h = self.hparams
-        require(self.sampling.num_generations >= self.min_generations,
-                f"num_generations must be >= {self.min_generations} (group-relative advantages need a group), "
-                f"got {self.sampling.num_generations}")
+        if self.min_generations is None:
+            from mmpo.core import min_group_size
+
+            smallest = min_group_size(self.advantage.name)
+            require(self.sampling.num_generations >= smallest,
+                    f"num_generations must be >= {smallest} (advantage estimator {self.advantage.name!r} needs "
+                    f"a group of {smallest}), got {self.sampling.num_generations}")
+        else:
+            require(self.sampling.num_generations >= self.min_generations,
+                    f"num_generations must be >= {self.min_generations}, got {self.sampling.num_generations}")
         require(h.ref_dtype in (None, "float32", "bfloat16", "float16"),
                 f"ref_dtype must be null, float32, bfloat16 or float16, got {h.ref_dtype!r}")
         # imports user reward files and checks their signatures: a bad spec fails before load_vlm
@@ -231,6 +240,7 @@ class GRPOModule(VLMPolicyModule):
         return self._reference[0]
 
     def on_fit_start(self) -> None:
+        self._check_training_prompts()
         self._place_reference()
         if self.rewards.timeout_s is not None:
             # the reward worker's start-up (importing torch, sympy, math-verify: seconds) before step 1,
@@ -241,6 +251,19 @@ class GRPOModule(VLMPolicyModule):
                 get_reward_worker().start()
             except WorkerUnavailable as exc:
                 log.warning("reward worker not started before training: %s", exc)
+
+    def _check_training_prompts(self) -> None:
+        """Before step 1: every training prompt fits max_prompt_length and the model's context less
+        max_new_tokens (mmpo.vlm.prompt_check); offenders are one error, or skipped with skip_bad_rows."""
+        from mmpo.training.lora import unwrap
+        from mmpo.vlm.prompt_check import check_training_prompts, model_context_length, prompt_limit
+
+        datamodule = getattr(self.trainer, "datamodule", None)
+        if datamodule is None:
+            return
+        limit = prompt_limit(self.hparams.max_prompt_length, model_context_length(unwrap(self.model)),
+                             self.sampling.max_new_tokens)
+        check_training_prompts(datamodule, self.processor, system_prompt=self.system_prompt, limit=limit)
 
     def _place_reference(self) -> None:
         """Move the frozen KL reference to the device (unless offloaded) and log its size and dtype."""

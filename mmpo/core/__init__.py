@@ -35,6 +35,7 @@ from mmpo.core.advantages import (
     AdvantageEstimator,
     compute_advantages,
     compute_advantages_with_metrics,
+    min_group_size,
     gae,
     register_advantage_estimator,
 )
@@ -118,6 +119,7 @@ __all__ = [
     "check_clip_range",
     "compute_advantages",
     "compute_advantages_with_metrics",
+    "min_group_size",
     "dcpo_ratio_bounds",
     "dither_rewards",
     "dynamic_sampling_filter",

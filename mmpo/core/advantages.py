@@ -4,7 +4,9 @@ Every estimator has the shared signature
 ``fn(rewards: (N,), index: GroupIndex, *, <settings>) -> (advantages (N,), metrics)``
 and is registered by name; call them through :func:`compute_advantages`. Statistics are
 keyed by group id (see :mod:`mmpo.core.groups`), so shuffling the batch permutes the output
-identically, groups may differ in size, and a group of one sample is an error.
+identically and groups may differ in size. Each estimator declares the smallest group it accepts
+(:func:`min_group_size`: 2 for the group-relative ones, 1 for REINFORCE++ and ReMax, which run at
+one sample per prompt as in verl and OpenRLHF); a smaller group is a one-line error naming both.
 """
 
 from __future__ import annotations
@@ -55,11 +57,40 @@ class AdvantageEstimator(str, Enum):
 
 
 ADVANTAGE_ESTIMATORS: Registry[AdvantageFn] = Registry("advantage estimator")
+#: estimator name -> smallest group (samples per prompt) it accepts; see :func:`min_group_size`
+_MIN_GROUP_SIZES: dict[str, int] = {}
 
 
-def register_advantage_estimator(name: str | AdvantageEstimator) -> Callable[[AdvantageFn], AdvantageFn]:
-    """Register ``fn(rewards, index, *, **settings) -> (advantages, metrics)`` under ``name``."""
-    return ADVANTAGE_ESTIMATORS.register(name)
+def _estimator_key(name: str | AdvantageEstimator) -> str:
+    return str(name.value) if isinstance(name, Enum) else name
+
+
+def register_advantage_estimator(
+    name: str | AdvantageEstimator, *, min_group_size: int = 2
+) -> Callable[[AdvantageFn], AdvantageFn]:
+    """Register ``fn(rewards, index, *, **settings) -> (advantages, metrics)`` under ``name``.
+
+    Args:
+        name: the registry name.
+        min_group_size: smallest group the estimator accepts (2 for group-relative statistics; 1 for
+            estimators that need no group, such as REINFORCE++).
+    """
+    if min_group_size < 1:
+        raise ValueError(f"min_group_size must be >= 1, got {min_group_size}")
+    register = ADVANTAGE_ESTIMATORS.register(name)
+
+    def decorator(fn: AdvantageFn) -> AdvantageFn:
+        register(fn)
+        _MIN_GROUP_SIZES[_estimator_key(name)] = min_group_size
+        return fn
+
+    return decorator
+
+
+def min_group_size(name: str | AdvantageEstimator) -> int:
+    """The smallest group (samples per prompt) the registered estimator ``name`` accepts."""
+    ADVANTAGE_ESTIMATORS.get(name)  # an unknown name fails listing the valid ones
+    return _MIN_GROUP_SIZES.get(_estimator_key(name), 2)
 
 
 def _float_rewards(rewards: Tensor) -> Tensor:
@@ -90,7 +121,7 @@ def compute_advantages_with_metrics(
         ``advantages/num_groups``.
     """
     fn = ADVANTAGE_ESTIMATORS.get(name)
-    key = name.value if isinstance(name, Enum) else name
+    key = _estimator_key(name)
     check_settings(fn, settings, family="advantage estimator", name=key, num_tensor_args=2)
     # per-token inputs (``mask``, ``reward_baselines``) are required settings of some estimators
     missing = [p.name for p in inspect.signature(fn).parameters.values()
@@ -99,7 +130,19 @@ def compute_advantages_with_metrics(
     if missing:
         raise ValueError(f"advantage estimator {key!r} needs the input(s) {missing}")
     rewards = _float_rewards(rewards)
-    index = build_group_index(group_ids.to(rewards.device), num_samples=rewards.numel())
+    index = build_group_index(group_ids.to(rewards.device), num_samples=rewards.numel(), min_size=1)
+    smallest = min_group_size(key)
+    too_small = index.counts < smallest
+    if bool(too_small.any()):
+        raise ValueError(
+            f"advantage estimator {key!r} needs at least {smallest} samples per group; group(s) "
+            f"{index.ids[too_small].tolist()[:10]} have {index.counts[too_small].tolist()[:10]} "
+            f"(set sampling.num_generations >= {smallest}, or use reinforce_plus_plus / remax at one sample)")
+    if not bool(torch.isfinite(index.sum(rewards.square())).all()):
+        raise ValueError(
+            f"advantage estimator {key!r}: rewards up to |r| = {float(rewards.abs().max()):.3g} overflow the group "
+            f"statistics in {rewards.dtype} (a sum of squares is inf); bound them (mmpo.rewards clamps |r| <= 1e6) "
+            "or pass float64")
     advantages, metrics = fn(rewards, index, **settings)
     zero_std = index.is_constant(rewards)
     out: Metrics = {

@@ -11,8 +11,10 @@ estimators that need per-token inputs take them as keyword settings:
 - ``old_log_probs``, ``sum_pi_squared`` ``(N, T)`` (optimal token baseline): log pi of the sampled
   tokens and sum_v pi_v^2 at each position, under the rollout policy.
 
-Differences from verl (all in docs/core.md, "verl's estimators"): a group of one sample is an
-error here (verl silently uses a baseline of 0), and OPO's length-weighted baseline of a group
+REINFORCE++, REINFORCE++-baseline and ReMax accept a group of one sample (verl and OpenRLHF run
+them at n = 1; the baseline variant's singleton group has mean 0, as verl's). Differences from verl
+(all in docs/core.md, "verl's estimators"): for the group-relative estimators a group of one sample
+is an error here (verl silently uses a baseline of 0), and OPO's length-weighted baseline of a group
 whose completions are all empty is 0 (verl divides 0 by 0).
 """
 
@@ -85,7 +87,7 @@ def discounted_returns(token_rewards: Tensor, mask: Tensor, gamma: float) -> Ten
     return returns
 
 
-@register_advantage_estimator(AdvantageEstimator.REINFORCE_PLUS_PLUS)
+@register_advantage_estimator(AdvantageEstimator.REINFORCE_PLUS_PLUS, min_group_size=1)
 def reinforce_plus_plus_advantages(
     rewards: Tensor,
     index: GroupIndex,
@@ -126,7 +128,7 @@ def reinforce_plus_plus_advantages(
     return masked_whiten(returns, mask, eps=whiten_eps), {}
 
 
-@register_advantage_estimator(AdvantageEstimator.REINFORCE_PLUS_PLUS_BASELINE)
+@register_advantage_estimator(AdvantageEstimator.REINFORCE_PLUS_PLUS_BASELINE, min_group_size=1)
 def reinforce_plus_plus_baseline_advantages(
     rewards: Tensor, index: GroupIndex, *, mask: Tensor, whiten_eps: float = 1e-8
 ) -> tuple[Tensor, Metrics]:
@@ -134,6 +136,8 @@ def reinforce_plus_plus_baseline_advantages(
 
     r_i - mean of the group, broadcast to the sample's masked-in tokens, then whitened over
     every masked-in token of the batch (so longer completions weigh more in the statistics).
+    A group of one sample has mean 0 (verl's ``id2mean = 0`` for a singleton; OpenRLHF at n = 1), so
+    its r_i enters the whitening unchanged; groups may differ in size.
 
     Args:
         rewards: ``(N,)``.
@@ -145,7 +149,8 @@ def reinforce_plus_plus_baseline_advantages(
         ``(N, T)`` advantages.
     """
     mask = _check_per_token("mask", mask, rewards)
-    centred = rewards - index.mean(rewards)[index.inverse]
+    group_mean = torch.where(index.counts > 1, index.mean(rewards), torch.zeros_like(index.mean(rewards)))
+    centred = rewards - group_mean[index.inverse]
     return masked_whiten(centred.unsqueeze(-1) * mask, mask, eps=whiten_eps), {}
 
 
@@ -215,7 +220,7 @@ def gpg_advantages(rewards: Tensor, index: GroupIndex, *, f_norm: float = 1.0) -
     return advantages, {"advantages/gpg_alpha": float(alpha)}
 
 
-@register_advantage_estimator(AdvantageEstimator.REMAX)
+@register_advantage_estimator(AdvantageEstimator.REMAX, min_group_size=1)
 def remax_advantages(rewards: Tensor, index: GroupIndex, *, reward_baselines: Tensor) -> tuple[Tensor, Metrics]:
     """ReMax (arXiv 2310.10505; verl ``compute_remax_outcome_advantage``): A_i = r_i - b_i.
 

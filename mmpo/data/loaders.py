@@ -102,7 +102,9 @@ def _prompt_key(record: dict[str, Any], key: str | None, ref: str, columns: Iter
             raise BadRowError(f"{ref}: missing problem: column {key!r} (prompt_key) is empty")
         return key
     found = _first_key(record, DEFAULT_PROMPT_KEYS)
-    if found is None or not str(record[found]).strip():
+    if found is not None and (record[found] is None or not str(record[found]).strip()):
+        raise BadRowError(f"{ref}: empty prompt: column {found!r} (the prompt read; prompt_key) is empty")
+    if found is None:
         raise BadRowError(
             f"{ref}: missing problem (looked for {list(DEFAULT_PROMPT_KEYS)}; set prompt_key to name the column); "
             f"{_columns_note(columns)}"
@@ -199,7 +201,7 @@ def row_fields(record: dict[str, Any], index: int, *, source: str, keys: ColumnK
     problem_key = _prompt_key(record, keys.prompt_key, ref, columns)
     problem = _PLACEHOLDER_RE.sub("", str(record[problem_key])).strip()
     if not problem:
-        raise BadRowError(f"{ref}: problem is empty after removing image placeholders")
+        raise BadRowError(f"{ref}: empty prompt: column {problem_key!r} (prompt_key) holds only image placeholders")
     answer_key = keys.answer_key or "answer"
     if answer_key not in record:
         raise BadRowError(f"{ref}: no column {answer_key!r} (answer_key); {_columns_note(columns)}")

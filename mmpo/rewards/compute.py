@@ -7,6 +7,17 @@ that call, logs a warning (completion text shortened) and increments ``rewards/<
 (and ``rewards/<name>/timeouts`` for a missed deadline): a bad reward never kills or hangs a
 long run.
 
+Extreme values (one rule, before any advantage is computed; docs/reliability.md, "Extreme rewards"):
+
+- a non-finite value (NaN, +-inf) is rejected: that completion gets no reward from that function,
+  as if it returned None ("not applicable"), and ``rewards/<name>/nonfinite`` counts them (a warning
+  names the function);
+- a finite value beyond ``REWARD_BOUND`` (|r| > 1e6, e.g. 3e38, whose group mean would overflow
+  float32 to NaN) is clamped to +-1e6 and counted in ``rewards/<name>/clamped``;
+- the weighted total is clamped to +-1e6 too, counted in ``rewards/total/clamped``.
+
+So the step always trains on finite, bounded rewards: never a NaN advantage and a silently skipped step.
+
 Which functions run in the worker: those it can load by reference, i.e. defined at module level
 (or a ``functools.partial`` of such a function) in a module the worker can import; the built-ins
 and any ``@register_reward`` function in your own module qualify, and so do user functions given
@@ -35,6 +46,10 @@ logger = logging.getLogger(__name__)
 
 DEFAULT_REWARD_WEIGHTS: dict[str, float] = {"accuracy": 0.9, "format": 0.1}
 """0.9 x accuracy + 0.1 x format (PAPO / EasyR1, arXiv 2507.06448)."""
+
+REWARD_BOUND = 1e6
+"""Largest |reward| a function value or the weighted total may have; larger finite values are clamped
+(a group of 8 at 1e6 sums to 8e6, far inside float32, so group means and stds stay finite)."""
 
 
 class RewardCallError(RuntimeError):
@@ -110,22 +125,27 @@ def _run_rewards(fns: dict[str, RewardFn], completions: list[str], rows: list[di
     return outcomes
 
 
-def _as_reward_vector(name: str, value: Any, n: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(values (N,) float32 with NaN where not applicable, applicable (N,) bool) from a reward's result:
-    a tensor, or a list of numbers and None (None = not applicable; user rewards, ``mmpo.rewards.user``)."""
+def _as_reward_vector(name: str, value: Any, n: int) -> tuple[torch.Tensor, torch.Tensor, int, int]:
+    """(values (N,) float32 with NaN where not applicable, applicable (N,) bool, rejected, clamped) from a
+    reward's result: a tensor, or a list of numbers and None (None = not applicable; user rewards,
+    ``mmpo.rewards.user``). Non-finite values are rejected (not applicable, counted in ``rejected``);
+    finite ones beyond ``REWARD_BOUND`` are clamped to it (counted in ``clamped``). Read in float64, so
+    a Python float too large for float32 (1e39) is clamped, not turned into inf."""
     if isinstance(value, torch.Tensor):
-        tensor = value.detach().to(torch.float32).reshape(-1).cpu()
+        tensor = value.detach().to(torch.float64).reshape(-1).cpu()
         applicable = torch.ones(tensor.shape, dtype=torch.bool)
     else:
         items = list(value)
         applicable = torch.tensor([item is not None for item in items], dtype=torch.bool)
         tensor = torch.as_tensor([float("nan") if item is None else item for item in items],
-                                 dtype=torch.float32).reshape(-1)
+                                 dtype=torch.float64).reshape(-1)
     if tensor.numel() != n:
         raise RewardCallError(f"reward {name!r} returned {tensor.numel()} values for {n} completions")
-    if not torch.isfinite(tensor[applicable]).all():
-        raise RewardCallError(f"reward {name!r} returned non-finite values (return None for 'not applicable')")
-    return tensor, applicable
+    nonfinite = applicable & ~torch.isfinite(tensor)
+    beyond = applicable & torch.isfinite(tensor) & (tensor.abs() > REWARD_BOUND)
+    applicable = applicable & ~nonfinite
+    tensor = torch.where(nonfinite, torch.nan, tensor.clamp(-REWARD_BOUND, REWARD_BOUND))
+    return tensor.to(torch.float32), applicable, int(nonfinite.sum()), int(beyond.sum())
 
 
 def compute_rewards(
@@ -153,7 +173,9 @@ def compute_rewards(
         per_fn: name -> (N,) float32 unweighted rewards (NaN where a user function returned None;
         zeros for a failed call).
         metrics: ``rewards/<label>/mean`` (over the completions the function applies to; NaN if
-        none), ``rewards/<label>/errors`` and ``rewards/<label>/timeouts`` (0 or 1 per call), for
+        none), ``rewards/<label>/errors`` and ``rewards/<label>/timeouts`` (0 or 1 per call),
+        ``rewards/<label>/nonfinite`` and ``rewards/<label>/clamped`` (values rejected / clamped by the
+        extreme-value rule of the module docstring), ``rewards/total/clamped``, for
         user functions ``rewards/<label>/none_frac`` (share of None), ``rewards/total/mean`` and
         ``perf/reward_worker_restarts`` (reward workers killed or found dead so far in this
         process). ``<label>`` is the registered name or the user function's own name.
@@ -173,15 +195,20 @@ def compute_rewards(
     metrics: dict[str, float] = {}
     for name, weight in weights.items():
         outcome = outcomes[name]
-        errors = 0
+        errors = rejected = clamped = 0
         try:
             if outcome.error is not None:
                 raise RewardCallError(f"reward {name!r} {outcome.error}")
-            values, applicable = _as_reward_vector(name, outcome.value, n)
+            values, applicable, rejected, clamped = _as_reward_vector(name, outcome.value, n)
         except Exception as exc:  # noqa: BLE001 - any failure of a user reward becomes zeros
             logger.warning("reward %r failed, using zeros for this batch: %s", name, shorten(str(exc)))
             values, applicable = torch.zeros(n, dtype=torch.float32), torch.ones(n, dtype=torch.bool)
             errors = 1
+        if rejected:
+            logger.warning("reward %r returned %d non-finite value(s) of %d: rejected (those completions get "
+                           "no reward from it)", name, rejected, n)
+        if clamped:
+            logger.warning("reward %r returned %d value(s) beyond +-%g: clamped to it", name, clamped, REWARD_BOUND)
         per_fn[name] = values
         total += torch.where(applicable, float(weight) * values, 0.0)
         scored |= applicable
@@ -192,11 +219,17 @@ def compute_rewards(
             metrics[f"rewards/{label}/mean"] = float(values[applicable].mean()) if applicable.any() else float("nan")
         metrics[f"rewards/{label}/errors"] = float(errors)
         metrics[f"rewards/{label}/timeouts"] = float(outcome.timed_out)
+        metrics[f"rewards/{label}/nonfinite"] = float(rejected)
+        metrics[f"rewards/{label}/clamped"] = float(clamped)
         if is_user_reward_spec(name):
             metrics[f"rewards/{label}/none_frac"] = float((~applicable).float().mean()) if n else 0.0
     if n and not scored.all():
         logger.warning("%d of %d completions got None from every reward function; their total reward is 0",
                        int((~scored).sum()), n)
+    # bounded values with finite weights: the total can exceed the bound (weights > 1) but not float32
+    total_beyond = total.abs() > REWARD_BOUND
+    metrics["rewards/total/clamped"] = float(total_beyond.sum())
+    total = total.clamp(-REWARD_BOUND, REWARD_BOUND)
     metrics["rewards/total/mean"] = float(total.mean()) if n else 0.0
     metrics["perf/reward_worker_restarts"] = float(get_reward_worker().restarts)
     return total, per_fn, metrics

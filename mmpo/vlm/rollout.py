@@ -552,8 +552,13 @@ def _concat_extras(rollouts: Sequence[Rollout], width: int) -> dict[str, Any]:
     from torch.nn.functional import pad
 
     out: dict[str, Any] = {}
-    for key in rollouts[0].extras:
-        values = [r.extras.get(key) for r in rollouts]
+    keys = list(dict.fromkeys(key for r in rollouts for key in r.extras))
+    for key in keys:
+        missing = [i for i, r in enumerate(rollouts) if key not in r.extras]
+        if missing:
+            raise ValueError(f"concat_rollouts: extras[{key!r}] is missing from rollout(s) {missing} of "
+                             f"{len(rollouts)}; every rollout must carry the same extras")
+        values = [r.extras[key] for r in rollouts]
         if all(isinstance(v, torch.Tensor) and v.ndim >= 1 and v.shape[0] == len(r) for v, r in zip(values, rollouts)):
             if values[0].ndim == 2:
                 values = [pad(v, (0, width - v.shape[1])) for v in values]

@@ -68,6 +68,30 @@ def test_reset_rollout_continues_the_preferred_prefix(tiny_path):
     assert again.texts == rollout.texts
 
 
+def test_a_batch_of_reset_and_fresh_groups_concatenates(tiny_path):
+    # seed 0 draws torch.rand(4) = [0.496, 0.768, 0.089, 0.132]: with reset_prob 0.5 rows 0, 2, 3 continue a
+    # prefix and row 1 starts at the prompt; DR-PO used to fail here (the reset part carried no extras)
+    from mmpo.vlm.processing import encode_prompts
+
+    module = DRPOModule(tiny_path, reset_prob=0.5, kl_reward_coef=0.0,
+                        sampling=SamplingConfig(num_generations=2, max_new_tokens=4))
+    rows = [synthetic_preference_row(r, seed=0) for r in make_items("arithmetic", 4, seed=0)]
+    torch.manual_seed(0)
+    rollout = module.build_rollout(rows)
+    assert module.reset_fraction == 0.75 and len(rollout) == 8
+    assert rollout.group_ids.tolist() == [0, 0, 1, 1, 2, 2, 3, 3]
+    order = [1, 0, 2, 3]  # the fresh part, then the reset part
+    assert [row["id"] for row in rollout.rows[::2]] == [rows[i]["id"] for i in order]
+    assert rollout.extras["vision_cut"].tolist() == [False] * 8
+    plain = encode_prompts(module.processor, rows, system_prompt=module.engine.system_prompt)
+    plain_lengths = plain["attention_mask"].sum(-1).tolist()
+    lengths = rollout.prompt_inputs["attention_mask"].sum(-1).tolist()[::2]
+    assert lengths[0] == plain_lengths[1]  # fresh: the prompt alone
+    assert all(lengths[k] > plain_lengths[i] for k, i in enumerate(order) if k > 0)  # reset: prompt + prefix
+    rewards, metrics = module.compute_rewards(rollout)
+    assert rewards.shape == (8,) and metrics["reset/fraction"] == 0.75
+
+
 def test_kl_penalty_in_the_reward(tiny_path, scripted_reward):
     weights = scripted_reward([1.0, 0.0])
     module = DRPOModule(tiny_path, reset_prob=0.0, kl_reward_coef=0.5,
@@ -107,3 +131,15 @@ def test_drpo_tiny_config_fits_two_steps(tiny_path, tmp_path, fit_vlm_config):
     assert len(steps) == 2
     assert [float(r["reset/fraction"]) for r in steps] == [1.0, 1.0]
     assert float(steps[0]["rewards/kl_penalty/mean"]) == pytest.approx(0.0, abs=1e-6)  # step 1: pi_old == pi_ref
+
+
+def test_drpo_tiny_config_fits_two_steps_mixing_reset_and_fresh_groups(tiny_path, tmp_path, fit_vlm_config):
+    # reset_prob 0.5 on 4 prompts: under seed 0 each step's batch mixes reset and fresh groups
+    rows = fit_vlm_config("drpo_tiny.yaml", tiny_path, tmp_path, "--model.init_args.reset_prob=0.5",
+                          "--model.init_args.sampling.num_generations=2", "--model.init_args.sampling.val_max_new_tokens=4",
+                          "--trainer.callbacks=[]", "--trainer.enable_checkpointing=false", "--data.init_args.batch_size=4")
+    steps = [r for r in rows if r.get("losses/policy")]
+    assert len(steps) == 2
+    fractions = [float(r["reset/fraction"]) for r in steps]
+    assert all(0.0 < f < 1.0 for f in fractions), fractions
+    assert all(float(r["response/vision_cut_frac"]) == 0.0 for r in steps)

@@ -165,9 +165,23 @@ def test_shuffling_the_batch_permutes_the_output(name):
     assert torch.allclose(adv_shuffled, adv[perm], atol=1e-6)
 
 
-def test_group_of_one_is_a_clear_error():
-    with pytest.raises(ValueError, match=r"group\(s\) \[4\] have fewer than 2 samples"):
-        compute_advantages("grpo", torch.tensor([1.0, 0.0, 1.0]), torch.tensor([1, 1, 4]))
+@pytest.mark.parametrize("name", ["grpo", "drgrpo", "rloo", "mapo", "opo", "gpg", "grpo_passk"])
+def test_group_of_one_is_a_one_line_error_naming_the_estimator_and_the_minimum(name):
+    settings = {"mask": torch.ones(3, 2)} if name == "opo" else {}
+    with pytest.raises(ValueError) as caught:
+        compute_advantages(name, torch.tensor([1.0, 0.0, 1.0]), torch.tensor([1, 1, 4]), **settings)
+    message = str(caught.value)
+    assert "\n" not in message
+    assert message.startswith(f"advantage estimator {name!r} needs at least 2 samples per group; group(s) [4] have [1]")
+
+
+def test_min_group_size_of_each_estimator():
+    from mmpo.core import min_group_size
+
+    assert [min_group_size(n) for n in ("reinforce_plus_plus", "reinforce_plus_plus_baseline", "remax")] == [1, 1, 1]
+    assert [min_group_size(n) for n in ("grpo", "rloo", "opo", "grpo_passk")] == [2, 2, 2, 2]
+    with pytest.raises(ValueError, match="unknown advantage estimator"):
+        min_group_size("no_such_estimator")
 
 
 def test_bad_inputs_are_named():
@@ -184,3 +198,18 @@ def test_bad_inputs_are_named():
 def test_integer_rewards_are_promoted_to_float():
     adv = compute_advantages("drgrpo", torch.tensor([1, 0]), torch.tensor([0, 0]))
     assert adv.dtype == torch.get_default_dtype() and adv.tolist() == [0.5, -0.5]
+
+
+def test_finite_rewards_whose_group_statistics_overflow_are_an_error_not_nan_advantages():
+    # 3e38 + 3e38 overflows float32 to inf: the group mean would be inf and r - mean -inf / NaN
+    rewards = torch.tensor([3e38, 3e38, 0.0, 1.0])
+    with pytest.raises(ValueError, match=r"advantage estimator 'grpo': rewards up to \|r\| = 3e\+38 overflow the "
+                                         r"group statistics in torch.float32"):
+        compute_advantages("grpo", rewards, torch.tensor([0, 0, 1, 1]))
+    # in float64 the same rewards are fine: group 0 agrees (A = 0), group 1 is +-1/sqrt(0.5) / (1/sqrt(2) + eps)
+    adv = compute_advantages("grpo", rewards.double(), torch.tensor([0, 0, 1, 1]))
+    assert adv[:2].tolist() == [0.0, 0.0]
+    assert adv[2:].tolist() == pytest.approx([-0.5 / (0.5 ** 0.5 + 1e-6), 0.5 / (0.5 ** 0.5 + 1e-6)], rel=1e-12)
+    # 2e19 is the smallest kind of trouble: its square (4e38) is inf in float32 while its sum is not
+    with pytest.raises(ValueError, match="overflow the group statistics"):
+        compute_advantages("rloo", torch.tensor([2e19, 0.0]), torch.tensor([0, 0]))

@@ -85,6 +85,53 @@ def test_reinforce_plus_plus_baseline_hand_values():
     assert adv[3].tolist() == pytest.approx([(-1 - 0.1875) * scale] * 2 + [0.0], rel=1e-12)
 
 
+def test_reinforce_plus_plus_baseline_singleton_groups_have_mean_zero():
+    # groups {0: [1, 0]}, {1: [2]}, {2: [3]}: centred [0.5, -0.5, 2, 3] (a singleton's mean is 0, as verl's)
+    # per token: 0.5 x2, -0.5 x1, 2 x3, 3 x2; sum 12.5 over 8 tokens, mean 1.5625
+    # squared deviations: 2 x 1.12890625 + 4.25390625 + 3 x 0.19140625 + 2 x 2.06640625 = 11.21875; var 11.21875 / 7
+    rewards = torch.tensor([1.0, 0.0, 2.0, 3.0], dtype=D)
+    adv = compute_advantages("reinforce_plus_plus_baseline", rewards, torch.tensor([0, 0, 1, 2]), mask=MASK)
+    scale = 1 / math.sqrt(11.21875 / 7 + 1e-8)
+    expected = [[(0.5 - 1.5625) * scale] * 2 + [0.0], [(-0.5 - 1.5625) * scale, 0.0, 0.0],
+                [(2 - 1.5625) * scale] * 3, [(3 - 1.5625) * scale] * 2 + [0.0]]
+    torch.testing.assert_close(adv, torch.tensor(expected, dtype=D), rtol=1e-12, atol=1e-12)
+
+
+def _verl_baseline_loop(rewards: torch.Tensor, group_ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """verl's ``compute_reinforce_plus_plus_baseline_outcome_advantage`` written as its per-sample loop:
+    a singleton group's mean is 0, the rest their mean; then masked whitening (mean over tokens, Bessel var)."""
+    by_group: dict[int, list[float]] = {}
+    for r, g in zip(rewards.tolist(), group_ids.tolist()):
+        by_group.setdefault(g, []).append(r)
+    means = {g: 0.0 if len(v) == 1 else sum(v) / len(v) for g, v in by_group.items()}
+    scores = torch.tensor([r - means[g] for r, g in zip(rewards.tolist(), group_ids.tolist())], dtype=D)
+    tokens = scores.unsqueeze(-1) * mask
+    valid = tokens[mask > 0]
+    mean, var = valid.mean(), valid.var(unbiased=True)
+    return (tokens - mean) * torch.rsqrt(var + 1e-8) * mask
+
+
+def test_reinforce_plus_plus_at_one_sample_per_prompt_and_mixed_group_sizes_match_verls_loop():
+    gen = torch.Generator().manual_seed(5)
+    sizes = [1, 3, 1, 2, 4, 1]  # mixed: singletons beside groups of 2-4, interleaved below
+    group_ids = torch.arange(len(sizes)).repeat_interleave(torch.tensor(sizes))
+    perm = torch.randperm(group_ids.numel(), generator=gen)
+    group_ids = group_ids[perm]
+    rewards = torch.rand(group_ids.numel(), generator=gen, dtype=D) * 2 - 0.5
+    mask = _mask(torch.randint(1, 6, (group_ids.numel(),), generator=gen).tolist(), 5)
+    ours = compute_advantages("reinforce_plus_plus_baseline", rewards, group_ids, mask=mask)
+    torch.testing.assert_close(ours, _verl_baseline_loop(rewards, group_ids, mask), rtol=1e-10, atol=1e-12)
+    # n = 1 everywhere: the baseline variant whitens the raw rewards; REINFORCE++ ignores groups entirely
+    singles = torch.arange(rewards.numel())
+    torch.testing.assert_close(compute_advantages("reinforce_plus_plus_baseline", rewards, singles, mask=mask),
+                               _verl_baseline_loop(rewards, singles, mask), rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(compute_advantages("reinforce_plus_plus", rewards, singles, mask=mask),
+                               compute_advantages("reinforce_plus_plus", rewards, group_ids, mask=mask))
+    # ReMax needs no group either
+    baselines = torch.zeros_like(rewards)
+    assert compute_advantages("remax", rewards, singles, reward_baselines=baselines).tolist() == rewards.tolist()
+
+
 def test_opo_length_weighted_baseline():
     # group 0: b = (2*1 + 1*0) / 3 = 2/3; group 1: b = (3*2 + 2*0) / 5 = 1.2
     adv = compute_advantages("opo", REWARDS, GROUPS, mask=MASK)

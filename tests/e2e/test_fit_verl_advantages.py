@@ -29,9 +29,12 @@ def tiny_path(tmp_path_factory):
                           intermediate_size=128)
 
 
-@pytest.mark.parametrize("name", ["reinforce_plus_plus", "reinforce_plus_plus_baseline", "opo", "grpo_passk",
-                                  "gpg", "remax", "optimal_token_baseline", "tir_optimal_token_baseline"])
-def test_verl_advantage_trains_two_steps(name, tiny_path, tmp_path, monkeypatch):
+@pytest.mark.parametrize(("name", "generations"), [
+    *[(name, 2) for name in ["reinforce_plus_plus", "reinforce_plus_plus_baseline", "opo", "grpo_passk", "gpg", "remax",
+                             "optimal_token_baseline", "tir_optimal_token_baseline"]],
+    # one sample per prompt, as verl and OpenRLHF run REINFORCE++ (and ReMax, whose baseline is the greedy rollout)
+    ("reinforce_plus_plus", 1), ("reinforce_plus_plus_baseline", 1), ("remax", 1)])
+def test_verl_advantage_trains_two_steps(name, generations, tiny_path, tmp_path, monkeypatch):
     from mmpo.algos.grpo import GRPOModule
 
     seen: list[dict] = []
@@ -61,7 +64,7 @@ def test_verl_advantage_trains_two_steps(name, tiny_path, tmp_path, monkeypatch)
     run = tmp_path / "run"
     assert main([
         "fit", "-c", str(CONFIG), f"--model.init_args.model_path={tiny_path}", "--model.init_args.output_dir=null",
-        f"--model.init_args.advantage.name={name}", "--model.init_args.sampling.num_generations=2",
+        f"--model.init_args.advantage.name={name}", f"--model.init_args.sampling.num_generations={generations}",
         "--model.init_args.sampling.max_new_tokens=4", "--trainer.max_steps=2", "--trainer.limit_val_batches=0",
         "--trainer.enable_progress_bar=false", f"--trainer.default_root_dir={run}",
         f"--trainer.logger.init_args.save_dir={run}", f"--trainer.callbacks.init_args.dirpath={tmp_path / 'ckpt'}",
@@ -73,6 +76,8 @@ def test_verl_advantage_trains_two_steps(name, tiny_path, tmp_path, monkeypatch)
     assert len(greedy) == (2 if name == "remax" else 0)  # the extra greedy rollout only for ReMax
     assert len(stats) == (2 if name.endswith("optimal_token_baseline") else 0)  # the extra forward only for OTB
     for step, record in enumerate(seen):
+        # batch_size 2 prompts x G: every group has G samples
+        assert torch.unique(record["group_ids"], return_counts=True)[1].tolist() == [generations] * 2
         mask = record["mask"].float()
         inputs = {"mask": mask} if name in PER_TOKEN | {"opo"} else {}
         if name == "remax":

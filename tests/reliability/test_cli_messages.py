@@ -34,7 +34,7 @@ IGPO = ["fit", "-c", str(REPO / "configs/dllm/igpo_tiny.yaml"), "--trainer.logge
      "mmpo fit: error: model (mmpo.algos.grpo.GRPOModule): num_generations must be >= 1, got -1"),
     (GRPO + ["--model.init_args.sampling.num_generations=1"],
      "mmpo fit: error: model (mmpo.algos.grpo.GRPOModule): num_generations must be >= 2 "
-     "(group-relative advantages need a group), got 1"),
+     "(advantage estimator 'grpo' needs a group of 2), got 1"),
     (GRPO + ["--model.init_args.sampling.num_gens=4"],
      "mmpo fit: error: model: cannot use class_path 'mmpo.algos.grpo.GRPOModule': unrecognized arguments: "
      "--sampling.num_gens=4"),

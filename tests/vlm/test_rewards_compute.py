@@ -99,16 +99,36 @@ def test_unpicklable_hanging_reward_times_out_on_a_thread(temporary_reward, capl
     assert per_fn["unit_hangs"].tolist() == [1.0, 1.0] and metrics["rewards/unit_hangs/errors"] == 0.0
 
 
-@pytest.mark.parametrize(
-    "bad_output",
-    [torch.ones(3), torch.tensor([1.0, float("nan")])],
-    ids=["wrong_length", "nan"],
-)
-def test_malformed_reward_output_counts_as_error(temporary_reward, bad_output):
-    temporary_reward("unit_malformed", lambda completions, rows: bad_output)
+def test_malformed_reward_output_counts_as_error(temporary_reward):
+    temporary_reward("unit_malformed", lambda completions, rows: torch.ones(3))
     _, per_fn, metrics = compute_rewards({"unit_malformed": 1.0}, COMPLETIONS, ROWS)
     assert per_fn["unit_malformed"].tolist() == [0.0, 0.0]
     assert metrics["rewards/unit_malformed/errors"] == 1.0
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
+def test_a_non_finite_value_is_rejected_for_its_completion_only(temporary_reward, bad):
+    temporary_reward("unit_nonfinite", lambda completions, rows: torch.tensor([0.5, bad]))
+    temporary_reward("unit_half", lambda completions, rows: torch.tensor([0.5, 0.5]))
+    total, per_fn, metrics = compute_rewards({"unit_nonfinite": 2.0, "unit_half": 1.0}, COMPLETIONS, ROWS)
+    assert total.tolist() == [1.5, 0.5]  # 2 x 0.5 + 0.5; the second gets only unit_half's 0.5
+    assert per_fn["unit_nonfinite"][0] == 0.5 and torch.isnan(per_fn["unit_nonfinite"][1])
+    assert metrics["rewards/unit_nonfinite/nonfinite"] == 1.0 and metrics["rewards/unit_nonfinite/errors"] == 0.0
+    assert metrics["rewards/unit_nonfinite/mean"] == 0.5  # over the values kept
+
+
+def test_values_beyond_the_bound_are_clamped_and_counted(temporary_reward):
+    from mmpo.rewards.compute import REWARD_BOUND
+
+    assert REWARD_BOUND == 1e6
+    # 3e38 is finite in float32; 1e39 is not (it must be clamped, not read as inf); -2e6 is just beyond
+    temporary_reward("unit_huge", lambda completions, rows: [3e38, 1e39])
+    temporary_reward("unit_low", lambda completions, rows: [-2e6, 7.0])
+    total, per_fn, metrics = compute_rewards({"unit_huge": 1.0, "unit_low": 0.5}, COMPLETIONS, ROWS, timeout_s=None)
+    assert per_fn["unit_huge"].tolist() == [1e6, 1e6] and per_fn["unit_low"].tolist() == [-1e6, 7.0]
+    assert metrics["rewards/unit_huge/clamped"] == 2.0 and metrics["rewards/unit_low/clamped"] == 1.0
+    assert total.tolist() == [5e5, 1e6]  # 1e6 - 0.5e6; 1e6 + 3.5 clamped to 1e6
+    assert metrics["rewards/total/clamped"] == 1.0 and metrics["rewards/unit_huge/nonfinite"] == 0.0
 
 
 def test_list_output_is_accepted(temporary_reward):

@@ -207,6 +207,17 @@ def test_concat_rollouts_renumbers_groups(tiny):
     torch.testing.assert_close(joint[2:][mask], alone[mask], atol=1e-5, rtol=1e-5)
 
 
+def test_concat_rollouts_names_an_extra_missing_from_a_later_rollout(tiny):
+    model, processor = tiny
+    engine = HFGenerateEngine(model, processor)
+    torch.manual_seed(3)
+    a = engine.generate(_rows()[:1], num_samples=2, max_new_tokens=3)
+    b = engine.generate(_rows()[2:], num_samples=2, max_new_tokens=3)
+    del a.extras["vision_cut"]  # the first rollout lacks it: still found (keys of every rollout are checked)
+    with pytest.raises(ValueError, match=r"extras\['vision_cut'\] is missing from rollout\(s\) \[0\] of 2"):
+        concat_rollouts([a, b])
+
+
 def test_bad_sampling_settings_are_refused(tiny):
     model, processor = tiny
     engine = HFGenerateEngine(model, processor)

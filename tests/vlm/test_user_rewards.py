@@ -183,7 +183,6 @@ def test_a_slow_import_is_not_timed_by_the_call_deadline(tmp_path):
 
 @pytest.mark.parametrize(("function", "message"), [
     ("wrong_length", "returned 1 values for 3 completions"),
-    ("nan_values", "non-finite values"),
     ("text_values", "returned a str for completion 0"),
     ("needs_a_column", r"needs column\(s\) \['solution_steps'\] that the rows do not have"),
 ])
@@ -195,6 +194,18 @@ def test_malformed_results_are_counted_failures(user_file, function, message, ca
     assert total.tolist() == [0.0, 0.0, 1.0]  # accuracy still counts
     assert metrics[f"rewards/{function}/errors"] == 1.0
     assert re.search(message, caplog.text)
+
+
+def test_non_finite_values_are_rejected_and_counted_not_a_failure(user_file, caplog):
+    # nan_values returns NaN for every completion: each is rejected (no reward from it, like None), the
+    # call is no error, and accuracy still counts
+    with caplog.at_level(logging.WARNING):
+        total, per_fn, metrics = compute_rewards({spec(user_file, "nan_values"): 1.0, "accuracy": 1.0},
+                                                 COMPLETIONS, ROWS, timeout_s=60.0)
+    assert all(math.isnan(v) for v in per_fn[spec(user_file, "nan_values")].tolist())
+    assert total.tolist() == [0.0, 0.0, 1.0]
+    assert metrics["rewards/nan_values/nonfinite"] == 3.0 and metrics["rewards/nan_values/errors"] == 0.0
+    assert "returned 3 non-finite value(s) of 3: rejected" in caplog.text
 
 
 def test_module_spec_is_imported_from_sys_path(tmp_path, monkeypatch):
