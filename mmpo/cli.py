@@ -26,6 +26,7 @@ PROGRAM_SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "estimate": ("mmpo.vlm.estimate_cli:main", "per-device memory budget of a VLM config (no weights loaded)"),
     "demos": ("mmpo.robotics.cli:demos_main", "generate scripted demonstrations in robomimic's HDF5 layout"),
     "rollout": ("mmpo.robotics.cli:rollout_main", "roll out a robot policy checkpoint, optionally recording a video"),
+    "list": ("mmpo.listing:main", "the registered algorithms, estimators, losses, rewards, benchmarks, robot tasks"),
 }
 
 
