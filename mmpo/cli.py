@@ -34,6 +34,8 @@ PROGRAM_SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "estimate": ("mmpo.vlm.estimate_cli:main", "per-device memory budget of a VLM config (no weights loaded)"),
     "demos": ("mmpo.robotics.cli:demos_main", "generate scripted demonstrations in robomimic's HDF5 layout"),
     "rollout": ("mmpo.robotics.cli:rollout_main", "roll out a robot policy checkpoint, optionally recording a video"),
+    "list": ("mmpo.listing:main", "the registered algorithms, estimators, losses, rewards, benchmarks, robot tasks"),
+    "report": ("mmpo.report:main", "plots and a Markdown summary of a run's logged metrics (RUN_DIR)"),
 }
 
 
@@ -54,21 +56,22 @@ def lightning_main(argv: Sequence[str]) -> None:
 
     from mmpo.training.cli_errors import ConfigErrorsMixin
     from mmpo.training.cli_support import MMPOLightningCLI, nested_nulls_as_mappings
-    from mmpo.training.quiet import quiet_lightning_notices
+    from mmpo.training.quiet import hf_progress_bars_off, quiet_lightning_notices
     from mmpo.training.resume_args import ResumeArgsMixin
 
     class MMPOCli(ResumeArgsMixin, ConfigErrorsMixin, MMPOLightningCLI):
         pass
 
-    quiet_lightning_notices()  # the args-vs-sys.argv warning, the litlogger tip, Lightning's _pytree warning
-    MMPOCli(
-        LightningModule,
-        LightningDataModule,
-        subclass_mode_model=True,
-        subclass_mode_data=True,
-        args=nested_nulls_as_mappings(argv),
-        save_config_kwargs={"overwrite": True},
-    )
+    quiet_lightning_notices()  # the args-vs-sys.argv warning, Lightning's tips, device and seed lines, _pytree warning
+    with hf_progress_bars_off():  # the step bar is the one progress line (no "Loading weights" bars)
+        MMPOCli(
+            LightningModule,
+            LightningDataModule,
+            subclass_mode_model=True,
+            subclass_mode_data=True,
+            args=nested_nulls_as_mappings(argv),
+            save_config_kwargs={"overwrite": True},
+        )
 
 
 def package_version() -> str:

@@ -421,12 +421,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"mmpo quickstart: error: {error}", file=sys.stderr)
         return 2
     from mmpo.training.checkpoint import CorruptCheckpointError
+    from mmpo.training.quiet import hf_progress_bars_off
     from mmpo.training.run_lock import RunDirectoryLockedError
 
     started = time.perf_counter()
     try:
-        summary = run_quickstart(config, args.out, seed=args.seed, progress=not args.no_progress,
-                                 fresh=args.fresh)
+        with hf_progress_bars_off():  # no "Loading weights" / "Writing model shards" bars between the stages' own
+            summary = run_quickstart(config, args.out, seed=args.seed, progress=not args.no_progress,
+                                     fresh=args.fresh)
     except (StaleOutputError, CorruptCheckpointError, RunDirectoryLockedError) as error:
         print(f"mmpo quickstart: error: {error}", file=sys.stderr)
         return 2

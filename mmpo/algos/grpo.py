@@ -61,6 +61,7 @@ from mmpo.training.config import (
 )
 from mmpo.training.step_logging import log_with_step_metrics
 from mmpo.training.step_state import StepState
+from mmpo.training.completions import CompletionSamples
 from mmpo.training.update import (
     CoreLossSpec,
     MicroLoss,
@@ -339,9 +340,10 @@ class GRPOModule(VLMPolicyModule):
         """(N,) total reward and metrics ``rewards/<name>/mean`` (hook: reward shaping)."""
         from mmpo.rewards import compute_rewards
 
-        total, _per_fn, metrics = compute_rewards(
+        total, per_fn, metrics = compute_rewards(
             self.reward_weights, rollout.texts, rollout.rows, timeout_s=self.rewards.timeout_s
         )
+        self._reward_parts = (rollout.texts, per_fn)  # for completion_samples: each function's rewards
         return total, metrics
 
     def compute_advantages(
@@ -470,6 +472,7 @@ class GRPOModule(VLMPolicyModule):
         advantages, adv_metrics = self.compute_advantages(rewards.float(), rollout.group_ids, rollout)
         state.advantages = advantages
         metrics.update(adv_metrics)
+        self.completion_samples = self._completion_samples(step, rollout, rewards, advantages)
         lengths = rollout.completion_mask.sum(-1).float()
         ended = ((rollout.completion_ids == self.engine.eos_token_id) & (rollout.completion_mask > 0)).any(-1)
         metrics["response/length_mean"] = float(lengths.mean())
@@ -540,6 +543,14 @@ class GRPOModule(VLMPolicyModule):
             log_with_step_metrics(self, {k: v for k, v in logged.items() if k not in shown and k not in every_step},
                                   order=[k for k in logged if k in shown] + [k for k in logged if k not in shown])
         self.last_metrics = metrics
+
+    def _completion_samples(self, step: int, rollout: Rollout, rewards: Tensor, advantages: Tensor) -> CompletionSamples:
+        """This step's prompts, completions, rewards (total, and per function when this rollout was scored by
+        :meth:`compute_rewards`) and per-completion advantages, for ``LogCompletions``."""
+        texts, per_fn = getattr(self, "_reward_parts", (None, {}))
+        return CompletionSamples.build(
+            step, [str(row.get("problem", "")) for row in rollout.rows], rollout.texts, rewards,
+            per_fn if texts is rollout.texts else {}, advantages, rollout.completion_mask)
 
     def begin_step(self, state: StepState) -> None:
         """Hook before the rollout: replace ``state.rows`` (SPO's prioritised draw), advance schedules (CAMPO's

@@ -34,6 +34,13 @@ class AggregationMode(str, Enum):
 
 
 AGGREGATION_MODES: tuple[str, ...] = tuple(m.value for m in AggregationMode)
+#: one line per mode (``mmpo list aggregation``)
+AGGREGATION_DESCRIPTIONS: dict[str, str] = {
+    "token-mean": "sum over all real tokens / number of real tokens (DAPO)",
+    "seq-mean-token-mean": "per-sequence token mean, then the mean over sequences (original GRPO)",
+    "seq-mean-token-sum": "per-sequence token sum, then the mean over sequences",
+    "seq-mean-token-sum-norm": "total token sum / (num_seqs * L), L a constant (Dr.GRPO)",
+}
 
 
 def _check_mode(mode: str | AggregationMode) -> str:

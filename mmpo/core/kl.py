@@ -37,6 +37,21 @@ class KLKind(str, Enum):
 
 
 KL_KINDS: tuple[str, ...] = tuple(k.value for k in KLKind)
+#: one line per kind (``mmpo list kl``)
+KL_KIND_DESCRIPTIONS: dict[str, str] = {
+    "k1": "l - l_ref (unbiased, high variance)",
+    "k2": "0.5 (l - l_ref)^2",
+    "k3": "exp(l_ref - l) - (l_ref - l) - 1 (GRPO's low-variance, non-negative estimator; clamped as verl)",
+    "kl": "verl's alias of k1",
+    "abs": "|l - l_ref| (verl)",
+    "mse": "verl's alias of k2",
+    "low_var_kl": "verl's alias of k3 (same clamps)",
+    "k1+": "k1's value with k2's gradient (straight-through)",
+    "kl+": "kl's value with k2's gradient (straight-through)",
+    "abs+": "abs's value with k2's gradient (straight-through)",
+    "k3+": "k3's value with k2's gradient (straight-through)",
+    "low_var_kl+": "low_var_kl's value with k2's gradient (straight-through)",
+}
 _ALIASES = {KLKind.KL.value: KLKind.K1.value, KLKind.MSE.value: KLKind.K2.value, KLKind.LOW_VAR_KL.value: KLKind.K3.value}
 
 

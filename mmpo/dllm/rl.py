@@ -55,6 +55,7 @@ from mmpo.core import ADVANTAGE_ESTIMATORS, LossParts, compute_advantages_with_m
 from mmpo.core.aggregate import AggregationMode
 from mmpo.training.nonfinite import DEFAULT_MAX_CONSECUTIVE_SKIPS, NonFiniteGuard, NonFiniteGuardMixin
 from mmpo.training.step_state import StepState
+from mmpo.training.completions import CompletionSamples
 from mmpo.training.update import MicroLoss, PassContext, UpdateEngine, UpdateSchedule, UpdateWrapper
 from mmpo.training.lr_schedule import SCHEDULES
 from mmpo.training.optim import make_optimizer, max_steps_or_none
@@ -330,8 +331,10 @@ class DiffuGRPO(NonFiniteGuardMixin, MaskPredictorExportHooks, PlainHparamsMixin
         baselines = {}
         if "reward_baselines" in estimator_inputs(s["advantage"]):
             baselines["reward_baselines"] = self.greedy_reward_baselines(rows)
+        per_function = {"correct": correct.float(), **({} if formats is None else {"format": formats})}
         return {
             **baselines,
+            "samples": {"prompts": problems, "texts": texts, "per_function": per_function},  # for completion_samples
             "prompt_ids": out.prompt_ids,
             "prompt_mask": out.prompt_attention_mask,
             "completions": completions,
@@ -437,6 +440,9 @@ class DiffuGRPO(NonFiniteGuardMixin, MaskPredictorExportHooks, PlainHparamsMixin
         state.rewards = batch["rewards"]
         advantages, adv_metrics = self.compute_advantages(batch)
         state.advantages = advantages
+        samples = batch["samples"]
+        self.completion_samples = CompletionSamples.build(  # read by mmpo.training.completions.LogCompletions
+            state.step, samples["prompts"], samples["texts"], batch["rewards"], samples["per_function"], advantages)
         keys = self.scoring_keys()
         unique_keys = sorted(set(keys))
         with torch.no_grad():

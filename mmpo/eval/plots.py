@@ -14,6 +14,8 @@ matplotlib.use("Agg")  # files only; never needs a display
 import matplotlib.pyplot as plt  # noqa: E402
 from matplotlib.ticker import MaxNLocator  # noqa: E402
 
+from mmpo.files import atomic_outputs  # noqa: E402
+
 
 def plot_accuracy_bars(
     series: Mapping[str, Mapping[str, float]],
@@ -135,8 +137,26 @@ def plot_curves(
     present = [key for key in keys if curves.get(key)]
     if not present:
         raise ValueError(f"none of {list(keys)} logged in {metrics_csv}; logged: {sorted(curves)}")
-    figure, axes_list = plt.subplots(1, len(present), figsize=(4.2 * len(present), 3.4), squeeze=False)
-    for axes, key in zip(axes_list[0], present):
+    return plot_curve_grid(curves, present, path, title=title, smooth_window=smooth_window, references=references,
+                           ncols=len(present))
+
+
+def plot_curve_grid(
+    curves: Mapping[str, Sequence[tuple[int, float]]],
+    keys: Sequence[str],
+    path: str | Path,
+    *,
+    title: str,
+    smooth_window: int = 10,
+    references: Mapping[str, tuple[str, float]] | None = None,
+    ncols: int = 3,
+) -> Path:
+    """One subplot per metric of ``keys`` (each must have points in ``curves``: {metric: [(step, value)]}),
+    ``ncols`` to a row, value against step; written to ``path`` (PNG). See :func:`plot_curves` for the rest."""
+    ncols = max(1, min(ncols, len(keys)))
+    nrows = math.ceil(len(keys) / ncols)
+    figure, axes_grid = plt.subplots(nrows, ncols, figsize=(4.2 * ncols, 3.4 * nrows), squeeze=False)
+    for axes, key in zip(axes_grid.flat, keys):
         steps, values = zip(*curves[key])
         smoothing = len(values) > smooth_window > 1
         axes.plot(steps, values, marker="o" if len(steps) < 30 else None, markersize=3,
@@ -152,10 +172,12 @@ def plot_curves(
         axes.xaxis.set_major_locator(MaxNLocator(integer=True))  # steps are integers: no 0.5 ticks
         axes.set_title(key, fontsize=9)
         axes.grid(alpha=0.3)
+    for axes in list(axes_grid.flat)[len(keys):]:
+        axes.set_visible(False)
     figure.suptitle(title)
     figure.tight_layout()
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    figure.savefig(path, dpi=120)
+    with atomic_outputs(path) as (temp,):  # a reader never sees half a PNG
+        figure.savefig(temp, dpi=120, format=path.suffix.lstrip(".") or "png")
     plt.close(figure)
     return path

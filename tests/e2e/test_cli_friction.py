@@ -154,8 +154,12 @@ def test_quiet_filters_are_message_specific():
         logger = logging.getLogger(name)
         tip = logger.makeRecord(name, logging.INFO, __file__, 1, "💡 Tip: For seamless cloud logging and experiment "
                                 "tracking, try installing [litlogger](https://pypi.org/project/litlogger/)", (), None)
-        info = logger.makeRecord(name, logging.INFO, __file__, 1, "GPU available: False, used: False", (), None)
-        assert not logger.filter(tip) and logger.filter(info)
+        no_gpu = logger.makeRecord(name, logging.INFO, __file__, 1, "GPU available: False, used: False", (), None)
+        info = logger.makeRecord(name, logging.INFO, __file__, 1, "GPU available: True (cuda), used: True", (), None)
+        assert not logger.filter(tip) and not logger.filter(no_gpu) and logger.filter(info)
+    seed = logging.getLogger("lightning.fabric.utilities.seed")
+    assert not seed.filter(seed.makeRecord(seed.name, logging.INFO, __file__, 1, "Seed set to 0", (), None))
+    assert seed.filter(seed.makeRecord(seed.name, logging.INFO, __file__, 1, "another line", (), None))
 
 
 # ----------------------------------------------------------------------------- mmpo build-tiny
