@@ -124,6 +124,7 @@ def rewards() -> list[Entry]:
 
 
 def benchmarks() -> list[Entry]:
+    from mmpo.data.synthetic import TEXT_TASKS
     from mmpo.data.synthetic.registry import get_task
     from mmpo.eval.registry import (BENCHMARKS, FILE_PREFIX, LOCAL_BENCHMARKS, SYNTH_PREFIX,
                                     available_benchmarks)
@@ -136,8 +137,12 @@ def benchmarks() -> list[Entry]:
             text = f"[{BENCHMARKS[name].modality}] {BENCHMARKS[name].description}"
         elif name == f"{SYNTH_PREFIX}all":
             text = "[vlm] every synthetic task"
+        elif name == f"{SYNTH_PREFIX}text":
+            text = "[text] every synthetic text-LM task (long arithmetic, word problems, countdown)"
         elif name.startswith(SYNTH_PREFIX):
-            text = f"[vlm] synthetic: {first_sentence(get_task(name[len(SYNTH_PREFIX):]).__doc__)}"
+            task = name[len(SYNTH_PREFIX):]
+            kind = "text" if task in TEXT_TASKS else "vlm"
+            text = f"[{kind}] synthetic: {first_sentence(get_task(task).__doc__)}"
         elif name.startswith(FILE_PREFIX):
             text = "rows from a local JSONL file"
         else:
