@@ -18,7 +18,8 @@ from lightning.pytorch import Trainer
 from lightning.pytorch.callbacks import ProgressBar
 from lightning.pytorch.cli import ArgsType, LightningArgumentParser, LightningCLI
 
-from mmpo.training.checkpoint import install_verified_checkpoint_io, refuse_if_damaged, resolve_resume_path
+from mmpo.training.checkpoint import (install_verified_checkpoint_io, previous_path, refuse_if_damaged,
+                                      resolve_resume_path)
 from mmpo.training.preemption import PreemptionCheckpoint
 from mmpo.training.progress import StepProgressBar
 from mmpo.training.run_lock import RunDirectoryLock
@@ -39,6 +40,8 @@ class MMPOLightningCLI(LightningCLI):
         # LightningCLI reads --ckpt_path's hyperparameters with a bare torch.load next: verify it first.
         subcommand = self.config.get("subcommand")
         ckpt_path = self.config[subcommand].get("ckpt_path") if subcommand else None
+        if ckpt_path == "last":
+            ckpt_path = self._damaged_last_checkpoint(subcommand) or ckpt_path
         if ckpt_path and ckpt_path not in LIGHTNING_CKPT_KEYWORDS:
             # a kill during a save may leave last.ckpt missing or newer than its sidecar: take the newest good one
             resolved, reason = resolve_resume_path(ckpt_path)
@@ -47,6 +50,21 @@ class MMPOLightningCLI(LightningCLI):
                 self.config[subcommand]["ckpt_path"] = str(resolved)
             if resolved.is_file():
                 refuse_if_damaged(resolved)
+
+    def _damaged_last_checkpoint(self, subcommand: str) -> str | None:
+        """``--ckpt_path last``: Lightning picks the newest ``last*.ckpt`` of the checkpoint callbacks' folders
+        without checking it. When a configured folder's ``last.ckpt`` is missing or does not verify (a kill
+        during its save), its path is returned so that the fallback to the newest good checkpoint applies."""
+        callbacks = (self.config[subcommand].get("trainer") or {}).get("callbacks") or []
+        for callback in callbacks if isinstance(callbacks, list) else [callbacks]:
+            class_path = str(getattr(callback, "class_path", "") or "")
+            dirpath = (getattr(callback, "init_args", None) or {}).get("dirpath")
+            if not class_path.endswith("ModelCheckpoint") or not dirpath:
+                continue
+            last = Path(dirpath) / "last.ckpt"
+            if last.exists() or previous_path(last).exists():
+                return str(last) if resolve_resume_path(last)[1] is not None else None
+        return None
 
     def instantiate_trainer(self, **kwargs: Any) -> Trainer:
         # copied before the Trainer is built: it appends its default bar to this very list
