@@ -26,6 +26,7 @@ The default budget takes about 3 minutes on 2 idle CPU cores (2:23 measured, ben
 from __future__ import annotations
 
 import argparse
+import csv
 import json
 import os
 import sys
@@ -33,7 +34,7 @@ import time
 import warnings
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
 
 STAGES = ("before SFT", "after SFT", "after GRPO")
 
@@ -277,6 +278,61 @@ def accuracy_by_task(results: dict[str, Any]) -> dict[str, float]:
 REWARD_CURVE_KEYS = ("rewards/total/mean", "rewards/accuracy/mean", "val/accuracy")
 
 
+def item_correctness(eval_dir: Path) -> dict[str, float]:
+    """``{benchmark/item id: 1.0 or 0.0}`` from an evaluation's ``predictions/*.jsonl`` (greedy: one sample)."""
+    scores: dict[str, float] = {}
+    for path in sorted((eval_dir / "predictions").glob("*.jsonl")):
+        for line in path.read_text().splitlines():
+            if line.strip():
+                record = json.loads(line)
+                scores[f"{path.stem}/{record['id']}"] = float(bool(record["correct"][0]))
+    return scores
+
+
+def paired_gain(before: Mapping[str, float], after: Mapping[str, float], *, level: float = 0.95,
+                n_boot: int = 4000, seed: int = 0) -> dict[str, Any]:
+    """Mean of ``after - before`` over the items both scored, with a paired percentile bootstrap interval over
+    the items (:func:`mmpo.eval.stats.paired_difference` with one seed), and whether it excludes zero."""
+    from mmpo.eval.stats import paired_difference
+
+    items = sorted(set(before) & set(after))
+    if not items:
+        raise ValueError("no held-out item was scored both before and after")
+    result = paired_difference([[after[i] for i in items]], [[before[i] for i in items]], level=level,
+                               n_boot=n_boot, seed=seed)
+    low, high = result["bootstrap"]
+    return {"items": len(items), "gain": result["estimate"], "interval": [low, high], "level": level,
+            "shown": bool(low > 0 or high < 0)}
+
+
+def reward_rise(csv_paths: Sequence[Path], key: str = "rewards/total/mean", share: float = 0.1) -> dict[str, Any] | None:
+    """Mean of ``key`` over the first and the last ``share`` of the logged GRPO steps (None: not logged)."""
+    values: list[float] = []
+    for path in csv_paths:
+        with open(path, newline="") as handle:
+            for row in csv.DictReader(handle):
+                if row.get(key) not in (None, ""):
+                    values.append(float(row[key]))
+    if not values:
+        return None
+    width = max(1, round(len(values) * share))
+    first, last = sum(values[:width]) / width, sum(values[-width:]) / width
+    return {"key": key, "steps": len(values), "window": width, "first": first, "last": last}
+
+
+def verdict_line(gain: Mapping[str, Any] | None) -> str:
+    """The printed verdict: the gain with its interval, or "not shown" when the interval includes zero."""
+    if gain is None:
+        return "GRPO vs SFT: not measured."
+    low, high = gain["interval"]
+    stated = (f"{gain['gain']:+.3f} ({round(100 * gain['level'])}% paired bootstrap interval over the items "
+              f"{low:+.3f} to {high:+.3f})")
+    if not gain["shown"]:
+        return f"GRPO vs SFT on {gain['items']} held-out items: {stated}: a gain is not shown."
+    direction = "GRPO improved on the SFT model" if gain["gain"] > 0 else "GRPO is worse than the SFT model"
+    return f"{direction} on {gain['items']} held-out items: {stated}."
+
+
 def write_summary(out: Path, config: QuickstartConfig, stages: dict[str, dict[str, float]],
                   timings: dict[str, float], paths: dict[str, str], *, seed: int) -> dict[str, Any]:
     from mmpo.eval.plots import plot_accuracy_bars, plot_curves
@@ -288,10 +344,14 @@ def write_summary(out: Path, config: QuickstartConfig, stages: dict[str, dict[st
         paths["learning_curve"] = str(plot_curves(grpo_csvs, REWARD_CURVE_KEYS, out / "learning_curve.png",
                                                   title="GRPO: reward and validation accuracy"))
     paths["eval_plot"] = str(plot_accuracy_bars(stages, out / "eval.png", title="Held-out accuracy per task"))
-    after_sft, after_grpo = stages.get("after SFT", {}).get("mean"), stages.get("after GRPO", {}).get("mean")
+    before, after = out / "eval" / "after_sft", out / "eval" / "after_grpo"
+    gain = (paired_gain(item_correctness(before), item_correctness(after), seed=seed)
+            if (before / "predictions").is_dir() and (after / "predictions").is_dir() else None)
     summary = {
         "config": asdict(config), "seed": seed, "accuracy": stages, "timings_s": timings, "paths": paths,
-        "grpo_improved_over_sft": None if after_sft is None or after_grpo is None else after_grpo > after_sft,
+        "grpo_vs_sft": gain, "reward": reward_rise(grpo_csvs),
+        # a gain only when the paired interval over the held-out items excludes zero
+        "grpo_improved_over_sft": None if gain is None else bool(gain["shown"] and gain["gain"] > 0),
     }
     write_json(summary, out / "quickstart.json")
     (out / "results.md").write_text(
@@ -436,8 +496,11 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     print("\nHeld-out accuracy (greedy) per task:\n")
     print(comparison_table(summary["accuracy"]))
-    verdict = summary["grpo_improved_over_sft"]
-    print(f"\nGRPO {'improved on' if verdict else 'did not improve on'} the SFT model (mean accuracy). "
+    reward = summary.get("reward")
+    if reward is not None:
+        print(f"\nGRPO training reward ({reward['key']}), mean of the first / last {reward['window']} of "
+              f"{reward['steps']} steps: {reward['first']:.3f} -> {reward['last']:.3f}")
+    print(f"\n{verdict_line(summary.get('grpo_vs_sft'))} "
           f"Total {time.perf_counter() - started:.0f} s. Outputs: {args.out}/ "
           "(results.md, quickstart.json, eval.png, learning_curve.png, sft/hf, grpo/hf)")
     return 0

@@ -11,7 +11,8 @@ def test_quickstart_tiny_smoke(tmp_path, capsys):
     out = tmp_path / "qs"
     assert mmpo_main(["quickstart", "--tiny", "--out", str(out), "--seed", "0", "--no-progress"]) == 0
     summary = json.loads((out / "quickstart.json").read_text())
-    assert set(summary) == {"config", "seed", "accuracy", "timings_s", "paths", "grpo_improved_over_sft"}
+    assert set(summary) == {"config", "seed", "accuracy", "timings_s", "paths", "grpo_improved_over_sft",
+                            "grpo_vs_sft", "reward"}
     tiny = QuickstartConfig.tiny()
     assert list(summary["accuracy"]) == list(STAGES)
     for stage in STAGES:
@@ -31,8 +32,11 @@ def test_quickstart_tiny_smoke(tmp_path, capsys):
                     assert correct is False or "<answer>" in text, item["id"]
             assert accuracy[task] == sum(item["correct"][0] for item in items) / len(items)
         assert accuracy["mean"] == sum(accuracy[task] for task in tiny.tasks) / len(tiny.tasks)
-    assert summary["grpo_improved_over_sft"] is (summary["accuracy"]["after GRPO"]["mean"]
-                                                 > summary["accuracy"]["after SFT"]["mean"])
+    gain = summary["grpo_vs_sft"]  # paired over the same held-out items: the mean accuracies' difference
+    assert gain["items"] == tiny.eval_size * len(tiny.tasks)
+    assert abs(gain["gain"] - (summary["accuracy"]["after GRPO"]["mean"] - summary["accuracy"]["after SFT"]["mean"])) < 1e-12
+    assert summary["grpo_improved_over_sft"] is (gain["shown"] and gain["gain"] > 0)
+    assert summary["reward"]["steps"] == tiny.grpo_steps
     # every stage's artefacts are under --out
     for name in ("model_init/config.json", "sft/hf/config.json", "grpo/hf/config.json",
                  "grpo/logs/version_0/metrics.csv", "sft/checkpoints/last.ckpt", "grpo/checkpoints/last.ckpt",
@@ -58,3 +62,32 @@ def test_quickstart_tiny_smoke(tmp_path, capsys):
 def test_quickstart_rejects_unknown_task(tmp_path, capsys):
     assert quickstart_main(["--tiny", "--tasks", "no_such_task", "--out", str(tmp_path)]) == 2
     assert "no_such_task" in capsys.readouterr().err
+
+
+def test_paired_gain_and_verdict_on_hand_values():
+    from mmpo.quickstart import paired_gain, verdict_line
+
+    # 40 items: 10 fixed by GRPO, none broken -> +0.25 and every bootstrap replicate is > 0
+    before = {f"i{k}": 0.0 for k in range(40)}
+    after = {f"i{k}": 1.0 if k < 10 else 0.0 for k in range(40)}
+    gain = paired_gain(before, after)
+    assert gain["items"] == 40 and gain["gain"] == 0.25 and gain["shown"] is True
+    assert 0 < gain["interval"][0] <= 0.25 <= gain["interval"][1]
+    assert verdict_line(gain).startswith("GRPO improved on the SFT model on 40 held-out items: +0.250 (95% paired")
+    # one fixed, one broken: gain 0, the interval straddles zero -> "not shown", never "improved"
+    mixed = paired_gain({"a": 0.0, "b": 1.0, "c": 1.0}, {"a": 1.0, "b": 0.0, "c": 1.0})
+    assert mixed["gain"] == 0.0 and mixed["shown"] is False
+    line = verdict_line(mixed)
+    assert line.endswith("a gain is not shown.") and "improved" not in line
+    # only the items both evaluations scored are paired
+    assert paired_gain({"a": 0.0, "x": 1.0}, {"a": 1.0, "y": 0.0})["items"] == 1
+
+
+def test_reward_rise_reads_the_first_and_last_tenth(tmp_path):
+    from mmpo.quickstart import reward_rise
+
+    path = tmp_path / "metrics.csv"
+    rows = ["step,rewards/total/mean,val/accuracy"] + [f"{k},{k / 10},"for k in range(20)] + ["20,,0.5"]
+    path.write_text("\n".join(rows) + "\n")
+    rise = reward_rise([path])
+    assert rise == {"key": "rewards/total/mean", "steps": 20, "window": 2, "first": 0.05, "last": 1.85}
