@@ -37,6 +37,8 @@ from pathlib import Path
 from typing import Any, Mapping, Sequence
 
 STAGES = ("before SFT", "after SFT", "after GRPO")
+TEXT_QUICKSTART_TASKS = ("long_arithmetic", "word_problem", "countdown")
+"""The text tasks of ``mmpo quickstart --kind text`` (``mmpo.data.synthetic.TEXT_TASKS``)."""
 
 
 class StaleOutputError(ValueError):
@@ -49,6 +51,8 @@ class QuickstartConfig:
 
     tasks: tuple[str, ...] = ("count_shapes", "compare_size", "bar_chart")
     """synthetic tasks to train and evaluate on (``mmpo.data.synthetic.TASKS``)."""
+    kind: str = "vlm"
+    """the model: ``vlm`` (a tiny Qwen2.5-VL) or ``text`` (a tiny Qwen3 text LM, docs/llm.md)."""
     model_size: dict[str, int] = field(default_factory=lambda: dict(
         hidden_size=128, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=384))
     """``build_tiny_vlm`` sizes."""
@@ -108,8 +112,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--out", default="runs/quickstart", help="output directory (default: runs/quickstart)")
     parser.add_argument("--tiny", action="store_true", help="seconds-long smoke run (checks plumbing, not learning)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the model, data and sampling")
+    parser.add_argument("--kind", choices=("vlm", "text"), default="vlm",
+                        help="vlm: a tiny Qwen2.5-VL on visual tasks (default); text: a tiny Qwen3 text LM on the "
+                        "text tasks (" + ",".join(TEXT_QUICKSTART_TASKS) + ")")
     parser.add_argument("--tasks", default=None, help="comma-separated synthetic tasks (default: "
-                        + ",".join(QuickstartConfig().tasks) + ")")
+                        + ",".join(QuickstartConfig().tasks) + "; with --kind text the text tasks)")
     parser.add_argument("--sft-steps", type=int, default=None, help="override the SFT steps")
     parser.add_argument("--grpo-steps", type=int, default=None, help="override the GRPO steps")
     parser.add_argument("--eval-size", type=int, default=None, help="override held-out items per task")
@@ -124,6 +131,8 @@ def build_parser() -> argparse.ArgumentParser:
 def config_from_args(args: argparse.Namespace) -> QuickstartConfig:
     config = QuickstartConfig.tiny() if args.tiny else QuickstartConfig()
     overrides: dict[str, Any] = {}
+    if args.kind == "text":
+        overrides.update(kind="text", tasks=TEXT_QUICKSTART_TASKS[:len(config.tasks)])
     if args.tasks:
         overrides["tasks"] = tuple(task.strip() for task in args.tasks.split(",") if task.strip())
     for name in ("sft_steps", "grpo_steps", "eval_size"):
@@ -152,9 +161,11 @@ def _mark_finished(stage_dir: Path, info: dict[str, Any]) -> None:
 def build_model(config: QuickstartConfig, out: Path, *, seed: int) -> Path:
     """Stage 1: the tiny Qwen2.5-VL, tokenizer trained on the chosen tasks' corpus."""
     from mmpo.data.synthetic import corpus
-    from mmpo.vlm.factory import build_tiny_vlm
+    from mmpo.vlm.factory import build_tiny_text_lm, build_tiny_vlm
 
     texts = corpus(list(config.tasks), n=config.corpus_items, seed=seed)
+    if config.kind == "text":
+        return build_tiny_text_lm(out / "model_init", seed=seed, corpus=texts, **config.model_size)
     return build_tiny_vlm(out / "model_init", seed=seed, corpus=texts, **config.model_size)
 
 

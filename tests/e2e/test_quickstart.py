@@ -91,3 +91,17 @@ def test_reward_rise_reads_the_first_and_last_tenth(tmp_path):
     path.write_text("\n".join(rows) + "\n")
     rise = reward_rise([path])
     assert rise == {"key": "rewards/total/mean", "steps": 20, "window": 2, "first": 0.05, "last": 1.85}
+
+
+def test_quickstart_text_kind_trains_a_tiny_text_lm_on_the_text_tasks(tmp_path):
+    from mmpo.quickstart import TEXT_QUICKSTART_TASKS
+    from mmpo.vlm.factory import model_kind
+
+    out = tmp_path / "qs_text"
+    assert mmpo_main(["quickstart", "--kind", "text", "--tiny", "--out", str(out), "--no-progress"]) == 0
+    summary = json.loads((out / "quickstart.json").read_text())
+    assert summary["config"]["kind"] == "text"
+    assert summary["config"]["tasks"] == list(TEXT_QUICKSTART_TASKS[:len(QuickstartConfig.tiny().tasks)])
+    for stage in ("model_init", "sft/hf", "grpo/hf"):
+        assert model_kind(json.loads((out / stage / "config.json").read_text())) == "text"
+    assert set(summary["accuracy"]["after GRPO"]) == {*summary["config"]["tasks"], "mean"}
