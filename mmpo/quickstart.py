@@ -58,26 +58,27 @@ class QuickstartConfig:
     """``build_tiny_vlm`` sizes."""
     corpus_items: int = 200
     """items per task and split used to train the tokenizer."""
-    sft_train_size: int = 600
-    """SFT training items (all tasks together)."""
+    sft_train_size: int = 4800
+    """SFT training items (all tasks together): one pass of 300 x 16, so SFT does not memorise its items."""
     sft_batch_size: int = 16
     """SFT prompts per step."""
     sft_steps: int = 300
     """SFT optimizer steps."""
     sft_lr: float = 1e-3
     """SFT learning rate."""
-    grpo_train_size: int = 600
-    """GRPO training prompts (all tasks together)."""
+    grpo_train_size: int = 4000
+    """GRPO training prompts (all tasks together): fresh prompts every step (600 prompts seen ~3 times each
+    raised the training reward without any held-out gain: memorised items)."""
     grpo_prompts_per_step: int = 8
     """GRPO prompts per step."""
     grpo_group_size: int = 8
     """G: rollouts per prompt."""
-    grpo_steps: int = 100
+    grpo_steps: int = 200
     """GRPO steps (one rollout batch and one optimizer step each)."""
     grpo_lr: float = 1e-4
     """GRPO learning rate."""
-    grpo_temperature: float = 1.0
-    """GRPO sampling temperature."""
+    grpo_temperature: float = 0.7
+    """GRPO sampling temperature (at 1.0 the tiny SFT model's samples are mostly unformatted: a sparse reward)."""
     grpo_beta: float = 0.01
     """GRPO k3 KL coefficient to the SFT policy (lr 3e-4 without KL collapsed on 2 of 3 seeds)."""
     grpo_val_size: int = 30
@@ -86,8 +87,9 @@ class QuickstartConfig:
     """GRPO validation interval in steps."""
     max_new_tokens: int = 48
     """generation budget (rollouts and eval); the synthetic solutions are ~30-40 tokens."""
-    eval_size: int = 100
-    """held-out (test split) items per task for the three evaluations."""
+    eval_size: int = 500
+    """held-out (test split) items per task for the three evaluations (1,500 paired items: an interval of
+    about +-0.03 on the gain)."""
     eval_batch_size: int = 16
     """prompts per generate call in the evaluations."""
 
