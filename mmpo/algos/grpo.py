@@ -259,7 +259,8 @@ class GRPOModule(VLMPolicyModule):
         from mmpo.training.lora import unwrap
         from mmpo.vlm.prompt_check import check_training_prompts, model_context_length, prompt_limit
 
-        datamodule = getattr(self.trainer, "datamodule", None)
+        # called outside a fit (a module's on_fit_start in a unit test): no data to check
+        datamodule = getattr(self._trainer, "datamodule", None) if self._trainer is not None else None
         if datamodule is None:
             return
         limit = prompt_limit(self.hparams.max_prompt_length, model_context_length(unwrap(self.model)),
