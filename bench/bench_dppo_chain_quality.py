@@ -57,8 +57,8 @@ def chain_policy(bc_checkpoint: str, chain: str, ddim_steps: int):
     """The policy DPPOModule fine-tunes: the BC policy's own chain, or the DDIM chain of ``rollout_ddim_steps``."""
     from mmpo.robotics.dppo import DPPOModule
 
-    settings = {"rollout_ddim_steps": ddim_steps, "ft_steps": ddim_steps} if chain == "ddim" else {}
-    module = DPPOModule(bc_checkpoint, num_envs=1, eval_every=0, **settings)
+    chain_settings = {"rollout_ddim_steps": ddim_steps, "ft_steps": ddim_steps} if chain == "ddim" else {}
+    module = DPPOModule(bc_checkpoint, env={"num_envs": 1}, evaluation={"every": 0}, chain=chain_settings)
     return module, module.policy
 
 
@@ -74,7 +74,7 @@ def episodes_of(bc_checkpoint: str, chain: str, args: argparse.Namespace, determ
     try:
         with torch.no_grad():
             evaluate_policy(policy, envs, args.episodes, deterministic=deterministic, seed=args.env_seed,
-                            min_sampling_std=module.hparams.min_sampling_std, noise_clip=module.hparams.noise_clip,
+                            min_sampling_std=module.chain.min_sampling_std, noise_clip=module.chain.noise_clip,
                             deterministic_sampler="ddim" if deterministic and chain == "ddpm" else None, generator=torch.Generator().manual_seed(args.env_seed),
                             episode_records=records, progress=True)
     finally:

@@ -144,7 +144,7 @@ class RawOnAllCores:
 
 
 def collection_steps_per_s(module, update_seconds: float = 0.0) -> float:
-    if module.hparams.prefetch_reset:  # as in training: the reset runs in the workers during the PPO update
+    if module.env.prefetch_reset:  # as in training: the reset runs in the workers during the PPO update
         module.start_reset(module.iteration)
         time.sleep(update_seconds)
     before = module.train_tracker.env_steps
@@ -157,24 +157,23 @@ def make_module(checkpoint: Path, name: str, args: argparse.Namespace):
     from mmpo.robotics.dppo import DPPOModule
 
     ddim, pipelined, env_factor, prefetch, skip = CONFIGS[name]
-    settings = dict(num_envs=args.num_envs * env_factor, n_steps=args.n_steps, seed=0, eval_every=0,
-                    asynchronous=True, env_groups=args.env_groups if pipelined else 1, prefetch_reset=prefetch,
-                    skip_final_autoreset=skip)
+    env = dict(num_envs=args.num_envs * env_factor, n_steps=args.n_steps, asynchronous=True,
+               env_groups=args.env_groups if pipelined else 1, prefetch_reset=prefetch, skip_final_autoreset=skip)
     if ddim:
-        settings.update(ft_steps=min(args.ft_steps, args.ddim_steps), rollout_ddim_steps=args.ddim_steps)
+        chain = dict(ft_steps=min(args.ft_steps, args.ddim_steps), rollout_ddim_steps=args.ddim_steps)
     else:
-        settings.update(ft_steps=args.ft_steps)
-    return DPPOModule(str(checkpoint), **settings)
+        chain = dict(ft_steps=args.ft_steps)
+    return DPPOModule(str(checkpoint), env=env, chain=chain, evaluation={"every": 0}, seed=0)
 
 
 def policy_only_steps_per_s(module, n_steps: int) -> float:
     """The policy's share alone: ``n_steps`` batched ``act`` calls on fixed obs, as env steps/s it could feed."""
-    obs = torch.zeros(module.hparams.num_envs, module.policy.obs_dim)
+    obs = torch.zeros(module.env.num_envs, module.policy.obs_dim)
     start = time.perf_counter()
     with torch.no_grad():
         for _ in range(n_steps):
             module.act(obs)
-    return n_steps * module.hparams.num_envs * module.act_steps / (time.perf_counter() - start)
+    return n_steps * module.env.num_envs * module.act_steps / (time.perf_counter() - start)
 
 
 def main(argv: list[str] | None = None) -> None:

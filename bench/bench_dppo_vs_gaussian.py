@@ -155,10 +155,13 @@ def parse_args(argv: list[str] | None = None):
 
 
 def module_default(name: str):
-    """A DPPOModule (and so GaussianPPOModule) default, e.g. ``target_kl`` (1.0), which the bench does not set."""
+    """A DPPOModule (and so GaussianPPOModule) default the bench does not set, by its record name: ``target_kl``
+    (``loss.target_kl``, 1.0)."""
+    from mmpo.robotics.config import DPPO_FLAT_NAMES
     from mmpo.robotics.dppo import DPPOModule
 
-    return inspect.signature(DPPOModule.__init__).parameters[name].default
+    group, field = DPPO_FLAT_NAMES[name]
+    return getattr(inspect.signature(DPPOModule.__init__).parameters[group].default, field)
 
 
 def gaussian_ppo_settings(args: dict) -> dict:
@@ -195,10 +198,16 @@ def gaussian_module(bc_ckpt: Path, args, seed: int, **settings):
     task comes with the BC checkpoint); ``settings`` override."""
     from mmpo.robotics.gaussian_ppo import GaussianPPOModule
 
-    return GaussianPPOModule(**{**dict(
-        bc_checkpoint=str(bc_ckpt), num_iterations=rl_iterations(args), num_envs=args.num_envs, n_steps=args.n_steps,
-        max_episode_steps=args.max_episode_steps, n_critic_warmup_itr=args.critic_warmup, seed=seed,
-        asynchronous=not args.sync_envs, **gaussian_ppo_settings(vars(args))), **settings})
+    from mmpo.robotics.bench import rl_env
+    from mmpo.robotics.config import merged_settings
+
+    update = gaussian_ppo_settings(vars(args))
+    return GaussianPPOModule(**merged_settings(dict(
+        bc_checkpoint=str(bc_ckpt), num_iterations=rl_iterations(args), env=rl_env(args),
+        critic={"warmup_iterations": args.critic_warmup}, seed=seed,
+        optim={"lr": update["actor_lr"], "mu": update["update_epochs"], "minibatch_size": update["batch_size"]},
+        loss={"target_kl": update["target_kl"]},
+        gaussian={"clip_coef": update["clip_coef"], "log_prob_reduction": update["log_prob_reduction"]}), settings))
 
 
 def code_commit() -> str | None:
@@ -379,11 +388,11 @@ def run_task(seed: int, method: str, args, demos: Path, out_dir: Path) -> dict:
     atomic_write_json(path, record)
     print(f"[{method} s{seed}] BC eval: success {record['before']['success_rate']:.3f}", flush=True)
 
-    curve_eval = dict(eval_every=args.curve_eval_every, eval_episodes=args.curve_eval_episodes)
+    curve_eval = {"every": args.curve_eval_every, "episodes": args.curve_eval_episodes}
     if method == "dppo":
-        module = dppo_module(bc_ckpt, args, seed, eval_sampler=args.eval_sampler, **curve_eval)
+        module = dppo_module(bc_ckpt, args, seed, evaluation={**curve_eval, "sampler": args.eval_sampler})
     else:
-        module = gaussian_module(bc_ckpt, args, seed, **curve_eval)
+        module = gaussian_module(bc_ckpt, args, seed, evaluation=curve_eval)
     resume_from, seconds_before = None, 0.0
     if args.continue_from:
         source_ckpt, source = continuation_source(seed, method, args)

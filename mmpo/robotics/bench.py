@@ -216,14 +216,20 @@ def rl_iterations(args) -> int:
     return max(1, math.ceil(args.dppo_env_steps / (args.num_envs * args.n_steps * 4)))
 
 
+def rl_env(args) -> dict:
+    """The bench's ``env`` group of an RL module (the task and its normaliser come with the BC checkpoint)."""
+    return {"num_envs": args.num_envs, "n_steps": args.n_steps, "max_episode_steps": args.max_episode_steps,
+            "asynchronous": not args.sync_envs}
+
+
 def dppo_module(bc_ckpt: Path, args, seed: int, **settings):
     """The bench's DPPOModule (the paper's Lift and Can settings, the budget knobs from ``args``; the task comes
-    with the BC checkpoint); ``settings`` override."""
+    with the BC checkpoint); ``settings`` override, a group field by field (``evaluation={"every": 5}``)."""
+    from mmpo.robotics.config import merged_settings
     from mmpo.robotics.dppo import DPPOModule
 
-    return DPPOModule(**{**dict(
-        bc_checkpoint=str(bc_ckpt), num_iterations=rl_iterations(args), num_envs=args.num_envs, n_steps=args.n_steps,
-        ft_steps=args.ft_steps, max_episode_steps=args.max_episode_steps, batch_size=args.batch_size,
-        update_epochs=args.update_epochs, actor_lr=args.actor_lr, clip_base=args.clip_base,
-        clip_final=args.clip_final, n_critic_warmup_itr=args.critic_warmup, eval_every=0, seed=seed,
-        asynchronous=not args.sync_envs), **settings})
+    return DPPOModule(**merged_settings(dict(
+        bc_checkpoint=str(bc_ckpt), num_iterations=rl_iterations(args), env=rl_env(args),
+        chain={"ft_steps": args.ft_steps, "clip_base": args.clip_base, "clip_final": args.clip_final},
+        optim={"lr": args.actor_lr, "mu": args.update_epochs, "minibatch_size": args.batch_size},
+        critic={"warmup_iterations": args.critic_warmup}, evaluation={"every": 0}, seed=seed), settings))

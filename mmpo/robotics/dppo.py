@@ -5,17 +5,17 @@ log-likelihoods. A frozen copy of the pre-trained (BC) network runs the first K 
 steps, a trainable copy (initialised from it) the last K'. One ``training_step`` of
 :class:`DPPOModule` is one DPPO iteration:
 
-1. roll out ``n_steps`` chunk steps on ``num_envs`` vectorised envs, sampling with the std
+1. roll out ``env.n_steps`` chunk steps on ``env.num_envs`` vectorised envs, sampling with the std
    floor (0.1) and noise clip (3) on every denoising step, storing the last K'+1 chain states
    and the per-step log-probs (std floor 0.1, clamp [-5, 2], mean over executed steps and dims);
 2. running reward scaling, then GAE over chunk steps through :func:`mmpo.core.gae`
    (terminations stop bootstrapping, truncations bootstrap from V(final obs));
-3. ``update_epochs`` passes of minibatches of (env step, denoising step) pairs: advantages
-   normalised per minibatch and multiplied by gamma_denoise^(K'-1-i), the PPO clip loss of
-   :func:`mmpo.core.policy_loss` (``loss``: ``ppo``, or another loss of :data:`DPPO_LOSSES`) with the
+3. ``optim.mu`` passes of minibatches of ``optim.minibatch_size`` (env step, denoising step) pairs:
+   advantages normalised per minibatch and multiplied by gamma_denoise^(K'-1-i), the PPO clip loss of
+   :func:`mmpo.core.policy_loss` (``loss.name``: ``ppo``, or another loss of :data:`DPPO_LOSSES`) with the
    exponential per-denoising-step clip range, critic MSE
-   with coefficient 0.5; the actor is not stepped during the critic warm-up iterations;
-4. every ``eval_every`` iterations a deterministic evaluation with the fine-tuned network.
+   with coefficient ``critic.vf_coef``; the actor is not stepped during ``critic.warmup_iterations``;
+4. every ``evaluation.every`` iterations a deterministic evaluation with the fine-tuned network.
 
 Metrics: ``charts/return``, ``charts/success_rate`` (finished training episodes),
 ``eval/return``, ``eval/success_rate``, ``losses/policy``, ``losses/value``, ``policy/clipfrac``,
@@ -24,9 +24,12 @@ Metrics: ``charts/return``, ``charts/success_rate`` (finished training episodes)
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
+import io
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Callable
 
 import lightning.pytorch as pl
@@ -37,9 +40,20 @@ from torch.utils.data import DataLoader, Dataset
 from mmpo.algos.config import rng_state, set_rng_state
 from mmpo.core import POLICY_LOSSES, gae, policy_loss
 from mmpo.core import LossParts
+from mmpo.training.config import CriticConfig, OptimConfig, as_config
 from mmpo.training.nonfinite import DEFAULT_MAX_CONSECUTIVE_SKIPS, NonFiniteGuard, NonFiniteGuardMixin
 from mmpo.training.update import MicroLoss, PassContext, UpdateEngine, UpdateSchedule, UpdateWrapper
 from mmpo.training.optim import make_adamw
+from mmpo.robotics.config import (
+    DPPO_FLAT_NAMES,
+    DenoisingChainConfig,
+    EnvConfig,
+    EvalConfig,
+    PPOLossConfig,
+    ReturnsConfig,
+    grouped_hparams,
+    has_flat_hparams,
+)
 from mmpo.robotics.envs.chunking import SKIP_AUTORESET_AFTER
 from mmpo.robotics.evaluate import EpisodeTracker, check_same_step_autoreset, evaluate_policy, final_observations
 from mmpo.robotics.policy import CriticMLP, DiffusionPolicy
@@ -53,6 +67,9 @@ from mmpo.robotics.policy.dppo_math import (
 from mmpo.robotics.policy.io import build_policy, load_policy
 
 EnvFactory = Callable[..., Any]
+
+DPPO_OPTIM = OptimConfig(lr=1e-4, weight_decay=0.0, max_grad_norm=0.0, mu=10, minibatch_size=7500)
+"""DPPO's actor optimizer and update loop: AdamW lr 1e-4, no gradient clipping, 10 passes of 7500 pairs."""
 
 # Core policy losses whose math holds for one (env step, denoising step) pair's Gaussian log-likelihood: token-ratio
 # rules. Those with clip bounds get the per-denoising-step clip range; sapo and gpg have none (docs/dppo.md).
@@ -109,10 +126,23 @@ def check_dppo_loss(loss: str, loss_settings: dict[str, Any] | None) -> None:
         raise ValueError(f"loss {loss!r} does not apply to DPPO ({reason}); valid: {list(DPPO_LOSSES)}")
     clash = sorted({"clip_low", "clip_high"} & set(loss_settings or {}))
     if clash:
-        raise ValueError(f"loss_settings {clash} are set by the per-denoising-step clip range (clip_base, "
-                         f"clip_final, clip_rate); remove them")
+        raise ValueError(f"loss.settings {clash} are set by the per-denoising-step clip range (chain.clip_base, "
+                         f"chain.clip_final, chain.clip_rate); remove them")
     one = torch.zeros(1, 1)
     policy_loss(loss, one, one, one[:, 0], torch.ones(1, 1), **dppo_loss_settings(loss, one + 0.1, loss_settings))
+
+
+def check_update_settings(optim: OptimConfig) -> None:
+    """Fail for the OptimConfig fields DPPO's update does not have: it runs minibatches whole
+    (no micro-batches) at a constant learning rate, and needs a minibatch size."""
+    if optim.minibatch_size is None:
+        raise ValueError("optim.minibatch_size must be set: (env step, denoising step) pairs per minibatch")
+    unused = {name: getattr(optim, name) for name, default in (("warmup_steps", 0), ("lr_schedule", "constant"),
+                                                                ("micro_batch_size", None))
+              if getattr(optim, name) != default}
+    if unused:
+        raise ValueError(f"optim {sorted(unused)} do not apply to DPPO's update (constant lr, whole minibatches); "
+                         f"remove them")
 
 
 class _IterationIndices(Dataset):
@@ -146,172 +176,149 @@ class OnPolicyDataModule(pl.LightningDataModule):
 class DPPOModule(NonFiniteGuardMixin, pl.LightningModule):
     """DPPO fine-tuning (arXiv 2409.00588) of a BC diffusion policy on a vectorised chunk env.
 
+    The settings are grouped in frozen dataclasses (mmpo.robotics.config, mmpo.training.config), nested under
+    ``model.init_args`` in a config (``--model.init_args.optim.lr=1e-5`` on the command line); docs/dppo.md has
+    the flat name each field had before.
+
     Args:
         bc_checkpoint: BC checkpoint (``.ckpt`` from ``mmpo fit -c configs/robotics/bc_*.yaml`` or
             ``policy.safetensors``); its EMA policy becomes the frozen base and the fine-tuned copy.
         num_iterations: DPPO iterations (rollout + update) of the fit.
-        task, act_steps, max_episode_steps, normalizer_path: env settings (default: the checkpoint's).
-        num_envs, n_steps: envs and chunk steps per env per iteration (lift: 50, 300).
-        ft_steps: K', fine-tuned (last) denoising steps (default 10 of K = 20).
-        gamma, gae_lambda: env-level GAE over chunk steps (robomimic 0.999, 0.95).
-        gamma_denoise: advantage discount over denoising steps (0.99).
-        clip_base, clip_final, clip_rate: per-denoising-step clip range (0.001 -> 0.01, rate 3).
-        loss: core policy loss of the actor: 'ppo' (DPPO's), or 'gppo', 'cispo', 'aspo' (their clip_low / clip_high
-            are the per-denoising-step clip range), 'sapo', 'gpg' (no clip: the range is unused); see docs/dppo.md
-            for why the other core losses do not apply.
-        loss_settings: further keyword settings of the loss (e.g. sapo's tau_pos / tau_neg; not the clip bounds).
-        min_sampling_std, noise_clip, min_logprob_std: DPPO's floors/clip (0.1, 3, 0.1).
-        logprob_min, logprob_max: elementwise log-prob clamp (-5, 2).
-        actor_lr, critic_lr, weight_decay: AdamW (1e-4, 1e-3, 0).
-        batch_size: (env step, denoising step) pairs per minibatch (lift 7500).
-        update_epochs: passes over the rollout per iteration (10).
-        vf_coef: value-loss coefficient (0.5).
-        target_kl: stop an iteration's epochs when approx_kl exceeds it (None: never).
-        max_grad_norm: gradient clipping (None: off, as DPPO).
-        n_critic_warmup_itr: first iterations that train only the critic (robomimic 2).
-        reward_scale_running: running reward scaling (True); reward_scale_const multiplies rewards first.
-        reward_scale_gamma: discount of the running return whose std scales rewards (DPPO's RunningRewardScaler: 0.99).
-        reset_at_iteration: reset envs at each iteration's start (robomimic True, Gym False).
-        eval_every, eval_episodes: deterministic evaluation cadence (0 = never) and episode count.
-        eval_sampler: None = the policy's own DDPM chain; "ddim" = DDIM eta = 0 over the same timesteps
-            with the same networks.
-        eval_ddpm_std_floor: the DDPM evaluation chain: None (default, the results recorded in
-            bench/RESULTS.md) = the mean of every step; 1e-3 = the official DPPO evaluation, which adds noise
-            with std max(std, 1e-3) on every step but the last.
-        rollout_ddim_steps: None (default) = fine-tune the BC policy's own DDPM chain; n = run rollouts, updates
-            and evaluation on a DDIM (eta = 1, exact Gaussian log-probs) chain of n strided steps of its K training
-            timesteps, with the same network (DPPO's DDIM fine-tuning; fewer network calls per env step).
-            ft_steps counts steps of that chain (1 <= ft_steps <= n).
-        critic_hidden_dims: critic ResidualMLP widths ([256, 256, 256]).
+        env: the vector env and the rollout (:class:`~mmpo.robotics.config.EnvConfig`: task, act_steps,
+            max_episode_steps, normalizer_path (default: the checkpoint's), num_envs, n_steps (lift: 50, 300),
+            reset_at_iteration, skip_final_autoreset, asynchronous, env_groups, prefetch_reset, max_worker_restarts).
+            ``env_groups`` > 1 pipelines the collection (envs split into groups of consecutive envs, one vector
+            env each, mmpo.robotics.envs.groups.EnvGroups; the rollout equals env_groups=1's up to float
+            rounding); ``prefetch_reset`` overlaps the next iteration's reset with the update; env workers that
+            die are restarted up to ``max_worker_restarts`` times (``perf/env_worker_restarts``) before the run
+            stops with an error naming the worker and its env.
+        chain: the fine-tuned denoising chain (:class:`~mmpo.robotics.config.DenoisingChainConfig`: ft_steps K'
+            (10 of K = 20), gamma_denoise (0.99), the per-denoising-step clip range clip_base -> clip_final at
+            clip_rate (0.001 -> 0.01, 3), DPPO's floors and clips min_sampling_std, noise_clip, min_logprob_std
+            (0.1, 3, 0.1), the log-prob clamp logprob_min, logprob_max (-5, 2) and rollout_ddim_steps (None: the
+            BC policy's own DDPM chain; n: a DDIM eta = 1 chain of n strided steps, DPPO's DDIM fine-tuning)).
+        returns: reward scaling and GAE over chunk steps (:class:`~mmpo.robotics.config.ReturnsConfig`: gamma,
+            lam (robomimic 0.999, 0.95), reward_scale_running, reward_scale_const, reward_scale_gamma (0.99)).
+        loss: the actor's loss (:class:`~mmpo.robotics.config.PPOLossConfig`: name 'ppo' (DPPO's), or 'gppo',
+            'cispo', 'aspo' (their clip_low / clip_high are the per-denoising-step clip range), 'sapo', 'gpg';
+            settings (not the clip bounds); target_kl (1.0; None = never stop early)).
+        optim: the actor's AdamW and the update loop (:class:`~mmpo.training.config.OptimConfig`: lr (1e-4),
+            weight_decay (0, the critic's too), max_grad_norm (0 = no clipping, as DPPO; actor and critic are
+            clipped separately), mu = passes over the rollout per iteration (10), minibatch_size = (env step,
+            denoising step) pairs per minibatch (lift 7500; the last partial one is skipped)). DPPO has no
+            learning-rate schedule and no micro-batches: warmup_steps, lr_schedule and micro_batch_size keep
+            their defaults.
+        critic: the value function (:class:`~mmpo.training.config.CriticConfig`: lr (1e-3), vf_coef (0.5),
+            warmup_iterations = first iterations that train only the critic (robomimic 2), hidden_dims of its
+            ResidualMLP ([256, 256, 256])).
+        evaluation: deterministic evaluation (:class:`~mmpo.robotics.config.EvalConfig`: every (0 = never),
+            episodes, sampler (None: the policy's DDPM chain; "ddim": DDIM eta = 0), ddpm_std_floor (None: step
+            means, the results in bench/RESULTS.md; 1e-3: the official DPPO evaluation)).
         seed: env seed (env i: seed + i) and torch seed of sampling.
         env_factory: callable ``(num_envs=..., seed=..., act_steps=...) -> VectorEnv`` (SAME_STEP
             autoreset) replacing ``mmpo.robotics.envs.make_vector_env`` (used by tests).
-        asynchronous: subprocess envs (True) or in-process (False).
         max_consecutive_skips: minibatch steps with a non-finite loss or gradient norm are skipped (actor, critic
             and optimizer states untouched, counted as perf/skipped_steps); this many in a row stop the run with
             NonFiniteTrainingError (mmpo.training.nonfinite).
-        max_env_worker_restarts: env worker processes that may die and be restarted during the fit
-            (their episodes end as faults; logged as ``perf/env_worker_restarts``) before the run stops
-            with an error naming the worker and its env.
-        env_groups: 1 (default) = one batched policy call on all envs, then all envs step. g > 1 = pipelined
-            collection: the envs are split into g groups of consecutive envs (mmpo.robotics.envs.groups.EnvGroups, one
-            vector env each, env i still seeded seed + i) and while one group's worker processes step the
-            simulator, this process computes the next group's actions. The rollout has the same layout,
-            bookkeeping and chain noise (drawn for all envs at once and split by rows); the policy's outputs
-            differ from env_groups=1 only by float rounding (a smaller batch in the network's matmuls).
-        prefetch_reset: False (default) = each rollout starts with a blocking env reset. True (with
-            reset_at_iteration and subprocess envs) = the next iteration's reset is sent to the workers right
-            after the rollout, so they reset (a robosuite hard reset rebuilds the model: ~0.1 s per env) while
-            this process runs GAE and the PPO update; the next rollout only collects the result. The reset is
-            the same (its seed depends only on the iteration), so the run is unchanged; not done before an
-            evaluation (which resets the envs itself) or after the last iteration.
-        skip_final_autoreset: True (default; with reset_at_iteration) = an env whose episode ends on the rollout's
-            last chunk step is not auto-reset (mmpo.robotics.envs.chunking.SKIP_AUTORESET_AFTER): the next iteration
-            resets every env with its own seed anyway, so that reset's observation would be thrown away, and a
-            robosuite hard reset costs ~0.1 s in the middle of the rollout. The rollout is unchanged (its last
-            step records the episode's final observation either way). False = gymnasium's plain autoreset.
     """
+
+    config_groups: tuple[str, ...] = ("env", "chain", "returns", "loss", "optim", "critic", "evaluation")
+    """Attributes holding the module's config dataclasses; they go into hparams (and checkpoints) as plain dicts."""
+
+    flat_names: dict[str, tuple[str, str]] = DPPO_FLAT_NAMES
+    """The module's flat init arguments before the groups (old name -> (group, field)), for old checkpoints."""
 
     def __init__(
         self,
         bc_checkpoint: str,
         num_iterations: int = 81,
         *,
-        task: str | None = None,
-        act_steps: int | None = None,
-        max_episode_steps: int | None = None,
-        normalizer_path: str | None = None,
-        num_envs: int = 50,
-        n_steps: int = 300,
-        ft_steps: int = 10,
-        gamma: float = 0.999,
-        gae_lambda: float = 0.95,
-        gamma_denoise: float = 0.99,
-        clip_base: float = 0.001,
-        clip_final: float = 0.01,
-        clip_rate: float = 3.0,
-        loss: str = "ppo",
-        loss_settings: dict[str, Any] | None = None,
-        min_sampling_std: float = 0.1,
-        noise_clip: float = 3.0,
-        min_logprob_std: float = 0.1,
-        logprob_min: float = -5.0,
-        logprob_max: float = 2.0,
-        actor_lr: float = 1e-4,
-        critic_lr: float = 1e-3,
-        weight_decay: float = 0.0,
-        batch_size: int = 7500,
-        update_epochs: int = 10,
-        vf_coef: float = 0.5,
-        target_kl: float | None = 1.0,
-        max_grad_norm: float | None = None,
-        n_critic_warmup_itr: int = 2,
-        reward_scale_running: bool = True,
-        reward_scale_const: float = 1.0,
-        reward_scale_gamma: float = 0.99,
-        reset_at_iteration: bool = True,
-        eval_every: int = 10,
-        eval_episodes: int = 50,
-        eval_sampler: str | None = None,
-        eval_ddpm_std_floor: float | None = None,
-        rollout_ddim_steps: int | None = None,
-        critic_hidden_dims: list[int] | None = None,
+        env: EnvConfig = EnvConfig(),
+        chain: DenoisingChainConfig = DenoisingChainConfig(),
+        returns: ReturnsConfig = ReturnsConfig(),
+        loss: PPOLossConfig = PPOLossConfig(),
+        optim: OptimConfig = DPPO_OPTIM,
+        critic: CriticConfig = CriticConfig(),
+        evaluation: EvalConfig = EvalConfig(),
         seed: int = 0,
         env_factory: EnvFactory | None = None,
-        asynchronous: bool = True,
         max_consecutive_skips: int = DEFAULT_MAX_CONSECUTIVE_SKIPS,
-        max_env_worker_restarts: int = 3,
-        env_groups: int = 1,
-        prefetch_reset: bool = False,
-        skip_final_autoreset: bool = True,
     ) -> None:
         super().__init__()
         self.save_hyperparameters(ignore=["env_factory"])
+        self.env = as_config(env, EnvConfig())
+        self.chain = as_config(chain, DenoisingChainConfig())
+        self.returns = as_config(returns, ReturnsConfig())
+        self.loss = as_config(loss, PPOLossConfig())
+        self.optim = as_config(optim, DPPO_OPTIM)
+        self.critic_config = as_config(critic, CriticConfig())
+        self.evaluation = as_config(evaluation, EvalConfig())
+        for name in self.config_groups:
+            self.hparams[name] = dataclasses.asdict(self._config_group(name))
         self.automatic_optimization = False
         self.nonfinite = NonFiniteGuard(max_consecutive_skips)
-        for name, value in (("num_iterations", num_iterations), ("num_envs", num_envs), ("n_steps", n_steps),
-                            ("batch_size", batch_size), ("update_epochs", update_epochs)):
-            if int(value) < 1:
-                raise ValueError(f"{name} must be >= 1, got {value}")
-        if not 1 <= int(env_groups) <= int(num_envs):
-            raise ValueError(f"env_groups must be in [1, num_envs={num_envs}], got {env_groups}")
-        if not 0.0 <= reward_scale_gamma <= 1.0:
-            raise ValueError(f"reward_scale_gamma must be in [0, 1], got {reward_scale_gamma}")
-        if eval_ddpm_std_floor is not None and eval_ddpm_std_floor < 0:
-            raise ValueError(f"eval_ddpm_std_floor must be >= 0 or None, got {eval_ddpm_std_floor}")
-        check_dppo_loss(loss, loss_settings)
-        policy, metadata = self.load_actor(bc_checkpoint, ft_steps)
+        if int(num_iterations) < 1:
+            raise ValueError(f"num_iterations must be >= 1, got {num_iterations}")
+        check_update_settings(self.optim)
+        check_dppo_loss(self.loss.name, self.loss.settings)
+        chain_config = self.chain
+        policy, metadata = self.load_actor(bc_checkpoint, chain_config.ft_steps)
         self.source_metadata = metadata
-        self.task = task or metadata.get("task")
-        self.act_steps = int(act_steps or metadata.get("act_steps") or policy.horizon)
+        self.task = self.env.task or metadata.get("task")
+        self.act_steps = int(self.env.act_steps or metadata.get("act_steps") or policy.horizon)
         if not 1 <= self.act_steps <= policy.horizon:
             raise ValueError(f"act_steps must be in [1, horizon={policy.horizon}], got {self.act_steps}")
-        self.max_episode_steps = max_episode_steps or metadata.get("max_episode_steps")
-        self.normalizer_path = normalizer_path or metadata.get("normalizer_path")
+        self.max_episode_steps = self.env.max_episode_steps or metadata.get("max_episode_steps")
+        self.normalizer_path = self.env.normalizer_path or metadata.get("normalizer_path")
         self.policy: DiffusionPolicy = policy
-        self.critic = CriticMLP(policy.obs_dim, critic_hidden_dims or [256, 256, 256])
-        self.register_buffer("clip_ranges", clip_schedule(ft_steps, clip_base, clip_final, clip_rate), persistent=False)
+        self.critic = CriticMLP(policy.obs_dim, self.critic_config.hidden_dims or [256, 256, 256])
+        self.register_buffer("clip_ranges", clip_schedule(chain_config.ft_steps, chain_config.clip_base,
+                                                          chain_config.clip_final, chain_config.clip_rate),
+                             persistent=False)
         self.env_factory = env_factory
         self.envs: Any = None
-        self.reward_scaler = RunningRewardScaler(num_envs, gamma=reward_scale_gamma) if reward_scale_running else None
+        num_envs = self.env.num_envs
+        self.reward_scaler = (RunningRewardScaler(num_envs, gamma=self.returns.reward_scale_gamma)
+                              if self.returns.reward_scale_running else None)
         self._obs: np.ndarray | None = None
         self._episode_start: np.ndarray | None = None
         self._prefetched_reset_seed: int | None = None  # the seed of a reset sent to the workers, not yet collected
         self.train_tracker = EpisodeTracker(num_envs)
         self.iteration = 0
         self._generator = torch.Generator().manual_seed(seed)
-        # DPPO clips the actor's and the critic's gradient norms separately (None: no clipping, as DPPO)
+        # DPPO clips the actor's and the critic's gradient norms separately (0: no clipping, as DPPO)
         self.update_engine = UpdateEngine(
-            self, max_grad_norm=max_grad_norm,
+            self, max_grad_norm=self.optim.max_grad_norm,
             clip_groups=lambda: [list(self.policy.ft_network.parameters()), list(self.critic.parameters())])
         # how a whole update pass runs: as is, or wrapped by a variant (SFPO's slow-fast pass of the actor)
         self.update_wrapper: UpdateWrapper = UpdateWrapper()
+
+    def _config_group(self, name: str) -> Any:
+        """The config dataclass of init argument ``name`` (``critic`` is kept as ``critic_config``: ``critic``
+        is the value network)."""
+        return self.critic_config if name == "critic" else getattr(self, name)
+
+    @classmethod
+    def load_from_checkpoint(cls, checkpoint_path: Any, *args: Any, **kwargs: Any) -> "DPPOModule":
+        """Lightning's ``load_from_checkpoint``; a checkpoint saved before the config groups (flat
+        ``actor_lr``, ``update_epochs``, ...) has its hyperparameters moved into the groups first
+        (:func:`~mmpo.robotics.config.grouped_hparams`), so it builds the module it was saved from."""
+        if isinstance(checkpoint_path, (str, Path)):
+            checkpoint = torch.load(checkpoint_path, map_location="cpu", weights_only=True)
+            saved = checkpoint.get(cls.CHECKPOINT_HYPER_PARAMS_KEY) or {}
+            if has_flat_hparams(saved, cls.flat_names):
+                checkpoint[cls.CHECKPOINT_HYPER_PARAMS_KEY] = grouped_hparams(saved, cls.flat_names)
+                buffer = io.BytesIO()
+                torch.save(checkpoint, buffer)
+                buffer.seek(0)
+                checkpoint_path = buffer
+        return super().load_from_checkpoint(checkpoint_path, *args, **kwargs)
 
     def load_actor(self, bc_checkpoint: str, ft_steps: int) -> tuple[Any, dict[str, Any]]:
         """The policy to fine-tune and its checkpoint's metadata: the BC diffusion policy with a trainable
         copy of its last ``ft_steps`` denoising steps (a subclass loads another policy family)."""
         policy, metadata = load_policy(bc_checkpoint)
-        ddim_steps = self.hparams.rollout_ddim_steps
+        ddim_steps = self.chain.rollout_ddim_steps
         if ddim_steps is not None and policy.policy_config["sampler"] == "ddpm":
             # Same eps network on a strided DDIM (eta = 1) chain of ddim_steps of the K training timesteps: each
             # step stays Gaussian with an exact log-prob (DPPO's DDIM fine-tuning), at ddim_steps / K of the cost.
@@ -327,30 +334,29 @@ class DPPOModule(NonFiniteGuardMixin, pl.LightningModule):
     def make_envs(self) -> Any:
         """The vector env of all ``num_envs`` envs (env i seeded ``seed + i``); with ``env_groups > 1`` an
         :class:`~mmpo.robotics.envs.groups.EnvGroups` of one vector env per group of consecutive envs."""
-        hp = self.hparams
-        if hp.env_groups == 1:
-            envs = self._make_vector_env(hp.num_envs, hp.seed)
+        env, seed = self.env, self.hparams.seed
+        if env.env_groups == 1:
+            envs = self._make_vector_env(env.num_envs, seed)
         else:
             from mmpo.robotics.envs.groups import EnvGroups, group_sizes
 
             groups, start = [], 0
             try:
-                for size in group_sizes(hp.num_envs, hp.env_groups):
-                    groups.append(self._make_vector_env(size, hp.seed + start))
+                for size in group_sizes(env.num_envs, env.env_groups):
+                    groups.append(self._make_vector_env(size, seed + start))
                     start += size
             except BaseException:
                 for group in groups:
                     group.close()
                 raise
-            envs = EnvGroups(groups, max_worker_restarts=hp.max_env_worker_restarts)
+            envs = EnvGroups(groups, max_worker_restarts=env.max_worker_restarts)
         check_same_step_autoreset(envs)
-        if envs.num_envs != hp.num_envs:
-            raise ValueError(f"env factory built {envs.num_envs} envs, expected num_envs={hp.num_envs}")
+        if envs.num_envs != env.num_envs:
+            raise ValueError(f"env factory built {envs.num_envs} envs, expected num_envs={env.num_envs}")
         return envs
 
     def _make_vector_env(self, num_envs: int, seed: int) -> Any:
         """``num_envs`` envs seeded ``seed``, ``seed + 1``, ... (``env_factory`` or mmpo.robotics.envs.make_vector_env)."""
-        hp = self.hparams
         if self.env_factory is not None:
             envs = self.env_factory(num_envs=num_envs, seed=seed, act_steps=self.act_steps)
         else:
@@ -361,7 +367,7 @@ class DPPOModule(NonFiniteGuardMixin, pl.LightningModule):
             envs = make_vector_env(
                 self.task, num_envs, seed=seed, act_steps=self.act_steps,
                 normalizer_path=self.normalizer_path, max_episode_steps=self.max_episode_steps,
-                asynchronous=hp.asynchronous, max_worker_restarts=hp.max_env_worker_restarts,
+                asynchronous=self.env.asynchronous, max_worker_restarts=self.env.max_worker_restarts,
             )
         if envs.num_envs != num_envs:
             raise ValueError(f"env factory built {envs.num_envs} envs, expected {num_envs}")
@@ -381,14 +387,13 @@ class DPPOModule(NonFiniteGuardMixin, pl.LightningModule):
         return iteration_loader(self.hparams.num_iterations)
 
     def configure_optimizers(self) -> list[torch.optim.Optimizer]:
-        hp = self.hparams
-        actor = make_adamw(self.policy.ft_network.parameters(), lr=hp.actor_lr, weight_decay=hp.weight_decay)
-        critic = make_adamw(self.critic.parameters(), lr=hp.critic_lr, weight_decay=hp.weight_decay)
+        actor = make_adamw(self.policy.ft_network.parameters(), lr=self.optim.lr, weight_decay=self.optim.weight_decay)
+        critic = make_adamw(self.critic.parameters(), lr=self.critic_config.lr, weight_decay=self.optim.weight_decay)
         return [actor, critic]
 
     # ------------------------------------------------------------------ rollout
     def _reset_seed(self, iteration: int) -> int:
-        return self.hparams.seed + 1000 * iteration if self.hparams.reset_at_iteration else self.hparams.seed
+        return self.hparams.seed + 1000 * iteration if self.env.reset_at_iteration else self.hparams.seed
 
     def start_reset(self, iteration: int) -> bool:
         """Send the reset that iteration ``iteration``'s rollout starts with to the env workers and return at
@@ -405,9 +410,8 @@ class DPPOModule(NonFiniteGuardMixin, pl.LightningModule):
     def _reset_options(self) -> dict[str, Any] | None:
         """Options of the reset a rollout starts with: skip the autoreset after its last chunk step (see
         ``skip_final_autoreset``), which only a rollout that resets every env at its start may do."""
-        hp = self.hparams
-        if hp.skip_final_autoreset and hp.reset_at_iteration:
-            return {SKIP_AUTORESET_AFTER: int(hp.n_steps)}
+        if self.env.skip_final_autoreset and self.env.reset_at_iteration:
+            return {SKIP_AUTORESET_AFTER: int(self.env.n_steps)}
         return None
 
     def _collect_prefetched_reset(self) -> Any:
@@ -424,21 +428,20 @@ class DPPOModule(NonFiniteGuardMixin, pl.LightningModule):
         obs, _ = (result if result is not None and prefetched == seed
                   else self.envs.reset(seed=seed, options=self._reset_options()))
         self._obs = np.asarray(obs, dtype=np.float32)
-        self._episode_start = np.ones(self.hparams.num_envs, dtype=bool)
+        self._episode_start = np.ones(self.env.num_envs, dtype=bool)
         self.train_tracker.reset()
 
     @torch.no_grad()
     def collect_rollout(self) -> Rollout:
         """Sample ``n_steps`` chunk steps on every env with the stochastic (training) chain."""
-        hp = self.hparams
-        if self._obs is None or hp.reset_at_iteration:
+        if self._obs is None or self.env.reset_at_iteration:
             self._reset_envs()
         self.policy.eval()
         lists: tuple[list[Any], ...] = tuple([] for _ in range(8))
         if getattr(self.envs, "num_groups", 1) > 1:
             self._collect_pipelined(lists)
         else:
-            for _ in range(hp.n_steps):
+            for _ in range(self.env.n_steps):
                 obs_t = torch.as_tensor(self._obs, dtype=torch.float32, device=self.device)
                 actions, chain, logp = self.act(obs_t)
                 self._record_step(lists, obs_t, chain, logp, self.envs.step(actions.cpu().numpy()))
@@ -455,14 +458,13 @@ class DPPOModule(NonFiniteGuardMixin, pl.LightningModule):
                      step: tuple[Any, ...]) -> None:
         """Append one chunk step of all envs (obs, policy outputs, the vector env's step result) to the rollout
         lists and advance the episode bookkeeping."""
-        hp = self.hparams
         obs_l, chain_l, logp_l, rew_l, term_l, trunc_l, start_l, reached_l = lists
         next_obs, rewards, terminated, truncated, infos = step
         done = np.logical_or(terminated, truncated)
         obs_l.append(obs_t.cpu())
         chain_l.append(chain.cpu())
         logp_l.append(logp.cpu())
-        rew_l.append(np.asarray(rewards, dtype=np.float64) * hp.reward_scale_const)
+        rew_l.append(np.asarray(rewards, dtype=np.float64) * self.returns.reward_scale_const)
         term_l.append(np.asarray(terminated, dtype=bool))
         trunc_l.append(np.asarray(truncated, dtype=bool))
         start_l.append(self._episode_start.copy())
@@ -481,22 +483,22 @@ class DPPOModule(NonFiniteGuardMixin, pl.LightningModule):
         noise it gets with env_groups=1. The outputs are not bit-identical to env_groups=1 all the same: the
         network's matmuls run on a smaller batch, and a BLAS kernel's rounding depends on the batch size
         (differences ~1e-7; per row, log-probs are still those of the stored chain, so PPO's ratio starts at 1)."""
-        hp = self.hparams
+        n_steps = self.env.n_steps
         envs = self.envs
         obs_now = [np.asarray(self._obs[part], dtype=np.float32) for part in envs.slices]
         outputs: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
         step_results: list[tuple[Any, ...]] = []
-        for step in range(hp.n_steps + 1):
+        for step in range(n_steps + 1):
             if step > 0:
                 previous = outputs
-            noise = self.draw_step_noise(hp.num_envs) if step < hp.n_steps else None
+            noise = self.draw_step_noise(self.env.num_envs) if step < n_steps else None
             outputs, step_results = [], []
             for index, part in enumerate(envs.slices):
                 if step > 0:
                     result = envs.step_group_wait(index)
                     step_results.append(result)
                     obs_now[index] = np.asarray(result[0], dtype=np.float32)
-                if step == hp.n_steps:
+                if step == n_steps:
                     continue
                 obs_t = torch.as_tensor(obs_now[index], dtype=torch.float32, device=self.device)
                 actions, chain, logp = (self.act(obs_t) if noise is None
@@ -517,14 +519,14 @@ class DPPOModule(NonFiniteGuardMixin, pl.LightningModule):
         what the update re-scores (the last K'+1 chain states, (N, K'+1, Ta, Da)) and the per-step
         log-probs (N, K') (std floor, clamp, mean over executed steps and dims). ``noise``: the chain's
         standard-normal draws (:meth:`draw_step_noise` rows) instead of drawing them from the generator."""
-        hp = self.hparams
+        chain = self.chain
         sample = self.policy.sample(
-            obs, min_sampling_std=hp.min_sampling_std, noise_clip=hp.noise_clip,
-            return_log_probs=True, min_logprob_std=hp.min_logprob_std, generator=self._sampling_generator(),
+            obs, min_sampling_std=chain.min_sampling_std, noise_clip=chain.noise_clip,
+            return_log_probs=True, min_logprob_std=chain.min_logprob_std, generator=self._sampling_generator(),
             noise=noise,
         )
         logp = torch.stack(
-            [reduce_step_log_prob(sample.log_probs[:, i], self.act_steps, hp.logprob_min, hp.logprob_max)
+            [reduce_step_log_prob(sample.log_probs[:, i], self.act_steps, chain.logprob_min, chain.logprob_max)
              for i in range(self.policy.ft_steps)], dim=1,
         )
         return sample.actions, sample.chain, logp
@@ -535,7 +537,6 @@ class DPPOModule(NonFiniteGuardMixin, pl.LightningModule):
     @torch.no_grad()
     def compute_advantages(self, rollout: Rollout) -> Rollout:
         """Running reward scaling, critic values and GAE over chunk steps (mmpo.core.gae)."""
-        hp = self.hparams
         rewards = rollout.rewards
         if self.reward_scaler is not None:
             scaled = self.reward_scaler(rewards.numpy(), rollout.episode_start.numpy())
@@ -544,7 +545,8 @@ class DPPOModule(NonFiniteGuardMixin, pl.LightningModule):
         values = self.critic(rollout.obs.reshape(steps * envs, -1).to(self.device)).view(steps, envs).cpu()
         next_values = self.critic(rollout.reached_obs.reshape(steps * envs, -1).to(self.device)).view(steps, envs).cpu()
         advantages, returns = gae(
-            rewards, values, next_values, rollout.terminated, rollout.truncated, gamma=hp.gamma, lam=hp.gae_lambda
+            rewards, values, next_values, rollout.terminated, rollout.truncated, gamma=self.returns.gamma,
+            lam=self.returns.lam,
         )
         rollout.scaled_rewards, rollout.advantages, rollout.returns = rewards, advantages, returns
         return rollout
@@ -565,14 +567,14 @@ class DPPOModule(NonFiniteGuardMixin, pl.LightningModule):
             advantages (B,) env-level GAE, returns (B,).
         Returns: (policy loss, value loss, ratio (B,), metrics).
         """
-        hp = self.hparams
         new_log_probs = self.rescore(obs, chains, ft_index)
-        adv = normalize_advantages(advantages) * denoising_discount(ft_index, self.policy.ft_steps, hp.gamma_denoise).to(advantages.device)
+        discount = denoising_discount(ft_index, self.policy.ft_steps, self.chain.gamma_denoise)
+        adv = normalize_advantages(advantages) * discount.to(advantages.device)
         # one core call: each pair's PPO clip range is its denoising step's (a (B, 1) tensor bound)
         clip = self.clip_ranges[ft_index].unsqueeze(1)
         pg_loss, core_metrics = policy_loss(
-            hp.loss, new_log_probs.unsqueeze(1), old_log_probs.unsqueeze(1), adv, torch.ones_like(clip),
-            agg="token-mean", **dppo_loss_settings(hp.loss, clip, hp.loss_settings),
+            self.loss.name, new_log_probs.unsqueeze(1), old_log_probs.unsqueeze(1), adv, torch.ones_like(clip),
+            agg="token-mean", **dppo_loss_settings(self.loss.name, clip, self.loss.settings),
         )
         metrics = {key: core_metrics[key] for key in ("policy/clipfrac", "policy/approx_kl")}
         values = self.critic(obs)
@@ -582,14 +584,13 @@ class DPPOModule(NonFiniteGuardMixin, pl.LightningModule):
 
     def rescore(self, obs: torch.Tensor, chains: torch.Tensor, ft_index: torch.Tensor) -> torch.Tensor:
         """Log-probs (B,) of the stored denoising steps under the current fine-tuned network."""
-        hp = self.hparams
-        elementwise = self.policy.chain_step_log_prob(obs, chains, ft_index, min_logprob_std=hp.min_logprob_std)
-        return reduce_step_log_prob(elementwise, self.act_steps, hp.logprob_min, hp.logprob_max)
+        chain = self.chain
+        elementwise = self.policy.chain_step_log_prob(obs, chains, ft_index, min_logprob_std=chain.min_logprob_std)
+        return reduce_step_log_prob(elementwise, self.act_steps, chain.logprob_min, chain.logprob_max)
 
     def ppo_update(self, rollout: Rollout, train_actor: bool) -> dict[str, float]:
-        """``update_epochs`` passes over shuffled (env step, denoising step) pairs through the update engine
+        """``optim.mu`` passes over shuffled (env step, denoising step) pairs through the update engine
         (``mmpo.training.update``) and the module's update wrapper (SFPO's slow-fast pass of the actor)."""
-        hp = self.hparams
         actor_opt, critic_opt = self.optimizers()
         steps, envs = rollout.rewards.shape
         ft = self.policy.ft_steps
@@ -600,7 +601,7 @@ class DPPOModule(NonFiniteGuardMixin, pl.LightningModule):
         returns = rollout.returns.reshape(-1).to(self.device)
         total_pairs = steps * envs * ft
         # the last partial minibatch is skipped, as in DPPO
-        schedule = UpdateSchedule(total_pairs, hp.batch_size, epochs=hp.update_epochs, drop_last=True)
+        schedule = UpdateSchedule(total_pairs, self.optim.minibatch_size, epochs=self.optim.mu, drop_last=True)
         stepped = [actor_opt, critic_opt] if train_actor else [critic_opt]
 
         def step(epoch: int, pairs: torch.Tensor) -> dict[str, float]:
@@ -618,7 +619,8 @@ class DPPOModule(NonFiniteGuardMixin, pl.LightningModule):
                 if first_step:
                     first["policy/ratio_first_minibatch_maxdev"] = float((ratio - 1).abs().max())
                 # the actor's part is switched off (coefficient 0, never summed) during the critic warm-up
-                parts = LossParts().add("policy", pg_loss, 1.0 if train_actor else 0.0).add("value", value_loss, hp.vf_coef)
+                parts = (LossParts().add("policy", pg_loss, 1.0 if train_actor else 0.0)
+                         .add("value", value_loss, self.critic_config.vf_coef))
                 return MicroLoss(parts.total(), {"losses/policy": float(pg_loss.detach()),
                                                  "losses/value": float(value_loss.detach()),
                                                  "policy/clipfrac": float(metrics["policy/clipfrac"]),
@@ -628,7 +630,8 @@ class DPPOModule(NonFiniteGuardMixin, pl.LightningModule):
             return {**result.metrics, **first}
 
         def stop(metrics: dict[str, float]) -> bool:  # target_kl ends the iteration's update early
-            return hp.target_kl is not None and train_actor and metrics["policy/approx_kl"] > hp.target_kl
+            target_kl = self.loss.target_kl
+            return target_kl is not None and train_actor and metrics["policy/approx_kl"] > target_kl
 
         pass_steps: list[int] = []
 
@@ -643,7 +646,7 @@ class DPPOModule(NonFiniteGuardMixin, pl.LightningModule):
                                          PassContext(trains_actor=train_actor))
         keys = dict.fromkeys(key for s in stats for key in s)
         metrics = {key: float(np.mean([s[key] for s in stats if key in s])) for key in keys}
-        # how much of the update ran: fewer than update_epochs x minibatches when target_kl stopped it, and
+        # how much of the update ran: fewer than optim.mu x minibatches when target_kl stopped it, and
         # the drift from the rollout's policy when it ended (what target_kl is compared with)
         drift = [s["policy/approx_kl"] for s in stats if "policy/approx_kl" in s]
         metrics["policy/minibatches"] = float(len(drift))
@@ -659,15 +662,15 @@ class DPPOModule(NonFiniteGuardMixin, pl.LightningModule):
         seed = self.hparams.seed + 10_000 + self.iteration
         self._collect_prefetched_reset()  # evaluation resets the envs itself
         result = evaluate_policy(
-            self.policy, self.envs, num_episodes or self.hparams.eval_episodes, deterministic=True,
-            seed=seed, deterministic_sampler=self.hparams.eval_sampler, ddpm_eval_std_floor=self.hparams.eval_ddpm_std_floor,
+            self.policy, self.envs, num_episodes or self.evaluation.episodes, deterministic=True, seed=seed,
+            deterministic_sampler=self.evaluation.sampler, ddpm_eval_std_floor=self.evaluation.ddpm_std_floor,
             generator=torch.Generator(device=self.device).manual_seed(seed),
         )
         self._obs = None  # evaluation consumed the envs' episodes: the next rollout resets them
         return result
 
     def training_step(self, batch: Any, batch_idx: int) -> None:
-        hp = self.hparams
+        num_iterations, every = self.hparams.num_iterations, self.evaluation.every
         if self.envs is None:
             self.envs = self.make_envs()
         start = time.perf_counter()
@@ -675,12 +678,12 @@ class DPPOModule(NonFiniteGuardMixin, pl.LightningModule):
         rollout = self.collect_rollout()
         rollout_seconds = time.perf_counter() - start
         env_steps = self.train_tracker.env_steps - steps_before
-        evaluating = bool(hp.eval_every) and (self.iteration % hp.eval_every == 0
-                                              or self.iteration == hp.num_iterations - 1)
-        if hp.prefetch_reset and hp.reset_at_iteration and not evaluating and self.iteration + 1 < hp.num_iterations:
+        evaluating = bool(every) and (self.iteration % every == 0 or self.iteration == num_iterations - 1)
+        if (self.env.prefetch_reset and self.env.reset_at_iteration and not evaluating
+                and self.iteration + 1 < num_iterations):
             self.start_reset(self.iteration + 1)  # the workers reset during the update below
         self.compute_advantages(rollout)
-        metrics = self.ppo_update(rollout, train_actor=self.iteration >= hp.n_critic_warmup_itr)
+        metrics = self.ppo_update(rollout, train_actor=self.iteration >= self.critic_config.warmup_iterations)
         summary = self.train_tracker.summary()
         self.train_tracker.returns.clear()
         self.train_tracker.successes.clear()

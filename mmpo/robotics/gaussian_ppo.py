@@ -16,7 +16,6 @@ baseline does (irom-lab/dppo ``model/rl/gaussian_vpg.py``, ``get_logprobs``: ``l
 
 from __future__ import annotations
 
-import inspect
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,19 +25,25 @@ import lightning.pytorch as pl
 import torch
 from torch import nn
 
+from mmpo.training.config import CriticConfig, OptimConfig, as_config
 from mmpo.training.nonfinite import DEFAULT_MAX_CONSECUTIVE_SKIPS, NonFiniteGuard, NonFiniteGuardMixin
 from mmpo.training.optim import make_adamw
 from mmpo.robotics.bc import _unpack_batch
-from mmpo.robotics.dppo import DPPOModule
+from mmpo.robotics.config import (
+    GAUSSIAN_FLAT_NAMES,
+    LOG_PROB_REDUCTIONS,
+    DenoisingChainConfig,
+    EnvConfig,
+    EvalConfig,
+    GaussianPolicyConfig,
+    PPOLossConfig,
+    ReturnsConfig,
+)
+from mmpo.robotics.dppo import DPPO_OPTIM, DPPOModule, EnvFactory
 from mmpo.robotics.policy.io import _read_checkpoint
 from mmpo.robotics.policy.networks import ResidualMLP
 
 GAUSSIAN_BC_PREFIX = "policy."
-# DPPOModule settings that exist only for a denoising chain: set here by construction or unused.
-_CHAIN_ONLY = ("ft_steps", "gamma_denoise", "clip_base", "clip_final", "clip_rate", "min_sampling_std",
-               "min_logprob_std", "logprob_min", "logprob_max", "eval_sampler", "eval_ddpm_std_floor",
-               "rollout_ddim_steps")
-LOG_PROB_REDUCTIONS = ("sum", "mean")
 
 
 def check_log_prob_reduction(reduction: str) -> str:
@@ -183,40 +188,59 @@ class GaussianBCModule(NonFiniteGuardMixin, pl.LightningModule):
 class GaussianPPOModule(DPPOModule):
     """PPO + GAE fine-tuning of a :class:`GaussianBCModule` checkpoint (DPPO's Gaussian baseline).
 
+    A :class:`~mmpo.robotics.dppo.DPPOModule` whose "chain" is one Gaussian step: it takes DPPO's groups but
+    ``chain`` (built here: K' = 1, one clip range ``gaussian.clip_coef``), and its own ``gaussian`` group.
+
     Args:
         bc_checkpoint: a Gaussian BC (or Gaussian PPO) ``.ckpt``.
         num_iterations: PPO iterations (rollout + update).
-        clip_coef: PPO clip range of the ratio (one range: there are no denoising steps).
-        ent_coef: entropy bonus coefficient on the executed chunk's Gaussian entropy (0: none).
-        log_prob_reduction: "sum" (default) or "mean" over the executed chunk's act_steps x Da entries, for the
-            log-probs of the PPO ratio and approx_kl (rollout and update alike) and the entropy bonus; "mean" is
-            the DPPO paper's Gaussian baseline (log-ratio, clip range and approx_kl on a 1/(act_steps x Da) scale).
-        **kwargs: the :class:`~mmpo.robotics.dppo.DPPOModule` settings of the env, rollout, GAE, critic, optimizers,
-            reward scaling, evaluation and resume (``batch_size`` counts env steps here); the denoising-chain
-            settings (ft_steps, gamma_denoise, clip_base/final/rate, std floors, log-prob clamp, eval samplers)
-            do not apply and are rejected.
+        gaussian: the policy step (:class:`~mmpo.robotics.config.GaussianPolicyConfig`: clip_coef = the PPO clip
+            range of the ratio, ent_coef = entropy bonus on the executed chunk's Gaussian entropy, log_prob_reduction
+            "sum" (default) or "mean" over the executed chunk's act_steps x Da entries (the DPPO paper's Gaussian
+            baseline: log-ratio, clip range and approx_kl on a 1/(act_steps x Da) scale), noise_clip).
+        env, returns, loss, optim, critic, evaluation, seed, env_factory, max_consecutive_skips: as
+            :class:`~mmpo.robotics.dppo.DPPOModule` (``optim.minibatch_size`` counts env steps here); the
+            evaluation's ``sampler`` and ``ddpm_std_floor`` are denoising-chain settings and must stay unset.
     """
 
-    def __init__(self, bc_checkpoint: str, num_iterations: int = 81, *, clip_coef: float = 0.01,
-                 ent_coef: float = 0.0, log_prob_reduction: str = "sum", **kwargs: Any) -> None:
-        check_log_prob_reduction(log_prob_reduction)
-        # `mmpo fit` passes every DPPOModule default through **kwargs: only a changed value is an error
-        defaults = inspect.signature(DPPOModule.__init__).parameters
-        given = sorted(name for name in _CHAIN_ONLY if name in kwargs and kwargs[name] != defaults[name].default)
-        if given:
-            raise ValueError(f"{given} are denoising-chain settings of DPPO; the Gaussian policy has none")
-        kwargs = {name: value for name, value in kwargs.items() if name not in ("ft_steps", "clip_base", "clip_final")}
-        if not clip_coef > 0:
-            raise ValueError(f"clip_coef must be > 0, got {clip_coef}")
-        super().__init__(bc_checkpoint, num_iterations, ft_steps=1, clip_base=clip_coef, clip_final=clip_coef, **kwargs)
+    config_groups = ("env", "returns", "loss", "optim", "critic", "evaluation", "gaussian")
+    flat_names = GAUSSIAN_FLAT_NAMES
+
+    def __init__(
+        self,
+        bc_checkpoint: str,
+        num_iterations: int = 81,
+        *,
+        gaussian: GaussianPolicyConfig = GaussianPolicyConfig(),
+        env: EnvConfig = EnvConfig(),
+        returns: ReturnsConfig = ReturnsConfig(),
+        loss: PPOLossConfig = PPOLossConfig(),
+        optim: OptimConfig = DPPO_OPTIM,
+        critic: CriticConfig = CriticConfig(),
+        evaluation: EvalConfig = EvalConfig(),
+        seed: int = 0,
+        env_factory: EnvFactory | None = None,
+        max_consecutive_skips: int = DEFAULT_MAX_CONSECUTIVE_SKIPS,
+    ) -> None:
+        self.gaussian = as_config(gaussian, GaussianPolicyConfig())
+        evaluation = as_config(evaluation, EvalConfig())
+        chain_only = [f"evaluation.{name}" for name in ("sampler", "ddpm_std_floor") if getattr(evaluation, name) is not None]
+        if chain_only:
+            raise ValueError(f"{chain_only} are denoising-chain settings of DPPO; the Gaussian policy has none")
+        clip = self.gaussian.clip_coef
+        chain = DenoisingChainConfig(ft_steps=1, clip_base=clip, clip_final=clip, noise_clip=self.gaussian.noise_clip)
+        super().__init__(bc_checkpoint, num_iterations, env=env, chain=chain, returns=returns, loss=loss, optim=optim,
+                         critic=critic, evaluation=evaluation, seed=seed, env_factory=env_factory,
+                         max_consecutive_skips=max_consecutive_skips)
+        self.hparams.pop("chain", None)  # built from ``gaussian``, not an init argument here
 
     def load_actor(self, bc_checkpoint: str, ft_steps: int) -> tuple[GaussianChunkPolicy, dict[str, Any]]:
         return load_gaussian_policy(bc_checkpoint)
 
     def act(self, obs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Sampled chunks (N, Ta, Da), stored as the "chain" (what the update re-scores), and log-probs (N, 1)."""
-        actions = self.policy.sample(obs, noise_clip=self.hparams.noise_clip, generator=self._sampling_generator()).actions
-        reduction = self.hparams.log_prob_reduction
+        actions = self.policy.sample(obs, noise_clip=self.gaussian.noise_clip, generator=self._sampling_generator()).actions
+        reduction = self.gaussian.log_prob_reduction
         return actions, actions, self.policy.log_prob(obs, actions, self.act_steps, reduction).unsqueeze(1)
 
     def draw_step_noise(self, batch: int) -> None:
@@ -225,13 +249,13 @@ class GaussianPPOModule(DPPOModule):
         return None
 
     def rescore(self, obs: torch.Tensor, chains: torch.Tensor, ft_index: torch.Tensor) -> torch.Tensor:
-        return self.policy.log_prob(obs, chains, self.act_steps, self.hparams.log_prob_reduction)
+        return self.policy.log_prob(obs, chains, self.act_steps, self.gaussian.log_prob_reduction)
 
     def minibatch_loss(self, *args: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
         pg_loss, value_loss, ratio, metrics = super().minibatch_loss(*args)
-        if self.hparams.ent_coef:
-            pg_loss = pg_loss - self.hparams.ent_coef * self.policy.entropy(self.act_steps,
-                                                                         self.hparams.log_prob_reduction)
+        if self.gaussian.ent_coef:
+            pg_loss = pg_loss - self.gaussian.ent_coef * self.policy.entropy(self.act_steps,
+                                                                           self.gaussian.log_prob_reduction)
         return pg_loss, value_loss, ratio, metrics
 
     def robotics_metadata(self) -> dict[str, Any]:

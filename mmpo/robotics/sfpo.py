@@ -2,7 +2,7 @@
 
 ``SFPODPPOModule`` attaches the shared :class:`~mmpo.training.variants.SlowFastUpdate` (the same object
 the VLM and masked-diffusion modules use) to DPPO's update pass: K fast
-passes of ``update_epochs`` over the rollout, reposition of the fine-tuned actor network to
+passes of ``optim.mu`` epochs over the rollout, reposition of the fine-tuned actor network to
 theta_0 + alpha (theta_K - theta_0), one slow pass. The old log-probs are the rollout's, fixed to
 theta_0. The critic is trained in every pass and not repositioned (SFPO's official code has no
 critic; this choice is this project's). SFPO's entropy switch is left out here: a Gaussian

@@ -234,6 +234,30 @@ class RewardConfig:
         _require(self.timeout_s is None or self.timeout_s > 0, f"reward_timeout_s must be > 0, got {self.timeout_s}")
 
 
+@dataclass(frozen=True)
+class CriticConfig:
+    """A learned value function (critic) trained beside the actor (verl's ``critic``; DPPO's critic settings).
+
+    Attributes:
+        lr: the critic's AdamW learning rate (its weight decay is optim.weight_decay).
+        vf_coef: coefficient of the value loss (0.5 x MSE to the GAE returns) in the total loss.
+        warmup_iterations: first iterations that train only the critic (the actor is not stepped).
+        hidden_dims: hidden widths of the critic MLP; None = [256, 256, 256].
+    """
+
+    lr: float = 1e-3
+    vf_coef: float = 0.5
+    warmup_iterations: int = 2
+    hidden_dims: list[int] | None = None
+
+    def __post_init__(self) -> None:
+        _require(self.lr > 0, f"lr must be > 0, got {self.lr}")
+        _require(self.vf_coef >= 0, f"vf_coef must be >= 0, got {self.vf_coef}")
+        _require(self.warmup_iterations >= 0, f"warmup_iterations must be >= 0, got {self.warmup_iterations}")
+        _require(self.hidden_dims is None or (len(self.hidden_dims) >= 1 and min(self.hidden_dims) >= 1),
+                 f"hidden_dims must be a non-empty list of widths >= 1 or None, got {self.hidden_dims}")
+
+
 def as_config(value: T | Mapping[str, Any] | None, default: T) -> T:
     """``value`` as an instance of ``default``'s class: ``default`` for None, ``default`` with the given
     fields replaced for a dict (a checkpoint's saved hyperparameters, or a short form in Python)."""

@@ -48,7 +48,7 @@ class UpdateSchedule:
     Attributes:
         size: items in the batch (completions, (env step, denoising step) pairs, ...).
         minibatch_size: items per optimizer step (clamped to ``size``).
-        epochs: passes over the batch (PPO's mu / update_epochs).
+        epochs: passes over the batch (PPO's mu, ``OptimConfig.mu``; DPPO's old ``update_epochs``).
         shuffle: draw a fresh permutation per epoch from the generator; False walks the items in order
             and draws nothing (an on-policy single step).
         drop_last: skip a last partial minibatch (DPPO's official code does); otherwise it is kept.

@@ -70,9 +70,10 @@ def test_dppo_run_survives_a_killed_worker_and_logs_the_restart(tmp_path):
     policy = DiffusionPolicy(11, 3, 2, denoising_steps=3, hidden_dims=[8, 8, 8])  # Hopper: obs 11, action 3
     checkpoint = save_policy_safetensors(policy, {"kind": "bc", "task": "hopper", "act_steps": 2},
                                          tmp_path / "policy.safetensors")
-    module = DPPOModule(str(checkpoint), num_iterations=2, num_envs=2, n_steps=3, ft_steps=2, batch_size=12,
-                        update_epochs=1, eval_every=0, critic_hidden_dims=[8], max_episode_steps=20,
-                        max_env_worker_restarts=1)
+    module = DPPOModule(str(checkpoint), num_iterations=2,
+                        env={"num_envs": 2, "n_steps": 3, "max_episode_steps": 20, "max_worker_restarts": 1},
+                        chain={"ft_steps": 2}, optim={"minibatch_size": 12, "mu": 1}, evaluation={"every": 0},
+                        critic={"hidden_dims": [8]})
 
     class KillWorkerAfterFirstIteration(pl.Callback):
         def on_train_batch_end(self, trainer, pl_module, *args) -> None:

@@ -69,9 +69,10 @@ def test_dppo_step_logs_the_shared_keys(tmp_path):
     checkpoint = load_script(TESTS / "robotics" / "golden" / "make_golden.py").build_checkpoint(tmp_path)
     reach_envs = load_script(TESTS / "robotics" / "test_dppo.py").reach_envs
     torch.manual_seed(0)
-    module = DPPOModule(str(checkpoint), num_iterations=1, num_envs=2, n_steps=3, ft_steps=2, batch_size=4,
-                        update_epochs=1, n_critic_warmup_itr=0, eval_every=0, critic_hidden_dims=[16, 16],
-                        env_factory=reach_envs, asynchronous=False, target_kl=None, reward_scale_const=2.0)
+    module = DPPOModule(str(checkpoint), num_iterations=1, env={"num_envs": 2, "n_steps": 3, "asynchronous": False},
+                        chain={"ft_steps": 2}, optim={"minibatch_size": 4, "mu": 1}, evaluation={"every": 0},
+                        critic={"warmup_iterations": 0, "hidden_dims": [16, 16]}, loss={"target_kl": None},
+                        returns={"reward_scale_const": 2.0}, env_factory=reach_envs)
     rollouts = []
     collect = module.collect_rollout
     module.collect_rollout = lambda: rollouts.append(collect()) or rollouts[-1]

@@ -209,11 +209,10 @@ def _dppo_module(tmp_path, poisoned_iterations: set[int], **kwargs):
             return rollout
 
     torch.manual_seed(0)
-    settings = dict(num_iterations=3, num_envs=2, n_steps=4, ft_steps=2, batch_size=16, update_epochs=1,
-                    n_critic_warmup_itr=0, eval_every=0, critic_hidden_dims=[16], env_factory=_hold_envs,
-                    asynchronous=False, target_kl=None, actor_lr=1e-2)
-    settings.update(kwargs)
-    return PoisonedDPPO(str(path), **settings)
+    settings = dict(num_iterations=3, env={"num_envs": 2, "n_steps": 4, "asynchronous": False}, chain={"ft_steps": 2},
+                    optim={"minibatch_size": 16, "mu": 1, "lr": 1e-2}, critic={"warmup_iterations": 0, "hidden_dims": [16]},
+                    evaluation={"every": 0}, loss={"target_kl": None}, env_factory=_hold_envs)
+    return PoisonedDPPO(str(path), **settings, **kwargs)
 
 
 def test_dppo_ppo_update_skips_a_nan_advantage_for_actor_and_critic(tmp_path):

@@ -174,13 +174,14 @@ class _SaveAfterIterations(pl.Callback):
             trainer.save_checkpoint(self.root / f"iteration={module.iteration}.ckpt")
 
 
-def _dppo_fit(bc_checkpoint: Path, root: Path, ckpt_path: Path | None = None, **kwargs: Any) -> DPPOModule:
+def _dppo_fit(bc_checkpoint: Path, root: Path, ckpt_path: Path | None = None, **env: Any) -> DPPOModule:
     """4 iterations: critic warm-up, then actor + critic; evaluation at iterations 0, 2 and 3."""
     torch.manual_seed(0)
-    module = DPPOModule(str(bc_checkpoint), num_iterations=4, num_envs=3, n_steps=6, ft_steps=3, batch_size=12,
-                        update_epochs=2, n_critic_warmup_itr=1, eval_every=2, eval_episodes=3, gamma=0.99,
-                        critic_hidden_dims=[16, 16], actor_lr=1e-3, target_kl=None, seed=5, env_factory=_pendulum_envs,
-                        **kwargs)
+    module = DPPOModule(str(bc_checkpoint), num_iterations=4, env={"num_envs": 3, "n_steps": 6, **env},
+                        chain={"ft_steps": 3}, optim={"minibatch_size": 12, "mu": 2, "lr": 1e-3},
+                        critic={"warmup_iterations": 1, "hidden_dims": [16, 16]},
+                        evaluation={"every": 2, "episodes": 3}, returns={"gamma": 0.99}, loss={"target_kl": None},
+                        seed=5, env_factory=_pendulum_envs)
     trainer = pl.Trainer(max_epochs=1, logger=False, enable_progress_bar=False, enable_model_summary=False,
                          enable_checkpointing=False, callbacks=[_SaveAfterIterations(root, {2, 4})],
                          default_root_dir=root)
@@ -229,13 +230,13 @@ def _dppo_cli_args(bc_checkpoint: Path, root: Path) -> list[str]:
     a checkpoint after each (one per iteration: every optimizer step count is a multiple of 1)."""
     return [
         "fit", "-c", str(REPO / "configs" / "robotics" / "dppo_lift.yaml"),
-        "--model.init_args.bc_checkpoint", str(bc_checkpoint), "--model.init_args.task", "hopper",
-        "--model.init_args.num_iterations", "12", "--model.init_args.num_envs", "2", "--model.init_args.n_steps", "3",
-        "--model.init_args.max_episode_steps", "8", "--model.init_args.ft_steps", "2",
-        "--model.init_args.batch_size", "6", "--model.init_args.update_epochs", "1",
-        "--model.init_args.n_critic_warmup_itr", "1", "--model.init_args.eval_every", "3",
-        "--model.init_args.eval_episodes", "2", "--model.init_args.critic_hidden_dims", "[8]",
-        "--model.init_args.asynchronous", "false",
+        "--model.init_args.bc_checkpoint", str(bc_checkpoint), "--model.init_args.env.task", "hopper",
+        "--model.init_args.num_iterations", "12", "--model.init_args.env.num_envs", "2", "--model.init_args.env.n_steps", "3",
+        "--model.init_args.env.max_episode_steps", "8", "--model.init_args.chain.ft_steps", "2",
+        "--model.init_args.optim.minibatch_size", "6", "--model.init_args.optim.mu", "1",
+        "--model.init_args.critic.warmup_iterations", "1", "--model.init_args.evaluation.every", "3",
+        "--model.init_args.evaluation.episodes", "2", "--model.init_args.critic.hidden_dims", "[8]",
+        "--model.init_args.env.asynchronous", "false",
         "--trainer.default_root_dir", str(root), "--trainer.logger", "false", "--trainer.enable_progress_bar", "false",
         "--trainer.callbacks.init_args.dirpath", str(root / "checkpoints"),
         "--trainer.callbacks.init_args.filename", "{step}", "--trainer.callbacks.init_args.every_n_train_steps", "1",
@@ -288,7 +289,7 @@ def test_dppo_fit_with_env_workers_killed_leaves_no_workers_and_resumes_bit_exac
                   export_safetensors=False, task="hopper")
     bc_checkpoint = tmp_path / "bc.ckpt"
     torch.save({"state_dict": bc.state_dict(), "robotics": bc.robotics_metadata()}, bc_checkpoint)
-    workers = ["--model.init_args.asynchronous", "true"]
+    workers = ["--model.init_args.env.asynchronous", "true"]
     killed = tmp_path / "killed" / "checkpoints"
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
     process = subprocess.Popen([sys.executable, "-m", "mmpo.cli", *_dppo_cli_args(bc_checkpoint, tmp_path / "killed"),

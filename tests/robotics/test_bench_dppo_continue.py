@@ -26,15 +26,38 @@ def _bench():
     return load_bench("bench_dppo_vs_gaussian")
 
 
+SETTINGS = dict(env={"num_envs": 3, "n_steps": 6}, chain={"ft_steps": 3}, optim={"minibatch_size": 12, "mu": 2, "lr": 1e-3},
+                critic={"warmup_iterations": 1, "hidden_dims": [16, 16]}, evaluation={"every": 2, "episodes": 3},
+                returns={"gamma": 0.99}, loss={"target_kl": None}, seed=5)
+# The same settings as DPPOModule's flat init arguments before the config groups saved them in a checkpoint.
+FLAT_SETTINGS = dict(num_envs=3, n_steps=6, ft_steps=3, batch_size=12, update_epochs=2, actor_lr=1e-3,
+                     n_critic_warmup_itr=1, critic_hidden_dims=[16, 16], eval_every=2, eval_episodes=3, gamma=0.99,
+                     gae_lambda=0.95, target_kl=None, seed=5, loss="ppo", loss_settings=None, max_grad_norm=None,
+                     critic_lr=1e-3, weight_decay=0.0, vf_coef=0.5, eval_sampler=None, eval_ddpm_std_floor=None,
+                     task=None, act_steps=None, max_episode_steps=None, normalizer_path=None, asynchronous=True,
+                     max_env_worker_restarts=3, env_groups=1, prefetch_reset=False, skip_final_autoreset=True,
+                     reset_at_iteration=True, reward_scale_running=True, reward_scale_const=1.0,
+                     reward_scale_gamma=0.99, clip_base=0.001, clip_final=0.01, clip_rate=3.0, gamma_denoise=0.99,
+                     min_sampling_std=0.1, noise_clip=3.0, min_logprob_std=0.1, logprob_min=-5.0, logprob_max=2.0,
+                     rollout_ddim_steps=None, max_consecutive_skips=10)
+
+
+def _with_flat_hyperparameters(source: Path, target: Path) -> Path:
+    """``source`` as a checkpoint saved before the config groups: its hyperparameters in the old flat names."""
+    checkpoint = torch.load(source, weights_only=True)
+    checkpoint["hyper_parameters"] = {"bc_checkpoint": checkpoint["hyper_parameters"]["bc_checkpoint"],
+                                      "num_iterations": checkpoint["hyper_parameters"]["num_iterations"],
+                                      **FLAT_SETTINGS}
+    atomic_torch_save(checkpoint, target)
+    return target
+
+
 def _fit(bc_checkpoint: Path, root: Path, num_iterations: int, ckpt_path: Path | None = None,
          **trainer_settings) -> DPPOModule:
     """test_resume_robotics' tiny Pendulum DPPO fit, ``num_iterations`` long; saves ``end.ckpt`` when done (as the
     bench's fit_rl does) and ``iteration=4.ckpt`` on the way."""
     torch.manual_seed(0)
-    module = DPPOModule(str(bc_checkpoint), num_iterations=num_iterations, num_envs=3, n_steps=6, ft_steps=3,
-                        batch_size=12, update_epochs=2, n_critic_warmup_itr=1, eval_every=2, eval_episodes=3,
-                        gamma=0.99, critic_hidden_dims=[16, 16], actor_lr=1e-3, target_kl=None, seed=5,
-                        env_factory=_pendulum_envs)
+    module = DPPOModule(str(bc_checkpoint), num_iterations=num_iterations, **SETTINGS, env_factory=_pendulum_envs)
     trainer = pl.Trainer(max_epochs=1, logger=False, enable_progress_bar=False, enable_model_summary=False,
                          enable_checkpointing=False, callbacks=[_SaveAfterIterations(root, {4})], default_root_dir=root,
                          **trainer_settings)
@@ -62,6 +85,30 @@ def test_a_finished_fit_continued_equals_the_longer_fit(pendulum_bc_checkpoint, 
     for key, value in full.last_metrics.items():
         if not key.startswith("perf/env_steps_per_s"):
             assert value == continued.last_metrics[key] or (value != value and continued.last_metrics[key] != continued.last_metrics[key]), key
+    # a checkpoint saved before the config groups (flat hyperparameters) continues to the same end state
+    old = _with_flat_hyperparameters(tmp_path / "short" / "end.ckpt", tmp_path / "old_flat.ckpt")
+    assert bench.continuation_checkpoint(old, tmp_path / "continue_old.ckpt") == 3
+    _fit(pendulum_bc_checkpoint, tmp_path / "continued_old", 4, tmp_path / "continue_old.ckpt")
+    assert assert_same_tensors(expected, training_state(tmp_path / "continued_old" / "iteration=4.ckpt")) > len(
+        expected["state_dict"]) + 10
+
+
+def test_a_checkpoint_with_flat_hyperparameters_loads_into_the_groups(pendulum_bc_checkpoint, tmp_path):
+    """``load_from_checkpoint`` of a checkpoint saved before the config groups: every old flat value lands in its
+    group's field, and the module is the one the grouped settings build."""
+    _fit(pendulum_bc_checkpoint, tmp_path / "run", 1)
+    old = _with_flat_hyperparameters(tmp_path / "run" / "end.ckpt", tmp_path / "old_flat.ckpt")
+    module = DPPOModule.load_from_checkpoint(old, env_factory=_pendulum_envs)
+    assert (module.env.num_envs, module.env.n_steps, module.env.max_worker_restarts) == (3, 6, 3)
+    assert (module.optim.lr, module.optim.mu, module.optim.minibatch_size, module.optim.max_grad_norm) == (1e-3, 2, 12, 0.0)
+    assert (module.critic_config.warmup_iterations, module.critic_config.hidden_dims) == (1, [16, 16])
+    assert (module.evaluation.every, module.evaluation.episodes, module.loss.target_kl) == (2, 3, None)
+    assert (module.chain.ft_steps, module.returns.gamma, module.returns.lam, module.hparams.seed) == (3, 0.99, 0.95, 5)
+    saved = torch.load(tmp_path / "run" / "end.ckpt", weights_only=True)
+    for group in DPPOModule.config_groups:  # every group equals the one the grouped settings saved
+        assert module.hparams[group] == saved["hyper_parameters"][group], group
+    for key, value in saved["state_dict"].items():
+        assert torch.equal(module.state_dict()[key], value), key
 
 
 def test_only_the_end_of_a_finished_fit_is_continued(pendulum_bc_checkpoint, tmp_path):

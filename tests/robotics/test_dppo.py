@@ -13,6 +13,7 @@ from gymnasium.vector import AutoresetMode, SyncVectorEnv
 from torch.utils.data import DataLoader, TensorDataset
 
 from mmpo.robotics.bc import BCModule
+from mmpo.robotics.config import merged_settings
 from mmpo.robotics.dppo import DPPOModule, Rollout
 from mmpo.robotics.envs import ActionChunkWrapper
 from mmpo.robotics.evaluate import evaluate_policy
@@ -45,12 +46,8 @@ def bc_checkpoint(tmp_path_factory) -> str:
 
 def make_module(bc_checkpoint: str, **kwargs) -> DPPOModule:
     torch.manual_seed(0)
-    settings = dict(num_iterations=21, num_envs=16, n_steps=6, ft_steps=5, gamma=0.99, batch_size=120,
-                    update_epochs=8, actor_lr=3e-3, clip_base=0.1, clip_final=0.2, n_critic_warmup_itr=1,
-                    eval_every=0, eval_episodes=32, critic_hidden_dims=[64, 64, 64], env_factory=reach_envs,
-                    target_kl=None)
-    settings.update(kwargs)
-    return DPPOModule(bc_checkpoint, **settings)
+    settings = dict(_make_module_settings(), env={"num_envs": 16, "n_steps": 6})
+    return DPPOModule(bc_checkpoint, **merged_settings(settings, kwargs))
 
 
 def _trainer(tmp_path, **kwargs) -> pl.Trainer:
@@ -73,7 +70,7 @@ def test_dppo_improves_return_on_a_tiny_reach_task(bc_checkpoint, tmp_path):
 
 
 def test_ratio_is_one_on_the_first_minibatch_after_a_rollout(bc_checkpoint):
-    module = make_module(bc_checkpoint, num_envs=4, n_steps=6)
+    module = make_module(bc_checkpoint, env={"num_envs": 4, "n_steps": 6})
     module.envs = module.make_envs()
     rollout = module.compute_advantages(module.collect_rollout())
     assert rollout.chains.shape == (6, 4, 6, 2, 1) and rollout.old_log_probs.shape == (6, 4, 5)
@@ -99,8 +96,8 @@ def test_rollout_ddim_steps_fine_tunes_a_shorter_chain_with_the_same_network(bc_
     stored chain and old log-probs are re-scored exactly (ratio 1 before the first step), and a checkpoint
     rebuilds the same 3-step chain."""
     bc, _ = load_policy(bc_checkpoint)
-    module = make_module(bc_checkpoint, num_envs=4, n_steps=6, num_iterations=2, ft_steps=2, rollout_ddim_steps=3,
-                         update_epochs=1)
+    module = make_module(bc_checkpoint, env={"num_envs": 4, "n_steps": 6}, num_iterations=2,
+                         chain={"ft_steps": 2, "rollout_ddim_steps": 3}, optim={"mu": 1})
     policy = module.policy
     assert (policy.schedule.num_chain_steps, policy.ft_steps, policy.policy_config["sampler"]) == (3, 2, "ddim")
     assert policy.schedule.timesteps.tolist() != list(range(4, -1, -1))  # strided, not the 5 DDPM steps
@@ -113,13 +110,13 @@ def test_rollout_ddim_steps_fine_tunes_a_shorter_chain_with_the_same_network(bc_
     reloaded, metadata = load_policy(path)
     assert (reloaded.schedule.num_chain_steps, metadata["ft_steps"]) == (3, 2)
     with pytest.raises(ValueError, match=r"ft_steps \(K'\) must be in \[1, 3\]"):
-        make_module(bc_checkpoint, ft_steps=4, rollout_ddim_steps=3)
+        make_module(bc_checkpoint, chain={"ft_steps": 4, "rollout_ddim_steps": 3})
     with pytest.raises(ValueError, match="already runs a 3-step DDIM chain"):
-        make_module(str(path), rollout_ddim_steps=2)
+        make_module(str(path), chain={"rollout_ddim_steps": 2})
 
 
 def test_rollout_boundaries_use_final_obs_and_gae_bootstraps_truncations(bc_checkpoint):
-    module = make_module(bc_checkpoint, num_envs=2, n_steps=8, reward_scale_running=False)
+    module = make_module(bc_checkpoint, env={"num_envs": 2, "n_steps": 8}, returns={"reward_scale_running": False})
     module.envs = module.make_envs()
     rollout = module.collect_rollout()
     # 12 env steps / 2 per chunk = 6 chunk steps: truncation at chunk step 5, then a new episode
@@ -150,8 +147,8 @@ def test_rollout_boundaries_use_final_obs_and_gae_bootstraps_truncations(bc_chec
 
 
 def test_critic_warmup_leaves_the_actor_untouched_and_kprime_one_is_finite(bc_checkpoint, tmp_path):
-    module = make_module(bc_checkpoint, num_iterations=1, num_envs=2, n_steps=6, ft_steps=1, batch_size=6,
-                         update_epochs=1, n_critic_warmup_itr=1)
+    module = make_module(bc_checkpoint, num_iterations=1, env={"num_envs": 2, "n_steps": 6}, chain={"ft_steps": 1},
+                         optim={"minibatch_size": 6, "mu": 1}, critic={"warmup_iterations": 1})
     assert module.clip_ranges.tolist() == pytest.approx([0.2])  # K' = 1 -> the final clip range, not NaN
     actor_before = [p.detach().clone() for p in module.policy.ft_network.parameters()]
     critic_before = [p.detach().clone() for p in module.critic.parameters()]
@@ -162,8 +159,8 @@ def test_critic_warmup_leaves_the_actor_untouched_and_kprime_one_is_finite(bc_ch
 
 
 def test_checkpoint_rebuilds_base_and_finetuned_networks(bc_checkpoint, tmp_path):
-    module = make_module(bc_checkpoint, num_iterations=2, num_envs=2, n_steps=6, batch_size=30, update_epochs=2,
-                         n_critic_warmup_itr=0)
+    module = make_module(bc_checkpoint, num_iterations=2, env={"num_envs": 2, "n_steps": 6},
+                         optim={"minibatch_size": 30, "mu": 2}, critic={"warmup_iterations": 0})
     trainer = _trainer(tmp_path, enable_checkpointing=False)
     trainer.fit(module)
     path = tmp_path / "dppo.ckpt"
@@ -182,12 +179,12 @@ def test_checkpoint_rebuilds_base_and_finetuned_networks(bc_checkpoint, tmp_path
 
 def test_bad_settings_are_named(bc_checkpoint):
     with pytest.raises(ValueError, match="ft_steps"):
-        make_module(bc_checkpoint, ft_steps=6)
-    with pytest.raises(ValueError, match="batch_size"):
-        make_module(bc_checkpoint, batch_size=0)
+        make_module(bc_checkpoint, chain={"ft_steps": 6})
+    with pytest.raises(ValueError, match="^minibatch_size must be >= 1 or None, got 0$"):
+        make_module(bc_checkpoint, optim={"minibatch_size": 0})
     with pytest.raises(ValueError, match="act_steps"):
-        make_module(bc_checkpoint, act_steps=3)
-    module = make_module(bc_checkpoint, num_envs=2, env_factory=lambda **kw: gym.vector.SyncVectorEnv(
+        make_module(bc_checkpoint, env={"act_steps": 3})
+    module = make_module(bc_checkpoint, env={"num_envs": 2}, env_factory=lambda **kw: gym.vector.SyncVectorEnv(
         [lambda: ActionChunkWrapper(Reach1D(), 2)] * 2, autoreset_mode=AutoresetMode.NEXT_STEP))
     with pytest.raises(ValueError, match="SAME_STEP"):
         module.make_envs()
@@ -198,16 +195,16 @@ def test_reward_scale_gamma_is_a_setting(bc_checkpoint):
     rewards, starts = np.ones((2, 1)), np.array([[True], [False]])
     scaled = {}
     for gamma in (0.5, 0.99):
-        module = make_module(bc_checkpoint, num_envs=1, reward_scale_gamma=gamma)
+        module = make_module(bc_checkpoint, env={"num_envs": 1}, returns={"reward_scale_gamma": gamma})
         scaled[gamma] = module.reward_scaler(rewards, starts)[:, 0]
     # returns [1, 1.5]: variance 0.0625 (the prior's count 1e-4 barely moves it) -> r / 0.25 = 4
     assert scaled[0.5] == pytest.approx([4.0, 4.0], rel=1e-3)
     # DPPO's 0.99 (the default): returns [1, 1.99], variance 0.245025 -> r / 0.495
     assert scaled[0.99] == pytest.approx([1 / 0.495, 1 / 0.495], rel=1e-3)
     with pytest.raises(ValueError, match="reward_scale_gamma"):
-        make_module(bc_checkpoint, reward_scale_gamma=1.5)
+        make_module(bc_checkpoint, returns={"reward_scale_gamma": 1.5})
     with pytest.raises(ValueError, match="eval_ddpm_std_floor"):
-        make_module(bc_checkpoint, eval_ddpm_std_floor=-1.0)
+        make_module(bc_checkpoint, evaluation={"ddpm_std_floor": -1.0})
 
 
 def test_ddpm_evaluation_std_floor(bc_checkpoint, monkeypatch):
@@ -240,13 +237,13 @@ def test_ddpm_evaluation_std_floor(bc_checkpoint, monkeypatch):
 
 # ---------------------------------------------------------------------- SFPO around DPPO's update (mmpo/robotics/sfpo.py)
 
-SFPO_SMALL = dict(num_envs=4, n_steps=4, batch_size=40, update_epochs=2)
+SFPO_SMALL = dict(env={"num_envs": 4, "n_steps": 4}, optim={"minibatch_size": 40, "mu": 2})
 
 
 def _sfpo_module(bc_checkpoint: str, cls=SFPODPPOModule, **kwargs) -> DPPOModule:
     """A small DPPO / SFPO module whose ppo_update runs outside a Trainer (its own optimizers)."""
     module = make_module(bc_checkpoint, **SFPO_SMALL, **kwargs) if cls is DPPOModule else cls(
-        bc_checkpoint, **{**_make_module_settings(), **SFPO_SMALL, **kwargs})
+        bc_checkpoint, **merged_settings(_make_module_settings(), SFPO_SMALL, kwargs))
     optimizers = module.configure_optimizers()
     module.optimizers = lambda: optimizers
     module.manual_backward = lambda loss: loss.backward()
@@ -254,9 +251,10 @@ def _sfpo_module(bc_checkpoint: str, cls=SFPODPPOModule, **kwargs) -> DPPOModule
 
 
 def _make_module_settings() -> dict:
-    return dict(num_iterations=21, ft_steps=5, gamma=0.99, actor_lr=3e-3, clip_base=0.1, clip_final=0.2,
-                n_critic_warmup_itr=1, eval_every=0, eval_episodes=32, critic_hidden_dims=[64, 64, 64],
-                env_factory=reach_envs, target_kl=None)
+    return dict(num_iterations=21, chain={"ft_steps": 5, "clip_base": 0.1, "clip_final": 0.2},
+                returns={"gamma": 0.99}, optim={"lr": 3e-3, "minibatch_size": 120, "mu": 8},
+                critic={"warmup_iterations": 1, "hidden_dims": [64, 64, 64]},
+                evaluation={"every": 0, "episodes": 32}, loss={"target_kl": None}, env_factory=reach_envs)
 
 
 def _sfpo_rollout(module: DPPOModule) -> Rollout:

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 import torch
 
+from mmpo.robotics.config import EvalConfig, merged_settings
 from mmpo.robotics.dppo import DPPOModule, Rollout
 from mmpo.robotics.envs.groups import EnvGroups, concat_infos, group_sizes
 from mmpo.robotics.envs.workers import EnvWorkerError
@@ -32,15 +33,15 @@ def bc_checkpoint(tmp_path_factory) -> str:
 
 def make_module(bc_checkpoint: str, **kwargs) -> DPPOModule:
     torch.manual_seed(0)
-    settings = dict(num_iterations=2, num_envs=4, n_steps=6, ft_steps=4, gamma=0.99, batch_size=40, update_epochs=1,
-                    eval_every=0, critic_hidden_dims=[16], env_factory=reach_envs, target_kl=None)
-    settings.update(kwargs)
-    return DPPOModule(bc_checkpoint, **settings)
+    settings = dict(num_iterations=2, env={"num_envs": 4, "n_steps": 6}, chain={"ft_steps": 4}, returns={"gamma": 0.99},
+                    optim={"minibatch_size": 40, "mu": 1}, evaluation={"every": 0}, critic={"hidden_dims": [16]},
+                    env_factory=reach_envs, loss={"target_kl": None})
+    return DPPOModule(bc_checkpoint, **merged_settings(settings, kwargs))
 FIELDS = ("obs", "chains", "old_log_probs", "rewards", "terminated", "truncated", "episode_start", "reached_obs")
 
 
 def _rollout(bc_checkpoint: str, env_groups: int, split_act: list[slice] | None = None, **kwargs) -> tuple[DPPOModule, Rollout]:
-    module = make_module(bc_checkpoint, num_envs=5, n_steps=14, env_groups=env_groups, **kwargs)
+    module = make_module(bc_checkpoint, env={"num_envs": 5, "n_steps": 14, "env_groups": env_groups}, **kwargs)
     if split_act is not None:
         # env_groups=1 with the batched call split into the groups' row blocks (the same noise rows): the
         # network then sees exactly the batches a pipelined rollout gives it
@@ -135,7 +136,7 @@ def test_pipelined_rollout_matches_one_batched_call_and_rescores_to_ratio_one(bc
 
 def test_env_groups_setting_is_checked(bc_checkpoint):
     with pytest.raises(ValueError, match=r"env_groups must be in \[1, num_envs=2\], got 3"):
-        make_module(bc_checkpoint, num_envs=2, env_groups=3)
+        make_module(bc_checkpoint, env={"num_envs": 2, "env_groups": 3})
 
 
 def test_pipelined_collection_on_subprocess_workers_with_a_killed_worker(tmp_path):
@@ -145,10 +146,11 @@ def test_pipelined_collection_on_subprocess_workers_with_a_killed_worker(tmp_pat
     policy = DiffusionPolicy(11, 3, 2, denoising_steps=3, hidden_dims=[8, 8, 8])  # Hopper: obs 11, action 3
     checkpoint = save_policy_safetensors(policy, {"kind": "bc", "task": "hopper", "act_steps": 2},
                                          tmp_path / "policy.safetensors")
-    settings = dict(num_iterations=2, num_envs=2, n_steps=5, ft_steps=2, batch_size=12, update_epochs=1,
-                    eval_every=0, critic_hidden_dims=[8], max_episode_steps=6, max_env_worker_restarts=1)
-    grouped = DPPOModule(str(checkpoint), env_groups=2, **settings)
-    plain = DPPOModule(str(checkpoint), **settings)
+    settings = dict(num_iterations=2, chain={"ft_steps": 2}, optim={"minibatch_size": 12, "mu": 1},
+                    evaluation={"every": 0}, critic={"hidden_dims": [8]})
+    env = {"num_envs": 2, "n_steps": 5, "max_episode_steps": 6, "max_worker_restarts": 1}
+    grouped = DPPOModule(str(checkpoint), env={**env, "env_groups": 2}, **settings)
+    plain = DPPOModule(str(checkpoint), env=env, **settings)
     plain.act = lambda obs: tuple(torch.cat(part) for part in zip(*[
         DPPOModule.act(plain, obs[rows], noise=[draw[rows] for draw in noise])
         for noise in [plain.draw_step_noise(len(obs))] for rows in (slice(0, 1), slice(1, 2))]))
@@ -181,16 +183,18 @@ def _hopper_checkpoint(tmp_path) -> str:
                                        tmp_path / "policy.safetensors"))
 
 
-def _hopper_fit(checkpoint: str, root, eval_at_0_and_2: bool, instrument=None, **settings) -> DPPOModule:
+def _hopper_fit(checkpoint: str, root, eval_at_0_and_2: bool, instrument=None, *, minibatch_size: int,
+                **env) -> DPPOModule:
     """A 3-iteration DPPO fit on 2 Hopper subprocess workers (6-step episodes); ``instrument(module)`` runs
     before the fit."""
     import lightning.pytorch as pl
 
     torch.manual_seed(0)
-    module = DPPOModule(checkpoint, num_iterations=3, num_envs=2, ft_steps=2, update_epochs=1, eval_every=0,
-                        critic_hidden_dims=[8], max_episode_steps=6, n_critic_warmup_itr=0, target_kl=None, **settings)
+    module = DPPOModule(checkpoint, num_iterations=3, env={"num_envs": 2, "max_episode_steps": 6, **env},
+                        chain={"ft_steps": 2}, optim={"minibatch_size": minibatch_size, "mu": 1}, evaluation={"every": 0},
+                        critic={"hidden_dims": [8], "warmup_iterations": 0}, loss={"target_kl": None})
     if eval_at_0_and_2:
-        module.hparams.eval_every, module.hparams.eval_episodes = 1000, 2
+        module.evaluation = EvalConfig(every=1000, episodes=2)
     if instrument is not None:
         instrument(module)
     trainer = pl.Trainer(max_epochs=1, logger=False, enable_progress_bar=False, enable_model_summary=False,
@@ -222,7 +226,7 @@ def test_prefetched_reset_changes_nothing(tmp_path, env_groups):
             start_reset = module.start_reset
             module.start_reset = lambda iteration: started.append(start_reset(iteration)) or started[-1]
 
-        module = _hopper_fit(checkpoint, tmp_path / str(prefetch), True, instrument, n_steps=4, batch_size=8,
+        module = _hopper_fit(checkpoint, tmp_path / str(prefetch), True, instrument, n_steps=4, minibatch_size=8,
                              env_groups=env_groups, prefetch_reset=prefetch)
         fits[prefetch] = (module, started)
     (plain, plain_started), (prefetched, prefetched_started) = fits[False], fits[True]
@@ -237,7 +241,8 @@ def test_skipping_the_final_autoreset_leaves_the_rollouts_unchanged(bc_checkpoin
     every recorded tensor of two consecutive rollouts is the same as with gymnasium's plain autoreset."""
     rollouts, skipped = {}, {}
     for skip in (False, True):
-        module = make_module(bc_checkpoint, num_envs=4, n_steps=12, env_groups=env_groups, skip_final_autoreset=skip)
+        module = make_module(bc_checkpoint, env={"num_envs": 4, "n_steps": 12, "env_groups": env_groups,
+                                                 "skip_final_autoreset": skip})
         module.envs = module.make_envs()
         first = module.collect_rollout()
         module.iteration += 1
@@ -252,7 +257,7 @@ def test_skipping_the_final_autoreset_leaves_the_rollouts_unchanged(bc_checkpoin
 
 
 def test_skip_final_autoreset_is_off_without_a_reset_at_each_iteration(bc_checkpoint):
-    module = make_module(bc_checkpoint, num_envs=2, n_steps=6, reset_at_iteration=False)
+    module = make_module(bc_checkpoint, env={"num_envs": 2, "n_steps": 6, "reset_at_iteration": False})
     module.envs = module.make_envs()
     module.collect_rollout()
     module.collect_rollout()  # the episodes go on across rollouts: the autoreset after step 6 must have run
@@ -279,7 +284,7 @@ def test_skipped_final_autoreset_on_subprocess_workers_with_prefetch_changes_not
 
             module.collect_rollout = collect_and_count
 
-        module = _hopper_fit(checkpoint, tmp_path / str(skip), False, instrument, n_steps=3, batch_size=6,
+        module = _hopper_fit(checkpoint, tmp_path / str(skip), False, instrument, n_steps=3, minibatch_size=6,
                              env_groups=2, prefetch_reset=True, skip_final_autoreset=skip)
         fits[skip] = (module, skipped)
     (plain, plain_skipped), (skipping, skipping_skipped) = fits[False], fits[True]

@@ -82,12 +82,13 @@ def test_mean_reduction_ppo_ratio_is_the_summed_log_ratio_over_the_entries(gauss
     """GaussianPPOModule(log_prob_reduction="mean"): rollout and update log-probs, ratio and approx_kl all use
     the per-entry mean (act_steps 2 x Da 1 = 2 entries here; the by-hand 2 x 2 = 4 case is the test above)."""
     torch.manual_seed(0)
-    common = dict(num_envs=2, n_steps=2, batch_size=4, critic_hidden_dims=[8], env_factory=reach_envs)
-    module = GaussianPPOModule(gaussian_bc_checkpoint, 1, log_prob_reduction="mean", **common)
-    assert module.hparams.log_prob_reduction == "mean"
-    assert GaussianPPOModule(gaussian_bc_checkpoint, 1, **common).hparams.log_prob_reduction == "sum"
+    common = dict(env={"num_envs": 2, "n_steps": 2}, optim={"minibatch_size": 4}, critic={"hidden_dims": [8]},
+                  env_factory=reach_envs)
+    module = GaussianPPOModule(gaussian_bc_checkpoint, 1, gaussian={"log_prob_reduction": "mean"}, **common)
+    assert module.gaussian.log_prob_reduction == "mean" and module.hparams.gaussian["log_prob_reduction"] == "mean"
+    assert GaussianPPOModule(gaussian_bc_checkpoint, 1, **common).gaussian.log_prob_reduction == "sum"
     with pytest.raises(ValueError, match="log_prob_reduction must be one of"):
-        GaussianPPOModule(gaussian_bc_checkpoint, 1, log_prob_reduction="Mean", **common)
+        GaussianPPOModule(gaussian_bc_checkpoint, 1, gaussian={"log_prob_reduction": "Mean"}, **common)
     entries = module.act_steps * module.policy.action_dim
     obs = torch.rand(5, 2)
     with torch.no_grad():
@@ -143,10 +144,12 @@ def gaussian_bc_checkpoint(tmp_path_factory) -> str:
 def test_two_ppo_iterations(gaussian_bc_checkpoint, tmp_path, env_groups):
     """Also with pipelined collection (env_groups=2: each group's act draws its own noise)."""
     torch.manual_seed(0)
-    module = GaussianPPOModule(gaussian_bc_checkpoint, num_iterations=2, num_envs=4, n_steps=6, batch_size=8,
-                               update_epochs=2, n_critic_warmup_itr=1, eval_every=1, eval_episodes=4, gamma=0.99,
-                               critic_hidden_dims=[16], clip_coef=0.2, ent_coef=0.01, target_kl=None,
-                               env_factory=reach_envs, env_groups=env_groups)
+    module = GaussianPPOModule(gaussian_bc_checkpoint, num_iterations=2,
+                               env={"num_envs": 4, "n_steps": 6, "env_groups": env_groups},
+                               optim={"minibatch_size": 8, "mu": 2}, critic={"warmup_iterations": 1, "hidden_dims": [16]},
+                               evaluation={"every": 1, "episodes": 4}, returns={"gamma": 0.99},
+                               gaussian={"clip_coef": 0.2, "ent_coef": 0.01}, loss={"target_kl": None},
+                               env_factory=reach_envs)
     before = {k: v.clone() for k, v in module.policy.state_dict().items()}
     trainer = pl.Trainer(max_epochs=1, logger=False, enable_progress_bar=False, enable_model_summary=False,
                          enable_checkpointing=False, default_root_dir=tmp_path)
@@ -173,10 +176,12 @@ def test_two_ppo_iterations(gaussian_bc_checkpoint, tmp_path, env_groups):
 
 
 def test_chain_settings_and_diffusion_checkpoints_are_rejected(gaussian_bc_checkpoint, tmp_path):
-    with pytest.raises(ValueError, match="denoising-chain settings"):
-        GaussianPPOModule(gaussian_bc_checkpoint, ft_steps=5, env_factory=reach_envs)
-    with pytest.raises(ValueError, match="clip_coef must be > 0"):
-        GaussianPPOModule(gaussian_bc_checkpoint, clip_coef=0.0, env_factory=reach_envs)
+    with pytest.raises(ValueError, match=r"\['evaluation.sampler'\] are denoising-chain settings of DPPO"):
+        GaussianPPOModule(gaussian_bc_checkpoint, evaluation={"sampler": "ddim"}, env_factory=reach_envs)
+    with pytest.raises(TypeError, match="chain"):
+        GaussianPPOModule(gaussian_bc_checkpoint, chain={"ft_steps": 5}, env_factory=reach_envs)
+    with pytest.raises(ValueError, match="^clip_coef must be > 0, got 0.0$"):
+        GaussianPPOModule(gaussian_bc_checkpoint, gaussian={"clip_coef": 0.0}, env_factory=reach_envs)
     bogus = tmp_path / "diffusion.ckpt"
     torch.save({"state_dict": {}, "robotics": {"kind": "bc"}}, bogus)
     with pytest.raises(ValueError, match="not a Gaussian policy checkpoint"):
@@ -205,12 +210,13 @@ def test_mmpo_fit_configs_run_and_ppo_resumes_bit_exactly(tmp_path):
     bc = GaussianBCModule(obs_dim=11, action_dim=3, horizon=2, act_steps=2, hidden_dims=[8], task="hopper")
     bc_checkpoint = tmp_path / "gbc_hopper.ckpt"
     torch.save({"state_dict": bc.state_dict(), "robotics": bc.robotics_metadata()}, bc_checkpoint)
-    ppo = ["--model.init_args.bc_checkpoint", str(bc_checkpoint), "--model.init_args.task", "hopper",
-           "--model.init_args.num_iterations", "3", "--model.init_args.num_envs", "2", "--model.init_args.n_steps", "3",
-           "--model.init_args.max_episode_steps", "8", "--model.init_args.batch_size", "3",
-           "--model.init_args.update_epochs", "1", "--model.init_args.n_critic_warmup_itr", "1",
-           "--model.init_args.eval_every", "2", "--model.init_args.eval_episodes", "2",
-           "--model.init_args.critic_hidden_dims", "[8]", "--model.init_args.asynchronous", "false",
+    ppo = ["--model.init_args.bc_checkpoint", str(bc_checkpoint), "--model.init_args.env.task", "hopper",
+           "--model.init_args.num_iterations", "3", "--model.init_args.env.num_envs", "2",
+           "--model.init_args.env.n_steps", "3", "--model.init_args.env.max_episode_steps", "8",
+           "--model.init_args.optim.minibatch_size", "3", "--model.init_args.optim.mu", "1",
+           "--model.init_args.critic.warmup_iterations", "1",
+           "--model.init_args.evaluation.every", "2", "--model.init_args.evaluation.episodes", "2",
+           "--model.init_args.critic.hidden_dims", "[8]", "--model.init_args.env.asynchronous", "false",
            "--trainer.callbacks.init_args.filename", "{step}", "--trainer.callbacks.init_args.every_n_train_steps", "1"]
     main(_cli_args("gaussian_ppo_lift.yaml", tmp_path / "full", *ppo))
     # global_step counts optimizer steps: iteration 0 (critic warm-up) 2 minibatches (6 env steps / 3) x the
@@ -248,9 +254,10 @@ def test_target_kl_stops_the_update_and_the_metrics_say_so(gaussian_bc_checkpoin
     # the first minibatch re-scores the rollout with the same weights (approx_kl ~0 < 1e-6); one step at lr 1e-2
     # moves the policy past 1e-6, so the second minibatch stops the update: 2 of 2 x 3 minibatches ran
     torch.manual_seed(0)
-    module = GaussianPPOModule(gaussian_bc_checkpoint, num_iterations=1, num_envs=4, n_steps=6, batch_size=8,
-                               update_epochs=2, n_critic_warmup_itr=0, gamma=0.99, critic_hidden_dims=[16],
-                               clip_coef=0.2, actor_lr=1e-2, target_kl=1e-6, env_factory=reach_envs)
+    module = GaussianPPOModule(gaussian_bc_checkpoint, num_iterations=1, env={"num_envs": 4, "n_steps": 6},
+                               optim={"minibatch_size": 8, "mu": 2, "lr": 1e-2},
+                               critic={"warmup_iterations": 0, "hidden_dims": [16]}, returns={"gamma": 0.99},
+                               gaussian={"clip_coef": 0.2}, loss={"target_kl": 1e-6}, env_factory=reach_envs)
     trainer = pl.Trainer(max_epochs=1, logger=False, enable_progress_bar=False, enable_model_summary=False,
                          enable_checkpointing=False, default_root_dir=tmp_path)
     trainer.fit(module)
@@ -273,10 +280,9 @@ def _bench():
 
 
 def _update(module: GaussianPPOModule) -> tuple:
-    hp = module.hparams
     actor, _ = module.configure_optimizers()
-    return (hp.actor_lr, actor.param_groups[0]["lr"], hp.target_kl, hp.update_epochs, hp.clip_base, hp.clip_final,
-            hp.batch_size, hp.num_iterations)
+    return (module.optim.lr, actor.param_groups[0]["lr"], module.loss.target_kl, module.optim.mu,
+            module.chain.clip_base, module.chain.clip_final, module.optim.minibatch_size, module.hparams.num_iterations)
 
 
 def test_bench_gaussian_defaults_build_run_e_module(gaussian_bc_checkpoint):
@@ -285,16 +291,19 @@ def test_bench_gaussian_defaults_build_run_e_module(gaussian_bc_checkpoint):
     module = bench.gaussian_module(gaussian_bc_checkpoint, args, 0)
     # Run E's construction (the bench's call before the --gaussian-* update options), written out
     before = GaussianPPOModule(
-        gaussian_bc_checkpoint, bench.rl_iterations(args), clip_coef=args.gaussian_clip, num_envs=args.num_envs,
-        n_steps=args.n_steps, max_episode_steps=args.max_episode_steps, batch_size=args.gaussian_batch_size,
-        update_epochs=args.update_epochs, actor_lr=args.actor_lr, n_critic_warmup_itr=args.critic_warmup,
-        seed=0, asynchronous=not args.sync_envs)
+        gaussian_bc_checkpoint, bench.rl_iterations(args), gaussian={"clip_coef": args.gaussian_clip},
+        env={"num_envs": args.num_envs, "n_steps": args.n_steps, "max_episode_steps": args.max_episode_steps,
+             "asynchronous": not args.sync_envs},
+        optim={"minibatch_size": args.gaussian_batch_size, "mu": args.update_epochs, "lr": args.actor_lr},
+        critic={"warmup_iterations": args.critic_warmup}, seed=0)
     assert dict(module.hparams) == dict(before.hparams)
+    assert sorted(module.hparams) == ["bc_checkpoint", "critic", "env", "evaluation", "gaussian", "loss",
+                                      "max_consecutive_skips", "num_iterations", "optim", "returns", "seed"]
     # lr 1e-4, target_kl 1.0, 10 epochs, clip 0.01, 600 / K' 10 = 60 env steps, ceil(100000 / (4 x 38 x 4)) = 165
     assert _update(module) == (1e-4, 1e-4, 1.0, 10, 0.01, 0.01, 60, 165)
     expected = {"actor_lr": 1e-4, "target_kl": 1.0, "update_epochs": 10, "batch_size": 60, "clip_base": 0.01,
                 "clip_final": 0.01, "log_prob_reduction": "sum"}
-    assert module.hparams.log_prob_reduction == "sum"
+    assert module.gaussian.log_prob_reduction == "sum"
     assert bench.rl_settings("gaussian", vars(args)) == expected
     # a record written before the options existed (Run E's) reports the same settings
     old = {k: v for k, v in vars(args).items()
@@ -309,7 +318,7 @@ def test_bench_gaussian_options_reach_the_module_and_leave_dppo_alone(gaussian_b
                                      "--gaussian-update-epochs", "5", "--gaussian-clip", "0.02"])
     module = bench.gaussian_module(gaussian_bc_checkpoint, args, 3)
     assert _update(module) == (1e-5, 1e-5, 0.02, 5, 0.02, 0.02, 60, 165)
-    assert module.hparams.seed == 3 and module.hparams.critic_lr == 1e-3  # the critic keeps its lr
+    assert module.hparams.seed == 3 and module.critic_config.lr == 1e-3  # the critic keeps its lr
     assert bench.rl_settings("gaussian", vars(args)) == {"actor_lr": 1e-5, "target_kl": 0.02, "update_epochs": 5,
                                                          "batch_size": 60, "clip_base": 0.02, "clip_final": 0.02,
                                                          "log_prob_reduction": "sum"}
@@ -322,7 +331,7 @@ def test_bench_gaussian_log_prob_reduction_reaches_the_module(gaussian_bc_checkp
     bench = _bench()
     args = bench.parse_args(RUN_E + ["--gaussian-log-prob-reduction", "mean"])
     module = bench.gaussian_module(gaussian_bc_checkpoint, args, 0)
-    assert module.hparams.log_prob_reduction == "mean"
+    assert module.gaussian.log_prob_reduction == "mean"
     assert _update(module) == (1e-4, 1e-4, 1.0, 10, 0.01, 0.01, 60, 165)  # nothing else moves
     assert bench.rl_settings("gaussian", vars(args))["log_prob_reduction"] == "mean"
     assert "log_prob_reduction" not in bench.rl_settings("dppo", vars(args))

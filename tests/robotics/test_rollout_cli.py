@@ -47,11 +47,11 @@ def bc_checkpoint(lift_demos, tmp_path_factory) -> Path:
 def dppo_checkpoint(bc_checkpoint, tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("dppo")
     main(["fit", "-c", str(CONFIGS / "dppo_lift.yaml"), "--model.init_args.bc_checkpoint", str(bc_checkpoint),
-          "--model.init_args.num_iterations", "2", "--model.init_args.num_envs", "2",
-          "--model.init_args.n_steps", "3", "--model.init_args.max_episode_steps", "12",
-          "--model.init_args.batch_size", "30", "--model.init_args.update_epochs", "1",
-          "--model.init_args.n_critic_warmup_itr", "1", "--model.init_args.eval_every", "1",
-          "--model.init_args.eval_episodes", "2", "--model.init_args.asynchronous", "false", *_run_dirs(root)])
+          "--model.init_args.num_iterations", "2", "--model.init_args.env.num_envs", "2",
+          "--model.init_args.env.n_steps", "3", "--model.init_args.env.max_episode_steps", "12",
+          "--model.init_args.optim.minibatch_size", "30", "--model.init_args.optim.mu", "1",
+          "--model.init_args.critic.warmup_iterations", "1", "--model.init_args.evaluation.every", "1",
+          "--model.init_args.evaluation.episodes", "2", "--model.init_args.env.asynchronous", "false", *_run_dirs(root)])
     return root / "checkpoints" / "last.ckpt"
 
 

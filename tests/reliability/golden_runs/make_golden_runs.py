@@ -144,12 +144,12 @@ def robotics_runs(work: Path) -> dict[str, dict[str, dict[str, float]]]:
     checkpoint = work / "hopper_bc.ckpt"
     torch.save({"state_dict": policy.state_dict(), "robotics": policy.robotics_metadata()}, checkpoint)
     dppo = _fit("configs/robotics/dppo_lift.yaml", work / "dppo", f"--model.init_args.bc_checkpoint={checkpoint}",
-                "--model.init_args.task=hopper", "--model.init_args.num_iterations=3", "--model.init_args.num_envs=2",
-                "--model.init_args.n_steps=3", "--model.init_args.max_episode_steps=8", "--model.init_args.ft_steps=2",
-                "--model.init_args.batch_size=6", "--model.init_args.update_epochs=1",
-                "--model.init_args.n_critic_warmup_itr=1", "--model.init_args.eval_every=2",
-                "--model.init_args.eval_episodes=2", "--model.init_args.critic_hidden_dims=[8]",
-                "--model.init_args.asynchronous=false")
+                "--model.init_args.env.task=hopper", "--model.init_args.num_iterations=3", "--model.init_args.env.num_envs=2",
+                "--model.init_args.env.n_steps=3", "--model.init_args.env.max_episode_steps=8", "--model.init_args.chain.ft_steps=2",
+                "--model.init_args.optim.minibatch_size=6", "--model.init_args.optim.mu=1",
+                "--model.init_args.critic.warmup_iterations=1", "--model.init_args.evaluation.every=2",
+                "--model.init_args.evaluation.episodes=2", "--model.init_args.critic.hidden_dims=[8]",
+                "--model.init_args.env.asynchronous=false")
     return {"robotics/bc_lift": bc, "robotics/dppo_lift": dppo}
 
 

@@ -35,8 +35,10 @@ from golden_support import gradient_fingerprint  # noqa: E402
 
 GOLDEN_PATH = HERE / "dppo_golden.json"
 FT_STEPS, ACT_STEPS, PAIRS = 5, 2, 20
-SETTINGS = dict(ft_steps=FT_STEPS, clip_base=0.1, clip_final=0.2, clip_rate=3.0, gamma_denoise=0.99, vf_coef=0.5,
-                min_logprob_std=0.1, num_envs=2, n_steps=2, critic_hidden_dims=[16, 16], reward_scale_running=False)
+SETTINGS = dict(chain={"ft_steps": FT_STEPS, "clip_base": 0.1, "clip_final": 0.2, "clip_rate": 3.0, "gamma_denoise": 0.99,
+                       "min_logprob_std": 0.1},
+                critic={"vf_coef": 0.5, "hidden_dims": [16, 16]}, env={"num_envs": 2, "n_steps": 2},
+                returns={"reward_scale_running": False})
 
 
 def build_checkpoint(root: Path) -> Path:
@@ -67,11 +69,11 @@ def compute(checkpoint: Path) -> dict[str, Any]:
     returns = torch.randn(PAIRS, generator=generator, dtype=torch.float64)
     with torch.no_grad():
         current = reduce_step_log_prob(
-            policy.chain_step_log_prob(obs, chains, ft_index, min_logprob_std=module.hparams.min_logprob_std),
-            module.act_steps, module.hparams.logprob_min, module.hparams.logprob_max)
+            policy.chain_step_log_prob(obs, chains, ft_index, min_logprob_std=module.chain.min_logprob_std),
+            module.act_steps, module.chain.logprob_min, module.chain.logprob_max)
     old = current + 0.15 * torch.randn(PAIRS, generator=generator, dtype=torch.float64)
     pg_loss, value_loss, ratio, metrics = module.minibatch_loss(obs, chains, ft_index, old, advantages, returns)
-    (pg_loss + module.hparams.vf_coef * value_loss).backward()
+    (pg_loss + module.critic_config.vf_coef * value_loss).backward()
     params = {f"actor.{n}": p for n, p in policy.ft_network.named_parameters()}
     params.update({f"critic.{n}": p for n, p in module.critic.named_parameters()})
     return {
