@@ -62,6 +62,19 @@ FLAT_TO_GROUPED: dict[str, dict[str, tuple[str, str]]] = {
 }
 
 
+def _registered_rows() -> dict[str, dict[str, tuple[str, str]]]:
+    """:data:`FLAT_TO_GROUPED` plus the robot modules' tables (kept beside their configs in
+    ``mmpo.robotics.config``, read lazily: that package is an optional extra's)."""
+    rows = dict(FLAT_TO_GROUPED)
+    try:
+        from mmpo.robotics.config import DPPO_FLAT_NAMES, GAUSSIAN_FLAT_NAMES
+    except ImportError:
+        return rows
+    rows["mmpo.robotics.dppo.DPPOModule"] = DPPO_FLAT_NAMES
+    rows["mmpo.robotics.gaussian_ppo.GaussianPPOModule"] = GAUSSIAN_FLAT_NAMES
+    return rows
+
+
 def upgrade_class_path(class_path: str) -> str:
     """``dllm.rl.DiffuGRPO`` -> ``mmpo.dllm.rl.DiffuGRPO``; other paths unchanged."""
     for old, new in MOVED_PACKAGES.items():
@@ -81,12 +94,13 @@ def _module_class(class_path: str) -> type | None:
 def flat_to_grouped_for(class_path: str) -> dict[str, tuple[str, str]]:
     """The :data:`FLAT_TO_GROUPED` rows of ``class_path`` and its base classes, restricted to the
     groups its constructor takes (a module that still takes ``lr`` flat keeps it)."""
+    registered = _registered_rows()
     cls = _module_class(class_path)
     if cls is None:
-        return dict(FLAT_TO_GROUPED.get(class_path, {}))
+        return dict(registered.get(class_path, {}))
     rows: dict[str, tuple[str, str]] = {}
     for base in reversed(cls.__mro__):
-        rows.update(FLAT_TO_GROUPED.get(f"{base.__module__}.{base.__qualname__}", {}))
+        rows.update(registered.get(f"{base.__module__}.{base.__qualname__}", {}))
     parameters = inspect.signature(cls.__init__).parameters
     groups = {group for group, _ in rows.values()}
     # an old name that is today's group name (``loss``) is still moved: its plain value is the old argument

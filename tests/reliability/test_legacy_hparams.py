@@ -50,3 +50,14 @@ def test_an_old_class_path_is_not_a_model_change():
     now = {"class_path": "mmpo.dllm.rl.DiffuGRPO", "init_args": {"model_path": "m"}}
     assert [d[0] for d in hparam_differences(old, now, "model")] == ["model.class_path"]
     assert hparam_differences(upgrade_saved_hparams(old), now, "model") == []
+
+
+def test_old_flat_dppo_and_gaussian_arguments_move_into_their_groups():
+    saved = {"_class_path": "robotics.dppo.DPPOModule", "bc_checkpoint": "bc.ckpt", "actor_lr": 3e-5,
+             "update_epochs": 5, "gamma": 0.99, "ft_steps": 10, "eval_every": 0}
+    assert upgrade_saved_hparams(saved) == {
+        "_class_path": "mmpo.robotics.dppo.DPPOModule", "bc_checkpoint": "bc.ckpt",
+        "optim": {"lr": 3e-5, "mu": 5}, "returns": {"gamma": 0.99}, "chain": {"ft_steps": 10},
+        "evaluation": {"every": 0}}
+    gaussian = {"_class_path": "mmpo.robotics.gaussian_ppo.GaussianPPOModule", "noise_clip": 3.0, "clip_coef": 0.2}
+    assert upgrade_saved_hparams(gaussian)["gaussian"] == {"noise_clip": 3.0, "clip_coef": 0.2}
