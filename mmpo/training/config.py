@@ -269,14 +269,15 @@ GROUPS: dict[str, type] = {
 """Init argument name -> config class, for the modules that take every group (``GRPOModule`` and its variants)."""
 
 
-def merged_settings(*layers: Mapping[str, Any]) -> dict[str, Any]:
+def merged_settings(*layers: Mapping[str, Any], groups: Mapping[str, type] = GROUPS) -> dict[str, Any]:
     """Module init arguments from ``layers``, later layers winning; a config group (a dict of fields or a
     config instance) in several layers is merged field by field, so ``merged_settings(defaults, {"optim":
-    {"mu": 2}})`` keeps the other optim fields of ``defaults``. Groups come out as dicts (the modules take them)."""
+    {"mu": 2}})`` keeps the other optim fields of ``defaults``. Groups come out as dicts (the modules take them).
+    ``groups``: the init arguments that are groups (the dLLM module's: ``mmpo.dllm.config.DLLM_GROUPS``)."""
     out: dict[str, Any] = {}
     for layer in layers:
         for key, value in layer.items():
-            if key in GROUPS and value is not None:
+            if key in groups and value is not None:
                 fields = dataclasses.asdict(value) if dataclasses.is_dataclass(value) else dict(value)
                 out[key] = {**(out.get(key) or {}), **fields}
             else:
