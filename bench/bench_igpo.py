@@ -1,7 +1,7 @@
 """IGPO vs diffu-GRPO from the same SFT checkpoint, same seeds and budget (CPU, tiny model).
 
 For each method and seed: train ``DiffuGRPO`` (configs/dllm/{igpo,grpo}_tiny.yaml settings,
-``igpo`` on/off) for ``--batches`` batches of rollouts, and record
+``igpo.enabled`` on/off) for ``--batches`` batches of rollouts, and record
 
 - the fraction of all-wrong groups per batch: as sampled (before hints) and after IGPO's
   replacement (for GRPO the two are equal); the latter is the count of groups that carry
@@ -43,6 +43,7 @@ def run_one(method: str, seed: int, args: argparse.Namespace, test_rows: list[di
 
     from mmpo.dllm.data import ArithmeticDataModule
     from mmpo.dllm.hints import HintConfig
+    from mmpo.dllm.igpo import CORE_LOSS
     from mmpo.dllm.rl import DiffuGRPO
     from mmpo.dllm.rollout import greedy_accuracy
     from mmpo.dllm.sampler import SamplerConfig
@@ -54,14 +55,18 @@ def run_one(method: str, seed: int, args: argparse.Namespace, test_rows: list[di
     # The SFT checkpoint's canvas (configs/dllm/sft_tiny.yaml: L 24, block 8, steps 12), rollouts at --temperature (1.2).
     saved = read_generation_defaults(args.sft_model).get("sampler", {})
     sampler = SamplerConfig(**{**saved, "temperature": args.temperature})
+    weights = {"correct": 1.0, **({args.format_reward: 1.0} if args.format_reward else {})}
     module = DiffuGRPO(
         model_path=args.sft_model, warmup_config=None, save_dir=str(Path(args.workdir) / f"{method}_{seed}" / "model"),
-        sampler=sampler, group_size=args.group_size, inner_updates=args.inner_updates, lr=args.lr,
-        warmup_steps=5, beta=args.beta, format_reward=args.format_reward, ratio_level=args.ratio_level,
-        loss_agg=args.loss_agg, masking=args.masking, igpo=(method == "igpo"),
+        sampler=sampler, group_size=args.group_size,
+        optim={"mu": args.inner_updates, "lr": args.lr, "warmup_steps": 5},
+        # --ratio-level names the loss as the flat setting did (token -> ppo, sequence -> igpo_sequence, ...)
+        loss={"name": CORE_LOSS[args.ratio_level], "beta": args.beta, "agg": args.loss_agg},
+        logprob={"masking": args.masking}, rewards={"weights": weights},
+        igpo={"enabled": method == "igpo", "max_replacements": args.group_size // 2},
         hints=HintConfig(min_chunk=3, max_chunk=6, free_tail=round(30 / 256 * sampler.gen_length),
                          max_stretch=args.max_stretch, trace_free_tail=args.trace_free_tail),
-        max_replacements=args.group_size // 2, seed=seed,
+        seed=seed,
     )
     # Data seed 0 for every run (same held-out rows, same prompt order); the run seed drives the rollouts.
     data = ArithmeticDataModule(task=ArithmeticTaskConfig(), train_size=2500, test_size=256, val_size=8,

@@ -100,11 +100,11 @@ class GRPOModule(VLMPolicyModule):
             clip_high, dual_clip, settings, agg, norm_len, kl_kind, beta, entropy_coef). ``beta`` 0 builds no
             reference; with LoRA (``lora_rank``) the reference is the policy with its adapter disabled: no copy.
         advantage: the advantage estimator (:class:`~mmpo.training.config.AdvantageConfig`: name, eps,
-            dynamic_sampling, dynamic_sampling_retries); per-token estimators get the completion mask, remax
+            dynamic_sampling, dynamic_sampling_retries, settings); per-token estimators get the completion mask, remax
             samples one greedy completion per prompt for its baseline (``greedy_reward_baselines``), and the
             optimal token baselines get the rollout policy's token statistics (``rollout_token_statistics``).
         optim: AdamW, schedule and update loop (:class:`~mmpo.training.config.OptimConfig`: lr, weight_decay,
-            warmup_steps, lr_schedule, max_grad_norm, mu, minibatch_size, micro_batch_size).
+            betas, warmup_steps, lr_schedule, max_grad_norm, mu, minibatch_size, micro_batch_size).
         rollout_correction: importance-sampling correction between the engine's and the trainer's log-probs
             (:class:`~mmpo.training.config.RolloutCorrectionConfig`: mode, cap, cap_low, bypass; docs/grpo.md).
         rollout_engine: who samples the rollouts (:class:`~mmpo.training.config.EngineConfig`: name hf or vllm,
@@ -351,7 +351,7 @@ class GRPOModule(VLMPolicyModule):
         self, rewards: Tensor, group_ids: Tensor, rollout: Rollout
     ) -> tuple[Tensor, dict[str, float]]:
         """(N,) or (N, T) advantages from rewards grouped by prompt id (hook: MAPO, GCPO ...)."""
-        settings: dict[str, Any] = {}
+        settings: dict[str, Any] = dict(self.advantage.settings or {})
         estimator = ADVANTAGE_ESTIMATORS.get(self.advantage.name)
         params = inspect.signature(estimator).parameters
         if self.advantage.eps is not None and "eps" in params:

@@ -125,7 +125,7 @@ class TPPOModule(CheckpointedState, GRPOModule):
         groups = [{"params": list(self.model.parameters())},
                   {"params": list(self.value_head.parameters()), "lr": self.hparams.value_lr or self.optim.lr,
                    "weight_decay": 0.0}]
-        return make_optimizer(groups, lr=self.optim.lr, weight_decay=self.optim.weight_decay,
+        return make_optimizer(groups, lr=self.optim.lr, weight_decay=self.optim.weight_decay, betas=self.optim.betas,
                               warmup_steps=self.optim.warmup_steps, schedule=self.optim.lr_schedule,
                               total_steps=max_steps_or_none(self))
 

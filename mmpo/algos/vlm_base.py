@@ -146,5 +146,5 @@ class VLMPolicyModule(NonFiniteGuardMixin, VLMCheckpointHooks, L.LightningModule
 
     def configure_optimizers(self) -> dict[str, Any]:
         return make_optimizer(self.model.parameters(), lr=self.optim.lr, weight_decay=self.optim.weight_decay,
-                              fused=True, warmup_steps=self.optim.warmup_steps, total_steps=max_steps_or_none(self),
+                              betas=self.optim.betas, fused=True, warmup_steps=self.optim.warmup_steps, total_steps=max_steps_or_none(self),
                               schedule=self.optim.lr_schedule)

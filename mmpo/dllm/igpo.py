@@ -128,31 +128,33 @@ def resolve_loss(ratio_level: str = DEFAULT_RATIO_LEVEL, loss: str | None = None
     return loss
 
 
-def loss_clip_settings(loss: str, clip_low: float, clip_high: float) -> dict[str, float]:
-    """The clip bounds ``loss`` takes (``clip_low`` / ``clip_high`` of its signature), others left out."""
+def loss_clip_settings(loss: str, clip_low: float | None, clip_high: float | None) -> dict[str, float]:
+    """The clip bounds ``loss`` takes (``clip_low`` / ``clip_high`` of its signature), others and None (the
+    loss's own default) left out."""
     params = inspect.signature(POLICY_LOSSES.get(loss)).parameters
-    return {name: value for name, value in zip(CLIP_SETTINGS, (clip_low, clip_high)) if name in params}
+    return {name: value for name, value in zip(CLIP_SETTINGS, (clip_low, clip_high))
+            if name in params and value is not None}
 
 
 def check_loss_choice(
-    ratio_level: str, loss: str | None, loss_settings: dict[str, Any] | None, clip_low: float, clip_high: float,
-    kl_kind: str, agg: str,
+    ratio_level: str, loss: str | None, loss_settings: dict[str, Any] | None, clip_low: float | None,
+    clip_high: float | None, kl_kind: str, agg: str,
 ) -> str:
     """The selected core loss, after a dry run on one token so that bad names or settings fail at construction.
 
     Beyond :func:`resolve_loss`: a loss without clip bounds (sapo, gpg, kl_cov, vespo) refuses
-    clip_low / clip_high other than the default 0.2, which it would ignore.
+    clip_low / clip_high other than the default 0.2 or None, which it would ignore.
     """
     name = resolve_loss(ratio_level, loss)
     if kl_kind not in KL_KINDS:
         raise ValueError(f"unknown kl_kind {kl_kind!r}; valid: {list(KL_KINDS)}")
     unused = {key: value for key, value in zip(CLIP_SETTINGS, (clip_low, clip_high))
-              if value != DEFAULT_CLIP and key not in loss_clip_settings(name, clip_low, clip_high)}
+              if value is not None and value != DEFAULT_CLIP and key not in loss_clip_settings(name, clip_low, clip_high)}
     if unused:
         raise ValueError(f"loss {name!r} has no clip bounds: {unused} would be ignored; leave them at {DEFAULT_CLIP} "
-                         f"or set the loss's own settings in loss_settings")
+                         f"or set the loss's own settings in its settings (loss.settings)")
     if "entropy" in (loss_settings or {}):
-        raise ValueError("loss_settings 'entropy' is provided by the module (the update-time entropy); remove it")
+        raise ValueError("loss settings 'entropy' is provided by the module (the update-time entropy); remove it")
     one = torch.zeros(1, 1)
     igpo_loss(one, one, None, one[:, 0], torch.ones(1, 1), ratio_level=ratio_level, clip_low=clip_low,
               clip_high=clip_high, beta=0.0, agg=agg, loss=loss, kl_kind=kl_kind, loss_settings=loss_settings,
@@ -168,14 +170,15 @@ def igpo_loss(
     loss_mask: Tensor,
     *,
     ratio_level: str = DEFAULT_RATIO_LEVEL,
-    clip_low: float = 0.2,
-    clip_high: float = 0.2,
+    clip_low: float | None = 0.2,
+    clip_high: float | None = 0.2,
     beta: float = 0.01,
     agg: str = "token-mean",
     loss: str | None = None,
     kl_kind: str = "k3",
     loss_settings: dict[str, Any] | None = None,
     entropy: Tensor | None = None,
+    norm_len: int | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """Clipped policy loss + beta * KL (``kl_kind``, default k3) over the (entropy-filtered) loss mask.
 
@@ -188,7 +191,8 @@ def igpo_loss(
     loss mask only: dropped tokens get no gradient.
     ``loss``: any registered core policy loss instead (see :func:`resolve_loss` for how it combines
     with ``ratio_level``); ``igpo_sequence`` always takes its ratio over all L positions, as above.
-    ``clip_low`` / ``clip_high`` go to the losses that have clip bounds, ``loss_settings`` to the loss,
+    ``clip_low`` / ``clip_high`` go to the losses that have clip bounds (None: the loss's default),
+    ``loss_settings`` to the loss, ``norm_len`` to ``seq-mean-token-sum-norm`` (None: L),
     ``entropy`` (the update-time per-token entropy, detached here) to a loss that reads it (``hapo``).
 
     Args:
@@ -215,5 +219,6 @@ def igpo_loss(
         loss_entropy=entropy.detach() if entropy is not None and policy_loss_reads_entropy(name) else None,
     )
     # the update engine's parts (policy, kl with coefficient beta), aggregated over this update's loss mask
-    parts, metrics = core_loss_parts(scored, CoreLossSpec(name, settings, kl_kind=kl_kind, beta=beta), Aggregation(agg))
+    parts, metrics = core_loss_parts(scored, CoreLossSpec(name, settings, kl_kind=kl_kind, beta=beta),
+                                     Aggregation(agg, norm_len=norm_len))
     return parts.total(), {**metrics, **parts.metrics()}

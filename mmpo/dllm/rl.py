@@ -1,22 +1,22 @@
 """diffu-GRPO and IGPO for masked-diffusion LMs as one Lightning module.
 
 One training step (IGPO, arXiv 2509.10396, Algorithm 1 / ``facebookresearch/igpo:trainer_igpo.py``;
-with ``igpo: false`` it is the diffu-GRPO baseline of d1, arXiv 2504.12216, as in IGPO's
+with ``igpo.enabled: false`` it is the diffu-GRPO baseline of d1, arXiv 2504.12216, as in IGPO's
 ``trainer_baseline.py``):
 
 1. roll out G completions per prompt with the LLaDA block sampler (temperature tau);
 2. score them with the correctness reward;
 3. IGPO only: every group whose rollouts are all wrong is regenerated with hints from its
    reference trace (``mmpo.dllm.hints``; hint positions fixed during denoising), and up to
-   ``max_replacements`` correct hinted rollouts replace original ones;
-4. advantages r - mean over the (mixed) group (core ``drgrpo``; ``advantage`` picks any core estimator
+   ``igpo.max_replacements`` correct hinted rollouts replace original ones;
+4. advantages r - mean over the (mixed) group (core ``drgrpo``; ``advantage.name`` picks any core estimator
    whose inputs exist here: ``remax`` adds one greedy rollout per prompt for its baseline);
 5. old and reference log-probs (+ old entropies) by the one-pass estimator
-   (completion fully masked; prompt masked with ``p_mask_prompt``, one seed per inner step),
-   or with ``masking: structured`` by IGPO's structured estimator (inner step n masks each
+   (completion fully masked; prompt masked with ``logprob.p_mask_prompt``, one seed per inner step),
+   or with ``logprob.masking: structured`` by IGPO's structured estimator (inner step n masks each
    completion token with probability t_n / T; only masked positions enter the loss);
-6. IGPO only: keep only the top ``entropy_keep`` fraction of hint tokens by old entropy;
-7. ``inner_updates`` (mu) optimizer steps on the clipped loss + beta * k3 KL (``loss`` / ``kl_kind``
+6. IGPO only: keep only the top ``igpo.entropy_keep`` fraction of hint tokens by old entropy;
+7. ``optim.mu`` optimizer steps on the clipped loss + beta * k3 KL (``loss.name`` / ``loss.kl_kind``
    select any core policy loss / KL estimator).
 
 Metrics (the shared vocabulary of docs/core.md): ``rewards/correct/mean`` (sampled rollouts),
@@ -24,7 +24,7 @@ Metrics (the shared vocabulary of docs/core.md): ``rewards/correct/mean`` (sampl
 ``igpo/frac_all_wrong_sampled`` (groups all wrong before hints),
 ``igpo/frac_all_wrong`` (after replacement: groups that give no learning signal),
 ``igpo/num_replaced``, ``igpo/hinted_accuracy``, ``rewards/correct/errors``, ``/timeouts`` and
-``/verify_errors`` (scoring calls that failed or missed ``reward_timeout_s``; answers math-verify
+``/verify_errors`` (scoring calls that failed or missed ``rewards.timeout_s``; answers math-verify
 raised on), ``perf/reward_worker_restarts``, ``losses/policy``, ``losses/kl``,
 ``policy/*`` from the core, ``perf/skipped_steps``, ``lr``, ``val/accuracy`` (greedy, held out).
 """
@@ -32,6 +32,7 @@ raised on), ``perf/reward_worker_restarts``, ``losses/policy``, ``losses/kl``,
 from __future__ import annotations
 
 import copy
+import dataclasses
 import inspect
 from dataclasses import replace
 from pathlib import Path
@@ -41,10 +42,28 @@ import lightning.pytorch as pl
 import torch
 from torch import Tensor
 
-from mmpo.dllm.checkpoint_hparams import PlainHparamsMixin, as_config
+from mmpo.dllm.checkpoint_hparams import LegacyHparamsMixin, PlainHparamsMixin, as_config
+from mmpo.dllm.config import (
+    CORRECTNESS_REWARD,
+    DIFFU_GRPO_ADVANTAGE,
+    DIFFU_GRPO_INPAINTING,
+    DIFFU_GRPO_LOGPROB,
+    DIFFU_GRPO_LOSS,
+    DIFFU_GRPO_OPTIM,
+    DIFFU_GRPO_REWARDS,
+    DiffusionLogProbConfig,
+    InpaintingConfig,
+)
 from mmpo.dllm.export_hooks import MaskPredictorExportHooks
 from mmpo.dllm.hints import HintConfig, build_group_hints
-from mmpo.dllm.igpo import all_wrong_groups, check_loss_choice, choose_replacements, hint_entropy_filter, igpo_loss
+from mmpo.dllm.igpo import (
+    DEFAULT_RATIO_LEVEL,
+    all_wrong_groups,
+    check_loss_choice,
+    choose_replacements,
+    hint_entropy_filter,
+    igpo_loss,
+)
 from mmpo.dllm.logprobs import completion_log_probs, perturb_for_scoring, structured_timesteps
 from mmpo.training.lora import LoraSettings, wrap_with_lora
 from mmpo.dllm.modeling import load_mask_predictor, mask_token_id
@@ -52,12 +71,12 @@ from mmpo.dllm.rewards import FORMAT_REWARDS, correctness_rewards_with_deadline,
 from mmpo.dllm.rollout import rollout
 from mmpo.dllm.sampler import SamplerConfig
 from mmpo.core import ADVANTAGE_ESTIMATORS, LossParts, compute_advantages_with_metrics, policy_loss_reads_entropy
-from mmpo.core.aggregate import AggregationMode
 from mmpo.training.nonfinite import DEFAULT_MAX_CONSECUTIVE_SKIPS, NonFiniteGuard, NonFiniteGuardMixin
 from mmpo.training.step_state import StepState
 from mmpo.training.completions import CompletionSamples
 from mmpo.training.update import MicroLoss, PassContext, UpdateEngine, UpdateSchedule, UpdateWrapper
-from mmpo.training.lr_schedule import SCHEDULES
+from mmpo.training.config import AdvantageConfig, LossConfig, OptimConfig, RewardConfig
+from mmpo.training.config import as_config as as_group  # a group over the module's default instance
 from mmpo.training.optim import make_optimizer, max_steps_or_none
 
 
@@ -74,6 +93,26 @@ def estimator_inputs(name: str) -> set[str]:
     return {p.name for p in params if p.kind is inspect.Parameter.KEYWORD_ONLY and p.default is inspect.Parameter.empty}
 
 
+def estimator_settings(advantage: AdvantageConfig) -> dict[str, Any]:
+    """The keyword settings ``advantage`` gives its estimator: ``settings``, and ``eps`` where the estimator takes it."""
+    settings = dict(advantage.settings or {})
+    if advantage.eps is not None and "eps" in inspect.signature(ADVANTAGE_ESTIMATORS.get(advantage.name)).parameters:
+        settings["eps"] = advantage.eps
+    return settings
+
+
+def check_reward_weights(weights: dict[str, float] | None) -> None:
+    """Fail now, naming what is wrong, unless ``weights`` names the correctness reward and only known format rewards."""
+    names = set(weights or {})
+    if CORRECTNESS_REWARD not in names:
+        raise ValueError(f"rewards.weights must name {CORRECTNESS_REWARD!r} (the correctness reward, which decides "
+                         f"IGPO's hinting), got {sorted(names)}")
+    unknown = sorted(names - {CORRECTNESS_REWARD} - set(FORMAT_REWARDS))
+    if unknown:
+        raise ValueError(f"unknown rewards {unknown} in rewards.weights; valid: "
+                         f"{[CORRECTNESS_REWARD, *sorted(FORMAT_REWARDS)]}")
+
+
 def check_advantage_choice(name: str, settings: dict[str, Any] | None, group_size: int) -> None:
     """Fail now, naming what is wrong, if estimator ``name`` or its settings cannot run in this module:
     an unknown name, an input the dLLM path does not have, or a bad setting (a dry run on one group)."""
@@ -88,15 +127,22 @@ def check_advantage_choice(name: str, settings: dict[str, Any] | None, group_siz
     settings = dict(settings or {})
     clash = sorted(set(settings) & set(PROVIDED_ESTIMATOR_INPUTS))
     if clash:
-        raise ValueError(f"advantage_settings {clash} are provided by the module; remove them")
+        raise ValueError(f"advantage.settings {clash} are provided by the module; remove them")
     rewards = torch.arange(group_size, dtype=torch.float32)
     inputs = {"mask": torch.ones(group_size, 1), "reward_baselines": torch.zeros(group_size)}
     settings.update({key: inputs[key] for key in estimator_inputs(name)})
     compute_advantages_with_metrics(name, rewards, torch.zeros(group_size, dtype=torch.long), **settings)
 
 
-class DiffuGRPO(NonFiniteGuardMixin, MaskPredictorExportHooks, PlainHparamsMixin, pl.LightningModule):
-    """diffu-GRPO with optional IGPO inpainting (``igpo: true``) for masked-diffusion LMs.
+class DiffuGRPO(LegacyHparamsMixin, NonFiniteGuardMixin, MaskPredictorExportHooks, PlainHparamsMixin,
+                pl.LightningModule):
+    """diffu-GRPO with optional IGPO inpainting (``igpo.enabled``) for masked-diffusion LMs.
+
+    The settings come in groups, one frozen dataclass per concern, nested under ``model.init_args`` in a
+    YAML config: the shared ones of :mod:`mmpo.training.config` (``loss``, ``advantage``, ``optim``,
+    ``rewards``, as the VLM modules take them) with this module's defaults (IGPO's official run), and the
+    dLLM ones of :mod:`mmpo.dllm.config` (``logprob``, ``igpo``). A group in a config sets some fields over
+    these defaults. docs/dllm.md has the old flat name of every field.
 
     Args:
         model_path: SFT-warmed checkpoint to start from (``save_pretrained`` folder).
@@ -107,62 +153,49 @@ class DiffuGRPO(NonFiniteGuardMixin, MaskPredictorExportHooks, PlainHparamsMixin
         dtype: weight dtype name, e.g. 'bfloat16' for an 8B model (None: as saved).
         sampler: rollout settings (IGPO: L 256, block 32, steps 128, temperature 1.2).
         group_size: rollouts per prompt G (IGPO: 8).
-        inner_updates: optimizer steps per batch of rollouts, mu (IGPO: 4; d1: 12).
-        lr: AdamW learning rate (IGPO: 5e-7 on 8B with LoRA).
-        weight_decay: AdamW weight decay (IGPO / d1: 0.1).
-        betas: AdamW betas (IGPO / d1: 0.9, 0.99).
-        warmup_steps: linear learning-rate warm-up, in optimizer steps (IGPO: 50).
-        lr_schedule: after warm-up: 'constant' (d1's constant_with_warmup; default), 'linear' (decay to 0 at
-            trainer.max_steps; the official IGPO run's TRL default) or 'cosine'. Stepped once per optimizer
-            step (inner update), like trainer.max_steps.
-        max_grad_norm: gradient clipping (IGPO / d1: 0.2).
-        beta: KL coefficient against the starting model (IGPO: 0.01; d1: 0.04).
-        kl_kind: KL estimator (mmpo.core ``kl_penalty``: k1, k2, k3, abs, verl's kl, mse, low_var_kl, or a
-            straight-through ``+`` name); IGPO / d1: k3.
-        clip_low: PPO lower clip (IGPO: 0.2); passed to every loss with a ``clip_low`` bound.
-        clip_high: PPO upper clip (IGPO: 0.2); passed to every loss with a ``clip_high`` bound.
-        ratio_level: 'sequence' (IGPO's official run: sequence ratio over all L positions,
-            gradient through it), 'sequence_masked' (GSPO-token over the loss mask) or 'token'.
-        loss: None (the loss ``ratio_level`` selects: ppo / igpo_sequence / gspo) or any registered core policy
-            loss (sapo, gpg, cispo, gmpo, vespo, ...; docs/dllm.md). With ``loss`` set, ``ratio_level`` must be
-            'sequence' (its default: left to ``loss``) or select the same loss; a loss without clip bounds
-            (sapo, gpg, kl_cov, vespo) needs clip_low / clip_high at their default 0.2 (they would be ignored).
-        loss_settings: further keyword settings of the policy loss (e.g. sapo's tau_pos / tau_neg).
-        advantage: core advantage estimator (default 'drgrpo', IGPO's r - group mean). Per-token estimators get
-            the completion mask (all ``gen_length`` positions, as the loss); 'remax' gets one greedy rollout
-            per prompt as its baseline; the optimal token baselines need token statistics this module does not
-            compute and are refused.
-        advantage_settings: further keyword settings of the estimator (e.g. grpo's eps, reinforce_plus_plus's gamma).
-        loss_agg: aggregation of the per-token loss and KL (IGPO / d1: 'token-mean' over the
-            loss mask; 'seq-mean-token-mean' weighs every rollout equally).
-        p_mask_prompt: prompt masking probability of the estimator (IGPO: 0; d1: 0.15).
-        masking: 'full' (the one-pass estimator: every completion token masked; IGPO's official
-            run, ``d1_masking: true``) or 'structured' (IGPO's ``d1_masking: false`` path: inner
-            step n masks completion tokens with probability t_n / T and scores only those).
-        diffusion_steps: T of the structured schedule (IGPO: 128).
-        min_timestep: smallest t_0 of the structured schedule (IGPO: 30).
-        correct_reward: reward of a correct answer (IGPO: 3.0; only the scale of A changes).
-        format_reward: added format reward, 'xmlcount' (IGPO's, for <reasoning>/<answer> prompts)
-            or 'derivation' (the synthetic task's layout); None for correctness only. It never
-            triggers hinting: all-wrong means no correct answer.
-        reward_timeout_s: deadline in seconds for scoring one batch of rollouts; scoring runs in
-            the reward worker process, killed when it is missed (the batch scores 0, counted in
-            ``rewards/correct/timeouts``). None scores inline without one.
-        igpo: regenerate all-wrong groups with hints (False = diffu-GRPO baseline).
+        loss: the policy loss and the KL (:class:`~mmpo.training.config.LossConfig`; default IGPO's:
+            name igpo_sequence (the official run's sequence ratio over all L positions, gradient through it;
+            ppo = token ratio, gspo = GSPO-token over the loss mask, or any registered core loss: sapo, gpg,
+            cispo, gmpo, vespo, ...; docs/dllm.md), clip_low / clip_high 0.2 (passed to every loss with those
+            bounds; a loss without them needs 0.2 or null), settings (the loss's own options, e.g. sapo's
+            tau_pos), agg token-mean (over the loss mask; seq-mean-token-mean weighs every rollout equally),
+            norm_len (seq-mean-token-sum-norm's L; null = gen_length), kl_kind k3, beta 0.01 (d1: 0.04)).
+            dual_clip is not supported here; entropy_coef only by :class:`~mmpo.dllm.variants.EPODiffuGRPO`.
+        advantage: the estimator (:class:`~mmpo.training.config.AdvantageConfig`; default drgrpo, IGPO's
+            r - group mean; eps null = the estimator's default; settings = its other options, e.g.
+            reinforce_plus_plus's gamma). Per-token estimators get the completion mask (all ``gen_length``
+            positions, as the loss); remax gets one greedy rollout per prompt as its baseline; the optimal
+            token baselines need token statistics this module does not compute and are refused, as is
+            dynamic_sampling (LSPODiffuGRPO filters groups).
+        optim: AdamW, its schedule and the update loop (:class:`~mmpo.training.config.OptimConfig`; IGPO's:
+            lr 5e-7 (8B with LoRA), weight_decay 0.1, betas (0.9, 0.99), warmup_steps 50, lr_schedule constant
+            (d1's constant_with_warmup; linear = the official IGPO run's TRL default, to trainer.max_steps),
+            max_grad_norm 0.2, mu 4 = optimizer steps per batch of rollouts (d1: 12)). Every inner update is one
+            optimizer step on the whole batch, so minibatch_size / micro_batch_size must stay null.
+        rewards: the reward terms (:class:`~mmpo.training.config.RewardConfig`): weights maps ``correct``
+            (required: the correctness reward, which alone decides hinting) and optionally a format reward,
+            ``xmlcount`` (IGPO's, for <reasoning>/<answer> prompts) or ``derivation`` (the synthetic task's
+            layout), to its weight (IGPO: correct 3.0, xmlcount 1.0; default correct 1.0); timeout_s is the
+            deadline for scoring one batch in the reward worker process (killed when missed: the batch scores
+            0, counted in ``rewards/correct/timeouts``); null scores inline.
+        logprob: the log-prob estimator (:class:`~mmpo.dllm.config.DiffusionLogProbConfig`: masking,
+            p_mask_prompt, diffusion_steps, min_timestep, chunk_size).
+        igpo: IGPO's inpainting (:class:`~mmpo.dllm.config.InpaintingConfig`: enabled (false = the
+            diffu-GRPO baseline), max_replacements, entropy_keep).
         hints: hint construction (chunks, eta range, stretch, free tail).
-        max_replacements: at most this many hinted rollouts enter a group (IGPO: 4 of 8).
-        entropy_keep: fraction of hint tokens kept in the loss, by entropy (IGPO: 0.2).
         lora: train a LoRA adapter instead of all weights (IGPO / d1: r 128, alpha 64, dropout
             0.05); the KL reference is then the same network with the adapter disabled, as in
             the official runs, so no second copy of the model is held. None: full fine-tuning
             with a frozen copy of the starting weights as reference.
-        logprob_chunk_size: rows per chunk of the log-softmax.
         seed: rollout RNG seed (step s uses seed * 1_000_003 + s, so resumes reproduce).
         max_consecutive_skips: optimizer steps with a non-finite loss or gradient norm are skipped (weights and
             optimizer state untouched, counted as perf/skipped_steps); this many in a row stop the run with
             NonFiniteTrainingError (mmpo.training.nonfinite).
         overwrite_output: allow exporting into a save_dir that holds another run's export (refused otherwise).
     """
+
+    config_groups: tuple[str, ...] = ("loss", "advantage", "optim", "rewards", "logprob", "igpo")
+    """Attributes holding the module's config dataclasses; checkpoints keep them as plain dicts."""
 
     entropy_in_loss: bool = False
     """Subclasses whose :meth:`extra_loss_terms` differentiate the update-time entropy (EPO's bonus) set True."""
@@ -176,64 +209,36 @@ class DiffuGRPO(NonFiniteGuardMixin, MaskPredictorExportHooks, PlainHparamsMixin
         dtype: str | None = None,
         sampler: SamplerConfig | None = None,
         group_size: int = 8,
-        inner_updates: int = 4,
-        lr: float = 5e-7,
-        weight_decay: float = 0.1,
-        betas: tuple[float, float] = (0.9, 0.99),
-        warmup_steps: int = 50,
-        lr_schedule: str = "constant",
-        max_grad_norm: float = 0.2,
-        beta: float = 0.01,
-        kl_kind: str = "k3",
-        clip_low: float = 0.2,
-        clip_high: float = 0.2,
-        ratio_level: str = "sequence",
-        loss: str | None = None,
-        loss_settings: dict[str, Any] | None = None,
-        advantage: str = "drgrpo",
-        advantage_settings: dict[str, Any] | None = None,
-        loss_agg: str = "token-mean",
-        p_mask_prompt: float = 0.0,
-        masking: str = "full",
-        diffusion_steps: int = 128,
-        min_timestep: int = 30,
-        correct_reward: float = 1.0,
-        format_reward: str | None = None,
-        reward_timeout_s: float | None = 10.0,
-        igpo: bool = True,
+        loss: LossConfig = DIFFU_GRPO_LOSS,
+        advantage: AdvantageConfig = DIFFU_GRPO_ADVANTAGE,
+        optim: OptimConfig = DIFFU_GRPO_OPTIM,
+        rewards: RewardConfig = DIFFU_GRPO_REWARDS,
+        logprob: DiffusionLogProbConfig = DIFFU_GRPO_LOGPROB,
+        igpo: InpaintingConfig = DIFFU_GRPO_INPAINTING,
         hints: HintConfig | None = None,
-        max_replacements: int = 4,
-        entropy_keep: float = 0.2,
         lora: LoraSettings | None = None,
-        logprob_chunk_size: int = 1024,
         seed: int = 0,
         max_consecutive_skips: int = DEFAULT_MAX_CONSECUTIVE_SKIPS,
         overwrite_output: bool = False,
     ) -> None:
         super().__init__()
         self.save_hyperparameters()
+        # dicts (checkpoints, Python short forms) are read back over the module's defaults
+        self.loss = as_group(loss, DIFFU_GRPO_LOSS)
+        self.advantage = as_group(advantage, DIFFU_GRPO_ADVANTAGE)
+        self.optim = as_group(optim, DIFFU_GRPO_OPTIM)
+        self.rewards = as_group(rewards, DIFFU_GRPO_REWARDS)
+        self.logprob = as_group(logprob, DIFFU_GRPO_LOGPROB)
+        self.igpo = as_group(igpo, DIFFU_GRPO_INPAINTING)
+        # the groups go into hparams (and so into checkpoints) as plain dicts: weights_only loads them
+        for name in self.config_groups:
+            self.hparams[name] = dataclasses.asdict(getattr(self, name))
         self.automatic_optimization = False
         self.nonfinite = NonFiniteGuard(max_consecutive_skips)
-        if group_size < 2:
-            raise ValueError(f"group_size must be >= 2 for group-relative advantages, got {group_size}")
-        if inner_updates < 1:
-            raise ValueError(f"inner_updates must be >= 1, got {inner_updates}")
-        if loss_agg not in {mode.value for mode in AggregationMode}:
-            raise ValueError(f"unknown loss_agg {loss_agg!r}; valid: {[mode.value for mode in AggregationMode]}")
-        loss_name = check_loss_choice(ratio_level, loss, loss_settings, clip_low, clip_high, kl_kind, loss_agg)
+        self.group_size, self.seed = group_size, seed
+        self._check_settings()
         # HAPO's loss reads the update-time entropy: computed (detached) on every inner update when it is chosen
-        self.loss_reads_entropy = policy_loss_reads_entropy(loss_name)
-        check_advantage_choice(advantage, advantage_settings, group_size)
-        if format_reward is not None and format_reward not in FORMAT_REWARDS:
-            raise ValueError(f"unknown format_reward {format_reward!r}; valid: {sorted(FORMAT_REWARDS)} or None")
-        if reward_timeout_s is not None and reward_timeout_s <= 0:
-            raise ValueError(f"reward_timeout_s must be > 0 or None, got {reward_timeout_s}")
-        if lr_schedule not in SCHEDULES:
-            raise ValueError(f"unknown lr_schedule {lr_schedule!r}; valid: {list(SCHEDULES)}")
-        if masking not in ("full", "structured"):
-            raise ValueError(f"masking must be 'full' or 'structured', got {masking!r}")
-        if masking == "structured" and not 1 <= min_timestep <= diffusion_steps - 2:
-            raise ValueError(f"need 1 <= min_timestep <= diffusion_steps - 2, got {min_timestep} and {diffusion_steps}")
+        self.loss_reads_entropy = policy_loss_reads_entropy(self.loss.name)
         if not Path(model_path, "config.json").is_file():
             if warmup_config is None:
                 raise FileNotFoundError(f"no model at {model_path!r} and no warmup_config to create it")
@@ -249,41 +254,55 @@ class DiffuGRPO(NonFiniteGuardMixin, MaskPredictorExportHooks, PlainHparamsMixin
             self.model = wrap_with_lora(self.model, as_config(lora, LoraSettings))
         # The KL anchor is the starting model: with LoRA the adapter-disabled network itself; otherwise
         # a frozen copy, kept out of the module tree so checkpoints hold one copy.
-        needs_copy = beta > 0 and not self.use_lora
+        needs_copy = self.loss.beta > 0 and not self.use_lora
         self.__dict__["ref_model"] = copy.deepcopy(self.model).eval().requires_grad_(False) if needs_copy else None
         self.sampler = as_config(sampler, SamplerConfig)
         self.hints = as_config(hints, HintConfig)
         self.save_dir = save_dir
         self.update_engine = UpdateEngine(
-            self, max_grad_norm=max_grad_norm,
+            self, max_grad_norm=self.optim.max_grad_norm,
             clip_groups=lambda: [[p for p in self.model.parameters() if p.requires_grad]])
         # how a whole update pass runs: as is, or wrapped by a variant (SFPO's slow-fast update)
         self.update_wrapper: UpdateWrapper = UpdateWrapper()
-        self.settings = dict(
-            group_size=group_size, inner_updates=inner_updates, beta=beta, clip_low=clip_low, clip_high=clip_high,
-            ratio_level=ratio_level, loss=loss, loss_settings=dict(loss_settings or {}), kl_kind=kl_kind,
-            advantage=advantage, advantage_settings=dict(advantage_settings or {}), loss_agg=loss_agg,
-            p_mask_prompt=p_mask_prompt, masking=masking,
-            diffusion_steps=diffusion_steps, min_timestep=min_timestep, correct_reward=correct_reward,
-            format_reward=format_reward, reward_timeout_s=reward_timeout_s, igpo=igpo,
-            max_replacements=max_replacements, entropy_keep=entropy_keep, chunk=logprob_chunk_size, seed=seed,
-        )
+
+    def _check_settings(self) -> None:
+        """Checks across groups and against what this module implements (each group checks its own fields),
+        before the (slow) model load."""
+        if self.group_size < 2:
+            raise ValueError(f"group_size must be >= 2 for group-relative advantages, got {self.group_size}")
+        loss, optim, advantage = self.loss, self.optim, self.advantage
+        check_loss_choice(DEFAULT_RATIO_LEVEL, loss.name, loss.settings, loss.clip_low, loss.clip_high, loss.kl_kind,
+                          loss.agg)
+        if loss.dual_clip is not None:
+            raise ValueError(f"loss.dual_clip is not supported by the dLLM module, got {loss.dual_clip}; "
+                             "set the loss's own option in loss.settings")
+        if loss.entropy_coef and not self.entropy_in_loss:
+            raise ValueError(f"loss.entropy_coef must be 0 here (got {loss.entropy_coef}): the entropy bonus is "
+                             "mmpo.dllm.variants.EPODiffuGRPO's")
+        if advantage.dynamic_sampling or advantage.dynamic_sampling_retries:
+            raise ValueError("advantage.dynamic_sampling is not supported by the dLLM module "
+                             "(mmpo.dllm.variants.LSPODiffuGRPO drops zero-variance groups)")
+        check_advantage_choice(advantage.name, estimator_settings(advantage), self.group_size)
+        for name in ("minibatch_size", "micro_batch_size"):
+            if getattr(optim, name) is not None:
+                raise ValueError(f"optim.{name} must be null: every inner update of the dLLM module is one "
+                                 f"optimizer step on the whole batch, got {getattr(optim, name)}")
+        check_reward_weights(self.rewards.weights)
 
     # ------------------------------------------------------------------ rollouts
 
     def _generator(self, offset: int = 0) -> torch.Generator:
-        return torch.Generator(device=self.device).manual_seed(self.settings["seed"] * 1_000_003 + self.global_step + offset)
+        return torch.Generator(device=self.device).manual_seed(self.seed * 1_000_003 + self.global_step + offset)
 
     def _score(self, texts: list[str], answers: list[str]) -> Tensor:
-        scores, metrics = correctness_rewards_with_deadline(texts, answers, timeout_s=self.settings["reward_timeout_s"])
+        scores, metrics = correctness_rewards_with_deadline(texts, answers, timeout_s=self.rewards.timeout_s)
         for key, value in metrics.items():  # summed over the step's scoring calls; restarts is a running total
             self._score_metrics[key] = value if key.startswith("perf/") else self._score_metrics.get(key, 0.0) + value
         return torch.tensor(scores, device=self.device) > 0
 
     def collect(self, rows: list[dict[str, str]]) -> dict[str, Tensor | float]:
         """Steps 1-3: rollouts, correctness, IGPO hinted regeneration and replacement."""
-        s = self.settings
-        group = s["group_size"]
+        group = self.group_size
         problems = [r["problem"] for r in rows for _ in range(group)]
         answers = [r["answer"] for r in rows for _ in range(group)]
         group_ids = torch.arange(len(rows), device=self.device).repeat_interleave(group)
@@ -296,7 +315,7 @@ class DiffuGRPO(NonFiniteGuardMixin, MaskPredictorExportHooks, PlainHparamsMixin
         completions, hint_mask, texts = out.completions.clone(), torch.zeros_like(out.fixed_mask), list(out.texts)
         wrong_groups = all_wrong_groups(correct.cpu(), group_ids.cpu()).tolist()
         num_replaced, hinted_correct_total, hinted_total = 0, 0, 0
-        if s["igpo"] and wrong_groups:
+        if self.igpo.enabled and wrong_groups:
             hint_tokens, hint_masks, hinted_problems, hinted_answers = [], [], [], []
             for g in wrong_groups:
                 trace_ids = self.tokenizer(rows[g]["trace"], add_special_tokens=False)["input_ids"]
@@ -318,7 +337,7 @@ class DiffuGRPO(NonFiniteGuardMixin, MaskPredictorExportHooks, PlainHparamsMixin
             pick = torch.Generator().manual_seed(int(generator.initial_seed()) + 7919)
             for k, g in enumerate(wrong_groups):
                 block = slice(k * group, (k + 1) * group)
-                for original, hinted_index in choose_replacements(hinted_correct[block].cpu(), s["max_replacements"], pick):
+                for original, hinted_index in choose_replacements(hinted_correct[block].cpu(), self.igpo.max_replacements, pick):
                     dst, src = g * group + original, k * group + hinted_index
                     completions[dst] = hinted.completions[src]
                     hint_mask[dst] = hinted.fixed_mask[src]
@@ -329,7 +348,7 @@ class DiffuGRPO(NonFiniteGuardMixin, MaskPredictorExportHooks, PlainHparamsMixin
         rewards, formats = self._rewards(correct, texts)
         format_metrics = {} if formats is None else {"rewards/format/mean": float(formats.mean())}
         baselines = {}
-        if "reward_baselines" in estimator_inputs(s["advantage"]):
+        if "reward_baselines" in estimator_inputs(self.advantage.name):
             baselines["reward_baselines"] = self.greedy_reward_baselines(rows)
         per_function = {"correct": correct.float(), **({} if formats is None else {"format": formats})}
         return {
@@ -355,12 +374,14 @@ class DiffuGRPO(NonFiniteGuardMixin, MaskPredictorExportHooks, PlainHparamsMixin
         }
 
     def _rewards(self, correct: Tensor, texts: list[str]) -> tuple[Tensor, Tensor | None]:
-        """(correct x correct_reward [+ format reward of the texts], format rewards or None)."""
-        s = self.settings
-        rewards = correct.float() * s["correct_reward"]
-        if s["format_reward"] is None:
+        """(correct x weights[correct] + the weighted format rewards of the texts, the weighted format rewards
+        summed, or None without any)."""
+        weights = dict(self.rewards.weights)
+        rewards = correct.float() * weights.pop(CORRECTNESS_REWARD)
+        if not weights:
             return rewards, None
-        formats = torch.tensor(format_rewards(texts, s["format_reward"]), device=self.device)
+        formats = sum(torch.tensor(format_rewards(texts, name), device=self.device) * weight
+                      for name, weight in weights.items())
         return rewards + formats, formats
 
     def greedy_reward_baselines(self, rows: list[dict[str, str]]) -> Tensor:
@@ -370,22 +391,22 @@ class DiffuGRPO(NonFiniteGuardMixin, MaskPredictorExportHooks, PlainHparamsMixin
         greedy = rollout(self.model, self.tokenizer, [r["problem"] for r in rows], self.export_sampler(),
                          generator=self._generator(offset=15485863))
         rewards, _ = self._rewards(self._score(greedy.texts, [r["answer"] for r in rows]), greedy.texts)
-        return rewards.repeat_interleave(self.settings["group_size"])
+        return rewards.repeat_interleave(self.group_size)
 
     def compute_advantages(self, batch: dict) -> tuple[Tensor, dict[str, float]]:
         """(N,) or (N, L) advantages of the batch's rewards by the ``advantage`` estimator (core).
 
         Per-token estimators get the completion mask: all ``gen_length`` positions (the loss's tokens
         before the hint-entropy filter; d1 / IGPO score every position, EOS padding included)."""
-        s = self.settings
-        inputs = estimator_inputs(s["advantage"])
-        settings = dict(s["advantage_settings"])
+        name = self.advantage.name
+        inputs = estimator_inputs(name)
+        settings = estimator_settings(self.advantage)
         if "mask" in inputs:
             settings["mask"] = torch.ones(batch["completions"].shape, dtype=batch["rewards"].dtype,
                                           device=batch["rewards"].device)
         if "reward_baselines" in inputs:
             settings["reward_baselines"] = batch["reward_baselines"]
-        return compute_advantages_with_metrics(s["advantage"], batch["rewards"], batch["group_ids"], **settings)
+        return compute_advantages_with_metrics(name, batch["rewards"], batch["group_ids"], **settings)
 
     # ------------------------------------------------------------------ training
 
@@ -394,8 +415,8 @@ class DiffuGRPO(NonFiniteGuardMixin, MaskPredictorExportHooks, PlainHparamsMixin
         seed, ratio = key
         return completion_log_probs(
             model, batch["prompt_ids"], batch["prompt_mask"], batch["completions"], mask_token_id=self.mask_id,
-            p_mask_prompt=self.settings["p_mask_prompt"], completion_mask_ratio=ratio, seed=seed,
-            with_entropy=with_entropy, entropy_grad=entropy_grad, chunk_size=self.settings["chunk"],
+            p_mask_prompt=self.logprob.p_mask_prompt, completion_mask_ratio=ratio, seed=seed,
+            with_entropy=with_entropy, entropy_grad=entropy_grad, chunk_size=self.logprob.chunk_size,
         )
 
     def _reference_log_probs(self, batch: dict, keys: list[tuple[int, float]]) -> dict[tuple[int, float], Tensor]:
@@ -409,12 +430,12 @@ class DiffuGRPO(NonFiniteGuardMixin, MaskPredictorExportHooks, PlainHparamsMixin
         masking only the positions that key masked (the others were visible, not predicted)."""
         loss_mask = torch.ones_like(batch["hint_mask"])
         if batch["hint_mask"].any():
-            loss_mask = hint_entropy_filter(batch["hint_mask"], old_entropy, self.settings["entropy_keep"])
+            loss_mask = hint_entropy_filter(batch["hint_mask"], old_entropy, self.igpo.entropy_keep)
         seed, ratio = key
         if ratio < 1.0:
             loss_mask = loss_mask & perturb_for_scoring(
                 batch["prompt_ids"], batch["prompt_mask"], batch["completions"], mask_token_id=self.mask_id,
-                p_mask_prompt=self.settings["p_mask_prompt"], completion_mask_ratio=ratio, seed=seed,
+                p_mask_prompt=self.logprob.p_mask_prompt, completion_mask_ratio=ratio, seed=seed,
             )[2]
         return loss_mask
 
@@ -425,15 +446,13 @@ class DiffuGRPO(NonFiniteGuardMixin, MaskPredictorExportHooks, PlainHparamsMixin
         step sees the same input. Structured: IGPO's timesteps t_n, ratio t_n / T, one seed per step.
         Seeds derive from ``global_step`` so a resumed run draws the same masks.
         """
-        s = self.settings
-        mu = s["inner_updates"]
-        if s["masking"] == "full":
-            return [(self.global_step * 1000 + i if s["p_mask_prompt"] > 0 else 0, 1.0) for i in range(mu)]
-        steps = structured_timesteps(mu, s["diffusion_steps"], s["min_timestep"], self._generator(offset=104729))
-        return [(self.global_step * 1000 + i, t / s["diffusion_steps"]) for i, t in enumerate(steps)]
+        mu, logprob = self.optim.mu, self.logprob
+        if logprob.masking == "full":
+            return [(self.global_step * 1000 + i if logprob.p_mask_prompt > 0 else 0, 1.0) for i in range(mu)]
+        steps = structured_timesteps(mu, logprob.diffusion_steps, logprob.min_timestep, self._generator(offset=104729))
+        return [(self.global_step * 1000 + i, t / logprob.diffusion_steps) for i, t in enumerate(steps)]
 
     def training_step(self, rows: list[dict[str, str]], batch_idx: int) -> Tensor:
-        s = self.settings
         state = StepState(step=self.global_step, rows=list(rows))
         self.begin_step(state)  # hook: before the rollout
         batch = self.collect(state.rows)
@@ -448,7 +467,7 @@ class DiffuGRPO(NonFiniteGuardMixin, MaskPredictorExportHooks, PlainHparamsMixin
         with torch.no_grad():
             self.model.eval()
             old = {key: self._log_probs(self.model, batch, key, with_entropy=True) for key in unique_keys}
-            ref = self._reference_log_probs(batch, unique_keys) if s["beta"] > 0 else {}
+            ref = self._reference_log_probs(batch, unique_keys) if self.loss.beta > 0 else {}
         loss_masks = {key: self._loss_mask(batch, old[key][1], key) for key in unique_keys}
         keep, filter_metrics = self.filter_groups(batch)
         if keep is not None:  # dropped groups leave the loss (masked, so the batch keeps its size)
@@ -525,14 +544,15 @@ class DiffuGRPO(NonFiniteGuardMixin, MaskPredictorExportHooks, PlainHparamsMixin
         The update-time entropy (the mask predictor's at every scored completion position) is computed when the
         policy loss reads it (``hapo``, detached) or a subclass puts it in the loss (``entropy_in_loss``, with grad).
         """
-        s = self.settings
+        loss_config = self.loss
         with_entropy = self.loss_reads_entropy or self.entropy_in_loss
         log_probs, entropy = self._log_probs(self.model, batch, key, with_entropy=with_entropy,
                                              entropy_grad=self.entropy_in_loss)
         loss, metrics = igpo_loss(
-            log_probs, old_log_probs, ref_log_probs, advantages, loss_mask, ratio_level=s["ratio_level"],
-            clip_low=s["clip_low"], clip_high=s["clip_high"], beta=s["beta"], agg=s["loss_agg"],
-            loss=s["loss"], kl_kind=s["kl_kind"], loss_settings=s["loss_settings"], entropy=entropy,
+            log_probs, old_log_probs, ref_log_probs, advantages, loss_mask, clip_low=loss_config.clip_low,
+            clip_high=loss_config.clip_high, beta=loss_config.beta, agg=loss_config.agg, loss=loss_config.name,
+            kl_kind=loss_config.kl_kind, loss_settings=loss_config.settings, entropy=entropy,
+            norm_len=loss_config.norm_len,
         )
         extra, extra_metrics = self.extra_loss_terms(entropy, loss_mask, state)
         if len(extra):
@@ -565,6 +585,7 @@ class DiffuGRPO(NonFiniteGuardMixin, MaskPredictorExportHooks, PlainHparamsMixin
         return replace(self.sampler, temperature=0.0)
 
     def configure_optimizers(self):
-        h = self.hparams
-        return make_optimizer(self.model.parameters(), lr=h.lr, weight_decay=h.weight_decay, betas=tuple(h.betas),
-                              warmup_steps=h.warmup_steps, schedule=h.lr_schedule, total_steps=max_steps_or_none(self))
+        optim = self.optim
+        return make_optimizer(self.model.parameters(), lr=optim.lr, weight_decay=optim.weight_decay, betas=optim.betas,
+                              warmup_steps=optim.warmup_steps, schedule=optim.lr_schedule,
+                              total_steps=max_steps_or_none(self))

@@ -14,6 +14,8 @@ Why not ``BlockRefinementScheduler.add_noise``: it draws a separate mask ratio p
 
 from __future__ import annotations
 
+import dataclasses
+
 import lightning.pytorch as pl
 import torch
 import torch.nn.functional as F
@@ -28,13 +30,16 @@ from mmpo.dllm.modeling import (
     mask_predictor_logits,
     mask_token_id,
 )
-from mmpo.dllm.checkpoint_hparams import PlainHparamsMixin, as_config
+from mmpo.dllm.checkpoint_hparams import LegacyHparamsMixin, PlainHparamsMixin, as_config
+from mmpo.dllm.config import SFT_OPTIM
 from mmpo.dllm.export_hooks import MaskPredictorExportHooks
 from mmpo.training.nonfinite import DEFAULT_MAX_CONSECUTIVE_SKIPS, NonFiniteGuard, NonFiniteGuardMixin
 from mmpo.dllm.sampler import SamplerConfig
 from mmpo.dllm.task import ArithmeticTaskConfig, corpus
 from mmpo.dllm.tokenizer import train_char_tokenizer
-from mmpo.training.optim import make_optimizer
+from mmpo.training.config import OptimConfig
+from mmpo.training.config import as_config as as_group  # a group over the module's default instance
+from mmpo.training.optim import make_optimizer, max_steps_or_none
 
 
 def sft_forward_process(
@@ -71,7 +76,21 @@ def llada_sft_loss(answer_logits: Tensor, answers: Tensor, masked: Tensor, p_mas
     return per_row.mean()
 
 
-class MaskedDiffusionSFT(NonFiniteGuardMixin, MaskPredictorExportHooks, PlainHparamsMixin, pl.LightningModule):
+def _check_sft_optim(optim: OptimConfig) -> None:
+    """The SFT module makes one optimizer step per batch and leaves clipping to the trainer: refuse the
+    update-loop fields it would ignore."""
+    if optim.mu != 1:
+        raise ValueError(f"optim.mu must be 1 for SFT (one optimizer step per batch), got {optim.mu}")
+    for name in ("minibatch_size", "micro_batch_size"):
+        if getattr(optim, name) is not None:
+            raise ValueError(f"optim.{name} must be null for SFT (one optimizer step per batch), got {getattr(optim, name)}")
+    if optim.max_grad_norm:
+        raise ValueError(f"optim.max_grad_norm must be 0 for SFT, got {optim.max_grad_norm}; "
+                         "clip with trainer.gradient_clip_val")
+
+
+class MaskedDiffusionSFT(LegacyHparamsMixin, NonFiniteGuardMixin, MaskPredictorExportHooks, PlainHparamsMixin,
+                         pl.LightningModule):
     """SFT warm-up of a masked-diffusion LM on reference traces (LLaDA SFT loss).
 
     Args:
@@ -81,9 +100,10 @@ class MaskedDiffusionSFT(NonFiniteGuardMixin, MaskPredictorExportHooks, PlainHpa
         tiny: size of the tiny model built when ``init_from`` is None.
         tokenizer_task: task whose corpus trains the tiny model's tokenizer.
         sampler: generation settings (validation decodes greedily with them; saved as defaults).
-        lr: AdamW learning rate.
-        weight_decay: AdamW weight decay.
-        warmup_steps: linear learning-rate warm-up.
+        optim: AdamW and its schedule (:class:`~mmpo.training.config.OptimConfig`; defaults lr 1e-3,
+            weight_decay 0.01, betas (0.9, 0.999), warmup_steps 50, lr_schedule constant). One optimizer step per
+            batch (Lightning's automatic optimization): mu must be 1, minibatch_size / micro_batch_size null, and
+            max_grad_norm 0 (clip with ``trainer.gradient_clip_val``).
         mask_eps: LLaDA's eps in p = (1 - eps) t + eps.
         seed: seed of the masking RNG and of the tiny model's initialisation.
         max_consecutive_skips: optimizer steps with a non-finite loss or gradient norm are skipped (weights and
@@ -100,9 +120,7 @@ class MaskedDiffusionSFT(NonFiniteGuardMixin, MaskPredictorExportHooks, PlainHpa
         tiny: TinyMaskPredictorConfig | None = None,
         tokenizer_task: ArithmeticTaskConfig | None = None,
         sampler: SamplerConfig | None = None,
-        lr: float = 1e-3,
-        weight_decay: float = 0.01,
-        warmup_steps: int = 50,
+        optim: OptimConfig = SFT_OPTIM,
         mask_eps: float = 1e-3,
         seed: int = 0,
         max_consecutive_skips: int = DEFAULT_MAX_CONSECUTIVE_SKIPS,
@@ -110,10 +128,13 @@ class MaskedDiffusionSFT(NonFiniteGuardMixin, MaskPredictorExportHooks, PlainHpa
     ) -> None:
         super().__init__()
         self.save_hyperparameters()
+        self.optim = as_group(optim, SFT_OPTIM)
+        self.hparams["optim"] = dataclasses.asdict(self.optim)  # a plain dict in checkpoints (weights_only loads)
+        _check_sft_optim(self.optim)
         self.nonfinite = NonFiniteGuard(max_consecutive_skips)
         self.save_dir = save_dir
         self.sampler = as_config(sampler, SamplerConfig)
-        self.lr, self.weight_decay, self.warmup_steps, self.mask_eps = lr, weight_decay, warmup_steps, mask_eps
+        self.mask_eps = mask_eps
         if init_from:
             self.model, self.tokenizer = load_mask_predictor(init_from, trust_remote_code=trust_remote_code)
         else:
@@ -145,6 +166,7 @@ class MaskedDiffusionSFT(NonFiniteGuardMixin, MaskPredictorExportHooks, PlainHpa
         super().on_load_checkpoint(checkpoint)  # the run id
 
     def configure_optimizers(self):
-        # linear warm-up, then constant
-        return make_optimizer(self.model.parameters(), lr=self.lr, weight_decay=self.weight_decay,
-                              warmup_steps=self.warmup_steps)
+        optim = self.optim
+        return make_optimizer(self.model.parameters(), lr=optim.lr, weight_decay=optim.weight_decay, betas=optim.betas,
+                              warmup_steps=optim.warmup_steps, schedule=optim.lr_schedule,
+                              total_steps=max_steps_or_none(self))

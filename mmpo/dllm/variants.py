@@ -24,17 +24,26 @@ See docs/variants/lspo.md, sfpo.md, epo.md and hapo.md.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import torch
 from torch import Tensor
 
+from mmpo.dllm.config import DIFFU_GRPO_ADVANTAGE, DIFFU_GRPO_LOSS
 from mmpo.dllm.rl import DiffuGRPO
 from mmpo.core import LossParts, aggregate, dynamic_sampling_filter
 from mmpo.core.hapo import hapo_module_loss_settings
+from mmpo.training.config import AdvantageConfig, LossConfig, as_config
 from mmpo.training.state_hooks import CheckpointedState
 from mmpo.training.step_state import StepState
 from mmpo.training.variants import EntropySmoothing, LengthBands, SlowFastUpdate
+
+
+# the variants' defaults over DiffuGRPO's (mmpo.dllm.config): EPO's lambda_H, HAPO's estimator and loss
+EPO_LOSS = dataclasses.replace(DIFFU_GRPO_LOSS, entropy_coef=0.001)
+HAPO_ADVANTAGE = dataclasses.replace(DIFFU_GRPO_ADVANTAGE, name="hapo")
+HAPO_LOSS = dataclasses.replace(DIFFU_GRPO_LOSS, name="hapo")
 
 
 def completion_lengths(completions: Tensor, eos_token_id: int) -> Tensor:
@@ -95,12 +104,12 @@ class EPODiffuGRPO(CheckpointedState, DiffuGRPO):
     """DiffuGRPO / IGPO with EPO's entropy terms: loss = igpo_loss - lambda_H * (H - kappa * w(e) * P).
 
     H is the update-time entropy of the mask predictor (differentiable) aggregated like the policy loss
-    (``loss_agg`` over the inner update's loss mask); P the out-of-band penalty against the mean of past
+    (``loss.agg`` over the inner update's loss mask); P the out-of-band penalty against the mean of past
     steps' token-mean entropies H_hist (gradient-free, as the official code); both from ``mmpo.core.entropy_reg``.
     Defaults are the official script's (as ``mmpo.algos.epo.EPOModule``).
 
     Args:
-        entropy_coef: lambda_H (official 0.001).
+        loss: DiffuGRPO's loss with ``entropy_coef`` lambda_H (official 0.001).
         epo_smooth_coef: kappa (official 1.0).
         epo_min_ratio, epo_max_ratio: the band (kappa_l H_hist, kappa_r H_hist) (official 0.5, 1.5).
         epo_penalty: P outside the band (official 0.1).
@@ -116,22 +125,23 @@ class EPODiffuGRPO(CheckpointedState, DiffuGRPO):
     checkpointed_state = (("epo_entropy_history", "epo"),)
     entropy_in_loss = True
 
-    def __init__(self, *, entropy_coef: float = 0.001, epo_smooth_coef: float = 1.0, epo_min_ratio: float = 0.5,
+    def __init__(self, *, loss: LossConfig = EPO_LOSS, epo_smooth_coef: float = 1.0, epo_min_ratio: float = 0.5,
                  epo_max_ratio: float = 1.5, epo_penalty: float = 0.1, epo_mask_mode: str = "token",
                  epo_phase_weights: bool = False, epo_phase_epochs: int = 150, **kwargs: Any) -> None:
-        epo = EntropySmoothing(entropy_coef, epo_smooth_coef, epo_min_ratio, epo_max_ratio, epo_penalty,
+        loss = as_config(loss, EPO_LOSS)
+        epo = EntropySmoothing(loss.entropy_coef, epo_smooth_coef, epo_min_ratio, epo_max_ratio, epo_penalty,
                                epo_mask_mode, epo_phase_weights, epo_phase_epochs)
-        super().__init__(**kwargs)
+        super().__init__(loss=loss, **kwargs)
         self.epo = epo
         self.entropy_history = epo.history  # H_hist (the same object)
 
     def extra_loss_terms(self, entropy: Tensor | None, loss_mask: Tensor,
                          state: StepState | None = None) -> tuple[LossParts, dict[str, Any]]:
         # loss = policy + beta KL - lambda_H * H + lambda_H * kappa * w * P, aggregated like the policy loss
-        agg = self.settings["loss_agg"]
+        agg, norm_len = self.loss.agg, self.loss.norm_len
         epoch = 0 if self._trainer is None else self.current_epoch
-        return self.epo.terms(entropy, loss_mask.to(entropy.dtype), lambda v, m: aggregate(v, m, agg), epoch=epoch,
-                              bonus=True, step=state)
+        return self.epo.terms(entropy, loss_mask.to(entropy.dtype), lambda v, m: aggregate(v, m, agg, norm_len=norm_len),
+                              epoch=epoch, bonus=True, step=state)
 
     def end_step(self, state: StepState) -> None:
         def sum_over_ranks(value: Tensor) -> Tensor:  # one history for all ranks
@@ -158,7 +168,8 @@ class HAPODiffuGRPO(DiffuGRPO):
         hapo_signed_entropy: keep h^ negative for low-entropy tokens (the paper's intent, UNVERIFIED);
             false = the official code, where h^ >= 0 for every token.
         hapo_dual_clip: the dual clip c (official 10; None disables).
-        advantage, loss: HAPO's (``hapo``, ``hapo``); the ``hapo_*`` loss options apply only with ``loss: hapo``.
+        advantage, loss: HAPO's (``advantage.name`` hapo, ``loss.name`` hapo, DiffuGRPO's other fields); the
+            ``hapo_*`` loss options apply only with ``loss.name: hapo``, under the user's ``loss.settings``.
         **kwargs: every :class:`~mmpo.dllm.rl.DiffuGRPO` setting.
 
     Metrics: ``policy/hapo_high_entropy`` (share of loss tokens with h^ > 0), ``policy/clipfrac_dual``,
@@ -166,9 +177,11 @@ class HAPODiffuGRPO(DiffuGRPO):
     """
 
     def __init__(self, *, hapo_entropy_pivot: float = 0.8, hapo_clip_alpha: float = 1.0, hapo_adv_beta: float = 1.0,
-                 hapo_signed_entropy: bool = False, hapo_dual_clip: float | None = 10.0, advantage: str = "hapo",
-                 loss: str | None = "hapo", loss_settings: dict[str, Any] | None = None, **kwargs: Any) -> None:
-        settings = hapo_module_loss_settings(loss, loss_settings, entropy_pivot=hapo_entropy_pivot,
+                 hapo_signed_entropy: bool = False, hapo_dual_clip: float | None = 10.0,
+                 advantage: AdvantageConfig = HAPO_ADVANTAGE, loss: LossConfig = HAPO_LOSS, **kwargs: Any) -> None:
+        loss = as_config(loss, HAPO_LOSS)
+        settings = hapo_module_loss_settings(loss.name, loss.settings, entropy_pivot=hapo_entropy_pivot,
                                              clip_alpha=hapo_clip_alpha, adv_beta=hapo_adv_beta,
                                              signed_entropy=hapo_signed_entropy, dual_clip=hapo_dual_clip)
-        super().__init__(advantage=advantage, loss=loss, loss_settings=settings, **kwargs)
+        super().__init__(advantage=as_config(advantage, HAPO_ADVANTAGE), loss=dataclasses.replace(loss, settings=settings),
+                         **kwargs)

@@ -113,12 +113,14 @@ class AdvantageConfig:
         eps: epsilon added to the group std (estimators that take eps); None = estimator default.
         dynamic_sampling: DAPO dynamic sampling: groups whose rewards all agree are masked out of the loss.
         dynamic_sampling_retries: with dynamic_sampling, sample such groups' prompts again up to this many times.
+        settings: further keyword settings of the estimator (e.g. reinforce_plus_plus's gamma); eps goes in ``eps``.
     """
 
     name: str = "grpo"
     eps: float | None = 1e-6
     dynamic_sampling: bool = False
     dynamic_sampling_retries: int = 0
+    settings: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         from mmpo.core import ADVANTAGE_ESTIMATORS
@@ -127,6 +129,8 @@ class AdvantageConfig:
                  f"unknown advantage {self.name!r}; valid: {ADVANTAGE_ESTIMATORS.names()}")
         _require(self.dynamic_sampling_retries >= 0,
                  f"dynamic_sampling_retries must be >= 0, got {self.dynamic_sampling_retries}")
+        # one place for eps: a second one in settings would silently override it
+        _require("eps" not in (self.settings or {}), "advantage settings must not hold eps; set advantage.eps")
 
 
 @dataclass(frozen=True)
@@ -136,6 +140,7 @@ class OptimConfig:
     Attributes:
         lr: AdamW learning rate.
         weight_decay: AdamW weight decay.
+        betas: AdamW's (beta1, beta2) moment decay rates (torch's default 0.9, 0.999; IGPO / d1 use 0.9, 0.99).
         warmup_steps: linear learning-rate warm-up, in optimizer steps.
         lr_schedule: after warm-up: constant, linear or cosine decay to trainer.max_steps.
         max_grad_norm: gradient clipping norm; 0 disables clipping.
@@ -146,6 +151,7 @@ class OptimConfig:
 
     lr: float = 1e-6
     weight_decay: float = 0.0
+    betas: tuple[float, float] = (0.9, 0.999)
     warmup_steps: int = 0
     lr_schedule: str = "constant"
     max_grad_norm: float = 1.0
@@ -158,6 +164,10 @@ class OptimConfig:
 
         _require(self.lr > 0, f"lr must be > 0, got {self.lr}")
         _require(self.weight_decay >= 0, f"weight_decay must be >= 0, got {self.weight_decay}")
+        # a YAML list or a checkpoint's list comes in as a list: kept as a tuple so equal settings compare equal
+        object.__setattr__(self, "betas", tuple(self.betas))
+        _require(len(self.betas) == 2 and all(0 <= b < 1 for b in self.betas),
+                 f"betas must be two values in [0, 1), got {list(self.betas)}")
         _require(self.warmup_steps >= 0, f"warmup_steps must be >= 0, got {self.warmup_steps}")
         _require(self.lr_schedule in SCHEDULES, f"unknown schedule {self.lr_schedule!r}; valid: {list(SCHEDULES)}")
         _require(self.max_grad_norm >= 0, f"max_grad_norm must be >= 0, got {self.max_grad_norm}")
@@ -283,14 +293,15 @@ GROUPS: dict[str, type] = {
 """Init argument name -> config class, for the modules that take every group (``GRPOModule`` and its variants)."""
 
 
-def merged_settings(*layers: Mapping[str, Any]) -> dict[str, Any]:
+def merged_settings(*layers: Mapping[str, Any], groups: Mapping[str, type] = GROUPS) -> dict[str, Any]:
     """Module init arguments from ``layers``, later layers winning; a config group (a dict of fields or a
     config instance) in several layers is merged field by field, so ``merged_settings(defaults, {"optim":
-    {"mu": 2}})`` keeps the other optim fields of ``defaults``. Groups come out as dicts (the modules take them)."""
+    {"mu": 2}})`` keeps the other optim fields of ``defaults``. Groups come out as dicts (the modules take them).
+    ``groups``: the init arguments that are groups (the dLLM module's: ``mmpo.dllm.config.DLLM_GROUPS``)."""
     out: dict[str, Any] = {}
     for layer in layers:
         for key, value in layer.items():
-            if key in GROUPS and value is not None:
+            if key in groups and value is not None:
                 fields = dataclasses.asdict(value) if dataclasses.is_dataclass(value) else dict(value)
                 out[key] = {**(out.get(key) or {}), **fields}
             else:

@@ -46,7 +46,7 @@ def test_sft_then_igpo_fit_end_to_end(tmp_path, monkeypatch):
             f"--model.init_args.model_path={warm}", "--model.init_args.warmup_config=null",
             f"--model.init_args.save_dir={out / 'model'}", f"--trainer.default_root_dir={out}",
             f"--trainer.callbacks.init_args.dirpath={out / 'ckpt'}",
-            "--model.init_args.group_size=4", "--model.init_args.inner_updates=2",
+            "--model.init_args.group_size=4", "--model.init_args.optim.mu=2",
             "--model.init_args.sampler.gen_length=32", "--model.init_args.sampler.steps=8",
             f"--trainer.max_steps={max_steps}", "--trainer.val_check_interval=2", "--trainer.enable_progress_bar=false",
             "--trainer.logger=lightning.pytorch.loggers.CSVLogger", f"--trainer.logger.init_args.save_dir={log_dir}",

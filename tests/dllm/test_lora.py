@@ -57,7 +57,7 @@ def test_diffugrpo_with_lora_trains_the_adapter_against_the_disabled_adapter(tin
     save_mask_predictor(model, tokenizer, tmp_path / "start")
     module = DiffuGRPO(
         model_path=str(tmp_path / "start"), warmup_config=None, save_dir=str(tmp_path / "out"), group_size=4,
-        inner_updates=2, lr=1e-2, warmup_steps=1, beta=0.05, igpo=False,
+        optim={"mu": 2, "lr": 1e-2, "warmup_steps": 1}, loss={"beta": 0.05}, igpo={"enabled": False},
         sampler=SamplerConfig(gen_length=16, block_length=8, steps=8, temperature=1.2),
         lora=LoraSettings(r=4, alpha=8, dropout=0.0, target_modules=TINY_TARGETS),
     )

@@ -1,4 +1,4 @@
-"""DiffuGRPO's ``advantage`` / ``loss`` / ``kl_kind`` settings: the core's verl / TRL names reach the dLLM loss.
+"""DiffuGRPO's ``advantage.name`` / ``loss.name`` / ``loss.kl_kind`` settings: the core's verl / TRL names reach the dLLM loss.
 
 Rollouts are scripted (known texts, so known rewards); ``igpo_loss`` is wrapped to record what reaches it.
 """
@@ -13,12 +13,14 @@ import torch
 from torch.utils.data import DataLoader
 
 import mmpo.dllm.rl as rl
+from mmpo.dllm.config import DLLM_GROUPS
 from mmpo.dllm.hints import HintConfig
 from mmpo.dllm.modeling import save_mask_predictor
 from mmpo.dllm.rewards import derivation_format_reward
 from mmpo.dllm.rollout import Rollout
 from mmpo.dllm.sampler import SamplerConfig
 from mmpo.core import compute_advantages, kl_penalty
+from mmpo.training.config import merged_settings
 
 GEN = 8
 ROWS = [{"problem": "1+2", "trace": "1+2=3\nA:3", "answer": "3"}, {"problem": "2*2", "trace": "2*2=4\nA:4", "answer": "4"}]
@@ -65,19 +67,14 @@ def scripted(monkeypatch):
 
 
 def _module(start, tmp_path, **overrides) -> rl.DiffuGRPO:
-    settings = dict(model_path=start, warmup_config=None, save_dir=str(tmp_path / "out"), group_size=3,
-                    inner_updates=2, igpo=False, beta=0.0, format_reward="derivation", reward_timeout_s=None,
-                    lr=1e-2, warmup_steps=0, max_grad_norm=1e9, overwrite_output=True,
-                    sampler=SamplerConfig(gen_length=GEN, block_length=8, steps=4),
-                    hints=HintConfig(min_chunk=1, max_chunk=2, free_tail=1))
-    return rl.DiffuGRPO(**{**settings, **overrides})
+    return rl.DiffuGRPO(**_settings(start, tmp_path, **overrides))
 
 
 def _step(module: rl.DiffuGRPO, batches: int = 1) -> dict[str, torch.Tensor]:
-    """``batches`` training steps (inner_updates optimizer steps each) on ROWS; the weights after them
+    """``batches`` training steps (optim.mu optimizer steps each) on ROWS; the weights after them
     (the last step's logged metrics stay in ``module.trainer.callback_metrics``)."""
     torch.manual_seed(0)
-    trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=batches * module.settings["inner_updates"],
+    trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=batches * module.optim.mu,
                          logger=False, enable_checkpointing=False, enable_progress_bar=False,
                          enable_model_summary=False, num_sanity_val_steps=0)
     trainer.fit(module, DataLoader([ROWS] * batches, batch_size=None, collate_fn=lambda x: x))
@@ -85,23 +82,24 @@ def _step(module: rl.DiffuGRPO, batches: int = 1) -> dict[str, torch.Tensor]:
 
 
 def test_explicit_default_names_equal_the_default_step(start, tmp_path, scripted):
-    default = _step(_module(start, tmp_path, beta=0.01))
-    explicit = _step(_module(start, tmp_path, beta=0.01, advantage="drgrpo", loss="igpo_sequence", kl_kind="k3"))
-    alias = _step(_module(start, tmp_path, beta=0.01, kl_kind="low_var_kl"))  # verl's name of k3, same clamps
+    default = _step(_module(start, tmp_path, loss={"beta": 0.01}))
+    explicit = _step(_module(start, tmp_path, loss={"beta": 0.01, "name": "igpo_sequence", "kl_kind": "k3"},
+                             advantage={"name": "drgrpo"}))
+    alias = _step(_module(start, tmp_path, loss={"beta": 0.01, "kl_kind": "low_var_kl"}))  # verl's name of k3
     for name, weight in default.items():
         assert torch.equal(weight, explicit[name]), name
         assert torch.equal(weight, alias[name]), name
     rewards = torch.tensor(REWARDS)
     assert scripted[0]["advantages"].tolist() == pytest.approx(
         (rewards - rewards.view(2, 3).mean(1).repeat_interleave(3)).tolist())
-    other = _step(_module(start, tmp_path, beta=0.01, loss="ppo"))  # a different loss: the comparison sees it
+    other = _step(_module(start, tmp_path, loss={"beta": 0.01, "name": "ppo"}))  # a different loss: the comparison sees it
     assert any(not torch.equal(weight, other[name]) for name, weight in default.items())
 
 
 @pytest.mark.parametrize("name", ["reinforce_plus_plus_baseline", "grpo_passk", "opo", "gpg", "reinforce_plus_plus",
                                   "grpo", "rloo", "hapo"])
 def test_estimator_advantages_reach_the_loss(start, tmp_path, scripted, name):
-    _step(_module(start, tmp_path, advantage=name))
+    _step(_module(start, tmp_path, advantage={"name": name}))
     rewards = torch.tensor(REWARDS)
     mask = torch.ones(6, GEN)  # the dLLM completion mask: every generated position
     settings = {"mask": mask} if name in {"reinforce_plus_plus_baseline", "opo", "reinforce_plus_plus", "hapo"} else {}
@@ -114,7 +112,7 @@ def test_estimator_advantages_reach_the_loss(start, tmp_path, scripted, name):
 
 def test_estimator_values_by_hand(start, tmp_path, scripted):
     rewards = torch.tensor(REWARDS)
-    _step(_module(start, tmp_path, advantage="grpo_passk", inner_updates=1))
+    _step(_module(start, tmp_path, advantage={"name": "grpo_passk"}, optim={"mu": 1}))
     passk = scripted[-1]["advantages"]
     # group 1: rewards (1.75, 1.75, f("A:7")): a tie at the top gives the whole group 0
     assert passk[3:].tolist() == [0.0, 0.0, 0.0]
@@ -122,11 +120,11 @@ def test_estimator_values_by_hand(start, tmp_path, scripted):
     top2 = g0.sort(descending=True).values[:2]
     assert passk[0] == pytest.approx(float((top2[0] - top2[1]) / (g0.std() + 1e-6)))
     assert passk[1:3].tolist() == [0.0, 0.0]
-    _step(_module(start, tmp_path, advantage="opo", inner_updates=1))
+    _step(_module(start, tmp_path, advantage={"name": "opo"}, optim={"mu": 1}))
     # every completion covers all GEN positions: OPO's length-weighted baseline is the group mean (= drgrpo)
     drgrpo = rewards - rewards.view(2, 3).mean(1).repeat_interleave(3)
     assert scripted[-1]["advantages"].tolist() == pytest.approx(drgrpo.tolist())
-    _step(_module(start, tmp_path, advantage="reinforce_plus_plus_baseline", inner_updates=1))
+    _step(_module(start, tmp_path, advantage={"name": "reinforce_plus_plus_baseline"}, optim={"mu": 1}))
     token_adv = scripted[-1]["advantages"]
     centred = rewards - rewards.view(2, 3).mean(1).repeat_interleave(3)
     n = 6 * GEN  # whitening over every token: each row has GEN equal ones; Bessel over 6 x GEN values
@@ -136,7 +134,7 @@ def test_estimator_values_by_hand(start, tmp_path, scripted):
 
 
 def test_remax_baseline_is_the_greedy_rollouts_reward(start, tmp_path, scripted):
-    module = _module(start, tmp_path, advantage="remax", inner_updates=1)
+    module = _module(start, tmp_path, advantage={"name": "remax"}, optim={"mu": 1})
     _step(module)
     baselines = [1.0 + derivation_format_reward(GREEDY[0])] * 3 + [derivation_format_reward(GREEDY[1])] * 3
     expected = torch.tensor(REWARDS) - torch.tensor(baselines)
@@ -144,7 +142,7 @@ def test_remax_baseline_is_the_greedy_rollouts_reward(start, tmp_path, scripted)
 
 
 def test_sapo_loss_at_ratio_one_is_two_over_tau_times_advantage(start, tmp_path, scripted):
-    _step(_module(start, tmp_path, loss="sapo", loss_settings={"tau_pos": 1.0, "tau_neg": 2.0}))
+    _step(_module(start, tmp_path, loss={"name": "sapo", "settings": {"tau_pos": 1.0, "tau_neg": 2.0}}))
     first = scripted[0]
     assert first["loss"] == "sapo" and torch.equal(first["log_probs"], first["old"])  # on-policy: r = 1
     adv = first["advantages"]
@@ -154,7 +152,7 @@ def test_sapo_loss_at_ratio_one_is_two_over_tau_times_advantage(start, tmp_path,
 
 
 def test_gpg_loss_is_minus_advantage_times_log_prob(start, tmp_path, scripted):
-    _step(_module(start, tmp_path, loss="gpg", advantage="gpg"))
+    _step(_module(start, tmp_path, loss={"name": "gpg"}, advantage={"name": "gpg"}))
     for call in scripted:
         expected = -(call["advantages"].unsqueeze(1) * call["log_probs"]).mean()
         assert float(call["value"]) == pytest.approx(float(expected), rel=1e-6, abs=1e-7)
@@ -164,7 +162,7 @@ def test_gpg_loss_is_minus_advantage_times_log_prob(start, tmp_path, scripted):
 
 @pytest.mark.parametrize("kind", ["abs", "low_var_kl", "mse"])
 def test_kl_kind_reaches_the_kl_term(start, tmp_path, scripted, kind):
-    _step(_module(start, tmp_path, beta=0.5, kl_kind=kind))
+    _step(_module(start, tmp_path, loss={"beta": 0.5, "kl_kind": kind}))
     second = scripted[1]  # after one optimizer step the policy has left the reference
     gap = second["log_probs"] - second["ref"]
     assert float(gap.abs().max()) > 1e-4
@@ -175,36 +173,50 @@ def test_kl_kind_reaches_the_kl_term(start, tmp_path, scripted, kind):
 
 def test_bad_names_fail_at_construction_naming_the_valid_ones(start, tmp_path):
     with pytest.raises(ValueError, match=r"unknown advantage 'nope'.*reinforce_plus_plus_baseline"):
-        _module(start, tmp_path, advantage="nope")
+        _module(start, tmp_path, advantage={"name": "nope"})
     with pytest.raises(ValueError, match=r"unknown loss 'nope'.*sapo"):
-        _module(start, tmp_path, loss="nope")
+        _module(start, tmp_path, loss={"name": "nope"})
     with pytest.raises(ValueError, match=r"unknown kl_kind 'nope'.*low_var_kl"):
-        _module(start, tmp_path, kl_kind="nope")
-    with pytest.raises(ValueError, match=r"ratio_level 'token' selects loss 'ppo' but loss is 'sapo'"):
-        _module(start, tmp_path, ratio_level="token", loss="sapo")
+        _module(start, tmp_path, loss={"kl_kind": "nope"})
     with pytest.raises(ValueError, match=r"loss 'sapo' has no clip bounds: \{'clip_high': 0.3\}"):
-        _module(start, tmp_path, loss="sapo", clip_high=0.3)
+        _module(start, tmp_path, loss={"name": "sapo", "clip_high": 0.3})
     with pytest.raises(ValueError, match="tau_pos"):  # the loss's own settings are checked too
-        _module(start, tmp_path, loss="sapo", loss_settings={"tau_pos": -1.0})
+        _module(start, tmp_path, loss={"name": "sapo", "settings": {"tau_pos": -1.0}})
     with pytest.raises(ValueError, match="gamma_typo"):
-        _module(start, tmp_path, advantage="reinforce_plus_plus", advantage_settings={"gamma_typo": 0.9})
-    with pytest.raises(ValueError, match="provided by the module"):
-        _module(start, tmp_path, advantage="opo", advantage_settings={"mask": None})
+        _module(start, tmp_path, advantage={"name": "reinforce_plus_plus", "settings": {"gamma_typo": 0.9}})
+    with pytest.raises(ValueError, match=r"advantage.settings \['mask'\] are provided by the module"):
+        _module(start, tmp_path, advantage={"name": "opo", "settings": {"mask": None}})
 
 
 def test_ratio_level_and_loss_that_agree_are_accepted(start, tmp_path):
     assert rl.check_loss_choice("token", "ppo", None, 0.2, 0.2, "k3", "token-mean") == "ppo"
     assert rl.check_loss_choice("sequence", "cispo", None, 0.2, 0.2, "k3", "token-mean") == "cispo"
     assert rl.check_loss_choice("sequence_masked", None, None, 0.2, 0.2, "k3", "token-mean") == "gspo"
-    module = _module(start, tmp_path, ratio_level="sequence_masked", loss="gspo")
-    assert module.settings["loss"] == "gspo"
+    with pytest.raises(ValueError, match=r"ratio_level 'token' selects loss 'ppo' but loss is 'sapo'"):
+        rl.check_loss_choice("token", "sapo", None, 0.2, 0.2, "k3", "token-mean")
+    module = _module(start, tmp_path, loss={"name": "gspo"})  # the old ratio_level sequence_masked
+    assert module.loss.name == "gspo"
+
+
+def test_null_clip_bounds_leave_the_loss_its_own_defaults(start, tmp_path, scripted):
+    """``clip_low: null`` is the loss's own default (ppo 0.2), as in the VLM modules; sapo accepts nulls."""
+    _step(_module(start, tmp_path, loss={"name": "ppo", "clip_low": None, "clip_high": None}, optim={"mu": 1}))
+    assert scripted[0]["clip_low"] is None and scripted[0]["clip_high"] is None
+    assert rl.check_loss_choice("sequence", "sapo", None, None, None, "k3", "token-mean") == "sapo"
+
+
+def test_advantage_eps_reaches_the_estimator(start, tmp_path, scripted):
+    _step(_module(start, tmp_path, advantage={"name": "grpo", "eps": 0.5}, optim={"mu": 1}))
+    expected = compute_advantages("grpo", torch.tensor(REWARDS), GROUP_IDS, eps=0.5)
+    assert torch.allclose(scripted[0]["advantages"], expected, atol=1e-6)
+    assert not torch.allclose(expected, compute_advantages("grpo", torch.tensor(REWARDS), GROUP_IDS), atol=1e-3)
 
 
 @pytest.mark.parametrize("name", ["optimal_token_baseline", "tir_optimal_token_baseline"])
 def test_estimators_needing_token_statistics_fail_clearly(start, tmp_path, name):
     with pytest.raises(ValueError, match=rf"advantage '{name}' needs the input\(s\) \['old_log_probs', "
                                          r"'sum_pi_squared'\], which the dLLM module does not compute"):
-        _module(start, tmp_path, advantage=name)
+        _module(start, tmp_path, advantage={"name": name})
 
 
 def _fit_grpo_tiny(start, out, *overrides: str) -> list[dict[str, str]]:
@@ -219,7 +231,7 @@ def _fit_grpo_tiny(start, out, *overrides: str) -> list[dict[str, str]]:
         "--model.init_args.warmup_config=null", f"--model.init_args.save_dir={out / 'model'}",
         f"--trainer.default_root_dir={out}", f"--trainer.callbacks.init_args.dirpath={out / 'ckpt'}",
         "--model.init_args.group_size=2", "--model.init_args.sampler.gen_length=8", "--model.init_args.sampler.steps=4",
-        "--trainer.max_steps=2", "--trainer.enable_progress_bar=false", "--model.init_args.reward_timeout_s=null",
+        "--trainer.max_steps=2", "--trainer.enable_progress_bar=false", "--model.init_args.rewards.timeout_s=null",
         "--trainer.logger=lightning.pytorch.loggers.CSVLogger", f"--trainer.logger.init_args.save_dir={out}",
         "--data.init_args.batch_size=2", "--data.init_args.train_size=8", "--data.init_args.test_size=4",
         "--data.init_args.val_size=2", *overrides,
@@ -230,24 +242,32 @@ def _fit_grpo_tiny(start, out, *overrides: str) -> list[dict[str, str]]:
 
 
 def test_config_override_trains_two_steps_through_mmpo_fit(start, tmp_path, monkeypatch):
-    """``mmpo fit -c configs/dllm/grpo_tiny.yaml --model.init_args.advantage=opo`` (+ loss / kl_kind) on a tiny model."""
+    """``mmpo fit -c configs/dllm/grpo_tiny.yaml --model.init_args.advantage.name=opo`` (+ loss fields and
+    ``optim.lr``) on a tiny model: the command line sets fields over the YAML's groups."""
+    import yaml
+
     monkeypatch.chdir(REPO)
     out = tmp_path / "run"
-    rows = _fit_grpo_tiny(start, out, "--model.init_args.advantage=opo", "--model.init_args.loss=sapo",
-                          "--model.init_args.kl_kind=low_var_kl",
-                          "--model.init_args.loss_settings={tau_pos: 1.0, tau_neg: 1.2}")
-    assert len(rows) == 1  # 2 optimizer steps = 1 batch x inner_updates 2
+    rows = _fit_grpo_tiny(start, out, "--model.init_args.advantage.name=opo", "--model.init_args.loss.name=sapo",
+                          "--model.init_args.loss.kl_kind=low_var_kl", "--model.init_args.optim.lr=3e-4",
+                          "--model.init_args.loss.settings={tau_pos: 1.0, tau_neg: 1.2}")
+    assert len(rows) == 1  # 2 optimizer steps = 1 batch x optim.mu 2
     assert torch.isfinite(torch.tensor(float(rows[0]["losses/policy"])))
-    hparams = (sorted(out.rglob("hparams.yaml"))[-1]).read_text()
-    assert "advantage: opo" in hparams and "loss: sapo" in hparams and "kl_kind: low_var_kl" in hparams
-    assert "tau_neg: 1.2" in hparams
+    # the logged lr is the next step's: step 3 of the YAML's 5-step warm-up of the command line's lr
+    assert float(rows[0]["lr"]) == pytest.approx(3e-4 * 3 / 5)
+    hparams = yaml.safe_load((sorted(out.rglob("hparams.yaml"))[-1]).read_text())
+    assert hparams["advantage"]["name"] == "opo" and hparams["loss"]["name"] == "sapo"
+    assert hparams["loss"]["kl_kind"] == "low_var_kl" and hparams["loss"]["settings"] == {"tau_pos": 1.0, "tau_neg": 1.2}
+    # the fields the command line left alone keep the YAML's values, the others the module's defaults
+    assert (hparams["optim"]["lr"], hparams["optim"]["mu"], hparams["optim"]["warmup_steps"]) == (3e-4, 2, 5)
+    assert hparams["loss"]["beta"] == 0.01 and list(hparams["optim"]["betas"]) == [0.9, 0.99]
 
 
 def test_remax_greedy_rollout_leaves_the_sampled_rollouts_unchanged(start, tmp_path):
     """Real sampler: the greedy baseline rollout (after the sampled ones, on its own generator) does not change
     what ``advantage: remax`` samples, and its baseline is one value per prompt's group."""
-    plain = _module(start, tmp_path, reward_timeout_s=None).collect(ROWS)
-    remax = _module(start, tmp_path, advantage="remax", reward_timeout_s=None).collect(ROWS)
+    plain = _module(start, tmp_path).collect(ROWS)
+    remax = _module(start, tmp_path, advantage={"name": "remax"}).collect(ROWS)
     assert torch.equal(plain["completions"], remax["completions"])
     assert torch.equal(plain["rewards"], remax["rewards"])
     assert "reward_baselines" not in plain
@@ -261,7 +281,7 @@ def test_remax_greedy_rollout_leaves_the_sampled_rollouts_unchanged(start, tmp_p
 def test_lspo_keeps_the_short_band(start, tmp_path, scripted, monkeypatch):
     from mmpo.dllm.variants import LSPODiffuGRPO, completion_lengths
 
-    module = LSPODiffuGRPO(**_settings(start, tmp_path, inner_updates=1))
+    module = LSPODiffuGRPO(**_settings(start, tmp_path, optim={"mu": 1}))
     eos = module.tokenizer.eos_token_id
     filler = (eos + 1) % len(module.tokenizer)
     completions = torch.full((6, GEN), filler)
@@ -285,11 +305,10 @@ def test_sfpo_k1_alpha1_is_two_plain_steps(start, tmp_path, scripted):
     from mmpo.dllm.variants import SFPODiffuGRPO
 
     # K = 1, alpha = 1, one inner update per pass: fast step, reposition onto it, slow step = 2 plain steps
-    sfpo = _step(SFPODiffuGRPO(**_settings(start, tmp_path, inner_updates=1, beta=0.01), sfpo_inner_steps=1,
-                               sfpo_alpha=1.0))
-    plain = _step(_module(start, tmp_path, inner_updates=2, beta=0.01))
-    half = _step(SFPODiffuGRPO(**_settings(start, tmp_path, inner_updates=1, beta=0.01), sfpo_inner_steps=1,
-                               sfpo_alpha=0.5))
+    one_update = {"optim": {"mu": 1}, "loss": {"beta": 0.01}}
+    sfpo = _step(SFPODiffuGRPO(**_settings(start, tmp_path, **one_update), sfpo_inner_steps=1, sfpo_alpha=1.0))
+    plain = _step(_module(start, tmp_path, optim={"mu": 2}, loss={"beta": 0.01}))
+    half = _step(SFPODiffuGRPO(**_settings(start, tmp_path, **one_update), sfpo_inner_steps=1, sfpo_alpha=0.5))
     for name, weight in plain.items():
         assert torch.equal(sfpo[name], weight), name
     assert any(not torch.equal(half[name], weight) for name, weight in plain.items())
@@ -297,12 +316,13 @@ def test_sfpo_k1_alpha1_is_two_plain_steps(start, tmp_path, scripted):
 
 
 def _settings(start, tmp_path, **overrides) -> dict:
+    """The tiny module's init arguments; a group in ``overrides`` sets some of its fields over these."""
     settings = dict(model_path=start, warmup_config=None, save_dir=str(tmp_path / "out"), group_size=3,
-                    inner_updates=2, igpo=False, beta=0.0, format_reward="derivation", reward_timeout_s=None,
-                    lr=1e-2, warmup_steps=0, max_grad_norm=1e9, overwrite_output=True,
-                    sampler=SamplerConfig(gen_length=GEN, block_length=8, steps=4),
+                    optim={"mu": 2, "lr": 1e-2, "warmup_steps": 0, "max_grad_norm": 1e9}, igpo={"enabled": False},
+                    loss={"beta": 0.0}, rewards={"weights": {"correct": 1.0, "derivation": 1.0}, "timeout_s": None},
+                    overwrite_output=True, sampler=SamplerConfig(gen_length=GEN, block_length=8, steps=4),
                     hints=HintConfig(min_chunk=1, max_chunk=2, free_tail=1))
-    return {**settings, **overrides}
+    return merged_settings(settings, overrides, groups=DLLM_GROUPS)
 
 
 # ---------------------------------------------------------------------- EPO and HAPO on the dLLM module (mmpo/dllm/variants.py)
@@ -343,7 +363,7 @@ def test_epo_terms_by_hand(start, tmp_path):
     assert float(metrics["epo/within_frac"]) == pytest.approx(0.6) and metrics["epo/history_mean"] == 1.0
     parts.total().backward()  # P is a constant: the gradient is the bonus's alone
     assert torch.allclose(entropy.grad, torch.tensor([[-0.0002] * 3, [-0.0002, -0.0002, 0.0]]))
-    per_sequence = _epo(start, tmp_path, loss_agg="seq-mean-token-mean", epo_mask_mode="seq")
+    per_sequence = _epo(start, tmp_path, loss={"agg": "seq-mean-token-mean"}, epo_mask_mode="seq")
     per_sequence.entropy_history.load_state_dict(module.entropy_history.state_dict())
     parts, metrics = per_sequence.extra_loss_terms(entropy, mask)
     # rows' mean entropies 3.2 / 3 = 1.067 and 2.0 / 2 = 1.0, both inside (0.5, 1.5): P = 0
@@ -355,11 +375,11 @@ def test_epo_terms_by_hand(start, tmp_path):
     with pytest.raises(ValueError, match="epo_mask_mode"):
         _epo(start, tmp_path, epo_mask_mode="sequence")
     with pytest.raises(ValueError, match="entropy_coef"):
-        _epo(start, tmp_path, entropy_coef=0.0)
+        _epo(start, tmp_path, loss={"entropy_coef": 0.0})
 
 
 def test_epo_step_adds_the_mask_predictors_entropy_to_the_loss(start, tmp_path, scripted):
-    module = _epo(start, tmp_path, inner_updates=1, entropy_coef=0.5)
+    module = _epo(start, tmp_path, optim={"mu": 1}, loss={"entropy_coef": 0.5})
     # every position is in the loss; the scripted prompts are all ones
     expected_entropy = float(_masked_completion_entropy(module, torch.ones(6, 3, dtype=torch.long)).mean())
     returned = []
@@ -380,14 +400,14 @@ def test_epo_step_adds_the_mask_predictors_entropy_to_the_loss(start, tmp_path, 
     assert returned[0] == pytest.approx(float(scripted[0]["value"]) - 0.5 * expected_entropy, rel=1e-5)
     assert module.entropy_history.count == 1
     assert module.entropy_history.mean == pytest.approx(expected_entropy, rel=1e-5)
-    plain = _step(_module(start, tmp_path, inner_updates=1))
+    plain = _step(_module(start, tmp_path, optim={"mu": 1}))
     # the bonus carries gradient (the entropy is not detached): the weights move differently
     assert any(not torch.equal(weight, plain[name]) for name, weight in weights.items())
 
 
 def test_epo_penalty_changes_the_loss_not_the_weights(start, tmp_path, scripted):
     # a band (0.1, 0.5) x H_hist that no token's entropy (about H_hist) is in on the second step: P everywhere
-    band = dict(inner_updates=1, epo_min_ratio=0.1, epo_max_ratio=0.5)
+    band = dict(optim={"mu": 1}, epo_min_ratio=0.1, epo_max_ratio=0.5)
     small, large = _epo(start, tmp_path, **band, epo_penalty=0.1), _epo(start, tmp_path, **band, epo_penalty=5.0)
     small_weights, large_weights = _step(small, batches=2), _step(large, batches=2)
     assert float(small.trainer.callback_metrics["epo/within_frac"]) == 0.0
@@ -404,10 +424,10 @@ def test_epo_fit_history_and_resume_from_last_ckpt(start, tmp_path, monkeypatch)
 
     monkeypatch.chdir(REPO)
     out = tmp_path / "run"
-    epo = ["--model.class_path=mmpo.dllm.variants.EPODiffuGRPO", "--model.init_args.inner_updates=1",
+    epo = ["--model.class_path=mmpo.dllm.variants.EPODiffuGRPO", "--model.init_args.optim.mu=1",
            "--trainer.callbacks.init_args.every_n_train_steps=1"]
     rows = _fit_grpo_tiny(start, out, *epo)
-    assert len(rows) == 2  # 2 optimizer steps = 2 batches x inner_updates 1
+    assert len(rows) == 2  # 2 optimizer steps = 2 batches x optim.mu 1
     first, second = (float(r["entropy"]) for r in rows)
     assert float(rows[0]["epo/history_mean"]) == 0.0  # step 1 has no history
     assert float(rows[1]["epo/history_mean"]) == pytest.approx(first, rel=1e-6)
@@ -462,7 +482,7 @@ def test_hapo_loss_on_a_hand_batch(start, tmp_path, signed, expected):
     # -min(0.5 x 2, 0.8 x 2) = -1; mean -1.25. Signed: 0, -1.2, -1.05, -1; mean -0.8125
     assert _hapo_loss_by_hand(h_hat, ratio, torch.ones(1)) == pytest.approx(expected)
     loss, metrics = igpo_loss(ratio.log(), torch.zeros(1, 4), None, torch.ones(1), torch.ones(1, 4), beta=0.0,
-                              loss=module.settings["loss"], loss_settings=module.settings["loss_settings"],
+                              loss=module.loss.name, loss_settings=module.loss.settings,
                               entropy=entropy)
     assert float(loss) == pytest.approx(expected, abs=1e-6)
     assert float(metrics["policy/hapo_high_entropy"]) == pytest.approx(0.25 if signed else 0.75)
@@ -482,7 +502,7 @@ def test_hapo_step_feeds_the_update_entropy_to_the_loss(start, tmp_path, scripte
         return Rollout(prompts.clone(), out.prompt_attention_mask, out.completions, out.fixed_mask, out.texts)
 
     monkeypatch.setattr(rl, "rollout", with_prompts)
-    module = HAPODiffuGRPO(**_settings(start, tmp_path, inner_updates=1), hapo_signed_entropy=signed)
+    module = HAPODiffuGRPO(**_settings(start, tmp_path, optim={"mu": 1}), hapo_signed_entropy=signed)
     entropy = _masked_completion_entropy(module, prompts)
     _step(module)
     call = scripted[0]
@@ -505,11 +525,13 @@ def test_hapo_fit_two_steps_through_mmpo_fit(start, tmp_path, monkeypatch):
     """``mmpo fit -c configs/dllm/grpo_tiny.yaml --model.class_path=mmpo.dllm.variants.HAPODiffuGRPO``."""
     monkeypatch.chdir(REPO)
     out = tmp_path / "run"
-    rows = _fit_grpo_tiny(start, out, "--model.class_path=mmpo.dllm.variants.HAPODiffuGRPO", "--model.init_args.beta=0.0",
-                          "--model.init_args.inner_updates=1")
+    import yaml
+
+    rows = _fit_grpo_tiny(start, out, "--model.class_path=mmpo.dllm.variants.HAPODiffuGRPO",
+                          "--model.init_args.loss.beta=0.0", "--model.init_args.optim.mu=1")
     assert len(rows) == 2
-    hparams = (sorted(out.rglob("hparams.yaml"))[-1]).read_text()
-    assert "loss: hapo" in hparams and "advantage: hapo" in hparams
+    hparams = yaml.safe_load((sorted(out.rglob("hparams.yaml"))[-1]).read_text())
+    assert hparams["loss"]["name"] == "hapo" and hparams["advantage"]["name"] == "hapo"
     for row in rows:
         assert torch.isfinite(torch.tensor(float(row["losses/policy"])))
         # G = 2 with equal lengths: |A| <= 1 < 5, so no group falls back to GRPO's advantage

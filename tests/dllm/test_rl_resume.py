@@ -34,10 +34,12 @@ class Recorder(L.Callback):
 
 def _module(path: str, save_dir: str) -> DiffuGRPO:
     return DiffuGRPO(
-        model_path=path, warmup_config=None, save_dir=save_dir, group_size=4, inner_updates=INNER, lr=1e-3,
-        warmup_steps=3, beta=0.05, igpo=True, masking="structured", diffusion_steps=16, min_timestep=4,
+        model_path=path, warmup_config=None, save_dir=save_dir, group_size=4,
+        optim={"mu": INNER, "lr": 1e-3, "warmup_steps": 3}, loss={"beta": 0.05},
+        igpo={"enabled": True, "max_replacements": 2},
+        logprob={"masking": "structured", "diffusion_steps": 16, "min_timestep": 4},
         sampler=SamplerConfig(gen_length=16, block_length=8, steps=8, temperature=1.2),
-        hints=HintConfig(min_chunk=2, max_chunk=4, free_tail=2), max_replacements=2, seed=5,
+        hints=HintConfig(min_chunk=2, max_chunk=4, free_tail=2), seed=5,
     )
 
 

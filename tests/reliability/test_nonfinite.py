@@ -353,7 +353,7 @@ def test_dllm_rl_skips_a_nan_advantage_step(tiny_dllm, tmp_path, monkeypatch):
     monkeypatch.setattr(rl, "compute_advantages_with_metrics", poisoned)
     snaps = Snapshots()
     module = rl.DiffuGRPO(model_path=tiny_dllm, warmup_config=None, save_dir=str(tmp_path / "out"), group_size=2,
-                          inner_updates=1, igpo=False, beta=0.0, lr=1e-2, warmup_steps=1,
+                          optim={"mu": 1, "lr": 1e-2, "warmup_steps": 1}, igpo={"enabled": False}, loss={"beta": 0.0},
                           sampler=SamplerConfig(gen_length=8, block_length=8, steps=2))
     calls.clear()  # the constructor dry-runs the estimator to check its settings: count training steps only
     loader = DataLoader([DLLM_ROWS] * 3, batch_size=None, collate_fn=lambda x: x)
@@ -373,7 +373,7 @@ def _dllm_sft(tiny_dllm: str, tmp_path, poisoned_calls: set[int], **kwargs):
             self.calls += 1
             return loss * NAN if self.calls in poisoned_calls else loss
 
-    return PoisonedSFT(save_dir=str(tmp_path / "sft_out"), init_from=tiny_dllm, lr=1e-2, warmup_steps=1,
+    return PoisonedSFT(save_dir=str(tmp_path / "sft_out"), init_from=tiny_dllm, optim={"lr": 1e-2, "warmup_steps": 1},
                        sampler=SamplerConfig(gen_length=16, block_length=8, steps=2), **kwargs)
 
 

@@ -45,8 +45,11 @@ CONFIGS = Path(__file__).resolve().parents[2] / "configs" / "vlm"
     (LossConfig, {"entropy_coef": -1.0}, "entropy_coef must be >= 0, got -1.0"),
     (AdvantageConfig, {"name": "gae2"}, "unknown advantage 'gae2'; valid:"),
     (AdvantageConfig, {"dynamic_sampling_retries": -1}, "dynamic_sampling_retries must be >= 0, got -1"),
+    (AdvantageConfig, {"settings": {"eps": 0.1}}, "advantage settings must not hold eps; set advantage.eps"),
     (OptimConfig, {"lr": 0.0}, "lr must be > 0, got 0.0"),
     (OptimConfig, {"weight_decay": -1.0}, "weight_decay must be >= 0, got -1.0"),
+    (OptimConfig, {"betas": (0.9, 1.0)}, r"betas must be two values in \[0, 1\), got \[0.9, 1.0\]"),
+    (OptimConfig, {"betas": (0.9,)}, r"betas must be two values in \[0, 1\), got \[0.9\]"),
     (OptimConfig, {"warmup_steps": -1}, "warmup_steps must be >= 0, got -1"),
     (OptimConfig, {"lr_schedule": "step"}, "unknown schedule 'step'; valid:"),
     (OptimConfig, {"max_grad_norm": -1.0}, "max_grad_norm must be >= 0, got -1.0"),
@@ -72,9 +75,10 @@ def test_defaults_are_the_flat_settings_defaults():
     assert LossConfig() == LossConfig(name="ppo", clip_low=None, clip_high=None, dual_clip=None, settings=None,
                                       agg="token-mean", norm_len=None, kl_kind="k3", beta=0.01, entropy_coef=0.0)
     assert AdvantageConfig() == AdvantageConfig(name="grpo", eps=1e-6, dynamic_sampling=False,
-                                                dynamic_sampling_retries=0)
-    assert OptimConfig() == OptimConfig(lr=1e-6, weight_decay=0.0, warmup_steps=0, lr_schedule="constant",
-                                        max_grad_norm=1.0, mu=1, minibatch_size=None, micro_batch_size=None)
+                                                dynamic_sampling_retries=0, settings=None)
+    assert OptimConfig() == OptimConfig(lr=1e-6, weight_decay=0.0, betas=(0.9, 0.999), warmup_steps=0,
+                                        lr_schedule="constant", max_grad_norm=1.0, mu=1, minibatch_size=None,
+                                        micro_batch_size=None)
     assert RolloutCorrectionConfig() == RolloutCorrectionConfig(mode=None, cap=2.0, cap_low=None, bypass=False)
     assert EngineConfig() == EngineConfig(name="hf", vllm_max_model_len=4096, vllm_max_num_batched_tokens=16384,
                                           vllm_gpu_memory_utilization=0.3)
@@ -90,6 +94,12 @@ def test_every_field_has_a_one_line_doc_and_the_config_is_frozen(cls):
     assert documented == {f.name for f in dataclasses.fields(cls)}
     with pytest.raises(dataclasses.FrozenInstanceError):
         setattr(cls(), dataclasses.fields(cls)[0].name, None)
+
+
+def test_betas_from_a_list_are_a_tuple():
+    """A YAML or checkpoint list gives the same config as the tuple (what AdamW gets)."""
+    assert as_config({"betas": [0.9, 0.99]}, OptimConfig()) == OptimConfig(betas=(0.9, 0.99))
+    assert OptimConfig(betas=[0.9, 0.99]).betas == (0.9, 0.99)
 
 
 def test_as_config_reads_instances_dicts_and_none():
@@ -139,7 +149,8 @@ def test_nested_yaml_parses_to_the_groups_with_module_defaults(tmp_path, capsys)
     assert (args["loss"]["name"], args["loss"]["clip_low"], args["loss"]["beta"], args["loss"]["kl_kind"]) == (
         "gspo", 3e-4, 0.0, "k3")
     # MAPO's own default advantage name is kept: a config group sets some fields over the module's defaults
-    assert args["advantage"] == {"name": "mapo", "eps": 1e-6, "dynamic_sampling": True, "dynamic_sampling_retries": 0}
+    assert args["advantage"] == {"name": "mapo", "eps": 1e-6, "dynamic_sampling": True, "dynamic_sampling_retries": 0,
+                                 "settings": None}
     assert (args["optim"]["lr"], args["optim"]["minibatch_size"], args["optim"]["mu"]) == (2e-6, 12, 1)
     assert args["rollout_correction"] == {"mode": "token_truncate", "cap": 3.0, "cap_low": None, "bypass": False}
     assert args["rollout_engine"]["name"] == "hf"

@@ -45,10 +45,10 @@ PLAIN = ["1+2=3\nA:3", "1+2=4\nA:4", "1+2=5", "2*2=5\nA:5", "2*2=6", "A:7"]  # g
 HINTED = ["2*2=4\nA:4", "2*2=9\nA:9", "2*2=4\nA:4"]  # two hinted completions are right
 CONFIGS: dict[str, dict[str, Any]] = {
     # the official IGPO run: sequence-level ratio over all positions, full masking, KL to the start
-    "igpo_sequence": dict(ratio_level="sequence", beta=0.01, clip_low=0.2, clip_high=0.2),
-    # token-level ratio with IGPO's structured (partial) masking timesteps
-    "igpo_token_structured": dict(ratio_level="token", beta=0.01, clip_low=0.2, clip_high=0.28, masking="structured",
-                                  diffusion_steps=16, min_timestep=3),
+    "igpo_sequence": dict(loss={"name": "igpo_sequence", "beta": 0.01, "clip_low": 0.2, "clip_high": 0.2}),
+    # token-level ratio (ppo) with IGPO's structured (partial) masking timesteps
+    "igpo_token_structured": dict(loss={"name": "ppo", "beta": 0.01, "clip_low": 0.2, "clip_high": 0.28},
+                                  logprob={"masking": "structured", "diffusion_steps": 16, "min_timestep": 3}),
 }
 
 
@@ -89,7 +89,8 @@ class ScriptedIGPO(rl.DiffuGRPO):
 def run(name: str, model_path: Path, save_dir: Path) -> dict[str, Any]:
     """One training step of configuration ``name``: {"metrics": {...}, "grad": {param: [sum, sumsq, proj]}}."""
     settings = dict(model_path=str(model_path), warmup_config=None, save_dir=str(save_dir), dtype="float64",
-                    group_size=3, inner_updates=2, max_grad_norm=1e9, max_replacements=1, entropy_keep=0.5,
+                    group_size=3, optim={"mu": 2, "max_grad_norm": 1e9},
+                    igpo={"max_replacements": 1, "entropy_keep": 0.5},
                     sampler=SamplerConfig(gen_length=GEN, block_length=8, steps=4),
                     hints=HintConfig(min_chunk=1, max_chunk=2, free_tail=1), seed=0)
     original = rl.rollout
