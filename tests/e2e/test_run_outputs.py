@@ -146,7 +146,7 @@ def test_report_of_a_dllm_run_reads_tensorboard(tmp_path, monkeypatch):
     assert main(["fit", "-c", str(REPO / "configs/dllm/grpo_tiny.yaml"), f"--model.init_args.model_path={warm}",
                  "--model.init_args.warmup_config=null", f"--model.init_args.save_dir={run / 'model'}",
                  f"--trainer.default_root_dir={run}", f"--trainer.callbacks.init_args.dirpath={run / 'ckpt'}",
-                 "--model.init_args.group_size=2", "--model.init_args.inner_updates=1",
+                 "--model.init_args.group_size=2", "--model.init_args.optim.mu=1",
                  "--model.init_args.sampler.gen_length=8", "--model.init_args.sampler.steps=4",
                  "--model.init_args.sampler.block_length=8",
                  "--trainer.max_steps=2", "--trainer.limit_val_batches=0", "--trainer.enable_progress_bar=false",
