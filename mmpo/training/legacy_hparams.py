@@ -116,6 +116,12 @@ def upgrade_saved_hparams(saved: Mapping[str, Any]) -> dict[str, Any]:
     if not isinstance(class_path, str):
         return out
     out["_class_path"] = class_path = upgrade_class_path(class_path)
+    if class_path.startswith("mmpo.dllm."):
+        # the dLLM settings moved with changes of meaning (ratio_level -> loss.name, correct_reward ->
+        # rewards.weights): their own mapping, kept beside their configs
+        from mmpo.dllm.config import grouped_hparams, is_flat_hparams
+
+        return grouped_hparams(out) if is_flat_hparams(out) else out
     rows = flat_to_grouped_for(class_path)
     # Some old names are today's group names (``loss``, ``advantage``, ``rollout_engine``): a plain value under
     # such a key is the old flat argument, a mapping is already the group. Take every flat value out first.

@@ -61,3 +61,13 @@ def test_old_flat_dppo_and_gaussian_arguments_move_into_their_groups():
         "evaluation": {"every": 0}}
     gaussian = {"_class_path": "mmpo.robotics.gaussian_ppo.GaussianPPOModule", "noise_clip": 3.0, "clip_coef": 0.2}
     assert upgrade_saved_hparams(gaussian)["gaussian"] == {"noise_clip": 3.0, "clip_coef": 0.2}
+
+
+def test_old_flat_dllm_arguments_take_the_dllm_mapping():
+    saved = {"_class_path": "dllm.rl.DiffuGRPO", "model_path": "m", "group_size": 8, "inner_updates": 4,
+             "lr": 5e-7, "ratio_level": "token", "correct_reward": 3.0}
+    upgraded = upgrade_saved_hparams(saved)
+    assert upgraded["_class_path"] == "mmpo.dllm.rl.DiffuGRPO" and upgraded["group_size"] == 8
+    assert upgraded["optim"] == {"mu": 4, "lr": 5e-7}
+    assert upgraded["loss"] == {"name": "ppo"} and upgraded["rewards"] == {"weights": {"correct": 3.0}}
+    assert upgrade_saved_hparams(upgraded) == upgraded
