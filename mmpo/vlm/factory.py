@@ -259,6 +259,19 @@ def pixel_budget(processor: Any) -> tuple[int, int]:
     return int(get("shortest_edge")), int(get("longest_edge"))
 
 
+def _save_initialised(model_class: Any, config: Any, ids: dict[str, int], *, seed: int, output_dir: Path,
+                      processor: Any) -> None:
+    """A seeded random initialisation of ``model_class(config)`` with the ChatML end / pad / begin tokens as its
+    generation config, saved with its processor (or tokenizer): the last step of both tiny builders."""
+    torch.manual_seed(seed)
+    model = model_class(config)
+    model.generation_config.eos_token_id = ids["<|im_end|>"]
+    model.generation_config.pad_token_id = ids["<|endoftext|>"]
+    model.generation_config.bos_token_id = ids["<|endoftext|>"]
+    model.save_pretrained(output_dir)
+    processor.save_pretrained(output_dir)
+
+
 def default_corpus() -> list[str]:
     """Text the tiny tokenizer is trained on: synthetic prompts and solutions (``mmpo.data``).
 
@@ -408,13 +421,8 @@ def build_tiny_vlm(
         pad_token_id=ids["<|endoftext|>"],
         tie_word_embeddings=False,
     )
-    torch.manual_seed(seed)
-    model = Qwen2_5_VLForConditionalGeneration(config)
-    model.generation_config.eos_token_id = ids["<|im_end|>"]
-    model.generation_config.pad_token_id = ids["<|endoftext|>"]
-    model.generation_config.bos_token_id = ids["<|endoftext|>"]
-    model.save_pretrained(output_dir)
-    processor.save_pretrained(output_dir)
+    _save_initialised(Qwen2_5_VLForConditionalGeneration, config, ids, seed=seed, output_dir=output_dir,
+                      processor=processor)
     (output_dir / "mmpo_tiny.json").write_text(
         json.dumps(
             {
@@ -498,13 +506,7 @@ def build_tiny_text_lm(
         pad_token_id=ids["<|endoftext|>"],
         tie_word_embeddings=False,
     )
-    torch.manual_seed(seed)
-    model = Qwen3ForCausalLM(config)
-    model.generation_config.eos_token_id = ids["<|im_end|>"]
-    model.generation_config.pad_token_id = ids["<|endoftext|>"]
-    model.generation_config.bos_token_id = ids["<|endoftext|>"]
-    model.save_pretrained(output_dir)
-    tokenizer.save_pretrained(output_dir)
+    _save_initialised(Qwen3ForCausalLM, config, ids, seed=seed, output_dir=output_dir, processor=tokenizer)
     (output_dir / "mmpo_tiny.json").write_text(
         json.dumps({"kind": "text", "seed": seed, "vocab_size": len(tokenizer), "hidden_size": hidden_size,
                     "num_layers": num_layers}, indent=2)
