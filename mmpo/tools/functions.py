@@ -115,3 +115,21 @@ def load_tools(names: Sequence[str], setting: str = "tools") -> list[Tool]:
             raise ToolSpecError(f"{setting}: two tools are named {tool_name!r}; give the functions distinct names")
         tools.append(Tool(tool_name, canonical_tool_spec(name), schema, function))
     return tools
+
+
+def tool_system_prompt(system_prompt: str | None, schemas: Sequence[Mapping[str, Any]]) -> str | None:
+    """The system prompt followed by the tool block in Qwen2.5's wording (the text its chat template renders
+    from ``tools=``): the tools' JSON schemas inside ``<tools></tools>`` and the ``<tool_call>`` call format.
+    Written into the system prompt, so every chat template (the tiny models' included) shows it the same
+    way. Without tools: the system prompt unchanged."""
+    import json
+
+    if not schemas:
+        return system_prompt
+    lines = [system_prompt or "", "", "# Tools", "", "You may call one or more functions to assist with the user query.",
+             "", "You are provided with function signatures within <tools></tools> XML tags:", "<tools>"]
+    lines += [json.dumps(schema) for schema in schemas]
+    lines += ["</tools>", "", "For each function call, return a json object with function name and arguments within "
+              "<tool_call></tool_call> XML tags:", "<tool_call>",
+              '{"name": <function-name>, "arguments": <args-json-object>}', "</tool_call>"]
+    return "\n".join(lines).lstrip("\n")
