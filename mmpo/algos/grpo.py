@@ -77,7 +77,7 @@ from mmpo.training.update import (
 from mmpo.vlm.factory import make_reference_model
 from mmpo.vlm.fsdp import full_weights, is_sharded
 from mmpo.vlm.logprobs import completion_log_probs, completion_token_statistics
-from mmpo.vlm.rollout import Rollout, concat_rollouts
+from mmpo.vlm.rollout import Rollout, completion_attention_mask, concat_rollouts
 
 log = logging.getLogger(__name__)
 
@@ -393,7 +393,7 @@ class GRPOModule(VLMPolicyModule):
         for idx in _chunks(len(rollout), self.optim.micro_batch_size or len(rollout)):
             part = rollout.select(idx).to(self.device)
             parts.append(completion_token_statistics(
-                self.model, part.prompt_inputs, part.completion_ids, part.completion_mask,
+                self.model, part.prompt_inputs, part.completion_ids, completion_attention_mask(part),
                 chunk_size=h.logprob_chunk_size, temperature=self.sampling.temperature))
         return torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
 
@@ -419,9 +419,10 @@ class GRPOModule(VLMPolicyModule):
     # ------------------------------------------------------------------ helpers
 
     def sequence_log_probs(self, model: torch.nn.Module, rollout: Rollout, *, with_entropy: bool = False):
-        """Completion log-probs (and entropy) of ``rollout`` under ``model`` at the sampling temperature."""
+        """Completion log-probs (and entropy) of ``rollout`` under ``model`` at the sampling temperature (attending
+        to every real completion token: a multi-turn rollout's environment tokens too)."""
         return completion_log_probs(
-            model, rollout.prompt_inputs, rollout.completion_ids, rollout.completion_mask,
+            model, rollout.prompt_inputs, rollout.completion_ids, completion_attention_mask(rollout),
             chunk_size=self.hparams.logprob_chunk_size, with_entropy=with_entropy,
             temperature=self.sampling.temperature,
         )

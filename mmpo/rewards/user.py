@@ -22,56 +22,33 @@ reward worker process loads the same file by path and a missed deadline can real
 
 from __future__ import annotations
 
-import hashlib
-import importlib
-import importlib.util
 import inspect
 import math
 import numbers
-import os
-import sys
-import threading
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass
-from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 import torch
 
 from mmpo.rewards.registry import REWARDS, RewardFn, get_reward
 
-SPEC_SEPARATOR = ":"
-"""Separates the file or module from the function name in a user reward spec."""
+from mmpo.plugins import SPEC_SEPARATOR, PluginSpec, PluginSpecError, function_of, import_module, load_file, parse_spec
 
 TRL_SIGNATURE = "fn(prompts, completions, **columns) -> list[float | None]"
 
 _ARGUMENTS = ("prompts", "completions")
 
+RewardSpecError = PluginSpecError
+"""A reward setting that names no usable function; the message names the spec and the problem
+(the plug-in loader's error, :mod:`mmpo.plugins`)."""
 
-class RewardSpecError(ValueError):
-    """A reward setting that names no usable function; the message names the spec and the problem."""
+RewardSpec = PluginSpec
+"""A parsed user reward spec (:class:`mmpo.plugins.PluginSpec` of kind ``reward``)."""
 
 
 def is_user_reward_spec(name: str) -> bool:
     """True for ``file.py:fn`` / ``module:fn`` specs, False for registered names (no ``:``)."""
     return SPEC_SEPARATOR in name
-
-
-@dataclass(frozen=True)
-class RewardSpec:
-    """A parsed user reward spec: exactly one of ``file`` (absolute) and ``module`` is set."""
-
-    text: str
-    """The spec as the user wrote it (used in error messages)."""
-    attribute: str
-    file: Path | None = None
-    module: str | None = None
-
-    @property
-    def canonical(self) -> str:
-        """The spec with an absolute file path: the same function from any working directory."""
-        return f"{self.file if self.file is not None else self.module}{SPEC_SEPARATOR}{self.attribute}"
 
 
 def parse_reward_spec(text: str) -> RewardSpec:
@@ -80,82 +57,13 @@ def parse_reward_spec(text: str) -> RewardSpec:
     Raises:
         RewardSpecError: an empty file/module or function part, or a module name that is not dotted identifiers.
     """
-    source, _, attribute = text.rpartition(SPEC_SEPARATOR)
-    if not source or not attribute:
-        raise RewardSpecError(f"reward {text!r}: expected 'path/to/file.py:function' or 'package.module:function'")
-    if not all(part.isidentifier() for part in attribute.split(".")):
-        raise RewardSpecError(f"reward {text!r}: {attribute!r} is not a function name")
-    if source.endswith(".py") or "/" in source or os.sep in source:
-        return RewardSpec(text, attribute, file=Path(source).expanduser().resolve())
-    if not all(part.isidentifier() for part in source.split(".")):
-        raise RewardSpecError(
-            f"reward {text!r}: {source!r} is neither a .py file nor a dotted module name")
-    return RewardSpec(text, attribute, module=source)
+    return parse_spec(text, "reward")
 
 
-_FILE_MODULES: dict[Path, ModuleType] = {}
-"""Files loaded by path in this process (each loaded once, like an import)."""
-
-_LOAD_LOCK = threading.RLock()  # a reward file may itself resolve another reward
-
-
-def _module_name_for(path: Path) -> str:
-    # Unique per absolute path (two rewards.py files do not clash) and the same in the worker.
-    digest = hashlib.sha1(str(path).encode()).hexdigest()[:12]
-    stem = "".join(ch if ch.isalnum() else "_" for ch in path.stem)
-    return f"mmpo_user_reward_{stem}_{digest}"
-
-
-def _load_file(spec: RewardSpec) -> ModuleType:
-    path = spec.file
-    assert path is not None
-    with _LOAD_LOCK:
-        if path in _FILE_MODULES:
-            return _FILE_MODULES[path]
-        if not path.is_file():
-            raise RewardSpecError(f"reward {spec.text!r}: file {str(path)!r} not found "
-                                  f"(a relative path is read from the working directory {os.getcwd()!r})")
-        name = _module_name_for(path)
-        import_spec = importlib.util.spec_from_file_location(name, path)
-        if import_spec is None or import_spec.loader is None:
-            raise RewardSpecError(f"reward {spec.text!r}: {str(path)!r} cannot be loaded as a Python file")
-        module = importlib.util.module_from_spec(import_spec)
-        sys.modules[name] = module  # dataclasses, pickling and typing inside the file look it up here
-        try:
-            import_spec.loader.exec_module(module)
-        except BaseException as exc:
-            del sys.modules[name]
-            raise RewardSpecError(
-                f"reward {spec.text!r}: loading {str(path)!r} failed: {type(exc).__name__}: {exc}") from exc
-        _FILE_MODULES[path] = module
-        return module
-
-
-def _import_module(spec: RewardSpec) -> ModuleType:
-    assert spec.module is not None
-    try:
-        return importlib.import_module(spec.module)
-    except ModuleNotFoundError as exc:
-        raise RewardSpecError(f"reward {spec.text!r}: no module {exc.name!r} "
-                              f"(is it installed or on PYTHONPATH? a file is given as 'path/to/file.py:function')") from exc
-    except BaseException as exc:
-        raise RewardSpecError(
-            f"reward {spec.text!r}: importing {spec.module!r} failed: {type(exc).__name__}: {exc}") from exc
-
-
-def _function_of(spec: RewardSpec, module: ModuleType) -> Callable:
-    value: Any = module
-    for part in spec.attribute.split("."):
-        if not hasattr(value, part):
-            defined = sorted(k for k, v in vars(module).items() if callable(v) and not k.startswith("_")
-                             and getattr(v, "__module__", None) == module.__name__)
-            where = spec.file.name if spec.file is not None else spec.module
-            raise RewardSpecError(f"reward {spec.text!r}: {where} has no {spec.attribute!r}; "
-                                  f"functions defined there: {defined}")
-        value = getattr(value, part)
-    if not callable(value):
-        raise RewardSpecError(f"reward {spec.text!r}: {spec.attribute!r} is a {type(value).__name__}, not a function")
-    return value
+# the loader's steps under their former names (mmpo.algos.inpo loads its functions with them)
+_load_file = load_file
+_import_module = import_module
+_function_of = function_of
 
 
 def _accepted_names(spec: RewardSpec, fn: Callable) -> tuple[frozenset[str] | None, tuple[str, ...]]:

@@ -89,6 +89,13 @@ class Rollout:
         )
 
 
+def completion_attention_mask(rollout: Rollout) -> torch.Tensor:
+    """(N, T) the completion's attention mask in a training forward: ``extras["completion_attention_mask"]`` of a
+    multi-turn rollout (:mod:`mmpo.vlm.multiturn`: environment tokens attended but out of the loss, i.e. holes
+    in ``completion_mask``), else the completion mask itself (single-turn: the same thing)."""
+    return rollout.extras.get("completion_attention_mask", rollout.completion_mask)
+
+
 def completion_mask_from_ids(
     completion_ids: torch.Tensor, *, eos_token_id: int | Sequence[int], forbidden_ids: Sequence[int] = ()
 ) -> torch.Tensor:

@@ -18,7 +18,7 @@ from mmpo.data.synthetic.registry import (
 )
 
 # Importing the task modules registers the built-in tasks.
-from mmpo.data.synthetic import shapes_tasks, chart_tasks, geometry_tasks, text_tasks  # noqa: E402,F401
+from mmpo.data.synthetic import shapes_tasks, chart_tasks, geometry_tasks, text_tasks, agent_tasks  # noqa: E402,F401
 
 VISUAL_TASKS: tuple[str, ...] = (
     "count_shapes", "shape_position", "relative_position", "compare_size", "bar_chart", "triangle_angle",
@@ -28,12 +28,16 @@ VISUAL_TASKS: tuple[str, ...] = (
 TEXT_TASKS: tuple[str, ...] = ("long_arithmetic", "word_problem", "countdown")
 """The built-in text-only reasoning tasks for text LMs (mmpo.data.synthetic.text_tasks; docs/llm.md)."""
 
+AGENT_TASKS: tuple[str, ...] = ("calc",)
+"""Tasks where a tool must help (mmpo.data.synthetic.agent_tasks; docs/agents.md)."""
+
 __all__ = [
     "DEFAULT_IMAGE_SIZE",
     "DIFFICULTIES",
     "SPLIT_BUCKETS",
     "TASKS",
     "TEXT_TASKS",
+    "AGENT_TASKS",
     "VISUAL_TASKS",
     "corpus",
     "get_task",

@@ -1,0 +1,65 @@
+"""The calc tool-use pipeline through the CLI: build the tiny text LM, 2 steps of configs/agent/calc_sft_tiny.yaml
+(tool traces, tool answers out of the loss), then 2 steps of calc_grpo_tiny.yaml (multi-turn rollouts with the
+sandboxed calculator), with the rollout log holding each trajectory's turns and tool calls."""
+
+from __future__ import annotations
+
+import csv
+import json
+from pathlib import Path
+
+import torch
+
+from mmpo.cli import main
+from mmpo.vlm.factory import load_vlm
+
+CONFIGS = Path(__file__).resolve().parents[2] / "configs" / "agent"
+
+
+def _common(tmp_path: Path, name: str) -> list[str]:
+    return [
+        f"--trainer.default_root_dir={tmp_path / name}", f"--trainer.logger.init_args.save_dir={tmp_path / name}",
+        f"--trainer.callbacks.init_args.dirpath={tmp_path / name / 'ckpt'}",
+        "--trainer.callbacks.init_args.every_n_train_steps=2", "--trainer.max_steps=2",
+        "--trainer.val_check_interval=2", "--trainer.limit_val_batches=1", "--trainer.log_every_n_steps=1",
+        "--trainer.enable_progress_bar=false", "--data.init_args.train_size=8", "--data.init_args.val_size=2",
+        "--data.init_args.batch_size=2",
+    ]
+
+
+def _logged(log_dir: Path) -> dict[str, str]:
+    (path,) = log_dir.glob("**/metrics.csv")
+    logged: dict[str, str] = {}
+    for row in csv.DictReader(path.open()):
+        logged.update({key: value for key, value in row.items() if value})
+    return logged
+
+
+def test_calc_sft_then_grpo_with_the_calculator(tmp_path):
+    base = tmp_path / "text_base"
+    assert main(["build-tiny", "--kind", "text", "--out", str(base), "--vocab-size", "400", "--hidden-size", "32",
+                 "--intermediate-size", "64", "--num-layers", "1"]) == 0
+    sft_out = tmp_path / "calc_sft"
+    assert main(["fit", "-c", str(CONFIGS / "calc_sft_tiny.yaml"), *_common(tmp_path, "sft"),
+                 f"--model.init_args.model_path={base}", f"--model.init_args.output_dir={sft_out}",
+                 "--model.init_args.val_max_new_tokens=8"]) == 0
+    model, _ = load_vlm(base)
+    trained, _ = load_vlm(sft_out)
+    assert any(not torch.equal(a, b) for a, b in zip(trained.parameters(), model.parameters()))
+    assert {"losses/sft", "val/accuracy", "val/tool_calls"} <= set(_logged(tmp_path / "sft"))
+
+    grpo_out = tmp_path / "calc_grpo"
+    assert main(["fit", "-c", str(CONFIGS / "calc_grpo_tiny.yaml"), *_common(tmp_path, "grpo"),
+                 f"--model.init_args.model_path={sft_out}", f"--model.init_args.output_dir={grpo_out}",
+                 "--model.init_args.sampling.num_generations=2", "--model.init_args.sampling.max_new_tokens=8",
+                 "--model.init_args.agent.max_total_tokens=40"]) == 0
+    logged = _logged(tmp_path / "grpo")
+    assert {"agent/turns_mean", "agent/tool_calls_mean", "agent/env_tokens_mean", "losses/policy",
+            "val/accuracy"} <= set(logged)
+    records = [json.loads(line) for line in (tmp_path / "grpo" / "rollouts.jsonl").read_text().splitlines()]
+    assert len(records) == 2 * 2 * 2  # 2 steps x 2 prompts x 2 samples
+    assert {record["step"] for record in records} == {0, 1}
+    for record in records:
+        assert 1 <= record["turns"] <= 3 and record["tool_calls"] >= 0
+        assert [m["role"] for m in record["messages"]][:2] == ["user", "assistant"]
+        assert sum(m["role"] == "assistant" for m in record["messages"]) == record["turns"]
