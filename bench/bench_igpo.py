@@ -97,18 +97,10 @@ def run_one(method: str, seed: int, args: argparse.Namespace, test_rows: list[di
 
 def sampled_accuracy(model, tokenizer, rows: list[dict], sampler, samples: int, seed: int) -> float:
     """Held-out accuracy of rollouts at the training temperature (mean over ``samples`` per problem)."""
-    from mmpo.dllm.rewards import is_correct
-    from mmpo.dllm.rollout import rollout
+    from mmpo.dllm.rollout import sampled_accuracy as dllm_sampled_accuracy
 
-    model.eval()
-    generator = torch.Generator().manual_seed(10_000 + seed)
-    problems = [r["problem"] for r in rows for _ in range(samples)]
-    answers = [r["answer"] for r in rows for _ in range(samples)]
-    correct = 0
-    for start in range(0, len(problems), 128):
-        texts = rollout(model, tokenizer, problems[start : start + 128], sampler, generator=generator).texts
-        correct += sum(is_correct(t, a) for t, a in zip(texts, answers[start : start + 128]))
-    return correct / len(problems)
+    return dllm_sampled_accuracy(model, tokenizer, rows, sampler, samples,
+                                 generator=torch.Generator().manual_seed(10_000 + seed))
 
 
 def mean(values: list[float]) -> float:

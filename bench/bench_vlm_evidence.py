@@ -59,6 +59,7 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("MKL_NUM_THREADS", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
+from mmpo.eval.heldout import heldout_texts, sampled_accuracy  # noqa: E402
 from mmpo.eval.stats import paired_difference, seed_t_interval  # noqa: E402
 from mmpo.files import atomic_write_json, atomic_write_text  # noqa: E402
 
@@ -240,38 +241,10 @@ def score_texts(texts: Sequence[str], rows: Sequence[dict[str, Any]]) -> dict[st
 
 
 def generate_texts(model, processor, rows, *, system_prompt: str | None, max_new_tokens: int, samples: int = 0,
-                 temperature: float = 1.0) -> list[str]:
-    """Greedy completions, one per row; with ``samples`` > 0, that many sampled ones per row instead
-    (contiguous per row), from a fixed RNG state so every model is scored on the same draws' seed."""
-    import torch
-
-    from mmpo.vlm.rollout import HFGenerateEngine
-
-    engine = HFGenerateEngine(model, processor, system_prompt=system_prompt)
-    texts: list[str] = []
-    was_training = model.training
-    model.eval()
-    with torch.no_grad(), torch.random.fork_rng(devices=[]):
-        torch.manual_seed(EVAL_SEED)
-        batch = 16 if samples <= 0 else max(1, 64 // samples)
-        for start in range(0, len(rows), batch):
-            texts += engine.generate(rows[start:start + batch], num_samples=max(1, samples),
-                                     max_new_tokens=max_new_tokens, do_sample=samples > 0,
-                                     temperature=temperature).texts
-    model.train(was_training)
-    return texts
-
-
-def sampled_accuracy(model, processor, rows, *, system_prompt, max_new_tokens, samples: int,
-                     temperature: float) -> list[float]:
-    """Per row: the fraction of ``samples`` sampled completions that are correct (avg@k, the pass@1 estimate
-    at the RL sampling temperature: the quantity RL optimises, less jumpy than the greedy answer)."""
-    from mmpo.rewards import accuracy_reward
-
-    texts = generate_texts(model, processor, rows, system_prompt=system_prompt, max_new_tokens=max_new_tokens,
-                         samples=samples, temperature=temperature)
-    correct = accuracy_reward(texts, [row for row in rows for _ in range(samples)]).tolist()
-    return [sum(correct[k * samples:(k + 1) * samples]) / samples for k in range(len(rows))]
+                   temperature: float = 1.0) -> list[str]:
+    """Greedy completions (or ``samples`` sampled ones per row) on EVAL_SEED's draws (mmpo.eval.heldout)."""
+    return heldout_texts(model, processor, rows, system_prompt=system_prompt, max_new_tokens=max_new_tokens,
+                         samples=samples, temperature=temperature, seed=EVAL_SEED)
 
 
 def evaluate(model, processor, rows, *, system_prompt, max_new_tokens, masked: Sequence | None = None,
@@ -281,7 +254,7 @@ def evaluate(model, processor, rows, *, system_prompt, max_new_tokens, masked: S
     if samples > 0:
         result["sampled_accuracy"] = sampled_accuracy(model, processor, rows, system_prompt=system_prompt,
                                                       max_new_tokens=max_new_tokens, samples=samples,
-                                                      temperature=temperature)
+                                                      temperature=temperature, seed=EVAL_SEED)
     if masked is not None:
         masked_scores = score_texts(generate_texts(model, processor, masked, system_prompt=system_prompt,
                                                  max_new_tokens=max_new_tokens), masked)

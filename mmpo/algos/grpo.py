@@ -72,6 +72,7 @@ from mmpo.training.update import (
     UpdateWrapper,
     core_loss_parts,
     mean_logged_entropy,
+    micro_batch_metrics,
     total_loss,
 )
 from mmpo.vlm.factory import make_reference_model
@@ -719,14 +720,7 @@ class GRPOModule(VLMPolicyModule):
             # metrics: loss parts are shares of the global value (sum them); ratios are
             # token-weighted means of this rank's micro-batches
             weight = float(part_mask.sum()) / max(local_tokens, 1.0)
-            sums = {key: _item(value) for key, value in named.metrics().items()}
-            sums.setdefault("losses/extra", _item(extra.total()) if len(extra) else 0.0)
-            sums["losses/total"] = _item(loss)
-            for key, value in pg_metrics.items():
-                # extremes do not average over micro-batches: only means are logged
-                if (key.startswith("policy/ratio_m") and key != "policy/ratio_mean") or key in _EXTREME_IS_METRICS:
-                    continue
-                _add(sums, key, float(value) * weight)
+            sums = micro_batch_metrics(named, loss, pg_metrics, weight=weight, extra=extra)
             with torch.no_grad():
                 if entropy is not None:
                     _add(sums, "entropy", float((entropy * part_mask).sum()) / max(local_tokens, 1.0))
@@ -762,9 +756,8 @@ class GRPOModule(VLMPolicyModule):
 # ---------------------------------------------------------------------- small helpers
 
 
-_EXTREME_IS_METRICS = ("rollout_is/min", "rollout_is/max", "rollout_is/logp_diff_max")
 # the metric names every family logs on every step (docs/core.md, "Metric names": **shared**)
-_SHARED_KEYS = frozenset({"rewards/total/mean", "losses/policy", "policy/clipfrac", "policy/approx_kl",
+_SHARED_KEYS = frozenset({"rewards/total/mean", "losses/policy", "losses/total", "policy/clipfrac", "policy/approx_kl",
                           "perf/skipped_steps"})
 
 

@@ -27,7 +27,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from mmpo.core import KL_KINDS, POLICY_LOSSES, Aggregation, policy_loss_reads_entropy
+from mmpo.core import KL_KINDS, POLICY_LOSSES, Aggregation, LossParts, policy_loss_reads_entropy
 from mmpo.training.update import CoreLossSpec, ScoredMicroBatch, core_loss_parts
 
 
@@ -162,7 +162,7 @@ def check_loss_choice(
     return name
 
 
-def igpo_loss(
+def igpo_loss_parts(
     log_probs: Tensor,
     old_log_probs: Tensor,
     ref_log_probs: Tensor | None,
@@ -179,7 +179,7 @@ def igpo_loss(
     loss_settings: dict[str, Any] | None = None,
     entropy: Tensor | None = None,
     norm_len: int | None = None,
-) -> tuple[Tensor, dict[str, Tensor]]:
+) -> tuple[LossParts, dict[str, Tensor]]:
     """Clipped policy loss + beta * KL (``kl_kind``, default k3) over the (entropy-filtered) loss mask.
 
     ``ratio_level="token"``: r_t = exp(l_t - l_old_t) (core ``ppo``).
@@ -203,8 +203,8 @@ def igpo_loss(
         entropy: ``(batch, L)`` per-token entropy of the policy being updated, or None (a loss that
             reads it then fails, naming it).
     Returns:
-        ``(loss, metrics)``: the sum of the named parts ``policy`` and ``kl`` (coefficient beta),
-        logged as ``losses/policy``, ``losses/kl``, plus the core's ``policy/*``.
+        ``(parts, metrics)``: the named parts ``policy`` and ``kl`` (coefficient beta) and the core's
+        ``policy/*`` metrics.
     """
     name = resolve_loss(ratio_level, loss)
     if kl_kind not in KL_KINDS:
@@ -219,6 +219,14 @@ def igpo_loss(
         loss_entropy=entropy.detach() if entropy is not None and policy_loss_reads_entropy(name) else None,
     )
     # the update engine's parts (policy, kl with coefficient beta), aggregated over this update's loss mask
-    parts, metrics = core_loss_parts(scored, CoreLossSpec(name, settings, kl_kind=kl_kind, beta=beta),
-                                     Aggregation(agg, norm_len=norm_len))
+    return core_loss_parts(scored, CoreLossSpec(name, settings, kl_kind=kl_kind, beta=beta),
+                           Aggregation(agg, norm_len=norm_len))
+
+
+def igpo_loss(log_probs: Tensor, old_log_probs: Tensor, ref_log_probs: Tensor | None, advantages: Tensor,
+              loss_mask: Tensor, **settings: Any) -> tuple[Tensor, dict[str, Tensor]]:
+    """:func:`igpo_loss_parts` summed: ``(loss, metrics)``, the sum of the named parts ``policy`` and ``kl``
+    (coefficient beta), logged as ``losses/policy``, ``losses/kl``, plus the core's ``policy/*``; the
+    keyword settings are :func:`igpo_loss_parts`'s."""
+    parts, metrics = igpo_loss_parts(log_probs, old_log_probs, ref_log_probs, advantages, loss_mask, **settings)
     return parts.total(), {**metrics, **parts.metrics()}

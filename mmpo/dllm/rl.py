@@ -62,7 +62,7 @@ from mmpo.dllm.igpo import (
     check_loss_choice,
     choose_replacements,
     hint_entropy_filter,
-    igpo_loss,
+    igpo_loss_parts,
 )
 from mmpo.dllm.logprobs import completion_log_probs, perturb_for_scoring, structured_timesteps
 from mmpo.training.lora import LoraSettings, wrap_with_lora
@@ -75,6 +75,7 @@ from mmpo.training.nonfinite import DEFAULT_MAX_CONSECUTIVE_SKIPS, NonFiniteGuar
 from mmpo.training.step_state import StepState
 from mmpo.training.completions import CompletionSamples
 from mmpo.training.update import MicroLoss, PassContext, UpdateEngine, UpdateSchedule, UpdateWrapper
+from mmpo.training.update import micro_batch_metrics, total_loss
 from mmpo.training.config import AdvantageConfig, LossConfig, OptimConfig, RewardConfig
 from mmpo.training.config import as_config as as_group  # a group over the module's default instance
 from mmpo.training.optim import make_optimizer, max_steps_or_none
@@ -537,7 +538,7 @@ class DiffuGRPO(LegacyHparamsMixin, NonFiniteGuardMixin, MaskPredictorExportHook
     def inner_update_loss(
         self, batch: dict, key: tuple[int, float], old_log_probs: Tensor, ref_log_probs: Tensor | None,
         advantages: Tensor, loss_mask: Tensor, state: StepState | None = None,
-    ) -> tuple[Tensor, dict[str, Tensor]]:
+    ) -> tuple[Tensor, dict[str, float]]:
         """The loss of one inner update on scoring ``key``: ``igpo_loss`` (policy + beta KL) plus the named parts
         of :meth:`extra_loss_terms`, and the metrics of both.
 
@@ -548,19 +549,17 @@ class DiffuGRPO(LegacyHparamsMixin, NonFiniteGuardMixin, MaskPredictorExportHook
         with_entropy = self.loss_reads_entropy or self.entropy_in_loss
         log_probs, entropy = self._log_probs(self.model, batch, key, with_entropy=with_entropy,
                                              entropy_grad=self.entropy_in_loss)
-        loss, metrics = igpo_loss(
+        parts, core_metrics = igpo_loss_parts(
             log_probs, old_log_probs, ref_log_probs, advantages, loss_mask, clip_low=loss_config.clip_low,
             clip_high=loss_config.clip_high, beta=loss_config.beta, agg=loss_config.agg, loss=loss_config.name,
             kl_kind=loss_config.kl_kind, loss_settings=loss_config.settings, entropy=entropy,
             norm_len=loss_config.norm_len,
         )
         extra, extra_metrics = self.extra_loss_terms(entropy, loss_mask, state)
-        if len(extra):
-            clash = sorted(set(extra.metrics()) & set(metrics))
-            if clash:
-                raise ValueError(f"extra loss parts {clash} clash with the policy loss's parts")
-            loss = loss + extra.total()
-            metrics = {**metrics, **extra.metrics(), **extra_metrics}
+        loss, named = total_loss(parts, extra)  # a part of the same name as the policy loss's is refused
+        # one scoring key is one optimizer step of one micro-batch: the ratio's extremes are kept
+        metrics = micro_batch_metrics(named, loss, core_metrics, extra=extra, single_micro_batch=True)
+        metrics.update({key: float(value) for key, value in extra_metrics.items()})
         return loss, metrics
 
     def extra_loss_terms(self, entropy: Tensor | None, loss_mask: Tensor,

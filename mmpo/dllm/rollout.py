@@ -82,3 +82,29 @@ def greedy_accuracy(
         correct += sum(is_correct(t, r["answer"]) for t, r in zip(texts, chunk))
     model.train(was_training)
     return correct / len(rows)
+
+
+def sampled_accuracy(
+    model: torch.nn.Module,
+    tokenizer,
+    rows: list[dict[str, str]],
+    config: SamplerConfig,
+    samples: int,
+    *,
+    generator: torch.Generator,
+    batch_size: int = 128,
+) -> float:
+    """Fraction of ``samples`` completions per row, sampled with ``config`` (the training temperature) from
+    ``generator``, that are correct: the held-out pass@1 estimate at the rollout temperature."""
+    if not rows or samples < 1:
+        raise ValueError(f"sampled_accuracy needs rows and samples >= 1, got {len(rows)} rows, {samples} samples")
+    problems = [r["problem"] for r in rows for _ in range(samples)]
+    answers = [r["answer"] for r in rows for _ in range(samples)]
+    was_training = model.training
+    model.eval()
+    correct = 0
+    for start in range(0, len(problems), batch_size):
+        texts = rollout(model, tokenizer, problems[start : start + batch_size], config, generator=generator).texts
+        correct += sum(is_correct(t, a) for t, a in zip(texts, answers[start : start + batch_size]))
+    model.train(was_training)
+    return correct / len(problems)

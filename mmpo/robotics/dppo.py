@@ -43,6 +43,7 @@ from mmpo.core import LossParts
 from mmpo.training.config import CriticConfig, OptimConfig, as_config
 from mmpo.training.nonfinite import DEFAULT_MAX_CONSECUTIVE_SKIPS, NonFiniteGuard, NonFiniteGuardMixin
 from mmpo.training.update import MicroLoss, PassContext, UpdateEngine, UpdateSchedule, UpdateWrapper
+from mmpo.training.update import micro_batch_metrics
 from mmpo.training.optim import make_adamw
 from mmpo.robotics.config import (
     DPPO_FLAT_NAMES,
@@ -621,10 +622,8 @@ class DPPOModule(NonFiniteGuardMixin, pl.LightningModule):
                 # the actor's part is switched off (coefficient 0, never summed) during the critic warm-up
                 parts = (LossParts().add("policy", pg_loss, 1.0 if train_actor else 0.0)
                          .add("value", value_loss, self.critic_config.vf_coef))
-                return MicroLoss(parts.total(), {"losses/policy": float(pg_loss.detach()),
-                                                 "losses/value": float(value_loss.detach()),
-                                                 "policy/clipfrac": float(metrics["policy/clipfrac"]),
-                                                 "policy/approx_kl": float(metrics["policy/approx_kl"])})
+                loss = parts.total()
+                return MicroLoss(loss, micro_batch_metrics(parts, loss, metrics, single_micro_batch=True))
 
             result = self.update_engine.optimizer_step([None], micro_loss, stepped=stepped)
             return {**result.metrics, **first}

@@ -10,6 +10,8 @@ This module does the rest, once:
 * :func:`core_loss_parts`: the core policy loss (``mmpo.core.policy_loss``) + beta x KL to a
   reference - entropy_coef x entropy, as named :class:`~mmpo.core.LossParts`, with the global
   token / sequence normalisers of an :class:`~mmpo.core.Aggregation`.
+* :func:`micro_batch_metrics`: the ``losses/*`` and ``policy/*`` metrics of one micro-batch, summed over
+  a step's micro-batches by the engine (one metric vocabulary for every family).
 * :class:`UpdateEngine`: one optimizer step: zero the gradients, backward every micro-batch's loss
   (scaled by ``loss_scale``: the world size when the loss is normalised by global counts, so that
   DDP's gradient average becomes the sum), clip the gradient norm per parameter group, the
@@ -147,6 +149,46 @@ def total_loss(parts: LossParts, extra: LossParts) -> tuple[Tensor, LossParts]:
     named = LossParts().update_from(parts).update_from(extra)
     loss = parts.total() + extra.total() if len(extra) else parts.total()
     return loss, named
+
+
+# ---------------------------------------------------------------------- the metrics of one micro-batch
+
+# extremes do not sum over micro-batches (min / max, not means): logged only when a step has one micro-batch
+NON_ADDITIVE_METRICS = frozenset({"policy/ratio_min", "policy/ratio_max", "rollout_is/min", "rollout_is/max",
+                                  "rollout_is/logp_diff_max"})
+
+
+def micro_batch_metrics(
+    named: LossParts,
+    total: Tensor | float,
+    core_metrics: Mapping[str, Any] | None = None,
+    *,
+    weight: float = 1.0,
+    extra: LossParts | None = None,
+    single_micro_batch: bool = False,
+) -> dict[str, float]:
+    """The ``losses/*`` and ``policy/*`` metrics of one micro-batch, in every family's one vocabulary.
+
+    The engine sums the dicts of a step's micro-batches (:meth:`UpdateEngine.optimizer_step`), so:
+
+    * ``losses/<name>`` (each unweighted part of ``named``), ``losses/total`` (``total``) and, when ``extra``
+      is given, ``losses/extra`` (the algorithm's own parts, weighted; 0.0 when it has none): the
+      micro-batch's losses are shares of the step's global value (normalised by the global counts), so
+      their sum is the step's value;
+    * ``core_metrics`` (the core loss's ``policy/*`` and the rollout correction's ``rollout_is/*``) are
+      means over this micro-batch: each is multiplied by ``weight``, the micro-batch's share of the step's
+      loss tokens (1.0 for a step of one micro-batch), so the sum is the step's token-weighted mean.
+      Extremes (:data:`NON_ADDITIVE_METRICS`) do not sum: kept only with ``single_micro_batch``.
+    """
+    metrics = {key: float(value) for key, value in named.metrics().items()}
+    if extra is not None and "losses/extra" not in metrics:
+        metrics["losses/extra"] = float(extra.total().detach()) if len(extra) else 0.0
+    metrics["losses/total"] = float(total.detach()) if isinstance(total, Tensor) else float(total)
+    for key, value in (core_metrics or {}).items():
+        if key in NON_ADDITIVE_METRICS and not single_micro_batch:
+            continue
+        metrics[key] = metrics.get(key, 0.0) + float(value) * weight
+    return metrics
 
 
 # ---------------------------------------------------------------------- one optimizer step

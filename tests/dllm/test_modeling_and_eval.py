@@ -71,3 +71,30 @@ def test_answerer_shapes_and_registry(tiny_model_and_tokenizer, tmp_path):
     assert {"id", "problem", "answer"} <= set(loaded_rows[0])
     scores = benchmark.scorer(["A:" + loaded_rows[0]["answer"], "A:-1"], loaded_rows[:2])
     assert scores.tolist() == [1.0, 0.0]
+
+
+def test_sampled_accuracy_counts_every_sample_in_batches(monkeypatch):
+    """Scripted rollouts: per problem, sample k is right when k is even; 3 samples of 2 rows in batches of
+    4 -> 4 right of 6; the generator reaches every rollout call and the train mode is restored."""
+    import types
+
+    import torch
+
+    import mmpo.dllm.rollout as dllm_rollout
+
+    calls = []
+
+    def scripted(model, tokenizer, problems, config, *, generator=None, **_):
+        calls.append((len(problems), generator))
+        start = sum(n for n, _ in calls[:-1])
+        texts = [f"\\boxed{{{'7' if (start + i) % 3 in (0, 2) else '1'}}}" for i in range(len(problems))]
+        return types.SimpleNamespace(texts=texts)
+
+    monkeypatch.setattr(dllm_rollout, "rollout", scripted)
+    model = torch.nn.Linear(1, 1)
+    rows = [{"problem": "a", "answer": "7"}, {"problem": "b", "answer": "7"}]
+    generator = torch.Generator().manual_seed(0)
+    accuracy = dllm_rollout.sampled_accuracy(model, None, rows, None, 3, generator=generator, batch_size=4)
+    assert accuracy == pytest.approx(4 / 6)
+    assert [n for n, _ in calls] == [4, 2] and all(g is generator for _, g in calls)
+    assert model.training

@@ -41,7 +41,7 @@ def start(tiny_model_and_tokenizer, tmp_path):
 
 @pytest.fixture
 def scripted(monkeypatch):
-    """Scripted rollouts (greedy ones recognised by temperature 0) and a recorder of igpo_loss's inputs."""
+    """Scripted rollouts (greedy ones recognised by temperature 0) and a recorder of igpo_loss_parts's inputs."""
     calls: list[dict] = []
 
     def fake_rollout(model, tokenizer, problems, config, *, fixed_tokens=None, fixed_mask=None, generator=None):
@@ -52,17 +52,18 @@ def scripted(monkeypatch):
         return Rollout(torch.ones(n, 3, dtype=torch.long), torch.ones(n, 3, dtype=torch.long), completions,
                        torch.zeros(n, GEN, dtype=torch.bool), list(texts))
 
-    original = rl.igpo_loss
+    original = rl.igpo_loss_parts
 
     def recording_loss(log_probs, old_log_probs, ref_log_probs, advantages, loss_mask, **kwargs):
-        loss, metrics = original(log_probs, old_log_probs, ref_log_probs, advantages, loss_mask, **kwargs)
+        parts, metrics = original(log_probs, old_log_probs, ref_log_probs, advantages, loss_mask, **kwargs)
         calls.append(dict(log_probs=log_probs.detach().clone(), old=old_log_probs.clone(),
                           ref=None if ref_log_probs is None else ref_log_probs.clone(), advantages=advantages.clone(),
-                          mask=loss_mask.clone(), value=loss.detach().clone(), metrics=metrics, **kwargs))
-        return loss, metrics
+                          mask=loss_mask.clone(), value=parts.total().detach().clone(),
+                          metrics={**metrics, **parts.metrics()}, **kwargs))
+        return parts, metrics
 
     monkeypatch.setattr(rl, "rollout", fake_rollout)
-    monkeypatch.setattr(rl, "igpo_loss", recording_loss)
+    monkeypatch.setattr(rl, "igpo_loss_parts", recording_loss)
     return calls
 
 

@@ -16,7 +16,7 @@ from mmpo.training.config import LossConfig, OptimConfig, RewardConfig, Sampling
 TESTS = Path(__file__).resolve().parents[1]
 
 # the keys every family's RL training step logs (docs/core.md)
-SHARED = {"rewards/total/mean", "losses/policy", "policy/clipfrac", "policy/approx_kl", "perf/skipped_steps"}
+SHARED = {"rewards/total/mean", "losses/policy", "losses/total", "policy/clipfrac", "policy/approx_kl", "perf/skipped_steps"}
 RETIRED = {"rewards/mean", "train/frac_all_wrong"}  # the dLLM path's names before the shared vocabulary
 
 

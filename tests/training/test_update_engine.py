@@ -22,6 +22,7 @@ from mmpo.training.update import (
     UpdateEngine,
     UpdateSchedule,
     core_loss_parts,
+    micro_batch_metrics,
     total_loss,
 )
 from mmpo.training.variants import LengthBands, SlowFastUpdate
@@ -235,3 +236,69 @@ def test_global_normalisers_in_one_process():
     engine = UpdateEngine(Toy(), max_grad_norm=None)
     tokens, sequences = engine.global_normalisers(torch.tensor([[1, 1, 0], [0, 0, 0], [1, 0, 0]]))
     assert (float(tokens), float(sequences), engine.world_size) == (3.0, 2.0, 1)
+
+
+def test_micro_batch_metrics_hand_computed():
+    """Parts unweighted, the extra parts' weighted sum, the total, the core means x the token share; the
+    ratio's extremes only for a step of one micro-batch."""
+    from mmpo.core import LossParts
+
+    parts = LossParts().add("policy", torch.tensor(0.5)).add("kl", torch.tensor(0.2), 0.1)
+    extra = LossParts().add("epo", torch.tensor(0.3), -2.0)
+    loss, named = total_loss(parts, extra)
+    core = {"policy/clipfrac": torch.tensor(0.25), "policy/ratio_min": 0.9, "rollout_is/max": 3.0}
+    metrics = micro_batch_metrics(named, loss, core, weight=0.4, extra=extra)
+    assert metrics == pytest.approx({"losses/policy": 0.5, "losses/kl": 0.2, "losses/epo": 0.3,
+                                     "losses/extra": -0.6, "losses/total": 0.5 + 0.02 - 0.6,
+                                     "policy/clipfrac": 0.1})
+    single = micro_batch_metrics(parts, parts.total(), core, single_micro_batch=True)
+    assert single == pytest.approx({"losses/policy": 0.5, "losses/kl": 0.2, "losses/total": 0.52,
+                                    "policy/clipfrac": 0.25, "policy/ratio_min": 0.9, "rollout_is/max": 3.0})
+
+
+def test_micro_batch_metrics_summed_by_the_engine_equal_the_whole_minibatchs():
+    """Two micro-batches (3 and 1 loss tokens) under global normalisers: the engine's sums of their metrics
+    are the metrics of the one big batch (loss parts and the token-weighted clip fraction)."""
+    from mmpo.core import LossParts
+
+    log_probs = torch.tensor([[-1.0, -0.5, -2.0], [-0.3, -1.0, -1.0]])
+    old = torch.tensor([[-1.5, -0.5, -1.0], [-0.1, -1.0, -1.0]])
+    advantages = torch.tensor([1.0, -1.0])
+    mask = torch.tensor([[1.0, 1.0, 1.0], [1.0, 0.0, 0.0]])
+    spec = CoreLossSpec("ppo", {"clip_low": 0.2, "clip_high": 0.2})
+
+    def metrics_of(rows, aggregation, weight):
+        scored = ScoredMicroBatch(log_probs[rows], old[rows], advantages[rows], mask[rows])
+        parts, core = core_loss_parts(scored, spec, aggregation)
+        loss, named = total_loss(parts, LossParts())
+        return micro_batch_metrics(named, loss, core, weight=weight)
+
+    whole = metrics_of([0, 1], Aggregation("token-mean"), 1.0)
+    split = Aggregation("token-mean", torch.tensor(4.0), torch.tensor(2.0))
+    first, second = metrics_of([0], split, 3 / 4), metrics_of([1], split, 1 / 4)
+    summed = {key: first[key] + second[key] for key in first}
+    # hand values: ratios e^0.5, 1, e^-1 (A = +1) and e^-0.2 (A = -1), clip 0.2: only e^0.5 takes the
+    # clipped term (-1.2 > -e^0.5), so clipfrac = 1/4 and the loss = (-1.2 - 1 - e^-1 + e^-0.2) / 4
+    assert summed["policy/clipfrac"] == pytest.approx(0.25, abs=1e-7) == whole["policy/clipfrac"]
+    expected_loss = (-1.2 - 1.0 - math.exp(-1.0) + math.exp(-0.2)) / 4
+    assert summed["losses/policy"] == pytest.approx(expected_loss, abs=1e-6)
+    assert whole["losses/policy"] == pytest.approx(expected_loss, abs=1e-6)
+    assert summed["losses/total"] == pytest.approx(whole["losses/total"], abs=1e-7)
+    assert summed["policy/approx_kl"] == pytest.approx(whole["policy/approx_kl"], abs=1e-7)
+    assert "policy/ratio_max" not in summed  # extremes do not sum over micro-batches
+
+
+def test_every_family_builds_its_step_metrics_with_the_engines_helper():
+    """Each module that hands the engine a MicroLoss builds its ``losses/*`` / ``policy/*`` with
+    micro_batch_metrics: no family spells ``losses/total`` or a ``losses/policy`` dict entry itself."""
+    builders = []
+    for path in _python_files("mmpo"):
+        source = path.read_text()
+        if "MicroLoss(" in source and not path.name == "update.py":
+            builders.append(str(path.relative_to(REPO)))
+            assert "micro_batch_metrics(" in source, path
+            for node in ast.walk(ast.parse(source)):  # no hand-built {"losses/total": ...} or sums["losses/total"]
+                keys = node.keys if isinstance(node, ast.Dict) else [node.slice] if isinstance(node, ast.Subscript) else []
+                spelled = {k.value for k in keys if isinstance(k, ast.Constant)}
+                assert not spelled & {"losses/total", "losses/policy"}, (path, node.lineno, spelled)
+    assert {"mmpo/algos/grpo.py", "mmpo/dllm/rl.py", "mmpo/robotics/dppo.py"} <= set(builders)

@@ -191,7 +191,9 @@ def test_sampled_accuracy_averages_each_rows_contiguous_samples(monkeypatch):
         seen.update(kwargs)
         return texts
 
-    monkeypatch.setattr(evidence, "generate_texts", fake_texts)
+    import mmpo.eval.heldout as heldout
+
+    monkeypatch.setattr(heldout, "heldout_texts", fake_texts)  # the bench scores through the package
     values = evidence.sampled_accuracy(None, None, rows, system_prompt="s", max_new_tokens=8, samples=3,
                                        temperature=0.7)
     assert values == pytest.approx([2 / 3, 1.0])

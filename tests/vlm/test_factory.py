@@ -118,3 +118,16 @@ def test_reference_model_is_frozen_copy_and_skipped_without_kl(tiny_dir):
     with torch.no_grad():
         next(model.parameters()).add_(1.0)
     assert not torch.equal(next(model.parameters()), next(reference.parameters()))
+
+
+def test_the_tiny_vlm_tokenizer_corpus_is_pinned():
+    """The tiny VLM's tokenizer is trained on this corpus: a task added to it (a text-LM or tool task, which
+    run on the text LM) changes every tiny-VLM run and golden artifact, so any change must be deliberate."""
+    import hashlib
+
+    from mmpo.vlm.factory import default_corpus
+
+    texts = default_corpus()
+    assert len(texts) == 3998
+    assert hashlib.sha256("\n".join(texts).encode()).hexdigest() == (
+        "38f9733e139a9a6e52781af6a6fc3919b81928b91bd31aabd00aafe98ff0f17f")
