@@ -218,7 +218,7 @@ class INPOModule(VLMPolicyModule):
         # other's gradient collectives (DDP all-reduce, FSDP2 all-gather / reduce-scatter) unanswered
         if not self._any_process_has_pairs(bool(pairs)):  # every prompt tied: no update (no optimizer step)
             log.warning("step %s: the oracle preferred no completion of any prompt; batch skipped", self.global_step)
-            self.log_dict(metrics, on_step=True, batch_size=len(rows))
+            self._log_step(metrics, len(rows))
             return None
         # a process without a pair of its own runs a stand-in pair (its first two completions) with weight
         # 0: the same forwards and backward as the others, a zero gradient
@@ -235,10 +235,15 @@ class INPOModule(VLMPolicyModule):
         loss = loss * weight
         if pairs:
             metrics.update(loss_metrics)
-        shown = {"rewards/accuracies", "rewards/total/mean"}
-        self.log_dict({k: v for k, v in metrics.items() if k in shown}, on_step=True, prog_bar=True, batch_size=len(rows))
-        self.log_dict({k: v for k, v in metrics.items() if k not in shown}, on_step=True, batch_size=len(rows))
+        self._log_step(metrics, len(rows))
         return loss
+
+    def _log_step(self, metrics: Mapping[str, float], batch_size: int) -> None:
+        """One step's metrics, the progress-bar ones always with the same arguments: Lightning refuses a key
+        logged with other arguments later in the epoch (a skipped step's, then a trained step's)."""
+        shown = {"rewards/accuracies", "rewards/total/mean"}
+        self.log_dict({k: v for k, v in metrics.items() if k in shown}, on_step=True, prog_bar=True, batch_size=batch_size)
+        self.log_dict({k: v for k, v in metrics.items() if k not in shown}, on_step=True, batch_size=batch_size)
 
     def _any_process_has_pairs(self, has_pairs: bool) -> bool:
         strategy = self._trainer.strategy if self._trainer is not None else None

@@ -23,6 +23,7 @@ Source: ``jingyi0000/R1-VL:src/r1-vl/src/open_r1/grpo.py``; docs/algorithm_sourc
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 import re
 from typing import Any, Sequence
 
@@ -192,21 +193,31 @@ def step_rar_reward_name(*, no_answer_zero: bool = False, skip_missing_key_steps
     return name
 
 
+@dataclass(frozen=True)
+class StepRARVariant:
+    """StepRAR with fixed options, called as the registry's ``fn(completions, rows)``. A module-level class
+    (not a closure) so that it pickles to the reward worker, where its deadline can stop a hang."""
+
+    no_answer_zero: bool = False
+    skip_missing_key_steps: bool = False
+
+    @property
+    def __name__(self) -> str:  # logs and errors name the reward as registered
+        return step_rar_reward_name(no_answer_zero=self.no_answer_zero,
+                                    skip_missing_key_steps=self.skip_missing_key_steps)
+
+    def __call__(self, completions: list[str], rows: list[dict[str, Any]]) -> Tensor:
+        return step_rar(completions, rows, no_answer_zero=self.no_answer_zero,
+                        on_missing_key_steps="skip" if self.skip_missing_key_steps else "error")
+
+
 def _register_step_rar_variants() -> None:
-    # One registered function per option combination: the registry's signature is
-    # fn(completions, rows), so options are fixed at registration.
+    # One registered callable per option combination: the registry's signature is fn(completions, rows), so
+    # options are fixed at registration (alpha is the paper's 0.1).
     for no_answer_zero in (False, True):
         for skip in (False, True):
-            name = step_rar_reward_name(no_answer_zero=no_answer_zero, skip_missing_key_steps=skip)
-
-            def reward(completions: list[str], rows: list[dict[str, Any]], *, _zero=no_answer_zero,
-                       _skip=skip) -> Tensor:
-                return step_rar(completions, rows, no_answer_zero=_zero,
-                                on_missing_key_steps="skip" if _skip else "error")
-
-            reward.__name__ = reward.__qualname__ = name
-            reward.__doc__ = f"StepRAR (alpha 0.1, no_answer_zero={no_answer_zero}, skip missing key steps={skip})."
-            register_reward(name)(reward)
+            variant = StepRARVariant(no_answer_zero, skip)
+            register_reward(variant.__name__)(variant)
 
 
 _register_step_rar_variants()

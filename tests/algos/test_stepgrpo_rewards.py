@@ -98,3 +98,24 @@ def test_registered_and_summed():
     # valid + correct: 1 + 0.0667 + 1; wrong answer, valid format: 0.0333 + 1
     assert total.tolist() == pytest.approx([2.0 + 0.1 * 2 / 3, 1.0 + 0.1 / 3])
     assert total.dtype == torch.float32
+
+
+def test_registered_step_rar_variants_pickle_to_the_reward_worker():
+    """Each registered StepRAR variant survives pickling (so it runs in the reward worker under its deadline,
+    not in the trainer), keeps its registered name, and scores as its options say."""
+    import pickle
+
+    import mmpo.rewards.step  # noqa: F401  (registers the variants)
+    from mmpo.rewards import get_reward
+
+    for name, options in {"step_rar": {}, "step_rar_no_answer_zero": {"no_answer_zero": True},
+                          "step_rar_skip_missing": {"on_missing_key_steps": "skip"},
+                          "step_rar_no_answer_zero_skip_missing": {"no_answer_zero": True,
+                                                                   "on_missing_key_steps": "skip"}}.items():
+        registered = get_reward(name)
+        copy = pickle.loads(pickle.dumps(registered))
+        assert copy == registered and copy.__name__ == name
+        rows = [{"answer": "4", "key_steps": [["2+2"]]}, {"answer": "4", "key_steps": [["2+2"]]}]
+        texts = ["<think>2+2</think><answer>4</answer>", "<think>no</think>"]
+        expected = step_rar(texts, rows, **options)
+        assert torch.equal(copy(texts, rows), expected)
