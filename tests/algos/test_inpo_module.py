@@ -149,3 +149,34 @@ def test_a_checkpoint_at_the_end_of_an_iteration_holds_the_new_anchor(tiny_path,
     assert not all(torch.equal(saved[1]["mmpo_inpo_anchor"][k], v) for k, v in policy.items())
     assert saved[2]["mmpo_inpo_anchor_step"] == 2
     assert all(torch.equal(saved[2]["mmpo_inpo_anchor"][k], v) for k, v in policy.items())
+
+
+def test_a_skipped_step_then_a_trained_step_log_alike(tiny_path, first_judge):
+    """A step where the oracle prefers nothing (skipped) followed by a trained step: both log
+    rewards/total/mean with the same arguments (Lightning refused the second one before), the second trains."""
+    module = INPOModule(tiny_path, eta=1.0, tau=0.5, sampling=SamplingConfig(num_generations=2, max_new_tokens=4),
+                        optim=OptimConfig(lr=1e-2), rewards=RewardConfig(timeout_s=None))
+    calls = []
+
+    def scripted_pairs(rollout):
+        calls.append(len(calls))
+        pairs = [] if len(calls) == 1 else [(0, 1)]
+        return pairs, {"rewards/total/mean": 0.5 * len(calls)}
+
+    module.preference_pairs = scripted_pairs
+    losses = []
+    module.training_step = _recording_optional(module.training_step, losses)
+    trainer = L.Trainer(accelerator="cpu", devices=1, max_epochs=1, logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False)
+    rows = make_items("arithmetic", 2, seed=0)
+    trainer.fit(module, DataLoader([rows] * 2, batch_size=None, collate_fn=lambda x: x))
+    assert calls == [0, 1] and losses[0] is None and losses[1] == pytest.approx(0.25, abs=1e-5)
+    assert float(trainer.callback_metrics["rewards/total/mean"]) == 1.0
+
+
+def _recording_optional(step, losses):
+    def wrapped(batch, batch_idx):
+        loss = step(batch, batch_idx)
+        losses.append(None if loss is None else float(loss.detach()))
+        return loss
+    return wrapped
