@@ -1,7 +1,7 @@
 """Every shipped config parses through `mmpo fit --print_config` to a known class, and the class path it names
 is under ``mmpo`` (the 2-step runs of the tiny configs are in the family tests: tests/algos, tests/dllm,
 tests/robotics, tests/e2e; the real-scale VLM and text-LM configs train 2 steps shrunk to tiny models in
-tests/e2e/test_real_scale_configs_shrunk.py and are sized by `mmpo estimate` in tests/vlm)."""
+tests/e2e/test_real_scale_configs_shrunk.py (dLLM: tests/dllm/test_real_scale_config_shrunk.py) and are sized by `mmpo estimate` in tests/vlm)."""
 
 from __future__ import annotations
 

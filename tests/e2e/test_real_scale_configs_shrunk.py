@@ -7,8 +7,8 @@ model for a tiny one of the same family, the data for synthetic rows, the hardwa
 budget (G = 2, 4 new tokens, 2 prompts a batch, 2 steps) and the output paths. A setting that cannot run
 (a typo, a class that moved, a combination the module refuses) fails here instead of on the user's cluster.
 
-The real-scale dLLM config (configs/dllm/igpo_llada_8b.yaml: LLaDA's own modelling code) is parsed in
-tests/e2e/test_every_config_parses.py; its settings run in the family's tiny configs.
+The real-scale dLLM config (configs/dllm/igpo_llada_8b.yaml) is shrunk the same way in
+tests/dllm/test_real_scale_config_shrunk.py.
 """
 
 from __future__ import annotations
