@@ -74,21 +74,21 @@ def run_fixed_grpo_nodes(tmp_path: Path, tiny_path: str, name: str, *, nodes: in
     return load_file(out), logs[0]
 
 
-def run_fixed_sft(tmp_path: Path, mode: str, tiny_path: str) -> dict[str, torch.Tensor]:
-    """Run tests/fixed_sft_worker.py (MODE ddp or fsdp); returns its final full weights."""
+def run_fixed_sft(tmp_path: Path, mode: str, tiny_path: str, kind: str = "vlm") -> dict[str, torch.Tensor]:
+    """Run tests/fixed_sft_worker.py (MODE ddp or fsdp; KIND vlm or text); returns its final full weights."""
     out = tmp_path / f"sft_{mode}.safetensors"
-    return run_worker(SFT_WORKER, [mode, tiny_path, str(out)], tmp_path, out)[0]
+    return run_worker(SFT_WORKER, [mode, tiny_path, str(out), kind], tmp_path, out)[0]
 
 
 def run_fixed_preference(tmp_path: Path, algo: str, mode: str, tiny_path: str, name: str, *, steps: int = 2,
                          ckpt_dir: Path | str = "-", resume: Path | str = "-", pairs: str = "both",
-                         timeout_s: float = 120.0, agree: str = "ranks",
+                         timeout_s: float = 120.0, agree: str = "ranks", kind: str = "vlm",
                          expect_ok: bool = True) -> tuple[dict[str, torch.Tensor], str]:
     """Run tests/fixed_preference_worker.py (ALGO dpo or inpo, MODE single or fsdp); returns its final full
     weights (INPO: also ``anchor.`` and ``reference.`` ones) and its stdout (with ``expect_ok=False``: no
     weights, and stdout + stderr of a run that must fail)."""
     out = tmp_path / f"{name}.safetensors"
-    args = [algo, mode, tiny_path, str(out), str(steps), str(ckpt_dir), str(resume), pairs, str(timeout_s), agree]
+    args = [algo, mode, tiny_path, str(out), str(steps), str(ckpt_dir), str(resume), pairs, str(timeout_s), agree, kind]
     return run_worker(PREFERENCE_WORKER, args, tmp_path, out, expect_ok=expect_ok)
 
 

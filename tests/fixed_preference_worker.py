@@ -42,12 +42,14 @@ from mmpo.vlm.rollout import HFGenerateEngine
 
 torch.set_num_threads(1)
 algo, mode, model_path, out, steps, ckpt_dir, resume, pair_mode, timeout_s, agree = sys.argv[1:11]
+kind = sys.argv[11] if len(sys.argv) > 11 else "vlm"  # text: two text-task prompts for a text-only LM
 if agree == "local":  # the bug this guards against: each rank decides the shared-prompt forward alone
     import mmpo.vlm.logprobs
 
     mmpo.vlm.logprobs.all_ranks_agree = lambda model, flag: flag
 parallel = mode != "single"
-rows = [synthetic_preference_row(r, 0) for r in make_items("count_shapes", 1, seed=0) + make_items("arithmetic", 1, seed=0)]
+tasks = ("long_arithmetic", "word_problem") if kind == "text" else ("count_shapes", "arithmetic")
+rows = [synthetic_preference_row(r, 0) for task in tasks for r in make_items(task, 1, seed=0)]
 rank = int(os.environ.get("LOCAL_RANK", "0"))
 lr = 0.5 if algo == "dpo" else 0.05
 if pair_mode == "first" and not parallel:

@@ -3,7 +3,8 @@ rank 1 on a text-only row; SGD(lr=1), so the weight change is minus the (rank-av
 
 Run as a script (through tests/distributed_support.py) by tests/e2e/test_fsdp_vlm.py; not a test module:
 
-    python fixed_sft_worker.py MODE MODEL_PATH OUT        (MODE ddp or fsdp)
+    python fixed_sft_worker.py MODE MODEL_PATH OUT [KIND]  (MODE ddp or fsdp; KIND vlm (default) or text:
+                                                           two text-task rows for a text-only LM)
 """
 
 import os
@@ -21,7 +22,11 @@ from mmpo.vlm.fsdp import full_state_dict, is_sharded
 
 torch.set_num_threads(1)
 mode, model_path, out = sys.argv[1:4]
-rows = make_items("count_shapes", 1, seed=0) + make_items("arithmetic", 1, seed=0)
+kind = sys.argv[4] if len(sys.argv) > 4 else "vlm"
+if kind == "text":  # rows of two lengths, one per rank
+    rows = make_items("long_arithmetic", 1, seed=0) + make_items("word_problem", 1, seed=0)
+else:
+    rows = make_items("count_shapes", 1, seed=0) + make_items("arithmetic", 1, seed=0)
 
 
 class PlainSGD(SFTModule):
