@@ -7,9 +7,10 @@ prompt runs once per distinct prompt, its KV cache is indexed out to the N rows
 gradient reaching the shared prompt states is the sum over the copies', which is what the per-row
 path computes, so values and gradients agree up to float rounding (tests/vlm/test_shared_prompts.py).
 
-Used for Qwen-VL backbones (their 3-D RoPE positions come from ``get_rope_index`` over the full
-sequence, sliced into the prompt and completion parts) on batches with images and repeated prompts;
-anything else takes the plain one-forward path.
+Used for Qwen-VL backbones on batches with images and repeated prompts (their 3-D RoPE positions come
+from ``get_rope_index`` over the full sequence, sliced into the prompt and completion parts) and for text
+LMs (Qwen2 / Qwen3 / Llama: the mask-aware positions the plain forward uses, sliced the same way); anything
+else (a VLM's text-only batch, gradient checkpointing) takes the plain one-forward path.
 """
 
 from __future__ import annotations
@@ -22,27 +23,34 @@ from transformers import DynamicCache
 
 
 def distinct_prompt_rows(prompt_inputs: Mapping[str, Any]) -> tuple[list[int], list[int]] | None:
-    """(first row of each distinct prompt, for each row its distinct prompt's position), or None without
-    the per-row image bookkeeping (``image_counts``). Rows are equal when their prompt tokens, attention
-    mask and images (grid and pixels) are. Example: rows [A, A, B, A] -> ([0, 2], [0, 0, 1, 0])."""
+    """(first row of each distinct prompt, for each row its distinct prompt's position), or None for an image
+    batch without the per-row image bookkeeping (``image_counts``). Rows are equal when their prompt tokens,
+    attention mask and images (grid and pixels; none in a text batch) are. Example: rows [A, A, B, A] ->
+    ([0, 2], [0, 0, 1, 0])."""
     ids, mask = prompt_inputs["input_ids"], prompt_inputs["attention_mask"]
-    grid, counts = prompt_inputs.get("image_grid_thw"), prompt_inputs.get("image_counts")
-    if grid is None or counts is None:
-        return None
-    patches = grid.prod(-1)
-    patch_start = (torch.cumsum(patches, 0) - patches).tolist()
-    image_start = (torch.cumsum(counts, 0) - counts).tolist()
-    pixels = prompt_inputs["pixel_values"]
+    if prompt_inputs.get("pixel_values") is None and prompt_inputs.get("image_grid_thw") is None:
+        def same(a: int, b: int) -> bool:  # a text batch: the tokens and the mask say it all
+            return torch.equal(ids[a], ids[b]) and torch.equal(mask[a], mask[b])
+    else:
+        grid, counts = prompt_inputs.get("image_grid_thw"), prompt_inputs.get("image_counts")
+        if grid is None or counts is None:
+            return None
+        patches = grid.prod(-1)
+        patch_start = (torch.cumsum(patches, 0) - patches).tolist()
+        image_start = (torch.cumsum(counts, 0) - counts).tolist()
+        pixels = prompt_inputs["pixel_values"]
 
-    def images(row: int) -> list[tuple[Tensor, Tensor]]:
-        first = int(image_start[row])
-        return [(grid[i], pixels[patch_start[i] : patch_start[i] + int(patches[i])])
-                for i in range(first, first + int(counts[row]))]
+        def images(row: int) -> list[tuple[Tensor, Tensor]]:
+            first = int(image_start[row])
+            return [(grid[i], pixels[patch_start[i] : patch_start[i] + int(patches[i])])
+                    for i in range(first, first + int(counts[row]))]
 
-    def same(a: int, b: int) -> bool:
-        if not (torch.equal(ids[a], ids[b]) and torch.equal(mask[a], mask[b]) and int(counts[a]) == int(counts[b])):
-            return False
-        return all(torch.equal(ga, gb) and torch.equal(pa, pb) for (ga, pa), (gb, pb) in zip(images(a), images(b)))
+        def same(a: int, b: int) -> bool:
+            if not (torch.equal(ids[a], ids[b]) and torch.equal(mask[a], mask[b])
+                    and int(counts[a]) == int(counts[b])):
+                return False
+            return all(torch.equal(ga, gb) and torch.equal(pa, pb)
+                       for (ga, pa), (gb, pb) in zip(images(a), images(b)))
 
     first: list[int] = []
     inverse: list[int] = []
@@ -59,7 +67,9 @@ def distinct_prompt_rows(prompt_inputs: Mapping[str, Any]) -> tuple[list[int], l
 def _shareable_rows(backbone: Any, inputs: Mapping[str, Any], prompt_inputs: Mapping[str, Any],
                     width: int) -> tuple[list[int], list[int]] | None:
     """:func:`distinct_prompt_rows` when this batch and backbone qualify for the shared forward, else None."""
-    if "pixel_values" not in inputs or not hasattr(backbone, "get_rope_index") or width < 1:
+    vision = "pixel_values" in inputs and hasattr(backbone, "get_rope_index")
+    text_lm = "pixel_values" not in inputs and not hasattr(backbone, "get_rope_index") and "position_ids" in inputs
+    if not (vision or text_lm) or width < 1:
         return None
     if backbone.training and any(getattr(m, "gradient_checkpointing", False) for m in backbone.modules()):
         return None  # HF turns use_cache off under gradient checkpointing: the prompt's cache would stay empty
@@ -93,19 +103,23 @@ def shared_prompt_hidden_states(backbone: Any, inputs: Mapping[str, Any], prompt
         return None
     first, inverse = rows
     device = inputs["input_ids"].device
-    # 3-D RoPE positions of the full sequences, exactly as the plain forward computes them
-    positions, _ = backbone.get_rope_index(inputs["input_ids"], mm_token_type_ids=inputs["mm_token_type_ids"],
-                                           image_grid_thw=inputs["image_grid_thw"],
-                                           attention_mask=inputs["attention_mask"])
-    distinct = select_rows(prompt_inputs, first)
     index = torch.tensor(first, device=device)
+    if "pixel_values" in inputs:
+        # 3-D RoPE positions (3, N, L) of the full sequences, exactly as the plain forward computes them
+        positions, _ = backbone.get_rope_index(inputs["input_ids"], mm_token_type_ids=inputs["mm_token_type_ids"],
+                                               image_grid_thw=inputs["image_grid_thw"],
+                                               attention_mask=inputs["attention_mask"])
+        distinct = select_rows(prompt_inputs, first)
+        prompt_extra = {"mm_token_type_ids": inputs["mm_token_type_ids"][index, :prompt_width],
+                        "pixel_values": distinct["pixel_values"].to(device, inputs["pixel_values"].dtype),
+                        "image_grid_thw": distinct["image_grid_thw"].to(device)}
+        completion_extra = {"mm_token_type_ids": inputs["mm_token_type_ids"][:, prompt_width : prompt_width + width - 1]}
+    else:  # a text LM: the mask-aware (N, L) positions the plain forward runs with
+        positions, prompt_extra, completion_extra = inputs["position_ids"], {}, {}
     cache = DynamicCache(config=backbone.config)
     prompt_out = backbone(
         input_ids=inputs["input_ids"][index, :prompt_width], attention_mask=inputs["attention_mask"][index, :prompt_width],
-        mm_token_type_ids=inputs["mm_token_type_ids"][index, :prompt_width],
-        pixel_values=distinct["pixel_values"].to(device, inputs["pixel_values"].dtype),
-        image_grid_thw=distinct["image_grid_thw"].to(device), position_ids=positions[:, index, :prompt_width],
-        cache=cache, use_cache=True,
+        position_ids=positions[..., index, :prompt_width], cache=cache, use_cache=True, **prompt_extra,
     )
     rows_of = torch.tensor(inverse, device=device)
     cache.batch_select_indices(rows_of)  # each row gets its prompt's keys / values (indexing: differentiable)
@@ -115,7 +129,7 @@ def shared_prompt_hidden_states(backbone: Any, inputs: Mapping[str, Any], prompt
     completion_out = backbone(
         input_ids=inputs["input_ids"][:, prompt_width : prompt_width + width - 1],
         attention_mask=inputs["attention_mask"][:, : prompt_width + width - 1],
-        mm_token_type_ids=inputs["mm_token_type_ids"][:, prompt_width : prompt_width + width - 1],
-        position_ids=positions[:, :, prompt_width : prompt_width + width - 1], cache=cache, use_cache=True,
+        position_ids=positions[..., prompt_width : prompt_width + width - 1], cache=cache, use_cache=True,
+        **completion_extra,
     )
     return torch.cat([last_prompt, completion_out.last_hidden_state], dim=1)
