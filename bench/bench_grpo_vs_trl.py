@@ -1,4 +1,5 @@
-"""mmpo's GRPO step against TRL's ``GRPOTrainer`` on the same tiny Qwen2.5-VL, side by side (issue 13).
+"""mmpo's GRPO step against TRL's ``GRPOTrainer`` on the same tiny Qwen2.5-VL, side by side (issue 13), or with
+``--kind text`` on the same tiny Qwen3 text LM (issue 38: text prompts of the ``long_arithmetic`` task, no image).
 
 Both sides load the same saved tiny model and processor, train on the same rows (synthetic
 ``count_shapes`` prompts with one image each, the same system prompt and rewards: accuracy 0.9 +
@@ -17,6 +18,7 @@ gradients on one fixed batch (so speed is never bought with a different loss).
 TRL is optional (``pip install -e .[bench]`` or a separate target dir):
 
     python bench/bench_grpo_vs_trl.py --tokens 32 128 --rounds 3 --trl-path PATH/TO/trl_pkgs
+    python bench/bench_grpo_vs_trl.py --kind text --tokens 32 128 --rounds 3 --trl-path PATH/TO/trl_pkgs
 
 ``--trl-path`` is put on PYTHONPATH of the TRL and parity subprocesses only.
 """
@@ -42,6 +44,7 @@ PROMPTS = 2
 LR = 1e-5
 CLIP = 0.2
 REWARD_WEIGHTS = {"accuracy": 0.9, "format": 0.1}
+TASK = {"vlm": "count_shapes", "text": "long_arithmetic"}
 
 
 # ----------------------------------------------------------------------------- shared by both workers
@@ -54,10 +57,10 @@ def _single_thread() -> None:
     torch.set_num_interop_threads(1)
 
 
-def _rows(steps: int) -> list[dict]:
+def _rows(steps: int, kind: str = "vlm") -> list[dict]:
     from mmpo.data.synthetic import make_items
 
-    return make_items("count_shapes", PROMPTS * steps, seed=0)
+    return make_items(TASK[kind], PROMPTS * steps, seed=0)
 
 
 def _vm_hwm_kib(pid: int | str = "self") -> int:
@@ -120,7 +123,7 @@ def _summary(clock: StepClock, warmup: int, tokens: int, extra: dict) -> dict:
 # ----------------------------------------------------------------------------- mmpo
 
 
-def run_mmpo(model_dir: str, tokens: int, steps: int, warmup: int) -> dict:
+def run_mmpo(model_dir: str, tokens: int, steps: int, warmup: int, kind: str = "vlm") -> dict:
     _single_thread()
     import lightning as L
     from torch.utils.data import DataLoader
@@ -144,7 +147,7 @@ def run_mmpo(model_dir: str, tokens: int, steps: int, warmup: int) -> dict:
         def on_train_batch_end(self, *args):
             clock.end()
 
-    rows = _rows(steps)
+    rows = _rows(steps, kind)
     batches = [rows[i : i + PROMPTS] for i in range(0, len(rows), PROMPTS)]
     trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=steps, logger=False, enable_checkpointing=False,
                         enable_progress_bar=False, enable_model_summary=False, log_every_n_steps=10,
@@ -177,6 +180,10 @@ def _trl_dataset(rows: list[dict]):
 
     from mmpo.data import SYSTEM_PROMPT
 
+    if not rows[0].get("images"):  # text: TRL's conversational prompts with plain-string contents
+        return Dataset.from_list([{"prompt": [{"role": "system", "content": SYSTEM_PROMPT},
+                                              {"role": "user", "content": row["problem"]}],
+                                   "answer": row["answer"]} for row in rows])
     return Dataset.from_list([{
         "prompt": [{"role": "system", "content": [{"type": "text", "text": SYSTEM_PROMPT}]},
                    {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": row["problem"]}]}],
@@ -190,6 +197,8 @@ def _trl_trainer(model_dir: str, tokens: int, steps: int, out_dir: str, rows: li
     from mmpo.vlm.factory import load_vlm
 
     model, processor = load_vlm(model_dir)
+    if not hasattr(processor, "image_processor"):  # a text LM: TRL takes its tokenizer
+        processor = getattr(processor, "tokenizer", processor)
     config = GRPOConfig(
         output_dir=out_dir, per_device_train_batch_size=PROMPTS * G, num_generations=G, gradient_accumulation_steps=1,
         max_completion_length=tokens, generation_kwargs={"min_new_tokens": tokens}, temperature=1.0, beta=0.0,
@@ -203,12 +212,12 @@ def _trl_trainer(model_dir: str, tokens: int, steps: int, out_dir: str, rows: li
                        reward_funcs=[_trl_reward("accuracy"), _trl_reward("format")])
 
 
-def run_trl(model_dir: str, tokens: int, steps: int, warmup: int) -> dict:
+def run_trl(model_dir: str, tokens: int, steps: int, warmup: int, kind: str = "vlm") -> dict:
     _single_thread()
     from transformers import TrainerCallback
 
     with tempfile.TemporaryDirectory() as out_dir:
-        trainer = _trl_trainer(model_dir, tokens, steps, out_dir, _rows(steps))
+        trainer = _trl_trainer(model_dir, tokens, steps, out_dir, _rows(steps, kind))
         clock = StepClock(trainer.model)
 
         class Clock(TrainerCallback):
@@ -228,7 +237,7 @@ def run_trl(model_dir: str, tokens: int, steps: int, warmup: int) -> dict:
 # ----------------------------------------------------------------------------- loss parity
 
 
-def run_parity(model_dir: str, tokens: int) -> dict:
+def run_parity(model_dir: str, tokens: int, kind: str = "vlm") -> dict:
     """TRL's ``compute_loss`` and mmpo's loss (the trainer's own parts: ``sequence_log_probs`` +
     core ``policy_loss``, on-policy) and their gradients, on one fixed mmpo rollout."""
     _single_thread()
@@ -237,7 +246,7 @@ def run_parity(model_dir: str, tokens: int) -> dict:
     from mmpo.algos.grpo import GRPOModule
     from mmpo.core import compute_advantages_with_metrics, policy_loss
 
-    rows = _rows(1)
+    rows = _rows(1, kind)
     module = GRPOModule(model_dir, sampling=SamplingConfig(num_generations=G, max_new_tokens=tokens),
                         loss=LossConfig(beta=0.0, clip_low=CLIP, clip_high=CLIP, agg="token-mean"),
                         optim=OptimConfig(lr=LR))
@@ -260,12 +269,15 @@ def run_parity(model_dir: str, tokens: int) -> dict:
             "prompt_ids": prompts["input_ids"], "prompt_mask": prompts["attention_mask"],
             "completion_ids": rollout.completion_ids, "completion_mask": rollout.completion_mask,
             "advantages": advantages, "old_per_token_logps": None,
-            "pixel_values": prompts["pixel_values"], "image_grid_thw": prompts["image_grid_thw"],
-            "num_images": prompts["image_counts"].tolist(),
-            "mm_token_type_ids": torch.cat([prompts["mm_token_type_ids"],
-                                            torch.zeros_like(rollout.completion_ids)], 1),
             "num_items_in_batch": rollout.completion_mask.sum(),
         }
+        if "pixel_values" in prompts:
+            inputs.update({
+                "pixel_values": prompts["pixel_values"], "image_grid_thw": prompts["image_grid_thw"],
+                "num_images": prompts["image_counts"].tolist(),
+                "mm_token_type_ids": torch.cat([prompts["mm_token_type_ids"],
+                                                torch.zeros_like(rollout.completion_ids)], 1),
+            })
         trainer.model.train()
         trainer.current_gradient_accumulation_steps = 1  # set by Trainer.train(); one step, no accumulation
         theirs = trainer.compute_loss(trainer.model, inputs)
@@ -282,28 +294,32 @@ def run_parity(model_dir: str, tokens: int) -> dict:
 # ----------------------------------------------------------------------------- driver
 
 
-def _spawn(side: str, model_dir: str, tokens: int, steps: int, warmup: int, trl_path: str | None) -> dict:
+def _spawn(side: str, model_dir: str, tokens: int, steps: int, warmup: int, trl_path: str | None,
+           kind: str = "vlm") -> dict:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
     paths = [str(REPO)] + ([trl_path] if trl_path and side in ("trl", "parity") else [])
     env["PYTHONPATH"] = os.pathsep.join(paths + [env.get("PYTHONPATH", "")])
     with tempfile.NamedTemporaryFile(suffix=".json") as out:
         done = subprocess.run([sys.executable, __file__, "--worker", side, "--model", model_dir,
                                "--tokens", str(tokens), "--steps", str(steps), "--warmup", str(warmup),
-                               "--out", out.name], env=env, cwd=REPO, capture_output=True, text=True)
+                               "--kind", kind, "--out", out.name], env=env, cwd=REPO, capture_output=True, text=True)
         if done.returncode:
             raise RuntimeError(f"{side} run failed:\n{done.stderr[-4000:]}")
         return json.loads(Path(out.name).read_text())
 
 
-def _build_model(root: Path) -> str:
-    from mmpo.vlm.factory import build_tiny_vlm
+def _build_model(root: Path, kind: str = "vlm") -> str:
+    from mmpo.vlm.factory import build_tiny_text_lm, build_tiny_vlm
 
-    return str(build_tiny_vlm(root / "tiny", seed=0))
+    build = build_tiny_text_lm if kind == "text" else build_tiny_vlm
+    return str(build(root / "tiny", seed=0))
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tokens", type=int, nargs="+", default=[32, 128])
+    parser.add_argument("--kind", choices=["vlm", "text"], default="vlm",
+                        help="vlm: the tiny Qwen2.5-VL on image prompts; text: the tiny Qwen3 text LM on text prompts")
     parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds (ABBA order), >= 1")
     parser.add_argument("--steps", type=int, default=5, help="optimizer steps per run, warm-up included")
     parser.add_argument("--warmup", type=int, default=1, help="first steps left out of the medians")
@@ -315,8 +331,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.worker:
         tokens = args.tokens[0]
-        result = (run_parity(args.model, tokens) if args.worker == "parity" else
-                  {"mmpo": run_mmpo, "trl": run_trl}[args.worker](args.model, tokens, args.steps, args.warmup))
+        result = (run_parity(args.model, tokens, args.kind) if args.worker == "parity" else
+                  {"mmpo": run_mmpo, "trl": run_trl}[args.worker](args.model, tokens, args.steps, args.warmup,
+                                                                  args.kind))
         atomic_write_json(args.out, result, indent=None)
         return 0
     if args.steps <= args.warmup:
@@ -324,9 +341,9 @@ def main(argv: list[str] | None = None) -> int:
     print(f"load average {os.getloadavg()}, python {sys.version.split()[0]}", flush=True)
     record: dict = {"args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}, "runs": {}}
     with tempfile.TemporaryDirectory() as tmp:
-        model_dir = _build_model(Path(tmp))
+        model_dir = _build_model(Path(tmp), args.kind)
         for tokens in args.tokens:
-            parity = _spawn("parity", model_dir, tokens, 1, 0, args.trl_path)
+            parity = _spawn("parity", model_dir, tokens, 1, 0, args.trl_path, args.kind)
             print(f"[{tokens} tokens] parity: mmpo loss {parity['mmpo_loss']:.9f}  TRL loss {parity['trl_loss']:.9f}  "
                   f"|diff| {parity['loss_abs_diff']:.1e}  max rel grad diff {parity['max_rel_grad_diff']:.1e} "
                   f"({parity['params_compared']} tensors)", flush=True)
@@ -334,7 +351,7 @@ def main(argv: list[str] | None = None) -> int:
             for round_ in range(args.rounds):
                 order = ("mmpo", "trl") if round_ % 2 == 0 else ("trl", "mmpo")  # A B | B A | A B ...
                 for side in order:
-                    result = _spawn(side, model_dir, tokens, args.steps, args.warmup, args.trl_path)
+                    result = _spawn(side, model_dir, tokens, args.steps, args.warmup, args.trl_path, args.kind)
                     runs[side].append(result)
                     print(f"[{tokens} tokens] round {round_} {side:4s}: {result['wall_s']:.3f} s/step wall, "
                           f"{result['cpu_s']:.3f} CPU-s, generate {result['generation_share']:.0%}, "
@@ -350,7 +367,9 @@ def main(argv: list[str] | None = None) -> int:
                                ("vm_hwm_mib", "peak RSS VmHWM (MiB)")):
                 a, b = med["mmpo"][key], med["trl"][key]
                 print(f"| {label} | {a:.3f} | {b:.3f} | {a / b:.2f}x |")
-            print(f"(mmpo's reward worker process: VmHWM {worker:.0f} MiB, not in the row above)\n", flush=True)
+            print(f"(mmpo's reward worker process: VmHWM {worker:.0f} MiB, not in the row above; mmpo's processes "
+                  f"together {med['mmpo']['vm_hwm_mib'] + worker:.0f} MiB vs TRL's "
+                  f"{med['trl']['vm_hwm_mib']:.0f} MiB)\n", flush=True)
     if args.json:
         atomic_write_json(args.json, record)
     return 0
