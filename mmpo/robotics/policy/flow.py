@@ -25,11 +25,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from mmpo.robotics.config import FPO_OUTPUT_MODES
 from mmpo.robotics.policy.diffusion import BACKBONES, PolicySample
 from mmpo.robotics.policy.networks import MLPDenoiser, UNetDenoiser, make_activation
 
 FLOW_FAMILY = "flow"
-FPO_OUTPUT_MODES: tuple[str, ...] = ("u", "u_but_supervise_as_eps")
 
 
 # ---------------------------------------------------------------------------------------------- formulas
@@ -282,14 +282,15 @@ class FlowPolicy(nn.Module):
         sampling floor ``min_sampling_denoising_std`` being its ``min_std`` in every official config), the last
         state clamped to the action range, as ReinFlow's ``PPOFlow.get_actions``. ``return_log_probs``: the
         chain's :func:`chain_log_prob` (B,) in ``log_probs``. ``noise``: :meth:`draw_chain_noise`'s draws instead of
-        drawing them. The diffusion samplers' settings (``evaluate_policy`` passes them) do not apply.
+        drawing them (the plain flow uses only the first, x_0, and also takes a list of x_0 alone). The diffusion samplers' settings (``evaluate_policy`` passes them) do not apply.
         Returns PolicySample(actions (B, Ta, Da), chain (B, K+1, Ta, Da), log_probs (B,) | None).
         """
         self._check_inputs(obs)
         batch, shape = obs.shape[0], (obs.shape[0], self.horizon, self.action_dim)
         stochastic = not deterministic and self.ft_network is not None and self.ft_network.noise is not None
-        if noise is not None and (len(noise) != self.num_steps + 1 or any(tuple(n.shape) != shape for n in noise)):
-            raise ValueError(f"noise must be {self.num_steps + 1} tensors of shape {shape}")
+        lengths = (self.num_steps + 1,) if stochastic else (1, self.num_steps + 1)
+        if noise is not None and (len(noise) not in lengths or any(tuple(n.shape) != shape for n in noise)):
+            raise ValueError(f"noise must be {' or '.join(map(str, lengths))} tensors of shape {shape}")
         drawn = iter(noise) if noise is not None else None
 
         def randn() -> torch.Tensor:
