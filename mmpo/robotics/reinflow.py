@@ -129,13 +129,19 @@ class ReinFlowModule(DPPOModule):
         logp = self.policy.chain_log_prob(obs, chains, include_initial=settings.include_initial)
         return logp.clamp(settings.logprob_min, settings.logprob_max)
 
-    def minibatch_loss(self, *args: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
-        """DPPO's minibatch loss (core PPO clip on the chain ratio, critic MSE) minus ent_coef x the chain's entropy
-        rate (ReinFlow: ``loss = pg_loss - ent_coef * entropy.mean() + vf_coef * v_loss``)."""
-        pg_loss, value_loss, ratio, metrics = super().minibatch_loss(*args)
-        if self.reinflow.ent_coef:
-            entropy = self.policy.chain_entropy(args[0], include_initial=self.reinflow.include_initial).mean()
-            pg_loss = pg_loss - self.reinflow.ent_coef * entropy
+    def minibatch_loss(self, obs: torch.Tensor, chains: torch.Tensor, ft_index: torch.Tensor, old_log_probs: torch.Tensor,
+                       advantages: torch.Tensor, returns: torch.Tensor,
+                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+        """DPPO's minibatch loss (core PPO clip on the chain ratio, critic MSE) with the old log-probs clamped as the
+        new ones (ReinFlow clamps both; a rollout's are clamped already), minus ent_coef x the chain's entropy rate
+        (ReinFlow: ``loss = pg_loss - ent_coef * entropy.mean() + vf_coef * v_loss``)."""
+        settings = self.reinflow
+        old_log_probs = old_log_probs.clamp(settings.logprob_min, settings.logprob_max)
+        pg_loss, value_loss, ratio, metrics = super().minibatch_loss(obs, chains, ft_index, old_log_probs, advantages,
+                                                                     returns)
+        if settings.ent_coef:
+            entropy = self.policy.chain_entropy(obs, include_initial=settings.include_initial).mean()
+            pg_loss = pg_loss - settings.ent_coef * entropy
         return pg_loss, value_loss, ratio, metrics
 
     def ppo_update(self, rollout: Any, train_actor: bool) -> dict[str, float]:
