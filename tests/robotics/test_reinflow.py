@@ -171,3 +171,20 @@ def test_wrong_policy_and_settings_are_refused(flow_bc_checkpoint, tmp_path):
     assert (defaults.optim.lr, defaults.optim.minibatch_size, defaults.optim.mu, defaults.loss.target_kl,
             defaults.critic_config.lr) == (2e-5, 500, 10, 0.01, 6.5e-4)
     assert defaults.clip_ranges.tolist() == [pytest.approx(0.01)]
+
+
+def test_bench_flow_reach_seed0_gains(tmp_path):
+    """bench/bench_flow_reach.py's seed 0 (bench/RESULTS.md, flow reach): ReinFlow -7.54 -> 0.61, FPO -7.54 -> 1.98
+    mean return over 96 paired deterministic episodes after 4,032 env steps from the random-demo flow BC."""
+    from bench_support import load_bench
+
+    bench = load_bench("bench_flow_reach")
+    checkpoint = bench.train_bc(bench.FlowBCModule, 0, tmp_path, denoising_steps=4)
+    for method in ("reinflow", "fpo"):
+        module = bench.build(method, checkpoint, 0, 21)
+        before = bench.episodes(module.policy, 0, 96)
+        bench._trainer(tmp_path, 1).fit(module)
+        after = bench.episodes(module.policy, 0, 96)
+        assert module.train_tracker.env_steps == 4032
+        assert after[0].mean() > before[0].mean() + 5.0, (method, before[0].mean(), after[0].mean())
+        assert after[1].mean() > before[1].mean() + 0.5, (method, before[1].mean(), after[1].mean())
