@@ -1,5 +1,5 @@
 """Typed, grouped settings of the robot RL modules (``DPPOModule``, ``SFPODPPOModule``, ``GaussianPPOModule``,
-``ReinFlowModule``, ``FPOModule``).
+``ReinFlowModule``, ``FPOModule``, ``DSRLModule``).
 
 The groups that the VLM modules share come from mmpo.training.config (``optim``: :class:`OptimConfig`,
 ``critic``: :class:`CriticConfig`); the ones only a robot run has are here. LightningCLI (jsonargparse)
@@ -273,6 +273,56 @@ class FPOConfig:
         _require(self.clip > 0, f"clip must be > 0, got {self.clip}")
         _require(self.output_mode in FPO_OUTPUT_MODES,
                  f"output_mode must be one of {FPO_OUTPUT_MODES}, got {self.output_mode!r}")
+
+
+@dataclass(frozen=True)
+class DSRLConfig:
+    """DSRL's SAC in the latent-noise space of a frozen policy (ajwagen/dsrl ``cfg/robomimic/dsrl_lift.yaml``
+    ``train``, ``algorithm: dsrl_sac`` on stable-baselines3's SAC).
+
+    Attributes:
+        action_magnitude: the latent noise w lies in [-m, m]^(Ta Da): w = m tanh(u) (``action_magnitude`` 1.5).
+        gamma: SAC's discount per chunk step (``discount`` 0.99).
+        tau: Polyak rate of the target critics (``tau`` 0.005), updated after every gradient step.
+        utd: gradient steps per vector-env chunk step (``utd`` 30; ``train_freq`` 1).
+        hidden_dims: actor and critic MLP widths (``layer_size`` 2048 x ``num_layers`` 3).
+        layer_norm: LayerNorm after every hidden Linear (``use_layer_norm`` true); activation Tanh.
+        n_critics: Q networks; the backup takes their min (``n_critics`` 2, ``critic_backup_combine_type: min``).
+        init_ent_coef: initial entropy coefficient alpha (stable-baselines3 ``ent_coef: auto``: 1.0).
+        learn_ent_coef: tune alpha towards ``target_entropy`` (``ent_coef: -1`` = auto).
+        target_entropy: the entropy target (``target_ent`` 0.0); None = -(Ta Da) (stable-baselines3's "auto").
+        warmup_chunk_steps: vector-env chunk steps that play w ~ N(0, I) clipped to [-m, m] before the actor acts
+            and before any update (``init_rollout_steps`` 1501).
+        buffer_size: replay capacity in transitions (oldest overwritten).
+        reward_offset: subtracted from every env step's reward (robomimic ``reward_offset`` 1); applied per chunk
+            step as act_steps x offset.
+    """
+
+    action_magnitude: float = 1.5
+    gamma: float = 0.99
+    tau: float = 0.005
+    utd: int = 30
+    hidden_dims: list[int] = dataclasses.field(default_factory=lambda: [2048, 2048, 2048])
+    layer_norm: bool = True
+    n_critics: int = 2
+    init_ent_coef: float = 1.0
+    learn_ent_coef: bool = True
+    target_entropy: float | None = 0.0
+    warmup_chunk_steps: int = 1501
+    buffer_size: int = 1_000_000
+    reward_offset: float = 1.0
+
+    def __post_init__(self) -> None:
+        _require(self.action_magnitude > 0, f"action_magnitude must be > 0, got {self.action_magnitude}")
+        _require(0 <= self.gamma <= 1, f"gamma must be in [0, 1], got {self.gamma}")
+        _require(0 < self.tau <= 1, f"tau must be in (0, 1], got {self.tau}")
+        _require(self.utd >= 1, f"utd must be >= 1, got {self.utd}")
+        _require(len(self.hidden_dims) >= 1 and min(self.hidden_dims) >= 1,
+                 f"hidden_dims must be a non-empty list of widths >= 1, got {self.hidden_dims}")
+        _require(self.n_critics >= 1, f"n_critics must be >= 1, got {self.n_critics}")
+        _require(self.init_ent_coef > 0, f"init_ent_coef must be > 0, got {self.init_ent_coef}")
+        _require(self.warmup_chunk_steps >= 0, f"warmup_chunk_steps must be >= 0, got {self.warmup_chunk_steps}")
+        _require(self.buffer_size >= 1, f"buffer_size must be >= 1, got {self.buffer_size}")
 
 
 # The flat init arguments of DPPOModule before the groups: old name -> (group, field).

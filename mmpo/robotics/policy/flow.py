@@ -273,6 +273,7 @@ class FlowPolicy(nn.Module):
         noise_clip: float = 3.0,
         return_log_probs: bool = False,
         include_initial: bool = True,
+        initial_noise: torch.Tensor | None = None,
         **_diffusion_only: Any,
     ) -> PolicySample:
         """Euler-integrate from x_0 ~ N(0, I).
@@ -286,6 +287,10 @@ class FlowPolicy(nn.Module):
         Returns PolicySample(actions (B, Ta, Da), chain (B, K+1, Ta, Da), log_probs (B,) | None).
         """
         self._check_inputs(obs)
+        if initial_noise is not None:  # x_0 itself (DSRL steers the plain flow by it)
+            if noise is not None:
+                raise ValueError("give initial_noise or noise, not both")
+            noise = [initial_noise]
         batch, shape = obs.shape[0], (obs.shape[0], self.horizon, self.action_dim)
         stochastic = not deterministic and self.ft_network is not None and self.ft_network.noise is not None
         lengths = (self.num_steps + 1,) if stochastic else (1, self.num_steps + 1)
