@@ -13,7 +13,9 @@ seeds with the hierarchical paired bootstrap and the seed-t interval (mmpo.eval.
 Update settings (the same lr and clip for the three; chosen on seed 0 of this task, see bench/RESULTS.md): AdamW
 lr 1e-3, 8 epochs, minibatches of 24 env steps, no target_kl, 1 critic warm-up iteration, gamma 0.99; ReinFlow clip
 0.05 with its official std range [0.08, 0.14]; FPO clip 0.05 (official) with 8 MC samples; DPPO K' = 5, clip
-0.1 -> 0.2 (the DPPO reach test's).
+0.1 -> 0.2 (the DPPO reach test's). DSRL steers the same frozen flow BC with its official SAC settings (lr 3e-4,
+batch 256, utd 30 per vector step, tau 0.005, 2 critics, alpha from 1 to target entropy 0, m = 1.5) on 256 x 2 MLPs,
+2 warm-up iterations of random noise and no reward offset.
 
     PYTHONPATH=$PWD OMP_NUM_THREADS=1 python bench/bench_flow_reach.py --seeds 0 1 2 --out runs/flow_reach.json
 """
@@ -39,16 +41,21 @@ from mmpo.eval.stats import format_interval, summarize_contrast  # noqa: E402
 from mmpo.files import atomic_write_json  # noqa: E402
 from mmpo.robotics.bc import BCModule  # noqa: E402
 from mmpo.robotics.dppo import DPPOModule  # noqa: E402
+from mmpo.robotics.dsrl import DSRLModule  # noqa: E402
 from mmpo.robotics.evaluate import evaluate_policy  # noqa: E402
 from mmpo.robotics.flow_bc import FlowBCModule  # noqa: E402
 from mmpo.robotics.fpo import FPOModule  # noqa: E402
 from mmpo.robotics.reinflow import ReinFlowModule  # noqa: E402
 from robotics_reach import reach_envs  # noqa: E402
 
-METHODS = ("reinflow", "fpo", "dppo")
+METHODS = ("reinflow", "fpo", "dppo", "dsrl")
 COMMON = dict(returns={"gamma": 0.99}, critic={"warmup_iterations": 1, "hidden_dims": [64, 64, 64]},
               evaluation={"every": 0, "episodes": 32}, loss={"target_kl": None}, env={"num_envs": 16, "n_steps": 6},
               optim={"lr": 1e-3, "minibatch_size": 24, "mu": 8}, env_factory=reach_envs)
+
+
+# DSRL's official settings but smaller networks, no reward offset (reach is not robomimic), 2 warm-up iterations
+DSRL_REACH = {"hidden_dims": [256, 256], "utd": 30, "warmup_chunk_steps": 12, "reward_offset": 0.0}
 
 
 def _trainer(root: Path, epochs: int) -> pl.Trainer:
@@ -79,6 +86,9 @@ def build(method: str, checkpoint: str, seed: int, iterations: int) -> DPPOModul
                               **COMMON)
     if method == "fpo":
         return FPOModule(checkpoint, iterations, fpo={"clip": 0.05}, seed=seed, **COMMON)
+    if method == "dsrl":
+        return DSRLModule(checkpoint, iterations, dsrl=DSRL_REACH, optim={"lr": 3e-4, "minibatch_size": 256}, seed=seed,
+                          env=COMMON["env"], evaluation=COMMON["evaluation"], env_factory=reach_envs)
     return DPPOModule(checkpoint, iterations, chain={"ft_steps": 5, "clip_base": 0.1, "clip_final": 0.2}, seed=seed,
                       **{**COMMON, "optim": {**COMMON["optim"], "minibatch_size": 24 * 5}})
 
@@ -115,11 +125,11 @@ def main(argv: list[str] | None = None) -> int:
                "diffusion": train_bc(BCModule, seed, args.work, denoising_steps=5)}
         for method in args.methods:
             module = build(method, bcs["diffusion" if method == "dppo" else "flow"], seed, args.iterations)
-            before = episodes(module.policy, seed, args.episodes)
+            before = episodes(module.policy, seed, args.episodes)  # DSRL: the frozen flow BC, as for ReinFlow / FPO
             start = time.perf_counter()
             _trainer(args.work, 1).fit(module)
             seconds[method].append(time.perf_counter() - start)
-            after = episodes(module.policy, seed, args.episodes)
+            after = episodes(module.steered() if method == "dsrl" else module.policy, seed, args.episodes)
             per_seed[method].append({"bc_return": before[0], "ft_return": after[0], "bc_success": before[1],
                                      "ft_success": after[1], "env_steps": module.train_tracker.env_steps})
             print(f"seed {seed} {method}: return {before[0].mean():.2f} -> {after[0].mean():.2f}, success "

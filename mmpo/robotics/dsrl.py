@@ -377,10 +377,14 @@ class DSRLModule(DPPOModule):
         return metrics
 
     # ------------------------------------------------------------------ evaluation and checkpoints
+    def steered(self) -> "_Steered":
+        """The frozen policy steered by the actor's mean noise, as ``evaluate_policy`` takes a policy."""
+        return _Steered(self)
+
     def evaluate(self, num_episodes: int | None = None) -> dict[str, float]:
         seed = self.hparams.seed + 10_000 + self.iteration
         self._collect_prefetched_reset()
-        result = evaluate_policy(_Steered(self), self.envs, num_episodes or self.evaluation.episodes, deterministic=True,
+        result = evaluate_policy(self.steered(), self.envs, num_episodes or self.evaluation.episodes, deterministic=True,
                                  seed=seed, generator=torch.Generator(device=self.device).manual_seed(seed))
         self._obs = None
         return result
