@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import copy
 import math
-from dataclasses import dataclass
 from typing import Any, Sequence
 
 import numpy as np
@@ -38,6 +37,7 @@ from mmpo.robotics.dppo import DPPOModule, EnvFactory, Rollout
 from mmpo.robotics.evaluate import evaluate_policy
 from mmpo.robotics.policy.diffusion import DiffusionPolicy, PolicySample
 from mmpo.robotics.policy.io import load_policy
+from mmpo.robotics.reinflow import check_no_chain_eval
 from mmpo.training.config import CriticConfig, OptimConfig, as_config
 from mmpo.training.nonfinite import DEFAULT_MAX_CONSECUTIVE_SKIPS
 from mmpo.training.update import MicroLoss, UpdateEngine
@@ -185,23 +185,41 @@ class ReplayBuffer:
         self.generator.set_state(state["generator"])
 
 
-@dataclass
-class _Steered:
-    """What evaluate_policy needs from a policy: ``sample(obs, deterministic=...)`` -> actions, ``parameters``."""
+class SteeredPolicy(nn.Module):
+    """A frozen policy steered by a noise actor: ``sample(obs)`` plays the frozen deterministic chain from
+    w = m tanh(u), u the actor's mean (``deterministic``) or a draw. What ``evaluate_policy`` and ``mmpo rollout``
+    take (``load_policy`` returns one for a DSRL checkpoint). Shapes: obs (B, obs_dim) -> actions (B, Ta, Da)."""
 
-    module: "DSRLModule"
+    def __init__(self, base: nn.Module, actor: NoiseActor, action_magnitude: float) -> None:
+        super().__init__()
+        self.base, self.actor, self.action_magnitude = base, actor, float(action_magnitude)
+        self.obs_dim, self.action_dim, self.horizon = base.obs_dim, base.action_dim, base.horizon
 
-    def eval(self) -> None:
-        self.module.noise_actor.eval()
+    @torch.no_grad()
+    def steer(self, obs: torch.Tensor, squashed: torch.Tensor) -> torch.Tensor:
+        """The frozen policy's deterministic chunk (B, Ta, Da) from the noise w = m squashed (B, Ta Da): a diffusion
+        policy's DDIM eta = 0 chain from x_K = w, a flow policy's Euler flow from x_0 = w."""
+        noise = (self.action_magnitude * squashed).view(-1, self.horizon, self.action_dim)
+        sampler = "ddim" if isinstance(self.base, DiffusionPolicy) else None
+        return self.base.sample(obs, deterministic=True, deterministic_sampler=sampler, initial_noise=noise).actions
 
-    def parameters(self):
-        return self.module.noise_actor.parameters()
-
+    @torch.no_grad()
     def sample(self, obs: torch.Tensor, *, deterministic: bool = True, generator: torch.Generator | None = None,
-               **_ignored: Any) -> PolicySample:
-        with torch.no_grad():
-            squashed, _ = self.module.noise_actor.sample(obs, generator=generator, deterministic=deterministic)
-            return PolicySample(actions=self.module.steer(obs, squashed), chain=None)
+               **_chain_settings: Any) -> PolicySample:
+        squashed, _ = self.actor.sample(obs, generator=generator, deterministic=deterministic)
+        return PolicySample(actions=self.steer(obs, squashed), chain=None)
+
+
+def build_steered_policy(metadata: dict[str, Any], state_dict: dict[str, torch.Tensor]) -> SteeredPolicy:
+    """A DSRL checkpoint's :class:`SteeredPolicy` from its metadata and full ``state_dict`` (``policy.*`` the frozen
+    policy, ``noise_actor.*`` the actor)."""
+    from mmpo.robotics.policy.io import build_policy
+
+    settings = metadata["dsrl"]
+    base = build_policy(metadata, {k[len("policy."):]: v for k, v in state_dict.items() if k.startswith("policy.")})
+    actor = NoiseActor(base.obs_dim, base.horizon * base.action_dim, settings["hidden_dims"], settings["layer_norm"])
+    actor.load_state_dict({k[len("noise_actor."):]: v for k, v in state_dict.items() if k.startswith("noise_actor.")})
+    return SteeredPolicy(base, actor, settings["action_magnitude"]).eval()
 
 
 class DSRLModule(DPPOModule):
@@ -241,8 +259,7 @@ class DSRLModule(DPPOModule):
         self.dsrl = as_config(dsrl, DSRLConfig())
         optim = as_config(optim, DSRL_OPTIM)
         evaluation = as_config(evaluation, EvalConfig())
-        if evaluation.ddpm_std_floor is not None:
-            raise ValueError("evaluation.ddpm_std_floor does not apply: DSRL steers the deterministic chain")
+        check_no_chain_eval(evaluation, "DSRL")
         super().__init__(bc_checkpoint, num_iterations, env=env, returns=ReturnsConfig(reward_scale_running=False),
                          optim=optim, critic=CriticConfig(lr=optim.lr, warmup_iterations=0), evaluation=evaluation,
                          seed=seed, env_factory=env_factory, max_consecutive_skips=max_consecutive_skips)
@@ -264,6 +281,9 @@ class DSRLModule(DPPOModule):
 
     def load_actor(self, bc_checkpoint: str, ft_steps: int) -> tuple[Any, dict[str, Any]]:
         policy, metadata = load_policy(bc_checkpoint)
+        if metadata.get("kind") == "dsrl":
+            raise ValueError(f"{bc_checkpoint} is a DSRL checkpoint; start DSRL from its BC checkpoint (resume a DSRL "
+                             "run with --ckpt_path)")
         policy.requires_grad_(False)
         return policy.eval(), metadata
 
@@ -276,12 +296,13 @@ class DSRLModule(DPPOModule):
         return optimizers
 
     # ------------------------------------------------------------------ acting through the frozen policy
-    @torch.no_grad()
+    def steered(self) -> SteeredPolicy:
+        """The frozen policy steered by the noise actor (built on call: it holds no weights of its own)."""
+        return SteeredPolicy(self.policy, self.noise_actor, self.dsrl.action_magnitude)
+
     def steer(self, obs: torch.Tensor, squashed: torch.Tensor) -> torch.Tensor:
-        """The frozen policy's deterministic chunk (B, Ta, Da) from the noise w = m squashed (B, Ta Da)."""
-        noise = (self.dsrl.action_magnitude * squashed).view(-1, self.policy.horizon, self.policy.action_dim)
-        sampler = "ddim" if isinstance(self.policy, DiffusionPolicy) else None
-        return self.policy.sample(obs, deterministic=True, deterministic_sampler=sampler, initial_noise=noise).actions
+        """:meth:`SteeredPolicy.steer` of this module's frozen policy."""
+        return self.steered().steer(obs, squashed)
 
     def draw_step_noise(self, batch: int) -> None:
         """None: each env group's :meth:`act` draws its own noise."""
@@ -377,10 +398,6 @@ class DSRLModule(DPPOModule):
         return metrics
 
     # ------------------------------------------------------------------ evaluation and checkpoints
-    def steered(self) -> "_Steered":
-        """The frozen policy steered by the actor's mean noise, as ``evaluate_policy`` takes a policy."""
-        return _Steered(self)
-
     def evaluate(self, num_episodes: int | None = None) -> dict[str, float]:
         seed = self.hparams.seed + 10_000 + self.iteration
         self._collect_prefetched_reset()
@@ -390,8 +407,11 @@ class DSRLModule(DPPOModule):
         return result
 
     def robotics_metadata(self) -> dict[str, Any]:
-        return {**super().robotics_metadata(), "kind": self.kind, "ft_steps": 0,
-                "flow_finetune": getattr(self.policy, "finetune_config", None)}
+        settings = self.dsrl
+        return {**super().robotics_metadata(), "kind": self.kind, "ft_steps": self.policy.ft_steps,
+                "flow_finetune": getattr(self.policy, "finetune_config", None),
+                "dsrl": {"hidden_dims": list(settings.hidden_dims), "layer_norm": settings.layer_norm,
+                         "action_magnitude": settings.action_magnitude}}
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         super().on_save_checkpoint(checkpoint)

@@ -39,8 +39,8 @@ def load_flow_policy(path: str, method: str) -> tuple[FlowPolicy, dict[str, Any]
     """The flow policy of ``path`` (a flow BC, ReinFlow or FPO checkpoint); a clear error for any other policy."""
     policy, metadata = load_policy(path)
     if not isinstance(policy, FlowPolicy):
-        raise ValueError(f"{path} holds a {metadata.get('kind')!r} diffusion policy; {method} fine-tunes a flow-matching "
-                         "policy (pre-train one with configs/robotics/flow_bc_lift.yaml)")
+        raise ValueError(f"{path} holds a {metadata.get('kind')!r} policy, not a flow-matching one; {method} fine-tunes "
+                         "a flow-matching policy (pre-train one with configs/robotics/flow_bc_lift.yaml)")
     return policy, metadata
 
 

@@ -20,6 +20,7 @@ from mmpo.robotics.config import DSRLConfig
 from mmpo.robotics.dsrl import (
     DSRLModule,
     ReplayBuffer,
+    SteeredPolicy,
     actor_loss,
     critic_loss,
     critic_target,
@@ -28,6 +29,7 @@ from mmpo.robotics.dsrl import (
     squashed_log_prob,
 )
 from mmpo.robotics.flow_bc import FlowBCModule
+from mmpo.robotics.policy.io import load_policy
 from reliability.test_resume_robotics import assert_same_tensors, training_state
 from robotics_reach import reach_envs, reach_flow_bc_checkpoint
 
@@ -254,5 +256,13 @@ def test_dsrl_lift_config_fits_and_resumes_bit_exactly(tmp_path):
     actual = training_state(tmp_path / "resumed" / "checkpoints" / "last.ckpt")
     assert expected["dppo_state"]["buffer"]["obs"].shape == (3 * 2 * 3, 11)
     assert assert_same_tensors(expected, actual) > len(expected["state_dict"])
+    # the checkpoint loads as the steered policy (mmpo rollout, evaluate_policy), and does not start a new DSRL run
+    steered, metadata = load_policy(last)
+    assert isinstance(steered, SteeredPolicy) and metadata["kind"] == "dsrl" and steered.horizon == 2
+    module = DSRLModule.load_from_checkpoint(last, env_factory=reach_envs)
+    obs = torch.randn(3, 11)
+    assert torch.equal(steered.sample(obs).actions, module.steered().sample(obs).actions)
+    with pytest.raises(ValueError, match="is a DSRL checkpoint; start DSRL from its BC checkpoint"):
+        DSRLModule(str(last), env_factory=reach_envs)
     saved = torch.load(last, weights_only=True)["hyper_parameters"]
     assert saved["dsrl"]["action_magnitude"] == 1.5 and saved["dsrl"]["tau"] == 0.005 and saved["optim"]["lr"] == 3e-4

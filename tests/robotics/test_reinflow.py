@@ -156,7 +156,7 @@ def test_wrong_policy_and_settings_are_refused(flow_bc_checkpoint, tmp_path):
     diffusion = BCModule(obs_dim=2, action_dim=1, horizon=2, act_steps=2, hidden_dims=[8], task="reach")
     path = tmp_path / "diffusion.ckpt"
     torch.save({"state_dict": diffusion.state_dict(), "robotics": diffusion.robotics_metadata()}, path)
-    with pytest.raises(ValueError, match="holds a 'bc' diffusion policy; ReinFlow fine-tunes a flow-matching policy"):
+    with pytest.raises(ValueError, match="holds a 'bc' policy, not a flow-matching one; ReinFlow fine-tunes a flow-matching policy"):
         _module(str(path))
     with pytest.raises(ValueError, match=r"\['evaluation.sampler'\] are DPPO's diffusion-chain settings"):
         _module(flow_bc_checkpoint, evaluation={"sampler": "ddim"})

@@ -66,7 +66,8 @@ def build_policy(metadata: dict[str, Any], state_dict: dict[str, torch.Tensor]) 
 
 
 def load_policy(path: str | Path) -> tuple[DiffusionPolicy | FlowPolicy, dict[str, Any]]:
-    """(policy in eval mode, metadata) from a ``.ckpt`` (Lightning) or ``.safetensors`` (+ ``.json``) file."""
+    """(policy in eval mode, metadata) from a ``.ckpt`` (Lightning) or ``.safetensors`` (+ ``.json``) file; a DSRL
+    ``.ckpt`` gives its :class:`~mmpo.robotics.dsrl.SteeredPolicy` (the frozen policy and the noise actor)."""
     path = Path(path)
     if not path.exists():
         raise FileNotFoundError(f"policy checkpoint {path} does not exist")
@@ -83,6 +84,10 @@ def load_policy(path: str | Path) -> tuple[DiffusionPolicy | FlowPolicy, dict[st
     if str(metadata.get("kind", "")).startswith("gaussian"):
         raise ValueError(f"{path} holds a Gaussian policy (kind {metadata['kind']!r}), not a diffusion policy; "
                          "load it with mmpo.robotics.gaussian_ppo.load_gaussian_policy")
+    if metadata.get("kind") == "dsrl":  # the frozen policy steered by its noise actor
+        from mmpo.robotics.dsrl import build_steered_policy
+
+        return build_steered_policy(metadata, checkpoint["state_dict"]), metadata
     prefix = metadata["policy_prefix"]
     state = {k[len(prefix):]: v for k, v in checkpoint["state_dict"].items() if k.startswith(prefix)}
     if not state:
