@@ -157,13 +157,14 @@ class ReplayBuffer:
 
     def add(self, obs: torch.Tensor, actions: torch.Tensor, rewards: torch.Tensor, next_obs: torch.Tensor,
             terminated: torch.Tensor) -> None:
-        """Append a batch of transitions (rows of each tensor)."""
-        for row in range(obs.shape[0]):
-            index = self.position
-            self.obs[index], self.actions[index], self.rewards[index] = obs[row], actions[row], rewards[row]
-            self.next_obs[index], self.terminated[index] = next_obs[row], float(terminated[row])
-            self.position = (self.position + 1) % self.capacity
-            self.size = min(self.size + 1, self.capacity)
+        """Append a batch of transitions (rows of each tensor), in order: the last ``capacity`` of them when more."""
+        rows = obs.shape[0]
+        keep = min(rows, self.capacity)
+        index = (self.position + rows - keep + torch.arange(keep)) % self.capacity
+        for name, value in zip(self.FIELDS, (obs, actions, rewards, next_obs, terminated)):
+            getattr(self, name)[index] = value[rows - keep:].to(getattr(self, name).dtype)
+        self.position = (self.position + rows) % self.capacity
+        self.size = min(self.size + rows, self.capacity)
 
     def sample(self, batch_size: int) -> dict[str, torch.Tensor]:
         if self.size == 0:

@@ -178,6 +178,10 @@ def test_replay_buffer_overwrites_samples_and_restores():
     second = restored.sample(8)
     assert all(torch.equal(first[k], second[k]) for k in first)  # the sampling stream is part of the state
     assert set(first["obs"].view(-1).tolist()) <= {1.0, 2.0, 3.0}
+    big = ReplayBuffer(2, obs_dim=1, action_dim=1)  # more rows than slots: the last 2, in order
+    five = torch.arange(5, dtype=torch.float32)
+    big.add(five.view(5, 1), five.view(5, 1), five, five.view(5, 1), torch.zeros(5, dtype=torch.bool))
+    assert big.obs.view(-1).tolist() == [4.0, 3.0] and (big.position, big.size) == (1, 2)
     with pytest.raises(ValueError, match="more than buffer_size=2"):
         ReplayBuffer(2, 1, 1).load_state_dict(state)
 
