@@ -81,3 +81,34 @@ def test_config_fits_three_iterations_and_resumes_bit_exactly(hopper_flow_bc, tm
     else:
         assert saved["fpo"] == {"mc_samples": 4, "clip": 0.05, "output_mode": "u_but_supervise_as_eps",
                                 "discretize_t": True}
+
+
+@pytest.fixture(scope="module")
+def lift_flow_bc(tmp_path_factory) -> Path:
+    """``mmpo fit -c configs/robotics/flow_bc_lift.yaml`` for 1 epoch (2 steps) on tiny random Lift-shaped demos."""
+    root = tmp_path_factory.mktemp("lift_flow_bc")
+    demos = write_tiny_demos(root / "lift.hdf5")
+    main(_cli_args("flow_bc_lift.yaml", root / "bc", "--data.init_args.dataset_path", str(demos),
+                   "--data.init_args.batch_size", "32", "--model.init_args.hidden_dims", "[16, 16, 16]",
+                   "--trainer.max_epochs", "1"))
+    return root / "bc" / "checkpoints" / "last.ckpt"
+
+
+@pytest.mark.parametrize("config,extra", [
+    ("reinflow_lift.yaml", ["--model.init_args.reinflow.noise_hidden_dims", "[8]", "--model.init_args.optim.minibatch_size", "3"]),
+    ("fpo_lift.yaml", ["--model.init_args.optim.minibatch_size", "3"]),
+    ("dsrl_lift.yaml", ["--model.init_args.dsrl.hidden_dims", "[16]", "--model.init_args.dsrl.utd", "1",
+                        "--model.init_args.dsrl.warmup_chunk_steps", "3", "--model.init_args.optim.minibatch_size", "4"]),
+])
+def test_lift_configs_train_two_iterations_on_robosuite_lift(lift_flow_bc, tmp_path, config, extra):
+    """Each config on its own task (robosuite Lift, in-process) from the flow BC checkpoint: 2 iterations."""
+    root = tmp_path / config.split(".")[0]
+    main(_cli_args(config, root, "--model.init_args.bc_checkpoint", str(lift_flow_bc),
+                   "--model.init_args.num_iterations", "2", "--model.init_args.env.num_envs", "2",
+                   "--model.init_args.env.n_steps", "3", "--model.init_args.env.max_episode_steps", "12",
+                   "--model.init_args.env.asynchronous", "false", "--model.init_args.evaluation.every", "1",
+                   "--model.init_args.evaluation.episodes", "2", *extra))
+    checkpoint = torch.load(root / "checkpoints" / "last.ckpt", weights_only=True)
+    assert checkpoint["dppo_state"]["iteration"] == 2 and checkpoint["robotics"]["task"] == "lift"
+    assert checkpoint["dppo_state"]["env_steps"] == 2 * 2 * 3 * 4  # iterations x envs x chunk steps x act_steps
+    assert checkpoint["global_step"] > 0
