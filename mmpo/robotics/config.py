@@ -296,6 +296,8 @@ class DSRLConfig:
         buffer_size: replay capacity in transitions (oldest overwritten).
         reward_offset: subtracted from every env step's reward (robomimic ``reward_offset`` 1); applied per chunk
             step as act_steps x offset.
+        ddim_steps: a DDPM diffusion BC policy is steered through a DDIM (eta = 0) chain of this many strided steps of
+            its K timesteps (``use_ddim: true``, ``ddim_steps: 8``); None: DDIM over all K. Flow policies: unused.
     """
 
     action_magnitude: float = 1.5
@@ -311,8 +313,10 @@ class DSRLConfig:
     warmup_chunk_steps: int = 1501
     buffer_size: int = 1_000_000
     reward_offset: float = 1.0
+    ddim_steps: int | None = 8
 
     def __post_init__(self) -> None:
+        _require(self.ddim_steps is None or self.ddim_steps >= 1, f"ddim_steps must be >= 1 or None, got {self.ddim_steps}")
         _require(self.action_magnitude > 0, f"action_magnitude must be > 0, got {self.action_magnitude}")
         _require(0 <= self.gamma <= 1, f"gamma must be in [0, 1], got {self.gamma}")
         _require(0 < self.tau <= 1, f"tau must be in (0, 1], got {self.tau}")

@@ -36,7 +36,7 @@ from mmpo.robotics.config import DSRLConfig, EnvConfig, EvalConfig, ReturnsConfi
 from mmpo.robotics.dppo import DPPOModule, EnvFactory, Rollout
 from mmpo.robotics.evaluate import evaluate_policy
 from mmpo.robotics.policy.diffusion import DiffusionPolicy, PolicySample
-from mmpo.robotics.policy.io import load_policy
+from mmpo.robotics.policy.io import build_policy, load_policy
 from mmpo.robotics.reinflow import check_no_chain_eval
 from mmpo.training.config import CriticConfig, OptimConfig, as_config
 from mmpo.training.nonfinite import DEFAULT_MAX_CONSECUTIVE_SKIPS
@@ -285,6 +285,14 @@ class DSRLModule(DPPOModule):
         if metadata.get("kind") == "dsrl":
             raise ValueError(f"{bc_checkpoint} is a DSRL checkpoint; start DSRL from its BC checkpoint (resume a DSRL "
                              "run with --ckpt_path)")
+        steps = self.dsrl.ddim_steps
+        if isinstance(policy, DiffusionPolicy) and steps is not None and policy.policy_config["sampler"] == "ddpm":
+            if policy.ft_network is not None:
+                raise ValueError(f"{bc_checkpoint} is a DPPO-fine-tuned diffusion policy; steer its own chain with "
+                                 "dsrl.ddim_steps: null")
+            # the same eps network on a DDIM chain of ``steps`` strided timesteps (ajwagen/dsrl: use_ddim, ddim_steps 8)
+            config = {**policy.policy_config, "sampler": "ddim", "ddim_steps": steps}
+            policy = build_policy({**metadata, "policy_config": config, "ft_steps": 0}, policy.state_dict())
         policy.requires_grad_(False)
         return policy.eval(), metadata
 

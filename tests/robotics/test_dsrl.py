@@ -195,14 +195,17 @@ def test_steering_plays_the_frozen_chain_from_the_noise(flow_bc_checkpoint, tmp_
                          task="reach")
     path = tmp_path / "diffusion.ckpt"
     torch.save({"state_dict": diffusion.state_dict(), "robotics": diffusion.robotics_metadata()}, path)
-    steered = _module(str(path))
-    policy = steered.policy
-    x = 1.5 * squashed.view(5, 2, 1)
-    schedule = policy.deterministic_schedule("ddim")  # DDIM eta = 0 from x_K = w, by hand
-    for j in range(schedule.num_chain_steps):
-        steps = torch.full((5,), j, dtype=torch.long)
-        x, _ = policy.step_distribution(policy.network, x, steps, obs, eta=0.0, schedule=schedule)
-    assert torch.allclose(steered.steer(obs, squashed), x, atol=1e-6)
+    for ddim_steps, chain_steps in ((None, 5), (3, 3)):  # DDIM over all K = 5 timesteps, or 3 strided ones (official 8)
+        steered = _module(str(path), dsrl={**SMALL["dsrl"], "ddim_steps": ddim_steps})
+        policy = steered.policy
+        x = 1.5 * squashed.view(5, 2, 1)
+        schedule = policy.deterministic_schedule("ddim")  # DDIM eta = 0 from x_K = w, by hand
+        assert schedule.num_chain_steps == chain_steps
+        for j in range(schedule.num_chain_steps):
+            steps = torch.full((5,), j, dtype=torch.long)
+            x, _ = policy.step_distribution(policy.network, x, steps, obs, eta=0.0, schedule=schedule)
+        assert torch.allclose(steered.steer(obs, squashed), x, atol=1e-6)
+    assert torch.equal(policy.network.body.output.weight, diffusion.ema_policy.module.network.body.output.weight)
     with pytest.raises(ValueError, match="initial_noise must be one tensor of shape"):
         policy.sample(obs, deterministic=True, initial_noise=torch.zeros(5, 3, 1))
     with pytest.raises(ValueError, match="^action_magnitude must be > 0, got 0.0$"):
