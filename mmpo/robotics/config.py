@@ -223,6 +223,9 @@ class ReinFlowConfig:
         logprob_min, logprob_max: clamp of the normalised chain log-probs, old and new (-1, 1).
         noise_clip: the injected standard-normal noise is clipped to +-noise_clip (``randn_clip_value`` 3).
         include_initial: count log N(x_0; 0, I) in the chain log-prob (``account_for_initial_stochasticity`` true).
+        noise_time_conditioned: feed the noise network the velocity network's (detached) time embedding of each
+            Euler step besides the state (``use_time_independent_noise: false``, the Transport and Gym configs; needs
+            the mlp backbone); false: the state alone (Lift / Can / Square).
     """
 
     min_std: float = 0.08
@@ -235,6 +238,7 @@ class ReinFlowConfig:
     logprob_max: float = 1.0
     noise_clip: float = 3.0
     include_initial: bool = True
+    noise_time_conditioned: bool = False
 
     def __post_init__(self) -> None:
         _require(0 < self.min_std <= self.max_std, f"need 0 < min_std <= max_std, got {self.min_std}, {self.max_std}")

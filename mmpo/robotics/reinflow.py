@@ -102,7 +102,8 @@ class ReinFlowModule(DPPOModule):
     def noise_settings(self) -> dict[str, Any]:
         settings = self.reinflow
         return {"hidden_dims": list(settings.noise_hidden_dims), "min_std": settings.min_std,
-                "max_std": settings.max_std, "activation": settings.noise_activation}
+                "max_std": settings.max_std, "activation": settings.noise_activation,
+                "time_conditioned": settings.noise_time_conditioned}
 
     def load_actor(self, bc_checkpoint: str, ft_steps: int) -> tuple[FlowPolicy, dict[str, Any]]:
         policy, metadata = load_flow_policy(bc_checkpoint, "ReinFlow")
@@ -149,7 +150,7 @@ class ReinFlowModule(DPPOModule):
         metrics = super().ppo_update(rollout, train_actor)
         with torch.no_grad():
             obs = rollout.obs.reshape(-1, rollout.obs.shape[-1]).to(self.device)
-            metrics["policy/noise_std"] = float(self.policy.noise_std(obs).mean())
+            metrics["policy/noise_std"] = float(self.policy.step_stds(obs).mean())
         return metrics
 
     def robotics_metadata(self) -> dict[str, Any]:

@@ -203,10 +203,11 @@ def official_get_actions(actor_ft, cond, x0, step_eps, inference_steps, horizon_
     return xt, x_chain, log_prob
 
 
-def _reinflow_policy(steps: int) -> FlowPolicy:
+def _reinflow_policy(steps: int, time_conditioned: bool = False) -> FlowPolicy:
     torch.manual_seed(3)
     policy = FlowPolicy(3, 2, 4, denoising_steps=steps, hidden_dims=[16, 16, 16])
-    policy.enable_finetuning({"hidden_dims": [8, 8], "min_std": 0.08, "max_std": 0.14, "activation": "tanh"})
+    policy.enable_finetuning({"hidden_dims": [8, 8], "min_std": 0.08, "max_std": 0.14, "activation": "tanh",
+                              "time_conditioned": time_conditioned})
     with torch.no_grad():  # a velocity field large enough that the clamps to [-1, 1] act
         policy.ft_network.velocity.body.output.weight.mul_(20.0)
         policy.ft_network.noise.mlp[-1].weight.mul_(10.0)  # stds across the whole [min, max] range
@@ -215,14 +216,15 @@ def _reinflow_policy(steps: int) -> FlowPolicy:
 
 def _official_actor(policy: FlowPolicy):
     def actor_ft(xt, t, cond, learn_exploration_noise, step):
-        return policy.velocity(xt, t, cond), policy.noise_std(cond).flatten(-2, -1)
+        return policy.velocity(xt, t, cond), policy.noise_std(cond, t).flatten(-2, -1)
     return actor_ft
 
 
+@pytest.mark.parametrize("time_conditioned", [False, True])
 @pytest.mark.parametrize("include_initial", [True, False])
 @pytest.mark.parametrize("steps", [1, 4])
-def test_chain_log_prob_and_entropy_match_official_reinflow(include_initial, steps):
-    policy = _reinflow_policy(steps)
+def test_chain_log_prob_and_entropy_match_official_reinflow(include_initial, steps, time_conditioned):
+    policy = _reinflow_policy(steps, time_conditioned)
     obs = torch.randn(6, 3, generator=torch.Generator().manual_seed(1))
     chain = (torch.rand(6, steps + 1, 4, 2, generator=torch.Generator().manual_seed(2)) * 2.4 - 1.2)
     mine = policy.chain_log_prob(obs, chain, include_initial=include_initial)
@@ -235,11 +237,33 @@ def test_chain_log_prob_and_entropy_match_official_reinflow(include_initial, ste
     assert (policy.chain_means(obs, chain).abs() <= 1.0).all() and (policy.chain_means(obs, chain).abs() == 1.0).any()
 
 
-def test_sampling_matches_official_reinflow_at_one_step():
+def test_time_conditioned_noise_reads_the_detached_time_embedding():
+    """ReinFlow's use_time_independent_noise: false: sigma(s, t) from [time_emb(t).detach(), s]; per-step stds."""
+    policy = _reinflow_policy(4, time_conditioned=True)
+    noise = policy.ft_network.noise
+    assert noise.time_dim == 16 and noise.mlp[0].in_features == 16 + 3
+    obs = torch.randn(5, 3)
+    stds = policy.step_stds(obs)
+    assert stds.shape == (5, 4, 4, 2) and not torch.allclose(stds[:, 0], stds[:, 3])
+    velocity = policy.ft_network.velocity
+    features = velocity.time_embed(velocity.time_proj(torch.full((5,), 0.25)))
+    assert torch.allclose(stds[:, 1], noise(obs, features), atol=1e-7)
+    policy.chain_entropy(obs).sum().backward()  # the entropy moves the noise network, never the time embedding
+    assert noise.mlp[0].weight.grad.abs().sum() > 0
+    assert all(p.grad is None for p in velocity.parameters())
+    with pytest.raises(ValueError, match="needs the flow times t"):
+        policy.noise_std(obs)
+    unet = FlowPolicy(3, 2, 4, backbone="unet", unet_channels=[8, 16])
+    with pytest.raises(ValueError, match="needs the mlp backbone"):
+        unet.enable_finetuning({"hidden_dims": [4], "min_std": 0.08, "max_std": 0.14, "time_conditioned": True})
+
+
+@pytest.mark.parametrize("time_conditioned", [False, True])
+def test_sampling_matches_official_reinflow_at_one_step(time_conditioned):
     """K = 1 (the official Lift / Can configs): the official sampler's time grid linspace(0, 1, K) is its log-prob
     grid i / K, so the sampled chain and its log-prob match get_actions. (For K > 1 get_actions feeds t = i / (K - 1)
     while get_logprobs re-scores at i / K; mmpo uses i / K for both, so the first PPO ratio is exactly 1.)"""
-    policy = _reinflow_policy(1)
+    policy = _reinflow_policy(1, time_conditioned)
     obs = torch.randn(6, 3, generator=torch.Generator().manual_seed(1))
     draws = policy.draw_chain_noise(6, generator=torch.Generator().manual_seed(4))
     draws[1] = draws[1] * 2.0  # some draws beyond the +-3 clip

@@ -63,11 +63,13 @@ def official_ppo_flow_loss(actor_ft, critic, obs, chains, returns, advantages, o
 
 
 def _actor(policy: FlowPolicy):
-    return lambda xt, t, cond, learn, step: (policy.velocity(xt, t, cond), policy.noise_std(cond).flatten(-2, -1))
+    return lambda xt, t, cond, learn, step: (policy.velocity(xt, t, cond), policy.noise_std(cond, t).flatten(-2, -1))
 
 
-def test_minibatch_loss_matches_the_official_reinflow_loss(flow_bc_checkpoint):
-    module = _module(flow_bc_checkpoint, reinflow={"noise_hidden_dims": [16], "clip": 0.05})
+@pytest.mark.parametrize("time_conditioned", [False, True])
+def test_minibatch_loss_matches_the_official_reinflow_loss(flow_bc_checkpoint, time_conditioned):
+    module = _module(flow_bc_checkpoint, reinflow={"noise_hidden_dims": [16], "clip": 0.05,
+                                                   "noise_time_conditioned": time_conditioned})
     policy = module.policy
     generator = torch.Generator().manual_seed(0)
     obs = torch.rand(16, 2, generator=generator) * 1.2 - 0.6

@@ -120,16 +120,18 @@ def cfm_losses(velocity: torch.Tensor, actions: torch.Tensor, eps: torch.Tensor,
 
 # ---------------------------------------------------------------------------------------------- networks
 class NoiseNet(nn.Module):
-    """ReinFlow's ``ExploreNoiseNet`` with time-independent input (``use_time_independent_noise: true``, the
-    official robomimic lift/can/square configs): an MLP obs -> raw (Ta Da), then :func:`bounded_std`.
-    Shapes: (B, obs_dim) -> (B, Ta, Da)."""
+    """ReinFlow's ``ExploreNoiseNet``: an MLP -> raw (Ta Da), then :func:`bounded_std`. Its input is the state
+    (``use_time_independent_noise: true``, the official robomimic lift/can/square configs) or, with ``time_dim`` > 0,
+    [time features, state] (``use_time_independent_noise: false``, ``learn_explore_time_embedding: false``: the
+    velocity network's own time embedding, detached). Shapes: (B, obs_dim) [, (B, time_dim)] -> (B, Ta, Da)."""
 
     def __init__(self, obs_dim: int, horizon: int, action_dim: int, hidden_dims: Sequence[int], min_std: float,
-                 max_std: float, activation: str = "tanh") -> None:
+                 max_std: float, activation: str = "tanh", time_dim: int = 0) -> None:
         super().__init__()
         if not 0 < min_std <= max_std:
             raise ValueError(f"need 0 < min_std <= max_std, got min_std={min_std}, max_std={max_std}")
-        dims = [obs_dim, *hidden_dims, horizon * action_dim]
+        self.time_dim = int(time_dim)
+        dims = [self.time_dim + obs_dim, *hidden_dims, horizon * action_dim]
         layers: list[nn.Module] = []
         for index, (fan_in, fan_out) in enumerate(zip(dims[:-1], dims[1:])):
             layers.append(nn.Linear(fan_in, fan_out))
@@ -138,8 +140,9 @@ class NoiseNet(nn.Module):
         self.mlp = nn.Sequential(*layers)
         self.horizon, self.action_dim, self.min_std, self.max_std = horizon, action_dim, min_std, max_std
 
-    def forward(self, obs: torch.Tensor) -> torch.Tensor:
-        raw = self.mlp(obs).view(obs.shape[0], self.horizon, self.action_dim)
+    def forward(self, obs: torch.Tensor, time_features: torch.Tensor | None = None) -> torch.Tensor:
+        features = obs if not self.time_dim else torch.cat([time_features, obs], dim=-1)
+        raw = self.mlp(features).view(obs.shape[0], self.horizon, self.action_dim)
         return bounded_std(raw, self.min_std, self.max_std)
 
 
@@ -217,7 +220,16 @@ class FlowPolicy(nn.Module):
         ReinFlow's noise network settings (hidden_dims, min_std, max_std, activation); None: no noise network (FPO)."""
         if self.ft_network is not None:
             raise RuntimeError("fine-tuning is already enabled")
-        noise_net = None if noise is None else NoiseNet(self.obs_dim, self.horizon, self.action_dim, **noise)
+        noise_net = None
+        if noise is not None:
+            settings = dict(noise)
+            time_dim = 0
+            if settings.pop("time_conditioned", False):
+                if not isinstance(self.network, MLPDenoiser):
+                    raise ValueError("a time-conditioned noise network reads the velocity network's time embedding: "
+                                     "it needs the mlp backbone")
+                time_dim = self.policy_config["time_dim"]
+            noise_net = NoiseNet(self.obs_dim, self.horizon, self.action_dim, **settings, time_dim=time_dim)
         self.ft_network = FlowActor(copy.deepcopy(self.network), noise_net)
         self.finetune_config = {"noise": None if noise is None else dict(noise)}
         self.network.requires_grad_(False)
@@ -232,11 +244,28 @@ class FlowPolicy(nn.Module):
         """v(x_t, t, s): x (B, Ta, Da), t (B,) float in [0, 1), obs (B, obs_dim) -> (B, Ta, Da)."""
         return (network or self.velocity_network)(x, t, obs)
 
-    def noise_std(self, obs: torch.Tensor) -> torch.Tensor:
-        """ReinFlow's sigma(s) (B, Ta, Da), the same for every Euler step (time-independent noise)."""
+    def noise_std(self, obs: torch.Tensor, t: torch.Tensor | None = None) -> torch.Tensor:
+        """ReinFlow's sigma (B, Ta, Da) at ``obs`` and, for a time-conditioned noise network, flow times ``t`` (B,)
+        (fed as the fine-tuned velocity network's time embedding, detached, as ReinFlow's ``time_emb.detach()``)."""
         if self.ft_network is None or self.ft_network.noise is None:
             raise RuntimeError("noise_std needs enable_finetuning(noise={...}) first (ReinFlow)")
-        return self.ft_network.noise(obs)
+        noise = self.ft_network.noise
+        if not noise.time_dim:
+            return noise(obs)
+        if t is None:
+            raise ValueError("a time-conditioned noise network needs the flow times t")
+        velocity = self.ft_network.velocity
+        features = velocity.time_embed(velocity.time_proj(t).to(obs.dtype)).detach()
+        return noise(obs, features)
+
+    def step_stds(self, obs: torch.Tensor) -> torch.Tensor:
+        """sigma of every Euler step (B, K, Ta, Da): the same for all K unless the noise network is time-conditioned."""
+        batch, steps = obs.shape[0], self.num_steps
+        if not self.ft_network.noise.time_dim:
+            return self.noise_std(obs).unsqueeze(1).expand(-1, steps, -1, -1)
+        times = euler_times(steps).to(obs.device).repeat(batch)
+        stds = self.noise_std(obs.repeat_interleave(steps, dim=0), times)
+        return stds.view(batch, steps, self.horizon, self.action_dim)
 
     # ------------------------------------------------------------------ BC
     def bc_loss(self, obs: torch.Tensor, actions: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
@@ -305,11 +334,12 @@ class FlowPolicy(nn.Module):
 
         x = randn()
         states, means, stds = [x], [], []
-        std = self.noise_std(obs) if stochastic else None
+        step_std = self.step_stds(obs) if stochastic else None
         times = euler_times(self.num_steps).to(obs.device)
         for i in range(self.num_steps):
             mean = euler_step(x, self.velocity(x, times[i].expand(batch), obs), self.num_steps, self.action_clip)
             if stochastic:
+                std = step_std[:, i]
                 x = mean + std * randn().clamp(-noise_clip, noise_clip)
                 if i == self.num_steps - 1:
                     x = x.clamp(-self.action_clip, self.action_clip)
@@ -343,13 +373,12 @@ class FlowPolicy(nn.Module):
         """ReinFlow log-likelihood (B,) of stored chains under the current fine-tuned networks (gradients flow into
         the velocity copy and the noise network)."""
         means = self.chain_means(obs, chain)
-        stds = self.noise_std(obs).unsqueeze(1).expand_as(means)
-        return chain_log_prob(chain, means, stds, include_initial=include_initial)
+        return chain_log_prob(chain, means, self.step_stds(obs), include_initial=include_initial)
 
     def chain_entropy(self, obs: torch.Tensor, *, include_initial: bool = True) -> torch.Tensor:
-        """ReinFlow's entropy-rate estimate (B,) at ``obs`` (depends on the noise network only)."""
-        std = self.noise_std(obs)
-        return chain_entropy(std.unsqueeze(1).expand(-1, self.num_steps, -1, -1), include_initial=include_initial)
+        """ReinFlow's entropy-rate estimate (B,) at ``obs`` (depends on the noise network only; its time input is
+        detached)."""
+        return chain_entropy(self.step_stds(obs), include_initial=include_initial)
 
     # ------------------------------------------------------------------ FPO
     def cfm_losses(self, obs: torch.Tensor, actions: torch.Tensor, eps: torch.Tensor, tau: torch.Tensor,
