@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from mmpo.robotics.config import DenoisingChainConfig, EnvConfig, EvalConfig, FPOConfig, PPOLossConfig, ReturnsConfig
-from mmpo.robotics.dppo import DPPO_OPTIM, DPPOModule, EnvFactory
+from mmpo.robotics.dppo import DPPOModule, EnvFactory
 from mmpo.robotics.policy.flow import FlowPolicy, euler_times
 from mmpo.robotics.reinflow import check_no_chain_eval, load_flow_policy
 from mmpo.training.config import CriticConfig, OptimConfig, as_config
