@@ -163,6 +163,11 @@ class BCModule(NonFiniteGuardMixin, pl.LightningModule):
             NonFiniteTrainingError (mmpo.training.nonfinite).
     """
 
+    policy_class: type[torch.nn.Module] = DiffusionPolicy
+    """The policy trained (:class:`~mmpo.robotics.flow_bc.FlowBCModule`: the flow-matching policy)."""
+    kind = "bc"
+    """The checkpoint's ``robotics`` kind."""
+
     def __init__(
         self,
         obs_dim: int,
@@ -193,7 +198,7 @@ class BCModule(NonFiniteGuardMixin, pl.LightningModule):
         self.nonfinite = NonFiniteGuard(max_consecutive_skips)
         if not 1 <= act_steps <= horizon:
             raise ValueError(f"act_steps must be in [1, horizon={horizon}], got {act_steps}")
-        self.policy = DiffusionPolicy(
+        self.policy = self.policy_class(
             obs_dim, action_dim, horizon, backbone=backbone, denoising_steps=denoising_steps,
             hidden_dims=list(hidden_dims or (512, 512, 512)), time_dim=time_dim, activation=activation,
             unet_channels=list(unet_channels or (64, 128)),
@@ -247,7 +252,7 @@ class BCModule(NonFiniteGuardMixin, pl.LightningModule):
     def robotics_metadata(self) -> dict[str, Any]:
         hp = self.hparams
         return {
-            "kind": "bc",
+            "kind": self.kind,
             "policy_config": self.policy.policy_config,
             "policy_prefix": EMA_PREFIX,
             "ft_steps": 0,

@@ -1,4 +1,5 @@
-"""Typed, grouped settings of the robot RL modules (``DPPOModule``, ``SFPODPPOModule``, ``GaussianPPOModule``).
+"""Typed, grouped settings of the robot RL modules (``DPPOModule``, ``SFPODPPOModule``, ``GaussianPPOModule``,
+``ReinFlowModule``, ``FPOModule``, ``DSRLModule``).
 
 The groups that the VLM modules share come from mmpo.training.config (``optim``: :class:`OptimConfig`,
 ``critic``: :class:`CriticConfig`); the ones only a robot run has are here. LightningCLI (jsonargparse)
@@ -206,6 +207,130 @@ class GaussianPolicyConfig:
         _require(self.log_prob_reduction in LOG_PROB_REDUCTIONS,
                  f"log_prob_reduction must be one of {LOG_PROB_REDUCTIONS}, got {self.log_prob_reduction!r}")
         _require(self.noise_clip > 0, f"noise_clip must be > 0, got {self.noise_clip}")
+
+
+@dataclass(frozen=True)
+class ReinFlowConfig:
+    """ReinFlow's noise-injected flow chain and its PPO ratio (ReinFlow/ReinFlow, ``cfg/robomimic/finetune/{lift,can,
+    square}/ft_ppo_reflow_mlp_img.yaml`` unless noted; ``model/flow/ft_ppo/ppoflow.py``).
+
+    Attributes:
+        min_std, max_std: the noise network's std range [min_std, max_std] (0.08, 0.14); min_std is also the sampling floor.
+        noise_hidden_dims: the noise network's hidden widths ([256, 256, 256]).
+        noise_activation: its activation (Tanh, ``explore_net_activation_type``).
+        clip: the PPO clip range of the chain's ratio (``clip_ploss_coef`` 0.01).
+        ent_coef: coefficient of the chain's entropy-rate bonus (0.01, ``agent/finetune/reinflow/train_ppo_agent.py``).
+        logprob_min, logprob_max: clamp of the normalised chain log-probs, old and new (-1, 1).
+        noise_clip: the injected standard-normal noise is clipped to +-noise_clip (``randn_clip_value`` 3).
+        include_initial: count log N(x_0; 0, I) in the chain log-prob (``account_for_initial_stochasticity`` true).
+        noise_time_conditioned: feed the noise network the velocity network's (detached) time embedding of each
+            Euler step besides the state (``use_time_independent_noise: false``, the Transport and Gym configs; needs
+            the mlp backbone); false: the state alone (Lift / Can / Square).
+    """
+
+    min_std: float = 0.08
+    max_std: float = 0.14
+    noise_hidden_dims: list[int] = dataclasses.field(default_factory=lambda: [256, 256, 256])
+    noise_activation: str = "tanh"
+    clip: float = 0.01
+    ent_coef: float = 0.01
+    logprob_min: float = -1.0
+    logprob_max: float = 1.0
+    noise_clip: float = 3.0
+    include_initial: bool = True
+    noise_time_conditioned: bool = False
+
+    def __post_init__(self) -> None:
+        _require(0 < self.min_std <= self.max_std, f"need 0 < min_std <= max_std, got {self.min_std}, {self.max_std}")
+        _require(len(self.noise_hidden_dims) >= 1 and min(self.noise_hidden_dims) >= 1,
+                 f"noise_hidden_dims must be a non-empty list of widths >= 1, got {self.noise_hidden_dims}")
+        _require(self.clip > 0, f"clip must be > 0, got {self.clip}")
+        _require(self.ent_coef >= 0, f"ent_coef must be >= 0, got {self.ent_coef}")
+        _require(self.logprob_min < self.logprob_max,
+                 f"logprob_min must be < logprob_max, got {self.logprob_min}, {self.logprob_max}")
+        _require(self.noise_clip > 0, f"noise_clip must be > 0, got {self.noise_clip}")
+
+
+FPO_OUTPUT_MODES: tuple[str, ...] = ("u", "u_but_supervise_as_eps")
+
+
+@dataclass(frozen=True)
+class FPOConfig:
+    """FPO's flow-matching-loss ratio (akanazawa/fpo ``playground/src/flow_policy/fpo.py``, ``FpoConfig``).
+
+    Attributes:
+        mc_samples: (noise, time) draws per action whose CFM losses form the ratio (``n_samples_per_action`` 8).
+        clip: the PPO clip range of the ratio (``clipping_epsilon`` 0.05).
+        output_mode: the CFM loss: "u_but_supervise_as_eps" (FPO's default: the noise recovered from the predicted
+            velocity is supervised) or "u" (the velocity).
+        discretize_t: draw the times from the sampler's Euler times i/K (``discretize_t_for_training`` true);
+            false: uniform in [0, 1).
+    """
+
+    mc_samples: int = 8
+    clip: float = 0.05
+    output_mode: str = "u_but_supervise_as_eps"
+    discretize_t: bool = True
+
+    def __post_init__(self) -> None:
+        _require(self.mc_samples >= 1, f"mc_samples must be >= 1, got {self.mc_samples}")
+        _require(self.clip > 0, f"clip must be > 0, got {self.clip}")
+        _require(self.output_mode in FPO_OUTPUT_MODES,
+                 f"output_mode must be one of {FPO_OUTPUT_MODES}, got {self.output_mode!r}")
+
+
+@dataclass(frozen=True)
+class DSRLConfig:
+    """DSRL's SAC in the latent-noise space of a frozen policy (ajwagen/dsrl ``cfg/robomimic/dsrl_lift.yaml``
+    ``train``, ``algorithm: dsrl_sac`` on stable-baselines3's SAC).
+
+    Attributes:
+        action_magnitude: the latent noise w lies in [-m, m]^(Ta Da): w = m tanh(u) (``action_magnitude`` 1.5).
+        gamma: SAC's discount per chunk step (``discount`` 0.99).
+        tau: Polyak rate of the target critics (``tau`` 0.005), updated after every gradient step.
+        utd: gradient steps per vector-env chunk step (``utd`` 30; ``train_freq`` 1).
+        hidden_dims: actor and critic MLP widths (``layer_size`` 2048 x ``num_layers`` 3).
+        layer_norm: LayerNorm after every hidden Linear (``use_layer_norm`` true); activation Tanh.
+        n_critics: Q networks; the backup takes their min (``n_critics`` 2, ``critic_backup_combine_type: min``).
+        init_ent_coef: initial entropy coefficient alpha (stable-baselines3 ``ent_coef: auto``: 1.0).
+        learn_ent_coef: tune alpha towards ``target_entropy`` (``ent_coef: -1`` = auto).
+        target_entropy: the entropy target (``target_ent`` 0.0); None = -(Ta Da) (stable-baselines3's "auto").
+        warmup_chunk_steps: vector-env chunk steps that play w ~ N(0, I) clipped to [-m, m] before the actor acts
+            and before any update (``init_rollout_steps`` 1501).
+        buffer_size: replay capacity in transitions (oldest overwritten).
+        reward_offset: subtracted from every env step's reward (robomimic ``reward_offset`` 1); applied per chunk
+            step as act_steps x offset.
+        ddim_steps: a DDPM diffusion BC policy is steered through a DDIM (eta = 0) chain of this many strided steps of
+            its K timesteps (``use_ddim: true``, ``ddim_steps: 8``); None: DDIM over all K. Flow policies: unused.
+    """
+
+    action_magnitude: float = 1.5
+    gamma: float = 0.99
+    tau: float = 0.005
+    utd: int = 30
+    hidden_dims: list[int] = dataclasses.field(default_factory=lambda: [2048, 2048, 2048])
+    layer_norm: bool = True
+    n_critics: int = 2
+    init_ent_coef: float = 1.0
+    learn_ent_coef: bool = True
+    target_entropy: float | None = 0.0
+    warmup_chunk_steps: int = 1501
+    buffer_size: int = 1_000_000
+    reward_offset: float = 1.0
+    ddim_steps: int | None = 8
+
+    def __post_init__(self) -> None:
+        _require(self.ddim_steps is None or self.ddim_steps >= 1, f"ddim_steps must be >= 1 or None, got {self.ddim_steps}")
+        _require(self.action_magnitude > 0, f"action_magnitude must be > 0, got {self.action_magnitude}")
+        _require(0 <= self.gamma <= 1, f"gamma must be in [0, 1], got {self.gamma}")
+        _require(0 < self.tau <= 1, f"tau must be in (0, 1], got {self.tau}")
+        _require(self.utd >= 1, f"utd must be >= 1, got {self.utd}")
+        _require(len(self.hidden_dims) >= 1 and min(self.hidden_dims) >= 1,
+                 f"hidden_dims must be a non-empty list of widths >= 1, got {self.hidden_dims}")
+        _require(self.n_critics >= 1, f"n_critics must be >= 1, got {self.n_critics}")
+        _require(self.init_ent_coef > 0, f"init_ent_coef must be > 0, got {self.init_ent_coef}")
+        _require(self.warmup_chunk_steps >= 0, f"warmup_chunk_steps must be >= 0, got {self.warmup_chunk_steps}")
+        _require(self.buffer_size >= 1, f"buffer_size must be >= 1, got {self.buffer_size}")
 
 
 # The flat init arguments of DPPOModule before the groups: old name -> (group, field).

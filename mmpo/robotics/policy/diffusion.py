@@ -192,6 +192,7 @@ class DiffusionPolicy(nn.Module):
         deterministic_sampler: str | None = None,
         ddpm_eval_std_floor: float | None = None,
         noise: Sequence[torch.Tensor] | None = None,
+        initial_noise: torch.Tensor | None = None,
     ) -> PolicySample:
         """Run the reverse chain from x ~ N(0, I).
 
@@ -208,6 +209,7 @@ class DiffusionPolicy(nn.Module):
         ``noise`` (stochastic chains only): the standard-normal draws to use instead of drawing them, as
         :meth:`draw_chain_noise` returns them (one (B, Ta, Da) tensor for x_K, then one per chain step); rows
         of a larger batch's draws give each row exactly the chain that batch would have given it.
+        ``initial_noise`` (B, Ta, Da): x_K itself instead of a draw (DSRL steers a deterministic chain by it).
         Shapes: obs (B, obs_dim) -> PolicySample(actions (B, Ta, Da), chain (B, K'+1, Ta, Da) | None).
         """
         self._check_inputs(obs)
@@ -225,7 +227,9 @@ class DiffusionPolicy(nn.Module):
                 return next(drawn)
             return torch.randn(shape, generator=generator, device=obs.device, dtype=obs.dtype)
 
-        x = randn()
+        if initial_noise is not None and (noise is not None or tuple(initial_noise.shape) != shape):
+            raise ValueError(f"initial_noise must be one tensor of shape {shape}, without noise")
+        x = initial_noise if initial_noise is not None else randn()
         chain: list[torch.Tensor] = []
         log_probs: list[torch.Tensor] = []
         num_chain = self.schedule.num_chain_steps

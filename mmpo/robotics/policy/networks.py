@@ -11,7 +11,7 @@ from diffusers import UNet1DModel
 from diffusers.models.embeddings import TimestepEmbedding, Timesteps
 from torch import nn
 
-ACTIVATIONS: dict[str, type[nn.Module]] = {"mish": nn.Mish, "relu": nn.ReLU, "gelu": nn.GELU, "silu": nn.SiLU}
+ACTIVATIONS: dict[str, type[nn.Module]] = {"mish": nn.Mish, "relu": nn.ReLU, "gelu": nn.GELU, "silu": nn.SiLU, "tanh": nn.Tanh}
 
 
 def make_activation(name: str) -> nn.Module:
