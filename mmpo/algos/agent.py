@@ -27,8 +27,8 @@ from mmpo.tools.sandbox import SandboxLimits, ToolSandbox
 from mmpo.training.config import as_config
 from mmpo.training.step_state import StepState
 from mmpo.vlm.logprobs import completion_log_probs
-from mmpo.vlm.multiturn import MultiTurnEngine, observation_token_ids
-from mmpo.vlm.processing import default_system_prompt, encode_prompts
+from mmpo.vlm.multiturn import MultiTurnEngine, encode_observation
+from mmpo.vlm.processing import append_row_images, default_system_prompt, encode_prompts
 from mmpo.vlm.rollout import Rollout
 
 
@@ -188,28 +188,32 @@ def agent_validation_metrics(engine: MultiTurnEngine, envs: Sequence[ToolEnviron
             "val/tool_calls": float(rollout.extras["tool_calls"].float().mean())}
 
 
-def encode_tool_traces(processor: Any, traces: Sequence[Sequence[Mapping[str, str]]],
-                       ) -> tuple[Tensor, Tensor, Tensor]:
-    """Conversations after the prompt -> ``(ids, loss_mask, attention_mask)`` (N, T), right-padded.
+def encode_tool_traces(processor: Any, traces: Sequence[Sequence[Mapping[str, Any]]],
+                       ) -> tuple[Tensor, Tensor, Tensor, list[list[tuple[Tensor, Tensor]]]]:
+    """Conversations after the prompt -> ``(ids, loss_mask, attention_mask)`` (N, T), right-padded, and each
+    conversation's tool-answer images (``(pixel_values, grid)``, in order; empty without image tools).
 
     Assistant messages are their tokens + the turn-end token (in the loss); each run of other messages (tool
-    answers) is what the chat template writes after a turn (:func:`~mmpo.vlm.multiturn.observation_token_ids`,
-    out of the loss): the same tokens a multi-turn rollout holds."""
+    answers) is what the chat template writes after a turn (:func:`~mmpo.vlm.multiturn.encode_observation`,
+    out of the loss; an image becomes its vision tokens): the same tokens a multi-turn rollout holds."""
     from mmpo.vlm.factory import turn_end_token_id
 
     tokenizer = processor.tokenizer
     end = turn_end_token_id(tokenizer)
     rows: list[tuple[list[int], list[int]]] = []
+    images: list[list[tuple[Tensor, Tensor]]] = []
     for trace in traces:
         ids: list[int] = []
         trained: list[int] = []
-        pending: list[Mapping[str, str]] = []
+        pending: list[Mapping[str, Any]] = []
+        images.append([])
         for message in trace:
             if message["role"] != "assistant":
                 pending.append(message)
                 continue
             if pending:
-                observation = observation_token_ids(processor, pending)
+                observation, observed_images = encode_observation(processor, pending)
+                images[-1] += observed_images
                 ids += observation
                 trained += [0] * len(observation)
                 pending = []
@@ -225,7 +229,7 @@ def encode_tool_traces(processor: Any, traces: Sequence[Sequence[Mapping[str, st
         out_ids[i, :len(ids)] = torch.tensor(ids)
         loss_mask[i, :len(ids)] = torch.tensor(trained)
         attention[i, :len(ids)] = 1
-    return out_ids, loss_mask, attention
+    return out_ids, loss_mask, attention, images
 
 
 class AgentSFTModule(SFTModule):
@@ -260,7 +264,8 @@ class AgentSFTModule(SFTModule):
         rows = self._prompt_rows(rows)
         prompts = encode_prompts(self.processor, rows, system_prompt=self.system_prompt,
                                  max_prompt_length=h.max_prompt_length)
-        ids, loss_mask, attention = encode_tool_traces(self.processor, [row["tool_trace"] for row in rows])
+        ids, loss_mask, attention, images = encode_tool_traces(self.processor, [row["tool_trace"] for row in rows])
+        prompts = append_row_images(prompts, images)
         prompts = {k: v.to(self.device) if isinstance(v, torch.Tensor) else v for k, v in prompts.items()}
         log_probs, _ = completion_log_probs(self.model, prompts, ids.to(self.device), attention.to(self.device),
                                             chunk_size=h.logprob_chunk_size)

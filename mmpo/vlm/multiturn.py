@@ -39,20 +39,14 @@ from mmpo.tools.env import Environment, ToolEnvironment
 from mmpo.tools.functions import tool_system_prompt
 from mmpo.vlm.continuation import extend_prompts
 from mmpo.vlm.fsdp import full_weights
-from mmpo.vlm.processing import default_system_prompt, model_inputs, select_rows
+from mmpo.vlm.processing import append_row_images, default_system_prompt, model_inputs, select_rows
 from mmpo.vlm.rollout import (HFGenerateEngine, Rollout, _SampledLogProbRecorder, completion_attention_mask,  # noqa: F401
                               completion_mask_from_ids)
 
 _TURN_SENTINEL = "\u2063MMPO_TURN\u2063"
 
 
-def observation_token_ids(processor: Any, messages: Sequence[Mapping[str, Any]]) -> list[int]:
-    """The tokens that follow a model turn's end token when the chat template renders ``messages`` (the
-    environment's answer) after it, through the next assistant header.
-
-    Found by rendering a conversation whose assistant message is a sentinel, with and without ``messages``
-    and the generation prompt, and taking the text after the sentinel's turn end: whatever the template writes
-    between turns (newlines, ``<|im_start|>tool`` / ``user``, ``<tool_response>`` wrappers) is kept exactly."""
+def _observation_text(processor: Any, messages: Sequence[Mapping[str, Any]]) -> str:
     tokenizer = processor.tokenizer
     end_text = tokenizer.convert_ids_to_tokens(_turn_end_id(processor))
     base = [{"role": "user", "content": "q"}, {"role": "assistant", "content": _TURN_SENTINEL}]
@@ -62,8 +56,66 @@ def observation_token_ids(processor: Any, messages: Sequence[Mapping[str, Any]])
     if anchor < 0:
         raise ValueError(f"the chat template does not close an assistant message with {end_text!r}; "
                          "multi-turn rollouts need the turn-end token after each assistant message")
-    suffix = text[anchor + len(_TURN_SENTINEL) + len(end_text):]
-    return list(tokenizer(suffix, add_special_tokens=False)["input_ids"])
+    return text[anchor + len(_TURN_SENTINEL) + len(end_text):]
+
+
+def observation_images(messages: Sequence[Mapping[str, Any]]) -> list[Any]:
+    """The images of an environment answer (``{"type": "image", "image": PIL}`` items of list contents), in order."""
+    return [item["image"] for message in messages if isinstance(message.get("content"), list)
+            for item in message["content"] if isinstance(item, Mapping) and item.get("type") == "image"]
+
+
+def observation_token_ids(processor: Any, messages: Sequence[Mapping[str, Any]]) -> list[int]:
+    """The tokens that follow a model turn's end token when the chat template renders ``messages`` (the
+    environment's answer) after it, through the next assistant header.
+
+    Found by rendering a conversation whose assistant message is a sentinel, with and without ``messages``
+    and the generation prompt, and taking the text after the sentinel's turn end: whatever the template writes
+    between turns (newlines, ``<|im_start|>tool`` / ``user``, ``<tool_response>`` wrappers) is kept exactly.
+    An answer with images: :func:`encode_observation` (it expands each image's placeholder)."""
+    return encode_observation(processor, messages)[0]
+
+
+def encode_observation(processor: Any, messages: Sequence[Mapping[str, Any]]
+                       ) -> tuple[list[int], list[tuple[torch.Tensor, torch.Tensor]]]:
+    """An environment answer -> its tokens and its images as ``[(pixel_values (patches, D), grid (3,))]``.
+
+    Text: :func:`observation_token_ids`' tokens. Images (a VLM's tool answer, e.g. a zoomed crop) are resized
+    as prompt images are (qwen-vl-utils within the processor's pixel budget) and their placeholders expanded
+    by the processor to one ``<|image_pad|>`` per merged patch: in the context as vision tokens, out of the loss
+    like every environment token. A text-only LM's processor refuses images (ValueError)."""
+    suffix = _observation_text(processor, messages)
+    images = observation_images(messages)
+    if not images:
+        return list(processor.tokenizer(suffix, add_special_tokens=False)["input_ids"]), []
+    from mmpo.vlm.factory import is_text_processor, pixel_budget
+
+    if is_text_processor(processor):
+        raise ValueError("the environment answered with an image, but the policy is a text-only LM; image tools "
+                         "(e.g. image_zoom_in_tool) need a VLM")
+    from qwen_vl_utils import fetch_image
+
+    min_pixels, max_pixels = pixel_budget(processor)
+    patch = int(getattr(processor.image_processor, "patch_size", 14))
+    resized = [fetch_image({"image": image, "min_pixels": min_pixels, "max_pixels": max_pixels},
+                           image_patch_size=patch) for image in images]
+    encoded = processor(text=[suffix], images=resized, return_tensors="pt")
+    grid = encoded["image_grid_thw"]
+    sizes = grid.prod(-1).tolist()
+    chunks = torch.split(encoded["pixel_values"], [int(n) for n in sizes], 0)
+    return encoded["input_ids"][0].tolist(), [(chunk, thw) for chunk, thw in zip(chunks, grid)]
+
+
+def _transcript_content(content: Any) -> str:
+    if not isinstance(content, list):
+        return str(content)
+    parts = []
+    for item in content:
+        if isinstance(item, Mapping) and item.get("type") == "image":
+            parts.append(f"<image {item['image'].size[0]}x{item['image'].size[1]}>")
+        elif isinstance(item, Mapping):
+            parts.append(str(item.get("text", "")))
+    return "".join(parts)
 
 
 def _turn_end_id(processor: Any) -> int:
@@ -84,6 +136,8 @@ class _Trajectory:
     done: bool = False
     awaiting_environment: bool = False
     transcript: list[dict[str, str]] = field(default_factory=list)
+    images: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
+    """The images of the environment's answers so far (``(pixel_values, grid)``), in context order."""
 
     def add(self, tokens: Sequence[int], log_probs: Sequence[float] | None, trained: bool) -> None:
         self.tokens += list(tokens)
@@ -178,13 +232,14 @@ class MultiTurnEngine:
             if result.done or not result.observation or trajectory.turns >= self.max_turns:
                 trajectory.done = True  # the environment is done, or no model turn would follow its answer
                 continue
-            ids = observation_token_ids(self.engine.processor, result.observation)
-            trajectory.transcript += [{"role": str(m["role"]), "content": str(m["content"])}
+            ids, images = encode_observation(self.engine.processor, result.observation)
+            trajectory.transcript += [{"role": str(m["role"]), "content": _transcript_content(m["content"])}
                                       for m in result.observation]
             if len(trajectory.tokens) + len(ids) >= self.max_total_tokens:
                 trajectory.done = True  # the answer does not fit with room for a model token
                 continue
             trajectory.add(ids, None, trained=False)
+            trajectory.images += images
 
     @torch.no_grad()
     def _next_turn(self, trajectories: list[_Trajectory], active: list[int], prompts: Mapping[str, Any], *,
@@ -199,6 +254,7 @@ class MultiTurnEngine:
             so_far[row, :len(tokens)] = torch.tensor(tokens, dtype=torch.long)
             so_far_mask[row, :len(tokens)] = 1
         contexts = extend_prompts(select_rows(prompts, active), so_far, so_far_mask, pad_token_id=engine.pad_token_id)
+        contexts = _with_tool_images(contexts, [trajectories[i].images for i in active], engine.processor)
         device = next(model.parameters()).device
         inputs = {k: v.to(device) for k, v in model_inputs(contexts).items()}
         budgets = [self.max_total_tokens - len(trajectories[i].tokens) for i in active]
@@ -248,6 +304,20 @@ class MultiTurnEngine:
             "env_rewards": torch.tensor([t.env_reward for t in trajectories], dtype=torch.float32),
             "vision_cut": torch.zeros(n, dtype=torch.bool),
         }
-        return Rollout(rows=first.rows, group_ids=first.group_ids, prompt_inputs=first.prompt_inputs,
+        prompt_inputs = append_row_images(first.prompt_inputs, [t.images for t in trajectories])
+        return Rollout(rows=first.rows, group_ids=first.group_ids, prompt_inputs=prompt_inputs,
                        completion_ids=ids, completion_mask=trained, texts=[t.last_message for t in trajectories],
                        extras=extras)
+
+
+def _with_tool_images(contexts: Mapping[str, Any], images: Sequence[Sequence[tuple[torch.Tensor, torch.Tensor]]],
+                      processor: Any) -> Mapping[str, Any]:
+    """Generation contexts (prompt + conversation so far as one prompt) with the tool answers' images after the
+    prompt's, and their placeholders typed as images (``mm_token_type_ids`` 1) for Qwen-VL's 3-D RoPE."""
+    if not any(images):
+        return contexts
+    from mmpo.vlm.processing import image_token_types
+
+    out = append_row_images(contexts, images)
+    out["mm_token_type_ids"] = image_token_types(out["input_ids"], processor).to(out["mm_token_type_ids"])
+    return out
