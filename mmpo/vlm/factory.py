@@ -281,8 +281,8 @@ def default_corpus() -> list[str]:
     from mmpo.data.synthetic import TASKS, TEXT_TASKS, corpus
 
     # the text-LM tasks have their own tokenizer (default_text_corpus); leaving them out keeps the tiny VLM's
-    # tokenizer, and so every recorded tiny-VLM run, as it was before they existed
-    return [SYSTEM_PROMPT, *corpus([task for task in TASKS if task not in TEXT_TASKS])]
+    # tokenizer, and so every recorded tiny-VLM run, as it was before they existed (likewise the zoom tool task)
+    return [SYSTEM_PROMPT, *corpus([task for task in TASKS if task not in TEXT_TASKS and task != "zoom"])]
 
 
 def _train_tokenizer(corpus: Sequence[str], vocab_size: int, *,
