@@ -176,13 +176,8 @@ class MultiTurnEngine:
             raise ValueError(f"{len(envs)} environments for {len(rows)} rows x {num_samples} samples")
         engine = self.engine
         first_messages = [env.reset(rows[i // num_samples]) for i, env in enumerate(envs)]
-        base_system = engine.system_prompt
-        prompt_rows = []
-        for index, row in enumerate(rows):
-            system = row.get("system_prompt", base_system)
-            system = default_system_prompt() if system == "default" else system
-            prompt_rows.append({**row, "problem": first_messages[index * num_samples],
-                                "system_prompt": tool_system_prompt(system, envs[index * num_samples].tools)})
+        prompt_rows = self.tool_prompt_rows(rows, [first_messages[index * num_samples] for index in range(len(rows))],
+                                            [envs[index * num_samples].tools for index in range(len(rows))])
         first = engine.generate(prompt_rows, num_samples=num_samples,
                                 max_new_tokens=min(self.max_tokens_per_turn, self.max_total_tokens),
                                 temperature=temperature, top_p=top_p, do_sample=do_sample, return_log_probs=True)
@@ -200,7 +195,17 @@ class MultiTurnEngine:
                 break
             self._next_turn(trajectories, active, prompts, temperature=temperature, top_p=top_p, do_sample=do_sample)
         self.last_transcripts = [t.transcript for t in trajectories]
-        return self._rollout(first, trajectories)
+        return self._rollout(first.rows, first.group_ids, first.prompt_inputs, trajectories)
+
+    def tool_prompt_rows(self, rows: Sequence[Mapping[str, Any]], first_messages: Sequence[str],
+                         tools: Sequence[Sequence[Mapping[str, Any]]]) -> list[dict[str, Any]]:
+        """Each row with its environment's first message as the problem and its tools' schemas in the system prompt."""
+        out = []
+        for row, message, schemas in zip(rows, first_messages, tools):
+            system = row.get("system_prompt", self.engine.system_prompt)
+            system = default_system_prompt() if system == "default" else system
+            out.append({**row, "problem": message, "system_prompt": tool_system_prompt(system, schemas)})
+        return out
 
     # ------------------------------------------------------------------ turns
 
@@ -243,8 +248,13 @@ class MultiTurnEngine:
 
     @torch.no_grad()
     def _next_turn(self, trajectories: list[_Trajectory], active: list[int], prompts: Mapping[str, Any], *,
-                   temperature: float, top_p: float, do_sample: bool) -> None:
+                   temperature: float, top_p: float, do_sample: bool, prompt_rows: Sequence[int] | None = None,
+                   recorder: "_SampledLogProbRecorder | None" = None) -> list[list[int]]:
+        """One model turn for each trajectory in ``active`` (its context: its prompt, ``prompts`` row
+        ``prompt_rows[i]`` (default ``i``), and its tokens so far); returns the tokens each drew. ``recorder``: the
+        log-prob recorder (a subclass may record more, e.g. ARPO's entropy probe)."""
         engine = self.engine
+        prompt_rows = list(range(len(trajectories))) if prompt_rows is None else prompt_rows
         model = engine.model
         width = max(len(trajectories[i].tokens) for i in active)
         so_far = torch.full((len(active), width), engine.pad_token_id, dtype=torch.long)
@@ -253,13 +263,14 @@ class MultiTurnEngine:
             tokens = trajectories[i].tokens
             so_far[row, :len(tokens)] = torch.tensor(tokens, dtype=torch.long)
             so_far_mask[row, :len(tokens)] = 1
-        contexts = extend_prompts(select_rows(prompts, active), so_far, so_far_mask, pad_token_id=engine.pad_token_id)
+        contexts = extend_prompts(select_rows(prompts, [prompt_rows[i] for i in active]), so_far, so_far_mask,
+                                  pad_token_id=engine.pad_token_id)
         contexts = _with_tool_images(contexts, [trajectories[i].images for i in active], engine.processor)
         device = next(model.parameters()).device
         inputs = {k: v.to(device) for k, v in model_inputs(contexts).items()}
         budgets = [self.max_total_tokens - len(trajectories[i].tokens) for i in active]
         max_new = min(self.max_tokens_per_turn, max(budgets))
-        recorder = _SampledLogProbRecorder()
+        recorder = _SampledLogProbRecorder() if recorder is None else recorder
         warpers = [TemperatureLogitsWarper(temperature)] if do_sample and temperature != 1.0 else []
         warpers += [TopPLogitsWarper(top_p)] if do_sample and top_p < 1.0 else []
         sampling = dict(do_sample=True, temperature=1.0, top_p=1.0, top_k=0) if do_sample else dict(
@@ -277,14 +288,19 @@ class MultiTurnEngine:
         new_ids = output[:, inputs["input_ids"].shape[1]:].cpu()
         log_probs = recorder.finish(output)
         mask = completion_mask_from_ids(new_ids, eos_token_id=engine.eos_token_id, forbidden_ids=engine.forbidden_ids)
+        drawn = []
         for row, i in enumerate(active):
             keep = int(mask[row].sum())
             keep = min(keep, budgets[row])  # a truncated prefix of a sample is a sample of that prefix
-            self._add_turn(trajectories[i], new_ids[row, :keep].tolist(), log_probs[row, :keep].tolist())
+            drawn.append(new_ids[row, :keep].tolist())
+            self._add_turn(trajectories[i], drawn[-1], log_probs[row, :keep].tolist())
+        return drawn
 
     # ------------------------------------------------------------------ result
 
-    def _rollout(self, first: Rollout, trajectories: list[_Trajectory]) -> Rollout:
+    def _rollout(self, rows: list[Mapping[str, Any]], group_ids: torch.Tensor, prompts: Mapping[str, Any],
+                 trajectories: list[_Trajectory]) -> Rollout:
+        """Trajectory ``i`` answers ``rows[i]`` (group ``group_ids[i]``, prompt ``prompts`` row ``i``)."""
         width = max(1, max(len(t.tokens) for t in trajectories))
         n = len(trajectories)
         ids = torch.full((n, width), self.engine.pad_token_id, dtype=torch.long)
@@ -304,8 +320,8 @@ class MultiTurnEngine:
             "env_rewards": torch.tensor([t.env_reward for t in trajectories], dtype=torch.float32),
             "vision_cut": torch.zeros(n, dtype=torch.bool),
         }
-        prompt_inputs = append_row_images(first.prompt_inputs, [t.images for t in trajectories])
-        return Rollout(rows=first.rows, group_ids=first.group_ids, prompt_inputs=prompt_inputs,
+        prompt_inputs = append_row_images(prompts, [t.images for t in trajectories])
+        return Rollout(rows=list(rows), group_ids=group_ids, prompt_inputs=prompt_inputs,
                        completion_ids=ids, completion_mask=trained, texts=[t.last_message for t in trajectories],
                        extras=extras)
 

@@ -90,3 +90,25 @@ def test_zoom_sft_then_grpo_with_the_zoom_tool(tmp_path):
     assert {"agent/turns_mean", "agent/tool_calls_mean", "losses/policy", "val/accuracy"} <= set(logged)
     records = [json.loads(line) for line in (tmp_path / "grpo" / "rollouts.jsonl").read_text().splitlines()]
     assert len(records) == 2 * 2 * 2 and {record["step"] for record in records} == {0, 1}
+
+
+def test_arpo_two_steps_through_mmpo_fit(tmp_path):
+    """configs/agent/arpo_tiny.yaml, 2 steps, from the tiny text LM: branching logged, n trajectories per prompt."""
+    base = tmp_path / "text_base"
+    assert main(["build-tiny", "--kind", "text", "--out", str(base), "--vocab-size", "400", "--hidden-size", "32",
+                 "--intermediate-size", "64", "--num-layers", "1"]) == 0
+    assert main(["fit", "-c", str(CONFIGS / "arpo_tiny.yaml"), *_common(tmp_path, "arpo"),
+                 f"--model.init_args.model_path={base}", f"--model.init_args.output_dir={tmp_path / 'arpo_out'}",
+                 "--model.init_args.sampling.num_generations=4", "--model.init_args.arpo.initial_rollouts=2",
+                 "--model.init_args.sampling.max_new_tokens=8", "--model.init_args.agent.max_total_tokens=40",
+                 "--model.init_args.arpo.attribution=hard"]) == 0
+    logged = _logged(tmp_path / "arpo")
+    assert {"arpo/forks", "arpo/topups", "arpo/forked_frac", "agent/tool_calls_mean", "losses/policy",
+            "val/accuracy"} <= set(logged)
+    records = [json.loads(line) for line in (tmp_path / "arpo" / "rollouts.jsonl").read_text().splitlines()]
+    assert len(records) == 2 * 2 * 4  # 2 steps x 2 prompts x n = 4
+    for step in (0, 1):
+        groups = [r["group"] for r in records if r["step"] == step]
+        assert groups == [0, 0, 0, 0, 1, 1, 1, 1]
+    checkpoint = torch.load(tmp_path / "arpo" / "ckpt" / "last.ckpt", weights_only=False)
+    assert set(checkpoint["arpo_branching"]) == {"rng", "initial_entropy"}
