@@ -18,12 +18,16 @@ environment), grouped contiguously by prompt, and
   the environment's step rewards); ``texts``: each trajectory's last model message (what reward functions see).
 
 Decoding: the first turn goes through the engine's own :meth:`~mmpo.vlm.rollout.HFGenerateEngine.generate`
-(each prompt prefilled once for its G samples, the lean decoding loop where it applies). Each later turn
-re-prefills the whole conversation so far (``model.generate`` on the left-padded contexts, images of the
-prompt included): the KV cache of the earlier turns is not kept across the environment's answer. That is
-correct by construction (the same positions and masks as the training forward) at the price of one prefill of
-the context per turn; keeping the cache needs per-row insertion of the environment tokens into a batched
-cache, left for later.
+(each prompt prefilled once for its G samples, the lean decoding loop where it applies), which leaves its KV cache
+(``keep_cache``). Each later turn keeps that cache (:class:`_KeptCache`): only the turn's new tokens (the previous
+turn's last token, which the loop never fed, and the environment's answer, images included) run through the text
+decoder onto each trajectory's cache row, and the lean loop decodes from there; rows of finished trajectories are
+dropped. Rows share one cache length, so a row's positions after its own turn ended, and the left padding of a
+shorter answer, are holes its attention mask hides; each token keeps the position the training forward gives it
+(a text LM: its count of real tokens before it; Qwen-VL: ``get_rope_index`` over the row's real sequence). Where the
+lean loop does not apply (greedy decoding, models it does not cover) or ``keep_cache=False``, each later turn
+re-prefills the whole conversation so far (``model.generate`` on the left-padded contexts). Both draw the same
+tokens with the same log-probs from the same RNG state (tests/agents/test_kv_cache.py).
 """
 
 from __future__ import annotations
@@ -138,6 +142,10 @@ class _Trajectory:
     transcript: list[dict[str, str]] = field(default_factory=list)
     images: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
     """The images of the environment's answers so far (``(pixel_values, grid)``), in context order."""
+    pending: list[int] = field(default_factory=list)
+    """Tokens in the trajectory but not yet in the kept KV cache (the turn's last token, the environment's answer)."""
+    pending_images: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
+    """The images of ``pending``."""
 
     def add(self, tokens: Sequence[int], log_probs: Sequence[float] | None, trained: bool) -> None:
         self.tokens += list(tokens)
@@ -157,10 +165,14 @@ class MultiTurnEngine:
     """
 
     def __init__(self, engine: HFGenerateEngine, *, max_turns: int, max_total_tokens: int,
-                 max_tokens_per_turn: int) -> None:
+                 max_tokens_per_turn: int, keep_cache: bool = True) -> None:
         if min(max_turns, max_total_tokens, max_tokens_per_turn) < 1:
             raise ValueError("max_turns, max_total_tokens and max_tokens_per_turn must be >= 1")
         self.engine = engine
+        self.keep_cache = keep_cache
+        self.last_prefill_tokens = 0
+        """Context tokens the later turns of the last :meth:`generate` ran through the model before decoding (with
+        the kept cache: each turn's new tokens only; re-prefilling: each turn's whole conversation)."""
         self.max_turns = max_turns
         self.max_total_tokens = max_total_tokens
         self.max_tokens_per_turn = max_tokens_per_turn
@@ -180,7 +192,8 @@ class MultiTurnEngine:
                                             [envs[index * num_samples].tools for index in range(len(rows))])
         first = engine.generate(prompt_rows, num_samples=num_samples,
                                 max_new_tokens=min(self.max_tokens_per_turn, self.max_total_tokens),
-                                temperature=temperature, top_p=top_p, do_sample=do_sample, return_log_probs=True)
+                                temperature=temperature, top_p=top_p, do_sample=do_sample, return_log_probs=True,
+                                keep_cache=self.keep_cache)
         prompts = first.prompt_inputs
         trajectories = [_Trajectory() for _ in envs]
         for i, trajectory in enumerate(trajectories):
@@ -188,12 +201,22 @@ class MultiTurnEngine:
             keep = first.completion_mask[i] > 0
             self._add_turn(trajectory, first.completion_ids[i][keep].tolist(),
                            first.extras["engine_log_probs"][i][keep].tolist())
+        kept = None
+        if engine.kept_cache is not None:
+            kept = _KeptCache.after_first_turn(engine.kept_cache, prompts["attention_mask"], trajectories,
+                                               steps=first.completion_ids.shape[1])
+            engine.kept_cache = None
+        self.last_prefill_tokens = 0
         while True:
             self._step_environments(trajectories, envs)
             active = [i for i, t in enumerate(trajectories) if not t.done]
             if not active:
                 break
-            self._next_turn(trajectories, active, prompts, temperature=temperature, top_p=top_p, do_sample=do_sample)
+            if kept is not None:
+                self._next_turn_on_cache(kept, trajectories, active, prompts, temperature=temperature, top_p=top_p)
+            else:
+                self._next_turn(trajectories, active, prompts, temperature=temperature, top_p=top_p,
+                                do_sample=do_sample)
         self.last_transcripts = [t.transcript for t in trajectories]
         return self._rollout(first.rows, first.group_ids, first.prompt_inputs, trajectories)
 
@@ -245,6 +268,8 @@ class MultiTurnEngine:
                 continue
             trajectory.add(ids, None, trained=False)
             trajectory.images += images
+            trajectory.pending += ids
+            trajectory.pending_images += images
 
     @torch.no_grad()
     def _next_turn(self, trajectories: list[_Trajectory], active: list[int], prompts: Mapping[str, Any], *,
@@ -268,6 +293,7 @@ class MultiTurnEngine:
         contexts = _with_tool_images(contexts, [trajectories[i].images for i in active], engine.processor)
         device = next(model.parameters()).device
         inputs = {k: v.to(device) for k, v in model_inputs(contexts).items()}
+        self.last_prefill_tokens += int(inputs["attention_mask"].sum())
         budgets = [self.max_total_tokens - len(trajectories[i].tokens) for i in active]
         max_new = min(self.max_tokens_per_turn, max(budgets))
         recorder = _SampledLogProbRecorder() if recorder is None else recorder
@@ -295,6 +321,48 @@ class MultiTurnEngine:
             drawn.append(new_ids[row, :keep].tolist())
             self._add_turn(trajectories[i], drawn[-1], log_probs[row, :keep].tolist())
         return drawn
+
+    def _next_turn_on_cache(self, kept: "_KeptCache", trajectories: list[_Trajectory], active: list[int],
+                            prompts: Mapping[str, Any], *, temperature: float, top_p: float) -> None:
+        """One sampled model turn for ``active`` on the kept KV cache: each trajectory's new tokens (its last turn's
+        final token and the environment's answer, images included) are prefilled onto its cache row, then the
+        engine's lean loop decodes from there; nothing of the conversation before is run again."""
+        engine = self.engine
+        model = engine.model
+        kept.keep(active)
+        last = [trajectories[i].pending[-1] for i in active]
+        positions, deltas = kept.positions(model, engine.processor, prompts, trajectories, active)
+        with torch.no_grad(), torch.inference_mode(), full_weights(model):
+            self.last_prefill_tokens += kept.prefill(model, engine.processor, trajectories, active, positions,
+                                                     pad_token_id=engine.pad_token_id)
+        device = kept.valid.device
+        rows = len(active)
+        input_ids = torch.full((rows, kept.cache.length + 1), engine.pad_token_id, dtype=torch.long, device=device)
+        input_ids[:, -1] = torch.tensor(last, dtype=torch.long, device=device)
+        attention = torch.cat([kept.valid, torch.ones(rows, 1, dtype=kept.valid.dtype, device=device)], 1)
+        budgets = [self.max_total_tokens - len(trajectories[i].tokens) for i in active]
+        max_new = min(self.max_tokens_per_turn, max(budgets))
+        backbone = model.model
+        if deltas is not None:
+            backbone.rope_deltas = deltas.to(device)
+        was_training = model.training
+        model.eval()
+        try:
+            with full_weights(model):
+                sequences, log_probs = engine._lean_decode(
+                    {"input_ids": input_ids, "attention_mask": attention, "cache": kept.cache}, cache_copies=1,
+                    max_new_tokens=max_new, temperature=temperature, top_p=top_p, logits_processors=(),
+                    return_log_probs=True)
+        finally:
+            model.train(was_training)
+        new_ids = sequences[:, input_ids.shape[1]:].cpu()
+        mask = completion_mask_from_ids(new_ids, eos_token_id=engine.eos_token_id, forbidden_ids=engine.forbidden_ids)
+        drawn = []
+        for row, i in enumerate(active):
+            keep = min(int(mask[row].sum()), budgets[row])
+            drawn.append(new_ids[row, :keep].tolist())
+            self._add_turn(trajectories[i], drawn[-1], log_probs[row, :keep].tolist())
+        kept.after_turn(trajectories, active, drawn, steps=new_ids.shape[1])
 
     # ------------------------------------------------------------------ result
 
@@ -337,3 +405,128 @@ def _with_tool_images(contexts: Mapping[str, Any], images: Sequence[Sequence[tup
     out = append_row_images(contexts, images)
     out["mm_token_type_ids"] = image_token_types(out["input_ids"], processor).to(out["mm_token_type_ids"])
     return out
+
+
+class _KeptCache:
+    """The KV cache of the running trajectories across turns, one row each, in the engine's lean-loop buffers.
+
+    The rows share one length; ``valid`` (rows, length) says which positions each row attends to: a row's prompt
+    (left padding hidden), its tokens, and holes where other rows ran longer (the steps after a row's turn ended, the
+    left padding of a shorter new-token chunk). Positions are a row's count of real tokens before a token (text LMs)
+    or Qwen-VL's 3-D RoPE positions of its real sequence (``get_rope_index`` over prompt + conversation), so a
+    token gets exactly the position and context the training forward over the compact sequence gives it."""
+
+    def __init__(self, cache: Any, valid: torch.Tensor, rows: list[int]) -> None:
+        self.cache = cache
+        self.valid = valid
+        self.rows = rows  # trajectory index of each cache row
+
+    @classmethod
+    def after_first_turn(cls, cache: Any, prompt_attention: torch.Tensor, trajectories: list[_Trajectory], *,
+                         steps: int) -> "_KeptCache":
+        """The lean loop ran ``steps`` steps: the cache holds each prompt and the first ``steps - 1`` sampled tokens
+        (a row's positions after its own last token are holes)."""
+        device = cache.keys[0].device
+        decoded = torch.zeros(len(trajectories), max(steps - 1, 0), dtype=torch.long)
+        for row, trajectory in enumerate(trajectories):
+            fed = min(len(trajectory.tokens), steps - 1)
+            decoded[row, :fed] = 1
+            trajectory.pending = trajectory.tokens[fed:]
+        valid = torch.cat([prompt_attention.long().cpu(), decoded], 1).to(device)
+        if valid.shape[1] != cache.length:
+            raise RuntimeError(f"kept cache holds {cache.length} positions, expected {valid.shape[1]}")
+        return cls(cache, valid, list(range(len(trajectories))))
+
+    def keep(self, active: list[int]) -> None:
+        """Drop the rows of finished trajectories (rows follow ``active``'s order)."""
+        if active == self.rows:
+            return
+        position = {trajectory: row for row, trajectory in enumerate(self.rows)}
+        index = [position[i] for i in active]
+        self.cache.select(index)
+        self.valid = self.valid[torch.tensor(index, device=self.valid.device)]
+        self.rows = list(active)
+
+    def positions(self, model: Any, processor: Any, prompts: Mapping[str, Any], trajectories: list[_Trajectory],
+                  active: list[int]) -> tuple[list[torch.Tensor], torch.Tensor | None]:
+        """Per active trajectory, the positions of its pending tokens ((len,) text LM; (3, len) Qwen-VL), and the
+        Qwen-VL RoPE offsets (rows, 1) of what follows them (None for a text LM)."""
+        backbone = model.model
+        if not hasattr(backbone, "get_rope_index"):
+            counts = self.valid.sum(-1).tolist()
+            return [torch.arange(int(c), int(c) + len(trajectories[i].pending)) for c, i in zip(counts, active)], None
+        from mmpo.vlm.processing import image_token_types, row_image_counts
+
+        ids, attention = prompts["input_ids"], prompts["attention_mask"]
+        grid = prompts.get("image_grid_thw")
+        counts = row_image_counts(prompts).tolist() if grid is not None and len(grid) else [0] * ids.shape[0]
+        first_image = [sum(counts[:i]) for i in range(len(counts))]
+        out, deltas = [], []
+        for i in active:
+            trajectory = trajectories[i]
+            sequence = torch.cat([ids[i][attention[i] > 0].cpu(), torch.tensor(trajectory.tokens, dtype=torch.long)])
+            grids = [grid[j].cpu() for j in range(first_image[i], first_image[i] + counts[i])] if counts[i] else []
+            grids += [thw.reshape(3).cpu() for _, thw in trajectory.images]
+            types = image_token_types(sequence[None], processor)
+            position, delta = backbone.get_rope_index(sequence[None], mm_token_type_ids=types,
+                                                      image_grid_thw=torch.stack(grids) if grids else None)
+            out.append(position[:, 0, len(sequence) - len(trajectory.pending):])
+            deltas.append(delta.reshape(1))
+        return out, torch.stack(deltas)
+
+    def prefill(self, model: Any, processor: Any, trajectories: list[_Trajectory], active: list[int],
+                positions: list[torch.Tensor], *, pad_token_id: int) -> int:
+        """Run each active trajectory's pending tokens but the last through the text decoder onto the cache (left
+        padded to a common width; the pad positions become holes); returns the real tokens run."""
+        chunks = [trajectories[i].pending[:-1] for i in active]
+        width = max(len(chunk) for chunk in chunks)
+        device = self.valid.device
+        rows = len(active)
+        chunk_valid = torch.zeros(rows, width, dtype=self.valid.dtype, device=device)
+        if width:
+            ids = torch.full((rows, width), pad_token_id, dtype=torch.long, device=device)
+            multimodal = positions[0].ndim == 2
+            place = torch.zeros((3, rows, width) if multimodal else (rows, width), dtype=torch.long, device=device)
+            for row, chunk in enumerate(chunks):
+                if chunk:
+                    ids[row, width - len(chunk):] = torch.tensor(chunk, dtype=torch.long)
+                    chunk_valid[row, width - len(chunk):] = 1
+                    place[..., row, width - len(chunk):] = positions[row][..., :len(chunk)].to(device)
+            text = getattr(model.model, "language_model", model.model)
+            hidden = text.embed_tokens(ids)
+            images = [image for i in active for image in trajectories[i].pending_images]
+            if images:
+                pixels = torch.cat([p for p, _ in images]).to(device, model.model.visual.dtype)
+                grids = torch.stack([thw.reshape(3) for _, thw in images]).to(device)
+                features = torch.cat(model.model.get_image_features(pixels, grids, return_dict=True).pooler_output)
+                placeholders = (ids == int(model.config.image_token_id)).unsqueeze(-1).expand_as(hidden)
+                hidden = hidden.masked_scatter(placeholders, features.to(hidden.dtype))
+            rope = text.rotary_emb(hidden, place)
+            self.cache.reserve(width)
+            seen = torch.cat([self.valid, chunk_valid], 1).bool()
+            causal = torch.ones(width, width, dtype=torch.bool, device=device).tril()
+            mask = seen[:, None, None, :].repeat(1, 1, width, 1)
+            mask[..., self.valid.shape[1]:] &= causal
+            mask |= torch.eye(self.valid.shape[1] + width, dtype=torch.bool, device=device)[-width:]  # a hole sees itself
+            for layer in text.layers:
+                hidden = layer(hidden, attention_mask=mask, position_embeddings=rope, position_ids=None,
+                               cache=self.cache, use_cache=True)
+        self.valid = torch.cat([self.valid, chunk_valid], 1)
+        for i in active:
+            trajectories[i].pending_images = []
+        return int(chunk_valid.sum())
+
+    def after_turn(self, trajectories: list[_Trajectory], active: list[int], drawn: list[list[int]], *,
+                   steps: int) -> None:
+        """The lean loop fed each row's last pending token, then ran ``steps`` steps (feeding ``steps - 1`` sampled
+        tokens, holes after a row's own end); the tokens it did not feed become the row's pending tokens."""
+        device = self.valid.device
+        decoded = torch.zeros(len(active), 1 + max(steps - 1, 0), dtype=self.valid.dtype, device=device)
+        decoded[:, 0] = 1
+        for row, (i, tokens) in enumerate(zip(active, drawn)):
+            fed = min(len(tokens), steps - 1)
+            decoded[row, 1:1 + fed] = 1
+            trajectories[i].pending = tokens[fed:]
+        self.valid = torch.cat([self.valid, decoded], 1)
+        if self.valid.shape[1] != self.cache.length:
+            raise RuntimeError(f"kept cache holds {self.cache.length} positions, expected {self.valid.shape[1]}")

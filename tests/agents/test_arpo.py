@@ -11,12 +11,12 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from agent_envs_support import ScriptedEnvironment
 from tiny_vlm_support import build_small_text_lm
 
 from mmpo.algos.arpo import (ARPOConfig, ARPOEngine, _EntropyProbe, branch_decisions, branch_probability,
                              pooled_entropy, shared_prefix_advantages)
 from mmpo.data.synthetic import make_items
-from mmpo.tools.env import StepResult
 from mmpo.vlm.factory import load_vlm
 from mmpo.vlm.logprobs import completion_log_probs
 from mmpo.vlm.multiturn import completion_attention_mask
@@ -189,25 +189,6 @@ def test_config_refuses_bad_settings():
                 dict(initial_entropy="x"), dict(beam_size=True)):
         with pytest.raises(ValueError, match="arpo\\."):
             ARPOConfig(**bad)
-
-
-class ScriptedEnvironment:
-    """Answers the first two model turns with 'result k'; done at the third."""
-
-    tools: list = []
-
-    def __init__(self) -> None:
-        self.steps = 0
-
-    def reset(self, row):
-        self.steps = 0
-        return row["problem"]
-
-    def step(self, assistant_message: str) -> StepResult:
-        self.steps += 1
-        if self.steps > 2:
-            return StepResult([], reward=1.0, done=True)
-        return StepResult([{"role": "tool", "content": f"result {self.steps}"}], info={"tool_calls": 1})
 
 
 @pytest.fixture(scope="module")

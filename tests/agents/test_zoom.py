@@ -13,11 +13,12 @@ from pathlib import Path
 import pytest
 import torch
 from PIL import Image
+from agent_envs_support import ZoomingEnvironment
 from tiny_vlm_support import build_small_vlm
 
 from mmpo.algos.agent import encode_tool_traces
 from mmpo.data.synthetic import make_items
-from mmpo.tools.env import StepResult, ToolEnvironment
+from mmpo.tools.env import ToolEnvironment
 from mmpo.tools.functions import load_tools
 from mmpo.tools.image_zoom import MIN_SIDE, crop_region
 from mmpo.tools.sandbox import SandboxLimits, ToolSandbox
@@ -113,26 +114,6 @@ def vlm(tmp_path_factory):
         biased.bias[vision_token_ids(processor)] = -40.0
     model.lm_head = biased
     return model.eval(), processor
-
-
-class ZoomingEnvironment:
-    """Answers the first two model turns with crops of the row's image (112 x 112, then 224 x 112)."""
-
-    tools: list = []
-
-    def __init__(self) -> None:
-        self.steps = 0
-
-    def reset(self, row):
-        self.images = row["images"]
-        return row["problem"]
-
-    def step(self, assistant_message: str) -> StepResult:
-        self.steps += 1
-        if self.steps > 2:
-            return StepResult([], done=True)
-        crop = crop_region(self.images, [0, 0, 112 * self.steps, 112])
-        return StepResult([{"role": "tool", "content": [{"type": "image", "image": crop}]}], info={"tool_calls": 1})
 
 
 def test_image_answers_are_vision_tokens_in_the_context_and_out_of_the_loss(vlm):
