@@ -173,3 +173,4 @@ def test_a_text_lm_refuses_image_answers(tmp_path: Path):
     _, processor = load_vlm(build_small_text_lm(tmp_path / "text"))
     with pytest.raises(ValueError, match="text-only LM"):
         encode_observation(processor, [{"role": "tool", "content": [{"type": "image", "image": _gradient(56, 56)}]}])
+
