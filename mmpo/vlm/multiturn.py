@@ -355,6 +355,7 @@ class MultiTurnEngine:
                     return_log_probs=True)
         finally:
             model.train(was_training)
+            engine._last_lean_cache = None  # the kept cache is ours; the engine holds no reference to it
         new_ids = sequences[:, input_ids.shape[1]:].cpu()
         mask = completion_mask_from_ids(new_ids, eos_token_id=engine.eos_token_id, forbidden_ids=engine.forbidden_ids)
         drawn = []
