@@ -133,7 +133,7 @@ class ToolEnvironment:
                     elif tool.image_runner is not None:
                         try:
                             image = tool.image_runner(env.images, **call.arguments)
-                        except (ValueError, TypeError) as exc:
+                        except Exception as exc:  # a raising image tool is an error message, never a dead run
                             texts.append(_error(str(exc)))
                             env.stats.add(tool.name, error=True)
                         else:

@@ -174,3 +174,30 @@ def test_a_text_lm_refuses_image_answers(tmp_path: Path):
     with pytest.raises(ValueError, match="text-only LM"):
         encode_observation(processor, [{"role": "tool", "content": [{"type": "image", "image": _gradient(56, 56)}]}])
 
+
+
+def _exploding(images, bbox_2d):
+    raise OSError("the image file vanished")
+
+
+def test_a_raising_image_tool_is_an_error_message():
+    from mmpo.tools.functions import Tool
+    from mmpo.tools.image_zoom import image_tool
+
+    @image_tool(_exploding)
+    def broken_zoom(bbox_2d: list[int]) -> str:
+        """Zoom that fails.
+
+        Args:
+            bbox_2d: the region.
+        """
+
+    from mmpo.tools.functions import tool_schema
+
+    tool = Tool("broken_zoom", "tests:broken_zoom", tool_schema(broken_zoom), broken_zoom)
+    env = ToolEnvironment([tool], sandbox=None)
+    env.reset(make_items("zoom", 1, seed=0)[0])
+    call = json.dumps({"name": "broken_zoom", "arguments": {"bbox_2d": [0, 0, 5, 5]}})
+    (message,) = env.step(f"<tool_call>{call}</tool_call>").observation
+    assert message["content"] == "Error: the image file vanished"
+    assert env.stats.metrics()["tools/broken_zoom/errors"] == 1.0
