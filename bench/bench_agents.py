@@ -42,15 +42,15 @@ from mmpo.files import atomic_write_json, atomic_write_text  # noqa: E402
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs" / "agent"
 TASKS = {
-    "calc": dict(kind="text", tools=["calculator"], algos={"grpo": "calc_grpo_tiny.yaml", "arpo": "arpo_tiny.yaml"},
+    "calc": dict(kind="text", tools=["calculator"], max_new_tokens=96, algos={"grpo": "calc_grpo_tiny.yaml", "arpo": "arpo_tiny.yaml"},
                  sft="calc_sft_tiny.yaml"),
-    "zoom": dict(kind="vlm", tools=["image_zoom_in_tool"], algos={"grpo": "zoom_grpo_tiny.yaml"},
+    "zoom": dict(kind="vlm", tools=["image_zoom_in_tool"], max_new_tokens=128, algos={"grpo": "zoom_grpo_tiny.yaml"},
                  sft="zoom_sft_tiny.yaml"),
 }
 MODEL_SIZE: dict[str, dict[str, int]] = {"text": {}, "vlm": {}}
 """Sizes passed to the tiny builders (empty: their defaults, the sizes ``mmpo build-tiny`` writes)."""
 EVAL_SEED = 1234
-TOOL_LIMITS = dict(max_turns=3, max_total_tokens=256)
+TOOL_LIMITS = dict(max_turns=3, max_total_tokens=320)
 SFT_OVERRIDES: list[str] = []
 RL_OVERRIDES: list[str] = []
 """Extra ``mmpo fit`` overrides of every SFT / RL run (the smoke test shrinks the budgets with them)."""
@@ -97,11 +97,13 @@ def _training_tool_calls(run: Path) -> float | None:
 
 
 def run_seed(task: str, seed: int, out: Path, *, sft_steps: int, rl_steps: int, eval_size: int,
-             max_new_tokens: int = 64, algos: Sequence[str] | None = None) -> dict[str, Any]:
-    """SFT, RL and the evaluations of one task and seed; returns (and stores) the seed's results."""
+             max_new_tokens: int | None = None, algos: Sequence[str] | None = None) -> dict[str, Any]:
+    """SFT, RL and the evaluations of one task and seed; returns (and stores) the seed's results.
+    ``max_new_tokens``: tokens per model turn in RL and evaluation (None: the task's, as its configs)."""
     from mmpo.vlm.factory import build_tiny_text_lm, build_tiny_vlm
 
     spec = TASKS[task]
+    max_new_tokens = max_new_tokens or spec["max_new_tokens"]
     root = out / task / f"s{seed}"
     path = root / "results.json"
     results: dict[str, Any] = json.loads(path.read_text()) if path.exists() else {
@@ -189,7 +191,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     run.add_argument("--sft-steps", type=int, default=300)
     run.add_argument("--rl-steps", type=int, default=40)
     run.add_argument("--eval-size", type=int, default=100)
-    run.add_argument("--max-new-tokens", type=int, default=64, help="tokens per model turn (training and eval)")
+    run.add_argument("--max-new-tokens", type=int, default=None,
+                     help="tokens per model turn, training and eval (default: the task's configs': calc 96, zoom 128)")
     run.add_argument("--algos", nargs="+", default=None, help="RL algorithms (default: all of the task's)")
     run.add_argument("--out", type=Path, required=True)
     rep = sub.add_parser("report", help="tables over the finished seeds -> OUT/report.md")
