@@ -37,7 +37,8 @@ class AgentConfig:
     """Tools and multi-turn limits (``model.init_args.agent`` in YAML).
 
     Attributes:
-        tools: built-in names (``calculator``, ``python``) or ``path/file.py:fn`` / ``module:fn``; checked
+        tools: built-in names (``calculator``, ``python``, ``image_zoom_in_tool``) or ``path/file.py:fn`` /
+            ``module:fn``; checked
             (imported, JSON schema built from type hints and docstring) before the model loads.
         parser: tool-call format: ``hermes`` (Qwen's ``<tool_call>{...}</tool_call>``) or ``file.py:factory``.
         max_turns: model turns per trajectory (``sampling.max_new_tokens`` bounds each turn).
@@ -233,7 +234,8 @@ def encode_tool_traces(processor: Any, traces: Sequence[Sequence[Mapping[str, An
 
 
 class AgentSFTModule(SFTModule):
-    """SFT warm-up on the rows' ``tool_trace`` conversations (``calc`` rows carry one): the prompt advertises
+    """SFT warm-up on the rows' ``tool_trace`` conversations (``calc`` and ``zoom`` rows carry one; a zoom trace's
+    crop is an image, encoded as vision tokens out of the loss): the prompt advertises
     ``tools`` as the GRPO stage's does, tool answers are context, not loss.
 
     Args:
@@ -253,7 +255,7 @@ class AgentSFTModule(SFTModule):
         out = []
         for row in rows:
             require("tool_trace" in row, f"row {row.get('id')!r} has no tool_trace (AgentSFTModule trains on tool-use "
-                    "conversations: use a task that provides them, e.g. calc)")
+                    "conversations: use a task that provides them, e.g. calc or zoom)")
             system = row.get("system_prompt", self.system_prompt)
             system = default_system_prompt() if system == "default" else system
             out.append({**row, "system_prompt": tool_system_prompt(system, [t.schema for t in self.tools])})
