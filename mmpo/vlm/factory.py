@@ -278,11 +278,11 @@ def default_corpus() -> list[str]:
     Imported lazily: ``mmpo.data`` is only needed when no corpus is passed.
     """
     from mmpo.data import SYSTEM_PROMPT
-    from mmpo.data.synthetic import TASKS, TEXT_TASKS, corpus
+    from mmpo.data.synthetic import AGENT_TASKS, TASKS, TEXT_TASKS, corpus
 
     # the text-LM tasks have their own tokenizer (default_text_corpus); leaving them out keeps the tiny VLM's
-    # tokenizer, and so every recorded tiny-VLM run, as it was before they existed (likewise the zoom tool task)
-    return [SYSTEM_PROMPT, *corpus([task for task in TASKS if task not in TEXT_TASKS and task != "zoom"])]
+    # tokenizer, and so every recorded tiny-VLM run, as it was before they existed (likewise the tool tasks)
+    return [SYSTEM_PROMPT, *corpus([task for task in TASKS if task not in (*TEXT_TASKS, *AGENT_TASKS)])]
 
 
 def _train_tokenizer(corpus: Sequence[str], vocab_size: int, *,
