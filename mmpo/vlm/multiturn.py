@@ -162,6 +162,8 @@ class MultiTurnEngine:
         max_total_tokens: completion tokens (model and environment) per trajectory at most; a turn is cut at
             the budget, and an environment answer that does not fit ends the trajectory.
         max_tokens_per_turn: tokens of one model turn at most.
+        keep_cache: keep the KV cache across turns where the lean loop decodes (the module docstring); False
+            re-prefills the conversation at every turn (the same tokens and log-probs, more compute).
     """
 
     def __init__(self, engine: HFGenerateEngine, *, max_turns: int, max_total_tokens: int,
