@@ -275,3 +275,35 @@ def test_greedy_decoding_does_not_branch(policy):
     rollout = engine.generate(make_items("long_arithmetic", 2, seed=0), [ScriptedEnvironment() for _ in range(2)],
                               num_samples=1, do_sample=False)
     assert rollout.group_ids.tolist() == [0, 1] and engine.last_stats == {}
+
+
+def test_forks_copy_the_environment_through_its_fork_method():
+    from mmpo.algos.arpo import _fork_environment
+
+    class Counting(ScriptedEnvironment):
+        def fork(self):
+            copy = Counting(self.answers)
+            copy.steps = self.steps
+            copy.forked_from = self
+            return copy
+
+    env = Counting()
+    env.steps = 1
+    fork = _fork_environment(env)
+    assert fork.forked_from is env and fork.steps == 1
+    fork.step("x")
+    assert (env.steps, fork.steps) == (1, 2)  # the copy runs on, the source is untouched
+    plain = ScriptedEnvironment()
+    plain.steps = 1
+    copy = _fork_environment(plain)
+    assert copy is not plain and copy.steps == 1
+
+
+def test_initial_rollouts_are_capped_at_the_budget(policy):
+    engine = _engine(policy, initial_rollouts=8, branch_probability=1.0)
+    torch.manual_seed(3)
+    rollout = engine.generate(make_items("long_arithmetic", 1, seed=0), [ScriptedEnvironment() for _ in range(2)],
+                              num_samples=2)
+    # 2 global trajectories fill the budget of 2 at once: nothing to branch or top up
+    assert rollout.group_ids.tolist() == [0, 0]
+    assert engine.last_stats["arpo/forks"] == 0.0 and engine.last_stats["arpo/topups"] == 0.0
