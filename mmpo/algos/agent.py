@@ -27,8 +27,8 @@ from mmpo.tools.sandbox import SandboxLimits, ToolSandbox
 from mmpo.training.config import as_config
 from mmpo.training.step_state import StepState
 from mmpo.vlm.logprobs import completion_log_probs
-from mmpo.vlm.multiturn import MultiTurnEngine, observation_token_ids
-from mmpo.vlm.processing import default_system_prompt, encode_prompts
+from mmpo.vlm.multiturn import MultiTurnEngine, encode_observation
+from mmpo.vlm.processing import append_row_images, default_system_prompt, encode_prompts
 from mmpo.vlm.rollout import Rollout
 
 
@@ -37,8 +37,8 @@ class AgentConfig:
     """Tools and multi-turn limits (``model.init_args.agent`` in YAML).
 
     Attributes:
-        tools: built-in names (``calculator``, ``python``) or ``path/file.py:fn`` / ``module:fn``; checked
-            (imported, JSON schema built from type hints and docstring) before the model loads.
+        tools: built-in names (``calculator``, ``python``, ``image_zoom_in_tool``) or ``path/file.py:fn`` /
+            ``module:fn``; checked (imported, JSON schema built from type hints and docstring) before the model loads.
         parser: tool-call format: ``hermes`` (Qwen's ``<tool_call>{...}</tool_call>``) or ``file.py:factory``.
         max_turns: model turns per trajectory (``sampling.max_new_tokens`` bounds each turn).
         max_total_tokens: completion tokens per trajectory, model and tool tokens together.
@@ -188,28 +188,32 @@ def agent_validation_metrics(engine: MultiTurnEngine, envs: Sequence[ToolEnviron
             "val/tool_calls": float(rollout.extras["tool_calls"].float().mean())}
 
 
-def encode_tool_traces(processor: Any, traces: Sequence[Sequence[Mapping[str, str]]],
-                       ) -> tuple[Tensor, Tensor, Tensor]:
-    """Conversations after the prompt -> ``(ids, loss_mask, attention_mask)`` (N, T), right-padded.
+def encode_tool_traces(processor: Any, traces: Sequence[Sequence[Mapping[str, Any]]],
+                       ) -> tuple[Tensor, Tensor, Tensor, list[list[tuple[Tensor, Tensor]]]]:
+    """Conversations after the prompt -> ``(ids, loss_mask, attention_mask)`` (N, T), right-padded, and each
+    conversation's tool-answer images (``(pixel_values, grid)``, in order; empty without image tools).
 
     Assistant messages are their tokens + the turn-end token (in the loss); each run of other messages (tool
-    answers) is what the chat template writes after a turn (:func:`~mmpo.vlm.multiturn.observation_token_ids`,
-    out of the loss): the same tokens a multi-turn rollout holds."""
+    answers) is what the chat template writes after a turn (:func:`~mmpo.vlm.multiturn.encode_observation`,
+    out of the loss; an image becomes its vision tokens): the same tokens a multi-turn rollout holds."""
     from mmpo.vlm.factory import turn_end_token_id
 
     tokenizer = processor.tokenizer
     end = turn_end_token_id(tokenizer)
     rows: list[tuple[list[int], list[int]]] = []
+    images: list[list[tuple[Tensor, Tensor]]] = []
     for trace in traces:
         ids: list[int] = []
         trained: list[int] = []
-        pending: list[Mapping[str, str]] = []
+        pending: list[Mapping[str, Any]] = []
+        images.append([])
         for message in trace:
             if message["role"] != "assistant":
                 pending.append(message)
                 continue
             if pending:
-                observation = observation_token_ids(processor, pending)
+                observation, observed_images = encode_observation(processor, pending)
+                images[-1] += observed_images
                 ids += observation
                 trained += [0] * len(observation)
                 pending = []
@@ -225,11 +229,12 @@ def encode_tool_traces(processor: Any, traces: Sequence[Sequence[Mapping[str, st
         out_ids[i, :len(ids)] = torch.tensor(ids)
         loss_mask[i, :len(ids)] = torch.tensor(trained)
         attention[i, :len(ids)] = 1
-    return out_ids, loss_mask, attention
+    return out_ids, loss_mask, attention, images
 
 
 class AgentSFTModule(SFTModule):
-    """SFT warm-up on the rows' ``tool_trace`` conversations (``calc`` rows carry one): the prompt advertises
+    """SFT warm-up on the rows' ``tool_trace`` conversations (``calc`` and ``zoom`` rows carry one; a zoom trace's
+    crop is an image, encoded as vision tokens out of the loss): the prompt advertises
     ``tools`` as the GRPO stage's does, tool answers are context, not loss.
 
     Args:
@@ -249,7 +254,7 @@ class AgentSFTModule(SFTModule):
         out = []
         for row in rows:
             require("tool_trace" in row, f"row {row.get('id')!r} has no tool_trace (AgentSFTModule trains on tool-use "
-                    "conversations: use a task that provides them, e.g. calc)")
+                    "conversations: use a task that provides them, e.g. calc or zoom)")
             system = row.get("system_prompt", self.system_prompt)
             system = default_system_prompt() if system == "default" else system
             out.append({**row, "system_prompt": tool_system_prompt(system, [t.schema for t in self.tools])})
@@ -260,7 +265,8 @@ class AgentSFTModule(SFTModule):
         rows = self._prompt_rows(rows)
         prompts = encode_prompts(self.processor, rows, system_prompt=self.system_prompt,
                                  max_prompt_length=h.max_prompt_length)
-        ids, loss_mask, attention = encode_tool_traces(self.processor, [row["tool_trace"] for row in rows])
+        ids, loss_mask, attention, images = encode_tool_traces(self.processor, [row["tool_trace"] for row in rows])
+        prompts = append_row_images(prompts, images)
         prompts = {k: v.to(self.device) if isinstance(v, torch.Tensor) else v for k, v in prompts.items()}
         log_probs, _ = completion_log_probs(self.model, prompts, ids.to(self.device), attention.to(self.device),
                                             chunk_size=h.logprob_chunk_size)

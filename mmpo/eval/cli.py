@@ -6,6 +6,7 @@ Example::
     mmpo eval --model CKPT --benchmarks synth/count_shapes,file:data/geo3k.jsonl \\
         --num-samples 8 --temperature 0.7 --out runs/eval_k8
     mmpo eval --model CKPT --benchmarks mathvista_testmini,chartqa_test --data-dir ~/benchmarks --out runs/eval_mv
+    mmpo eval --model runs/tiny/calc_grpo --benchmarks synth/calc --tools calculator --out runs/eval_calc
     mmpo eval --list     # every benchmark name, and the files each local benchmark expects
 """
 
@@ -67,6 +68,14 @@ def build_parser() -> argparse.ArgumentParser:
                         help="torch CPU threads (default: OMP_NUM_THREADS or torch's default)")
     parser.add_argument("--prompt-style", choices=["think-answer", "steps"], default="think-answer",
                         help="system prompt of the answer format the model was trained on (steps = StepGRPO)")
+    parser.add_argument("--tools", default=None,
+                        help="evaluate with tools, comma-separated (calculator, python, image_zoom_in_tool, "
+                        "path/file.py:fn): multi-turn answers; reports the tool-call rate, tool calls and turns per "
+                        "answer, and each answer's conversation in predictions/*.jsonl (docs/agents.md)")
+    parser.add_argument("--max-turns", type=int, default=3, help="with --tools: model turns per answer")
+    parser.add_argument("--max-total-tokens", type=int, default=512,
+                        help="with --tools: completion tokens per answer, model and tool tokens together")
+    parser.add_argument("--tool-timeout", type=float, default=10.0, help="with --tools: deadline of one tool call, s")
     parser.add_argument("--out", required=True, help="output directory")
     parser.add_argument("--no-progress", action="store_true", help="hide the progress bars")
     return parser
@@ -96,21 +105,27 @@ def main(argv: Sequence[str] | None = None) -> int:
     if threads > 0:
         torch.set_num_threads(threads)
 
-    from mmpo.eval.harness import NotAModelError, evaluate_checkpoint
+    from mmpo.eval.harness import NotAModelError, ToolUse, evaluate_checkpoint
+    from mmpo.tools.functions import ToolSpecError
     from mmpo.eval.registry import UnknownBenchmarkError
     from mmpo.data import system_prompt_for
     from mmpo.eval.reports import results_table
 
+    tool_use = None
     try:
+        if args.tools is not None:
+            tool_use = ToolUse(tuple(name.strip() for name in args.tools.split(",") if name.strip()),
+                               max_turns=args.max_turns, max_total_tokens=args.max_total_tokens,
+                               tool_timeout_s=args.tool_timeout)
         results = evaluate_checkpoint(
             args.model, names, num_samples=args.num_samples, greedy=greedy, temperature=temperature,
             top_p=args.top_p, max_new_tokens=args.max_new_tokens, batch_size=args.batch_size, limit=args.limit,
             synth_size=args.synth_size, synth_seed=args.synth_seed, seed=args.seed, out_dir=args.out,
             progress=not args.no_progress, device=args.device, dtype=args.dtype,
             system_prompt=system_prompt_for(args.prompt_style), data_dir=args.data_dir,
-            min_pixels=args.min_pixels, max_pixels=args.max_pixels,
+            min_pixels=args.min_pixels, max_pixels=args.max_pixels, tool_use=tool_use,
         )
-    except (UnknownBenchmarkError, NotAModelError, FileNotFoundError, ValueError) as error:
+    except (UnknownBenchmarkError, NotAModelError, FileNotFoundError, ValueError, ToolSpecError) as error:
         print(f"mmpo eval: error: {error}", file=sys.stderr)
         return 2
     print(results_table(results))

@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import json
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
@@ -38,6 +39,26 @@ Judge = Callable[[str, Row], tuple["str | None", float]]
 
 class NotAModelError(ValueError):
     """A path that is neither a saved HF model directory nor a dLLM checkpoint."""
+
+
+@dataclass(frozen=True)
+class ToolUse:
+    """Evaluate with tools: multi-turn rollouts (:mod:`mmpo.vlm.multiturn`) where the model may call ``tools``
+    (names or specs, as ``AgentConfig.tools``) for at most ``max_turns`` model turns and ``max_total_tokens``
+    completion tokens; tools run in the sandbox with a ``tool_timeout_s`` deadline per call."""
+
+    tools: tuple[str, ...]
+    max_turns: int = 3
+    max_total_tokens: int = 512
+    max_calls_per_turn: int = 4
+    tool_timeout_s: float = 10.0
+
+    def __post_init__(self) -> None:
+        if not self.tools:
+            raise ValueError("tool use needs at least one tool")
+        for name in ("max_turns", "max_total_tokens", "max_calls_per_turn"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
 
 
 # ----------------------------------------------------------------------------- scoring
@@ -245,6 +266,7 @@ def evaluate(
     description: str = "eval",
     system_prompt: str | None = "default",
     judge: Judge | None = None,
+    tool_use: ToolUse | None = None,
 ) -> dict[str, Any]:
     """Evaluate a loaded VLM on ``rows``.
 
@@ -259,11 +281,16 @@ def evaluate(
         seed: torch seed for sampling, inside a forked RNG so the caller's RNG state is
             untouched (``None``: use the current RNG).
         system_prompt: ``"default"`` = ``mmpo.data.SYSTEM_PROMPT`` (what SFT teaches); ``None`` = none.
+        tool_use: evaluate with tools (:class:`ToolUse`): each answer is a multi-turn rollout, scored on its last
+            model message; ``max_new_tokens`` bounds each model turn.
 
     Returns:
         ``accuracy`` (greedy accuracy, or mean over samples), ``avg@k``, ``pass@k`` for
         k in 1, 2, 4, .., num_samples, ``num_items``, ``num_samples``, ``format_rate``
-        (default scorer), ``by_task`` (same metrics per task), ``predictions`` (per item).
+        (default scorer), ``by_task`` (same metrics per task), ``predictions`` (per item). With ``tool_use``
+        also ``tool_call_rate`` (share of answers with at least one tool call), ``tool_calls_per_answer``,
+        ``turns_per_answer``, ``tools/<name>/{calls,errors,timeouts}``, and per item the ``turns``,
+        ``tool_calls`` and ``messages`` (the conversation) of each answer.
     """
     from mmpo.vlm.rollout import HFGenerateEngine
 
@@ -274,20 +301,20 @@ def evaluate(
     was_training = model.training
     model.eval()
     engine = HFGenerateEngine(model, processor, system_prompt=system_prompt)
+    agent = _ToolRunner(engine, tool_use, max_new_tokens) if tool_use is not None else None
     judged: dict[str, list] = {}
     counters: dict[str, float] = {}
     try:
         with _seeded(seed), tqdm(total=len(rows), desc=description, unit="item", disable=not progress) as bar:
             for batch in _batches(rows, batch_size):
-                rollout = engine.generate(
-                    # local-file benchmarks keep images encoded until their batch runs
-                    [decode_row_images(row) for row in batch],
-                    num_samples=num_samples,
-                    max_new_tokens=max_new_tokens,
-                    temperature=temperature if not greedy else 1.0,
-                    top_p=top_p,
-                    do_sample=not greedy,
-                )
+                # local-file benchmarks keep images encoded until their batch runs
+                batch_rows = [decode_row_images(row) for row in batch]
+                decoding = dict(num_samples=num_samples, temperature=temperature if not greedy else 1.0, top_p=top_p,
+                                do_sample=not greedy)
+                if agent is not None:
+                    rollout = agent.generate(batch_rows, **decoding)
+                else:
+                    rollout = engine.generate(batch_rows, max_new_tokens=max_new_tokens, **decoding)
                 texts = list(rollout.texts)
                 if len(texts) != len(batch) * num_samples:
                     raise RuntimeError(f"engine returned {len(texts)} texts for {len(batch)} rows x {num_samples}")
@@ -299,7 +326,62 @@ def evaluate(
                 bar.set_postfix(accuracy=f"{_running_accuracy(judged):.3f}")
     finally:
         model.train(was_training)
-    return summarize(rows, judged["completions"], judged["correct"], counters, judged["scores"], judged["extracted"])
+        if agent is not None:
+            agent.close()
+    results = summarize(rows, judged["completions"], judged["correct"], counters, judged["scores"],
+                        judged["extracted"])
+    if agent is not None:
+        agent.report(results, num_samples)
+    return results
+
+
+class _ToolRunner:
+    """Multi-turn tool-use answers for :func:`evaluate`: the engine, the tools, their sandbox and counts, and each
+    answer's turns, tool calls and conversation."""
+
+    def __init__(self, engine: Any, tool_use: ToolUse, max_new_tokens: int) -> None:
+        from mmpo.tools.env import ToolStats
+        from mmpo.tools.functions import load_tools
+        from mmpo.tools.sandbox import SandboxLimits, ToolSandbox
+        from mmpo.vlm.multiturn import MultiTurnEngine
+
+        self.settings = tool_use
+        self.tools = load_tools(list(tool_use.tools), "--tools")
+        self.sandbox = ToolSandbox(SandboxLimits(timeout_s=tool_use.tool_timeout_s))
+        self.stats = ToolStats()
+        self.engine = MultiTurnEngine(engine, max_turns=tool_use.max_turns, max_total_tokens=tool_use.max_total_tokens,
+                                      max_tokens_per_turn=max_new_tokens)
+        self.turns: list[int] = []
+        self.calls: list[int] = []
+        self.messages: list[list[dict[str, str]]] = []
+
+    def generate(self, rows: list[Row], *, num_samples: int, **decoding: Any) -> Any:
+        from mmpo.tools.env import ToolEnvironment
+
+        envs = [ToolEnvironment(self.tools, self.sandbox, stats=self.stats,
+                                max_calls_per_turn=self.settings.max_calls_per_turn)
+                for _ in range(len(rows) * num_samples)]
+        rollout = self.engine.generate(rows, envs, num_samples=num_samples, **decoding)
+        self.turns += rollout.extras["turns"].tolist()
+        self.calls += rollout.extras["tool_calls"].tolist()
+        self.messages += self.engine.last_transcripts
+        return rollout
+
+    def report(self, results: dict[str, Any], num_samples: int) -> None:
+        """Add the tool metrics to ``results`` and each answer's turns, calls and conversation to its item."""
+        answers = max(len(self.turns), 1)
+        results["tool_call_rate"] = sum(calls > 0 for calls in self.calls) / answers
+        results["tool_calls_per_answer"] = sum(self.calls) / answers
+        results["turns_per_answer"] = sum(self.turns) / answers
+        results["tools"] = list(self.settings.tools)
+        results.update(self.stats.metrics())
+        for index, item in enumerate(results["predictions"]):
+            span = slice(index * num_samples, (index + 1) * num_samples)
+            item["turns"], item["tool_calls"] = self.turns[span], self.calls[span]
+            item["messages"] = self.messages[span]
+
+    def close(self) -> None:
+        self.sandbox.shutdown()
 
 
 def evaluate_answerer(
@@ -434,6 +516,7 @@ def evaluate_checkpoint(
     data_dir: str | Path | None = None,
     min_pixels: int | None = None,
     max_pixels: int | None = None,
+    tool_use: ToolUse | None = None,
 ) -> dict[str, Any]:
     """Evaluate a saved checkpoint on named benchmarks (see :mod:`mmpo.eval.registry`).
 
@@ -449,6 +532,7 @@ def evaluate_checkpoint(
         device, dtype: where and in which precision a VLM runs (default: GPU if visible, float32).
         data_dir: folder with the local-file benchmarks' files (``mmpo.eval.benchmarks``).
         min_pixels, max_pixels: a VLM's image pixel budget (None: the saved processor's).
+        tool_use: evaluate with tools (:class:`ToolUse`; VLMs and text LMs, not dLLMs).
 
     Returns:
         The results dict described in :mod:`mmpo.eval.reports` (without per-item predictions).
@@ -463,6 +547,10 @@ def evaluate_checkpoint(
         resolve_kwargs["synth_seed"] = synth_seed
     # Resolve every name before loading anything, so a typo fails fast.
     resolved = [resolve_benchmark(name, data_dir=data_dir, **resolve_kwargs) for name in benchmarks]
+    if tool_use is not None:
+        from mmpo.tools.functions import load_tools
+
+        load_tools(list(tool_use.tools), "--tools")  # a bad tool fails now, before the model loads
     model_type, loaded = model if model is not None else load_model_for_eval(
         model_path, device=device, dtype=dtype, min_pixels=min_pixels, max_pixels=max_pixels,
         max_new_tokens=max_new_tokens, temperature=temperature)
@@ -474,6 +562,11 @@ def evaluate_checkpoint(
                      "limit": limit, "seed": seed},
         "benchmarks": {},
     }
+    if tool_use is not None:
+        results["tool_use"] = {"tools": list(tool_use.tools), "max_turns": tool_use.max_turns,
+                               "max_total_tokens": tool_use.max_total_tokens,
+                               "max_calls_per_turn": tool_use.max_calls_per_turn,
+                               "tool_timeout_s": tool_use.tool_timeout_s}
     if data_dir is not None:
         results["data_dir"] = str(data_dir)
     predictions: dict[str, list[dict[str, Any]]] = {}
@@ -482,6 +575,8 @@ def evaluate_checkpoint(
         started = time.perf_counter()
         common = dict(num_samples=num_samples, greedy=greedy, batch_size=batch_size, scorer=benchmark.scorer,
                       judge=benchmark.judge, seed=seed, progress=progress, description=benchmark.name)
+        if model_type == "dllm" and tool_use is not None:
+            raise ValueError(f"{model_path} is a dLLM checkpoint: --tools (multi-turn tool use) needs a VLM or a text LM")
         if model_type == "dllm":
             with_images = next((row for row in rows if row.get("images")), None)
             if with_images is not None:
@@ -491,7 +586,8 @@ def evaluate_checkpoint(
         else:
             model_obj, processor = loaded
             metrics = evaluate(model_obj, processor, rows, max_new_tokens=max_new_tokens,
-                               temperature=temperature, top_p=top_p, system_prompt=system_prompt, **common)
+                               temperature=temperature, top_p=top_p, system_prompt=system_prompt,
+                               tool_use=tool_use, **common)
         metrics["seconds"] = round(time.perf_counter() - started, 2)
         predictions[benchmark.name] = metrics.pop("predictions")
         results["benchmarks"][benchmark.name] = metrics

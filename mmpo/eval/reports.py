@@ -67,20 +67,27 @@ def markdown_table(header: list[str], rows: list[list[Any]]) -> str:
     return "\n".join(lines)
 
 
+TOOL_COLUMNS = ("tool_call_rate", "tool_calls_per_answer", "turns_per_answer")
+"""Columns of a run with tools (``mmpo eval --tools``)."""
+
+
 def results_table(results: Mapping[str, Any]) -> str:
     """Markdown table of one eval run: a row per benchmark (and per task inside multi-task ones)."""
     benchmarks: Mapping[str, Mapping[str, Any]] = results["benchmarks"]
     columns = metric_columns(benchmarks)
-    header = ["benchmark", "items", "samples", "accuracy", *columns]
+    # runs with tools (`mmpo eval --tools`) add how the answers used them
+    tool_columns = [key for key in TOOL_COLUMNS if any(key in metrics for metrics in benchmarks.values())]
+    header = ["benchmark", "items", "samples", "accuracy", *columns, *tool_columns]
     rows: list[list[Any]] = []
     for name, metrics in benchmarks.items():
         rows.append([name, metrics["num_items"], metrics["num_samples"], metrics["accuracy"],
-                     *[metrics.get(column) for column in columns]])
+                     *[metrics.get(column) for column in [*columns, *tool_columns]]])
         by_task = metrics.get("by_task") or {}
         if len(by_task) > 1:
             for task, task_metrics in by_task.items():
                 rows.append([f"  {name}:{task}", task_metrics["num_items"], task_metrics["num_samples"],
-                             task_metrics["accuracy"], *[task_metrics.get(column) for column in columns]])
+                             task_metrics["accuracy"], *[task_metrics.get(column) for column in columns],
+                             *[None for _ in tool_columns]])
     return markdown_table(header, rows)
 
 
@@ -88,10 +95,12 @@ def results_markdown(results: Mapping[str, Any]) -> str:
     """The full ``results.md``: model, decoding settings and the table."""
     decoding = results.get("decoding", {})
     settings = ", ".join(f"{key}={value}" for key, value in decoding.items())
+    tools = results.get("tool_use")
+    with_tools = ("With tools: " + ", ".join(f"{key}={value}" for key, value in tools.items()) + ".\n\n") if tools else ""
     return (
         f"# Eval: {results.get('model', '?')}\n\n"
         f"Model type: {results.get('model_type', '?')}. Decoding: {settings}.\n\n"
-        f"{results_table(results)}\n"
+        f"{with_tools}{results_table(results)}\n"
     )
 
 

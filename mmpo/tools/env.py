@@ -29,7 +29,9 @@ class StepResult:
     """What an environment answers to one assistant message."""
 
     observation: list[dict[str, Any]]
-    """Chat messages to append before the next model turn (``{"role": "tool" | "user", "content": str}``)."""
+    """Chat messages to append before the next model turn (``{"role": "tool" | "user", "content": ...}``): the
+    content is a string, or (for a VLM) a list of ``{"type": "image", "image": PIL image}`` and
+    ``{"type": "text", "text": str}`` items."""
     reward: float = 0.0
     done: bool = False
     info: dict[str, Any] = field(default_factory=dict)
@@ -75,7 +77,10 @@ class ToolEnvironment:
     """Tool use as an environment: a message with tool calls gets their results as ``tool`` messages (in
     call order); a message without one ends the episode. Calls run in the sandbox; a malformed call (bad
     JSON, an unknown tool, wrong arguments), a raising tool, a timeout or an oversized output is a short
-    ``Error: ...`` message to the model and a count in ``stats``, never an exception."""
+    ``Error: ...`` message to the model and a count in ``stats``, never an exception.
+
+    An image tool (``image_zoom_in_tool``, :mod:`mmpo.tools.image_zoom`) runs here, in the trainer's process, on
+    the row's images (kept by :meth:`reset`): its answer is a ``tool`` message holding the new image."""
 
     def __init__(self, tools: Sequence[Tool], sandbox: ToolSandbox, *, parser: ToolCallParser | None = None,
                  stats: ToolStats | None = None, max_calls_per_turn: int = 4) -> None:
@@ -85,8 +90,10 @@ class ToolEnvironment:
         self.parser = parser or HermesToolCallParser()
         self.stats = stats if stats is not None else ToolStats()
         self.max_calls_per_turn = max_calls_per_turn
+        self.images: list[Any] = []
 
     def reset(self, row: Mapping[str, Any]) -> str:
+        self.images = list(row.get("images") or [])
         return str(row["problem"])
 
     def step(self, assistant_message: str) -> StepResult:
@@ -96,14 +103,14 @@ class ToolEnvironment:
     def step_batch(envs: Sequence["ToolEnvironment"], messages: Sequence[str]) -> list[StepResult]:
         """:meth:`step` for several environments at once: every valid call of every message goes to the sandbox
         in one batch (run in parallel there). Environments that share a sandbox share its batch."""
-        replies: list[list[str | None]] = []  # per env: text per call, None = waiting for the sandbox
+        replies: list[list[Any]] = []  # per env: content per call (text, or image items); None = waiting for the sandbox
         names: list[list[str]] = []
         batches: dict[int, list[tuple[int, int, Tool, dict]]] = defaultdict(list)
         sandboxes: dict[int, ToolSandbox] = {}
         results: list[StepResult] = []
         for env_index, (env, message) in enumerate(zip(envs, messages)):
             calls = env.parser.parse(message)
-            texts: list[str | None] = []
+            texts: list[Any] = []
             call_names: list[str] = []
             for call_index, call in enumerate(calls):
                 name = call.name if not isinstance(call, MalformedCall) else INVALID_CALL_NAME
@@ -123,6 +130,15 @@ class ToolEnvironment:
                     if problem is not None:
                         texts.append(_error(problem))
                         env.stats.add(tool.name, error=True)
+                    elif tool.image_runner is not None:
+                        try:
+                            image = tool.image_runner(env.images, **call.arguments)
+                        except Exception as exc:  # a raising image tool is an error message, never a dead run
+                            texts.append(_error(str(exc)))
+                            env.stats.add(tool.name, error=True)
+                        else:
+                            texts.append([{"type": "image", "image": image}])
+                            env.stats.add(tool.name)
                     else:
                         texts.append(None)
                         batches[id(env.sandbox)].append((env_index, call_index, tool, call.arguments))

@@ -4,13 +4,14 @@ A tool is a function with type hints and a Google-style docstring (a summary lin
 section describing every parameter); its JSON schema, which the chat template shows the model, comes
 from the signature through ``transformers.utils.get_json_schema``. A config names a tool as
 
-- a built-in name (:data:`BUILTIN_TOOLS`: ``calculator``, ``python``), or
+- a built-in name (:data:`BUILTIN_TOOLS`: ``calculator``, ``python``, ``image_zoom_in_tool``), or
 - ``path/to/file.py:function`` / ``package.module:function`` (the same loader as user reward functions,
   :mod:`mmpo.plugins`).
 
 :func:`load_tools` imports each, builds its schema and checks it (before the model loads); the model
 calls a tool by its function's ``__name__``. The tool runs in the sandbox worker
-(:mod:`mmpo.tools.sandbox`), which loads it again by its canonical spec (:func:`load_tool_function`).
+(:mod:`mmpo.tools.sandbox`), which loads it again by its canonical spec (:func:`load_tool_function`); an image
+tool (:mod:`mmpo.tools.image_zoom`) runs in the environment on the episode's images instead.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from mmpo.plugins import PluginSpecError, is_plugin_spec, load_function, parse_s
 BUILTIN_TOOLS: dict[str, str] = {
     "calculator": "mmpo.tools.calculator:calculator",
     "python": "mmpo.tools.python_exec:python",
+    "image_zoom_in_tool": "mmpo.tools.image_zoom:image_zoom_in_tool",
 }
 """Built-in tool name -> its ``module:function`` spec."""
 
@@ -63,6 +65,13 @@ class Tool:
     spec: str
     schema: dict[str, Any]
     function: Callable
+
+    @property
+    def image_runner(self) -> Callable | None:
+        """``run(images, **arguments) -> PIL image`` of an image tool (:mod:`mmpo.tools.image_zoom`), else None."""
+        from mmpo.tools.image_zoom import image_tool_runner
+
+        return image_tool_runner(self.function)
 
     def check_arguments(self, arguments: Any) -> str | None:
         """Why ``arguments`` cannot be passed to the tool (a short message for the model), or None."""

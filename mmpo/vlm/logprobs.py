@@ -37,9 +37,13 @@ def _decoder(model: Any) -> Any:
 
 
 def sequence_inputs(
-    prompt_inputs: Mapping[str, Any], completion_ids: Tensor, completion_mask: Tensor
+    prompt_inputs: Mapping[str, Any], completion_ids: Tensor, completion_mask: Tensor, *,
+    image_token_id: int | None = None,
 ) -> dict[str, Any]:
-    """Forward inputs for ``[prompt | completion]``: (N, P + T) ids, attention and token types."""
+    """Forward inputs for ``[prompt | completion]``: (N, P + T) ids, attention and token types.
+
+    ``image_token_id``: the completion's tokens of that id are image placeholders (type 1: the images a
+    multi-turn tool answer put into the conversation, ``prompt_inputs["tool_image_counts"]``); None: all text."""
     device = completion_ids.device
     prompt_ids = prompt_inputs["input_ids"].to(device)
     if prompt_ids.shape[0] != completion_ids.shape[0]:
@@ -53,7 +57,10 @@ def sequence_inputs(
     }
     if "mm_token_type_ids" in prompt_inputs:
         types = prompt_inputs["mm_token_type_ids"].to(device)
-        inputs["mm_token_type_ids"] = torch.cat([types, torch.zeros_like(completion_ids, dtype=types.dtype)], dim=1)
+        completion_types = torch.zeros_like(completion_ids, dtype=types.dtype)
+        if image_token_id is not None:
+            completion_types = (completion_ids == image_token_id).to(types.dtype)
+        inputs["mm_token_type_ids"] = torch.cat([types, completion_types], dim=1)
     for key in ("pixel_values", "image_grid_thw"):
         if key in prompt_inputs and prompt_inputs[key] is not None:
             inputs[key] = prompt_inputs[key].to(device)
@@ -68,8 +75,12 @@ def completion_hidden_states(
 
     With ``share_prompts`` (default), rows repeating a prompt (G completions of one prompt) run it once
     (:mod:`mmpo.vlm.shared_prompts`; same values and gradients); False always runs every row in full."""
-    inputs = sequence_inputs(prompt_inputs, completion_ids, completion_mask)
     backbone = _decoder(model)
+    tool_images = prompt_inputs.get("tool_image_counts")
+    image_token_id = None
+    if tool_images is not None and int(tool_images.sum()) > 0:
+        image_token_id = int(backbone.config.image_token_id)
+    inputs = sequence_inputs(prompt_inputs, completion_ids, completion_mask, image_token_id=image_token_id)
     prompt_width = prompt_inputs["input_ids"].shape[1]
     width = completion_ids.shape[1]
     if "pixel_values" in inputs:

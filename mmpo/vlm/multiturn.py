@@ -18,12 +18,16 @@ environment), grouped contiguously by prompt, and
   the environment's step rewards); ``texts``: each trajectory's last model message (what reward functions see).
 
 Decoding: the first turn goes through the engine's own :meth:`~mmpo.vlm.rollout.HFGenerateEngine.generate`
-(each prompt prefilled once for its G samples, the lean decoding loop where it applies). Each later turn
-re-prefills the whole conversation so far (``model.generate`` on the left-padded contexts, images of the
-prompt included): the KV cache of the earlier turns is not kept across the environment's answer. That is
-correct by construction (the same positions and masks as the training forward) at the price of one prefill of
-the context per turn; keeping the cache needs per-row insertion of the environment tokens into a batched
-cache, left for later.
+(each prompt prefilled once for its G samples, the lean decoding loop where it applies), which leaves its KV cache
+(``keep_cache``). Each later turn keeps that cache (:class:`_KeptCache`): only the turn's new tokens (the previous
+turn's last token, which the loop never fed, and the environment's answer, images included) run through the text
+decoder onto each trajectory's cache row, and the lean loop decodes from there; rows of finished trajectories are
+dropped. Rows share one cache length, so a row's positions after its own turn ended, and the left padding of a
+shorter answer, are holes its attention mask hides; each token keeps the position the training forward gives it
+(a text LM: its count of real tokens before it; Qwen-VL: ``get_rope_index`` over the row's real sequence). Where the
+lean loop does not apply (greedy decoding, models it does not cover) or ``keep_cache=False``, each later turn
+re-prefills the whole conversation so far (``model.generate`` on the left-padded contexts). Both draw the same
+tokens with the same log-probs from the same RNG state (tests/agents/test_kv_cache.py).
 """
 
 from __future__ import annotations
@@ -39,20 +43,14 @@ from mmpo.tools.env import Environment, ToolEnvironment
 from mmpo.tools.functions import tool_system_prompt
 from mmpo.vlm.continuation import extend_prompts
 from mmpo.vlm.fsdp import full_weights
-from mmpo.vlm.processing import default_system_prompt, model_inputs, select_rows
+from mmpo.vlm.processing import append_row_images, default_system_prompt, model_inputs, select_rows
 from mmpo.vlm.rollout import (HFGenerateEngine, Rollout, _SampledLogProbRecorder, completion_attention_mask,  # noqa: F401
                               completion_mask_from_ids)
 
 _TURN_SENTINEL = "\u2063MMPO_TURN\u2063"
 
 
-def observation_token_ids(processor: Any, messages: Sequence[Mapping[str, Any]]) -> list[int]:
-    """The tokens that follow a model turn's end token when the chat template renders ``messages`` (the
-    environment's answer) after it, through the next assistant header.
-
-    Found by rendering a conversation whose assistant message is a sentinel, with and without ``messages``
-    and the generation prompt, and taking the text after the sentinel's turn end: whatever the template writes
-    between turns (newlines, ``<|im_start|>tool`` / ``user``, ``<tool_response>`` wrappers) is kept exactly."""
+def _observation_text(processor: Any, messages: Sequence[Mapping[str, Any]]) -> str:
     tokenizer = processor.tokenizer
     end_text = tokenizer.convert_ids_to_tokens(_turn_end_id(processor))
     base = [{"role": "user", "content": "q"}, {"role": "assistant", "content": _TURN_SENTINEL}]
@@ -62,8 +60,66 @@ def observation_token_ids(processor: Any, messages: Sequence[Mapping[str, Any]])
     if anchor < 0:
         raise ValueError(f"the chat template does not close an assistant message with {end_text!r}; "
                          "multi-turn rollouts need the turn-end token after each assistant message")
-    suffix = text[anchor + len(_TURN_SENTINEL) + len(end_text):]
-    return list(tokenizer(suffix, add_special_tokens=False)["input_ids"])
+    return text[anchor + len(_TURN_SENTINEL) + len(end_text):]
+
+
+def observation_images(messages: Sequence[Mapping[str, Any]]) -> list[Any]:
+    """The images of an environment answer (``{"type": "image", "image": PIL}`` items of list contents), in order."""
+    return [item["image"] for message in messages if isinstance(message.get("content"), list)
+            for item in message["content"] if isinstance(item, Mapping) and item.get("type") == "image"]
+
+
+def observation_token_ids(processor: Any, messages: Sequence[Mapping[str, Any]]) -> list[int]:
+    """The tokens that follow a model turn's end token when the chat template renders ``messages`` (the
+    environment's answer) after it, through the next assistant header.
+
+    Found by rendering a conversation whose assistant message is a sentinel, with and without ``messages``
+    and the generation prompt, and taking the text after the sentinel's turn end: whatever the template writes
+    between turns (newlines, ``<|im_start|>tool`` / ``user``, ``<tool_response>`` wrappers) is kept exactly.
+    An answer with images: :func:`encode_observation` (it expands each image's placeholder)."""
+    return encode_observation(processor, messages)[0]
+
+
+def encode_observation(processor: Any, messages: Sequence[Mapping[str, Any]]
+                       ) -> tuple[list[int], list[tuple[torch.Tensor, torch.Tensor]]]:
+    """An environment answer -> its tokens and its images as ``[(pixel_values (patches, D), grid (3,))]``.
+
+    Text: :func:`observation_token_ids`' tokens. Images (a VLM's tool answer, e.g. a zoomed crop) are resized
+    as prompt images are (qwen-vl-utils within the processor's pixel budget) and their placeholders expanded
+    by the processor to one ``<|image_pad|>`` per merged patch: in the context as vision tokens, out of the loss
+    like every environment token. A text-only LM's processor refuses images (ValueError)."""
+    suffix = _observation_text(processor, messages)
+    images = observation_images(messages)
+    if not images:
+        return list(processor.tokenizer(suffix, add_special_tokens=False)["input_ids"]), []
+    from mmpo.vlm.factory import is_text_processor, pixel_budget
+
+    if is_text_processor(processor):
+        raise ValueError("the environment answered with an image, but the policy is a text-only LM; image tools "
+                         "(e.g. image_zoom_in_tool) need a VLM")
+    from qwen_vl_utils import fetch_image
+
+    min_pixels, max_pixels = pixel_budget(processor)
+    patch = int(getattr(processor.image_processor, "patch_size", 14))
+    resized = [fetch_image({"image": image, "min_pixels": min_pixels, "max_pixels": max_pixels},
+                           image_patch_size=patch) for image in images]
+    encoded = processor(text=[suffix], images=resized, return_tensors="pt")
+    grid = encoded["image_grid_thw"]
+    sizes = grid.prod(-1).tolist()
+    chunks = torch.split(encoded["pixel_values"], [int(n) for n in sizes], 0)
+    return encoded["input_ids"][0].tolist(), [(chunk, thw) for chunk, thw in zip(chunks, grid)]
+
+
+def _transcript_content(content: Any) -> str:
+    if not isinstance(content, list):
+        return str(content)
+    parts = []
+    for item in content:
+        if isinstance(item, Mapping) and item.get("type") == "image":
+            parts.append(f"<image {item['image'].size[0]}x{item['image'].size[1]}>")
+        elif isinstance(item, Mapping):
+            parts.append(str(item.get("text", "")))
+    return "".join(parts)
 
 
 def _turn_end_id(processor: Any) -> int:
@@ -84,6 +140,12 @@ class _Trajectory:
     done: bool = False
     awaiting_environment: bool = False
     transcript: list[dict[str, str]] = field(default_factory=list)
+    images: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
+    """The images of the environment's answers so far (``(pixel_values, grid)``), in context order."""
+    pending: list[int] = field(default_factory=list)
+    """Tokens in the trajectory but not yet in the kept KV cache (the turn's last token, the environment's answer)."""
+    pending_images: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
+    """The images of ``pending``."""
 
     def add(self, tokens: Sequence[int], log_probs: Sequence[float] | None, trained: bool) -> None:
         self.tokens += list(tokens)
@@ -100,13 +162,19 @@ class MultiTurnEngine:
         max_total_tokens: completion tokens (model and environment) per trajectory at most; a turn is cut at
             the budget, and an environment answer that does not fit ends the trajectory.
         max_tokens_per_turn: tokens of one model turn at most.
+        keep_cache: keep the KV cache across turns where the lean loop decodes (the module docstring); False
+            re-prefills the conversation at every turn (the same tokens and log-probs, more compute).
     """
 
     def __init__(self, engine: HFGenerateEngine, *, max_turns: int, max_total_tokens: int,
-                 max_tokens_per_turn: int) -> None:
+                 max_tokens_per_turn: int, keep_cache: bool = True) -> None:
         if min(max_turns, max_total_tokens, max_tokens_per_turn) < 1:
             raise ValueError("max_turns, max_total_tokens and max_tokens_per_turn must be >= 1")
         self.engine = engine
+        self.keep_cache = keep_cache
+        self.last_prefill_tokens = 0
+        """Context tokens the later turns of the last :meth:`generate` ran through the model before decoding (with
+        the kept cache: each turn's new tokens only; re-prefilling: each turn's whole conversation)."""
         self.max_turns = max_turns
         self.max_total_tokens = max_total_tokens
         self.max_tokens_per_turn = max_tokens_per_turn
@@ -122,16 +190,12 @@ class MultiTurnEngine:
             raise ValueError(f"{len(envs)} environments for {len(rows)} rows x {num_samples} samples")
         engine = self.engine
         first_messages = [env.reset(rows[i // num_samples]) for i, env in enumerate(envs)]
-        base_system = engine.system_prompt
-        prompt_rows = []
-        for index, row in enumerate(rows):
-            system = row.get("system_prompt", base_system)
-            system = default_system_prompt() if system == "default" else system
-            prompt_rows.append({**row, "problem": first_messages[index * num_samples],
-                                "system_prompt": tool_system_prompt(system, envs[index * num_samples].tools)})
+        prompt_rows = self.tool_prompt_rows(rows, [first_messages[index * num_samples] for index in range(len(rows))],
+                                            [envs[index * num_samples].tools for index in range(len(rows))])
         first = engine.generate(prompt_rows, num_samples=num_samples,
                                 max_new_tokens=min(self.max_tokens_per_turn, self.max_total_tokens),
-                                temperature=temperature, top_p=top_p, do_sample=do_sample, return_log_probs=True)
+                                temperature=temperature, top_p=top_p, do_sample=do_sample, return_log_probs=True,
+                                keep_cache=self.keep_cache)
         prompts = first.prompt_inputs
         trajectories = [_Trajectory() for _ in envs]
         for i, trajectory in enumerate(trajectories):
@@ -139,14 +203,34 @@ class MultiTurnEngine:
             keep = first.completion_mask[i] > 0
             self._add_turn(trajectory, first.completion_ids[i][keep].tolist(),
                            first.extras["engine_log_probs"][i][keep].tolist())
+        kept = None
+        if engine.kept_cache is not None:
+            kept = _KeptCache.after_first_turn(engine.kept_cache, prompts["attention_mask"], trajectories,
+                                               steps=first.completion_ids.shape[1])
+            engine.kept_cache = None
+        self.last_prefill_tokens = 0
         while True:
             self._step_environments(trajectories, envs)
             active = [i for i, t in enumerate(trajectories) if not t.done]
             if not active:
                 break
-            self._next_turn(trajectories, active, prompts, temperature=temperature, top_p=top_p, do_sample=do_sample)
+            if kept is not None:
+                self._next_turn_on_cache(kept, trajectories, active, prompts, temperature=temperature, top_p=top_p)
+            else:
+                self._next_turn(trajectories, active, prompts, temperature=temperature, top_p=top_p,
+                                do_sample=do_sample)
         self.last_transcripts = [t.transcript for t in trajectories]
-        return self._rollout(first, trajectories)
+        return self._rollout(first.rows, first.group_ids, first.prompt_inputs, trajectories)
+
+    def tool_prompt_rows(self, rows: Sequence[Mapping[str, Any]], first_messages: Sequence[str],
+                         tools: Sequence[Sequence[Mapping[str, Any]]]) -> list[dict[str, Any]]:
+        """Each row with its environment's first message as the problem and its tools' schemas in the system prompt."""
+        out = []
+        for row, message, schemas in zip(rows, first_messages, tools):
+            system = row.get("system_prompt", self.engine.system_prompt)
+            system = default_system_prompt() if system == "default" else system
+            out.append({**row, "problem": message, "system_prompt": tool_system_prompt(system, schemas)})
+        return out
 
     # ------------------------------------------------------------------ turns
 
@@ -178,18 +262,26 @@ class MultiTurnEngine:
             if result.done or not result.observation or trajectory.turns >= self.max_turns:
                 trajectory.done = True  # the environment is done, or no model turn would follow its answer
                 continue
-            ids = observation_token_ids(self.engine.processor, result.observation)
-            trajectory.transcript += [{"role": str(m["role"]), "content": str(m["content"])}
+            ids, images = encode_observation(self.engine.processor, result.observation)
+            trajectory.transcript += [{"role": str(m["role"]), "content": _transcript_content(m["content"])}
                                       for m in result.observation]
             if len(trajectory.tokens) + len(ids) >= self.max_total_tokens:
                 trajectory.done = True  # the answer does not fit with room for a model token
                 continue
             trajectory.add(ids, None, trained=False)
+            trajectory.images += images
+            trajectory.pending += ids
+            trajectory.pending_images += images
 
     @torch.no_grad()
     def _next_turn(self, trajectories: list[_Trajectory], active: list[int], prompts: Mapping[str, Any], *,
-                   temperature: float, top_p: float, do_sample: bool) -> None:
+                   temperature: float, top_p: float, do_sample: bool, prompt_rows: Sequence[int] | None = None,
+                   recorder: "_SampledLogProbRecorder | None" = None) -> list[list[int]]:
+        """One model turn for each trajectory in ``active`` (its context: its prompt, ``prompts`` row
+        ``prompt_rows[i]`` (default ``i``), and its tokens so far); returns the tokens each drew. ``recorder``: the
+        log-prob recorder (a subclass may record more, e.g. ARPO's entropy probe)."""
         engine = self.engine
+        prompt_rows = list(range(len(trajectories))) if prompt_rows is None else prompt_rows
         model = engine.model
         width = max(len(trajectories[i].tokens) for i in active)
         so_far = torch.full((len(active), width), engine.pad_token_id, dtype=torch.long)
@@ -198,12 +290,15 @@ class MultiTurnEngine:
             tokens = trajectories[i].tokens
             so_far[row, :len(tokens)] = torch.tensor(tokens, dtype=torch.long)
             so_far_mask[row, :len(tokens)] = 1
-        contexts = extend_prompts(select_rows(prompts, active), so_far, so_far_mask, pad_token_id=engine.pad_token_id)
+        contexts = extend_prompts(select_rows(prompts, [prompt_rows[i] for i in active]), so_far, so_far_mask,
+                                  pad_token_id=engine.pad_token_id)
+        contexts = _with_tool_images(contexts, [trajectories[i].images for i in active], engine.processor)
         device = next(model.parameters()).device
         inputs = {k: v.to(device) for k, v in model_inputs(contexts).items()}
+        self.last_prefill_tokens += int(inputs["attention_mask"].sum())
         budgets = [self.max_total_tokens - len(trajectories[i].tokens) for i in active]
         max_new = min(self.max_tokens_per_turn, max(budgets))
-        recorder = _SampledLogProbRecorder()
+        recorder = _SampledLogProbRecorder() if recorder is None else recorder
         warpers = [TemperatureLogitsWarper(temperature)] if do_sample and temperature != 1.0 else []
         warpers += [TopPLogitsWarper(top_p)] if do_sample and top_p < 1.0 else []
         sampling = dict(do_sample=True, temperature=1.0, top_p=1.0, top_k=0) if do_sample else dict(
@@ -221,14 +316,62 @@ class MultiTurnEngine:
         new_ids = output[:, inputs["input_ids"].shape[1]:].cpu()
         log_probs = recorder.finish(output)
         mask = completion_mask_from_ids(new_ids, eos_token_id=engine.eos_token_id, forbidden_ids=engine.forbidden_ids)
+        drawn = []
         for row, i in enumerate(active):
             keep = int(mask[row].sum())
             keep = min(keep, budgets[row])  # a truncated prefix of a sample is a sample of that prefix
-            self._add_turn(trajectories[i], new_ids[row, :keep].tolist(), log_probs[row, :keep].tolist())
+            drawn.append(new_ids[row, :keep].tolist())
+            self._add_turn(trajectories[i], drawn[-1], log_probs[row, :keep].tolist())
+        return drawn
+
+    def _next_turn_on_cache(self, kept: "_KeptCache", trajectories: list[_Trajectory], active: list[int],
+                            prompts: Mapping[str, Any], *, temperature: float, top_p: float) -> None:
+        """One sampled model turn for ``active`` on the kept KV cache: each trajectory's new tokens (its last turn's
+        final token and the environment's answer, images included) are prefilled onto its cache row, then the
+        engine's lean loop decodes from there; nothing of the conversation before is run again."""
+        engine = self.engine
+        model = engine.model
+        kept.keep(active)
+        last = [trajectories[i].pending[-1] for i in active]
+        positions, deltas = kept.positions(model, engine.processor, prompts, trajectories, active)
+        with torch.no_grad(), torch.inference_mode(), full_weights(model):
+            self.last_prefill_tokens += kept.prefill(model, engine.processor, trajectories, active, positions,
+                                                     pad_token_id=engine.pad_token_id)
+        device = kept.valid.device
+        rows = len(active)
+        input_ids = torch.full((rows, kept.cache.length + 1), engine.pad_token_id, dtype=torch.long, device=device)
+        input_ids[:, -1] = torch.tensor(last, dtype=torch.long, device=device)
+        attention = torch.cat([kept.valid, torch.ones(rows, 1, dtype=kept.valid.dtype, device=device)], 1)
+        budgets = [self.max_total_tokens - len(trajectories[i].tokens) for i in active]
+        max_new = min(self.max_tokens_per_turn, max(budgets))
+        backbone = model.model
+        if deltas is not None:
+            backbone.rope_deltas = deltas.to(device)
+        was_training = model.training
+        model.eval()
+        try:
+            with full_weights(model):
+                sequences, log_probs = engine._lean_decode(
+                    {"input_ids": input_ids, "attention_mask": attention, "cache": kept.cache}, cache_copies=1,
+                    max_new_tokens=max_new, temperature=temperature, top_p=top_p, logits_processors=(),
+                    return_log_probs=True)
+        finally:
+            model.train(was_training)
+            engine._last_lean_cache = None  # the kept cache is ours; the engine holds no reference to it
+        new_ids = sequences[:, input_ids.shape[1]:].cpu()
+        mask = completion_mask_from_ids(new_ids, eos_token_id=engine.eos_token_id, forbidden_ids=engine.forbidden_ids)
+        drawn = []
+        for row, i in enumerate(active):
+            keep = min(int(mask[row].sum()), budgets[row])
+            drawn.append(new_ids[row, :keep].tolist())
+            self._add_turn(trajectories[i], drawn[-1], log_probs[row, :keep].tolist())
+        kept.after_turn(trajectories, active, drawn, steps=new_ids.shape[1])
 
     # ------------------------------------------------------------------ result
 
-    def _rollout(self, first: Rollout, trajectories: list[_Trajectory]) -> Rollout:
+    def _rollout(self, rows: list[Mapping[str, Any]], group_ids: torch.Tensor, prompts: Mapping[str, Any],
+                 trajectories: list[_Trajectory]) -> Rollout:
+        """Trajectory ``i`` answers ``rows[i]`` (group ``group_ids[i]``, prompt ``prompts`` row ``i``)."""
         width = max(1, max(len(t.tokens) for t in trajectories))
         n = len(trajectories)
         ids = torch.full((n, width), self.engine.pad_token_id, dtype=torch.long)
@@ -248,6 +391,145 @@ class MultiTurnEngine:
             "env_rewards": torch.tensor([t.env_reward for t in trajectories], dtype=torch.float32),
             "vision_cut": torch.zeros(n, dtype=torch.bool),
         }
-        return Rollout(rows=first.rows, group_ids=first.group_ids, prompt_inputs=first.prompt_inputs,
+        prompt_inputs = append_row_images(prompts, [t.images for t in trajectories])
+        return Rollout(rows=list(rows), group_ids=group_ids, prompt_inputs=prompt_inputs,
                        completion_ids=ids, completion_mask=trained, texts=[t.last_message for t in trajectories],
                        extras=extras)
+
+
+def _with_tool_images(contexts: Mapping[str, Any], images: Sequence[Sequence[tuple[torch.Tensor, torch.Tensor]]],
+                      processor: Any) -> Mapping[str, Any]:
+    """Generation contexts (prompt + conversation so far as one prompt) with the tool answers' images after the
+    prompt's, and their placeholders typed as images (``mm_token_type_ids`` 1) for Qwen-VL's 3-D RoPE."""
+    if not any(images):
+        return contexts
+    from mmpo.vlm.processing import image_token_types
+
+    out = append_row_images(contexts, images)
+    out["mm_token_type_ids"] = image_token_types(out["input_ids"], processor).to(out["mm_token_type_ids"])
+    return out
+
+
+class _KeptCache:
+    """The KV cache of the running trajectories across turns, one row each, in the engine's lean-loop buffers.
+
+    The rows share one length; ``valid`` (rows, length) says which positions each row attends to: a row's prompt
+    (left padding hidden), its tokens, and holes where other rows ran longer (the steps after a row's turn ended, the
+    left padding of a shorter new-token chunk). Positions are a row's count of real tokens before a token (text LMs)
+    or Qwen-VL's 3-D RoPE positions of its real sequence (``get_rope_index`` over prompt + conversation), so a
+    token gets exactly the position and context the training forward over the compact sequence gives it."""
+
+    def __init__(self, cache: Any, valid: torch.Tensor, rows: list[int]) -> None:
+        self.cache = cache
+        self.valid = valid
+        self.rows = rows  # trajectory index of each cache row
+
+    @classmethod
+    def after_first_turn(cls, cache: Any, prompt_attention: torch.Tensor, trajectories: list[_Trajectory], *,
+                         steps: int) -> "_KeptCache":
+        """The lean loop ran ``steps`` steps: the cache holds each prompt and the first ``steps - 1`` sampled tokens
+        (a row's positions after its own last token are holes)."""
+        device = cache.keys[0].device
+        decoded = torch.zeros(len(trajectories), max(steps - 1, 0), dtype=torch.long)
+        for row, trajectory in enumerate(trajectories):
+            fed = min(len(trajectory.tokens), steps - 1)
+            decoded[row, :fed] = 1
+            trajectory.pending = trajectory.tokens[fed:]
+        valid = torch.cat([prompt_attention.long().cpu(), decoded], 1).to(device)
+        if valid.shape[1] != cache.length:
+            raise RuntimeError(f"kept cache holds {cache.length} positions, expected {valid.shape[1]}")
+        return cls(cache, valid, list(range(len(trajectories))))
+
+    def keep(self, active: list[int]) -> None:
+        """Drop the rows of finished trajectories (rows follow ``active``'s order)."""
+        if active == self.rows:
+            return
+        position = {trajectory: row for row, trajectory in enumerate(self.rows)}
+        index = [position[i] for i in active]
+        self.cache.select(index)
+        self.valid = self.valid[torch.tensor(index, device=self.valid.device)]
+        self.rows = list(active)
+
+    def positions(self, model: Any, processor: Any, prompts: Mapping[str, Any], trajectories: list[_Trajectory],
+                  active: list[int]) -> tuple[list[torch.Tensor], torch.Tensor | None]:
+        """Per active trajectory, the positions of its pending tokens ((len,) text LM; (3, len) Qwen-VL), and the
+        Qwen-VL RoPE offsets (rows, 1) of what follows them (None for a text LM)."""
+        backbone = model.model
+        if not hasattr(backbone, "get_rope_index"):
+            counts = self.valid.sum(-1).tolist()
+            return [torch.arange(int(c), int(c) + len(trajectories[i].pending)) for c, i in zip(counts, active)], None
+        from mmpo.vlm.processing import image_token_types, row_image_counts
+
+        ids, attention = prompts["input_ids"], prompts["attention_mask"]
+        grid = prompts.get("image_grid_thw")
+        counts = row_image_counts(prompts).tolist() if grid is not None and len(grid) else [0] * ids.shape[0]
+        first_image = [sum(counts[:i]) for i in range(len(counts))]
+        out, deltas = [], []
+        for i in active:
+            trajectory = trajectories[i]
+            sequence = torch.cat([ids[i][attention[i] > 0].cpu(), torch.tensor(trajectory.tokens, dtype=torch.long)])
+            grids = [grid[j].cpu() for j in range(first_image[i], first_image[i] + counts[i])] if counts[i] else []
+            grids += [thw.reshape(3).cpu() for _, thw in trajectory.images]
+            types = image_token_types(sequence[None], processor)
+            position, delta = backbone.get_rope_index(sequence[None], mm_token_type_ids=types,
+                                                      image_grid_thw=torch.stack(grids) if grids else None)
+            out.append(position[:, 0, len(sequence) - len(trajectory.pending):])
+            deltas.append(delta.reshape(1))
+        return out, torch.stack(deltas)
+
+    def prefill(self, model: Any, processor: Any, trajectories: list[_Trajectory], active: list[int],
+                positions: list[torch.Tensor], *, pad_token_id: int) -> int:
+        """Run each active trajectory's pending tokens but the last through the text decoder onto the cache (left
+        padded to a common width; the pad positions become holes); returns the real tokens run."""
+        chunks = [trajectories[i].pending[:-1] for i in active]
+        width = max(len(chunk) for chunk in chunks)
+        device = self.valid.device
+        rows = len(active)
+        chunk_valid = torch.zeros(rows, width, dtype=self.valid.dtype, device=device)
+        if width:
+            ids = torch.full((rows, width), pad_token_id, dtype=torch.long, device=device)
+            multimodal = positions[0].ndim == 2
+            place = torch.zeros((3, rows, width) if multimodal else (rows, width), dtype=torch.long, device=device)
+            for row, chunk in enumerate(chunks):
+                if chunk:
+                    ids[row, width - len(chunk):] = torch.tensor(chunk, dtype=torch.long)
+                    chunk_valid[row, width - len(chunk):] = 1
+                    place[..., row, width - len(chunk):] = positions[row][..., :len(chunk)].to(device)
+            text = getattr(model.model, "language_model", model.model)
+            hidden = text.embed_tokens(ids)
+            images = [image for i in active for image in trajectories[i].pending_images]
+            if images:
+                pixels = torch.cat([p for p, _ in images]).to(device, model.model.visual.dtype)
+                grids = torch.stack([thw.reshape(3) for _, thw in images]).to(device)
+                features = torch.cat(model.model.get_image_features(pixels, grids, return_dict=True).pooler_output)
+                placeholders = (ids == int(model.config.image_token_id)).unsqueeze(-1).expand_as(hidden)
+                hidden = hidden.masked_scatter(placeholders, features.to(hidden.dtype))
+            rope = text.rotary_emb(hidden, place)
+            self.cache.reserve(width)
+            seen = torch.cat([self.valid, chunk_valid], 1).bool()
+            causal = torch.ones(width, width, dtype=torch.bool, device=device).tril()
+            mask = seen[:, None, None, :].repeat(1, 1, width, 1)
+            mask[..., self.valid.shape[1]:] &= causal
+            mask |= torch.eye(self.valid.shape[1] + width, dtype=torch.bool, device=device)[-width:]  # a hole sees itself
+            for layer in text.layers:
+                hidden = layer(hidden, attention_mask=mask, position_embeddings=rope, position_ids=None,
+                               cache=self.cache, use_cache=True)
+        self.valid = torch.cat([self.valid, chunk_valid], 1)
+        for i in active:
+            trajectories[i].pending_images = []
+        return int(chunk_valid.sum())
+
+    def after_turn(self, trajectories: list[_Trajectory], active: list[int], drawn: list[list[int]], *,
+                   steps: int) -> None:
+        """The lean loop fed each row's last pending token, then ran ``steps`` steps (feeding ``steps - 1`` sampled
+        tokens, holes after a row's own end); the tokens it did not feed become the row's pending tokens."""
+        device = self.valid.device
+        decoded = torch.zeros(len(active), 1 + max(steps - 1, 0), dtype=self.valid.dtype, device=device)
+        decoded[:, 0] = 1
+        for row, (i, tokens) in enumerate(zip(active, drawn)):
+            fed = min(len(tokens), steps - 1)
+            decoded[row, 1:1 + fed] = 1
+            trajectories[i].pending = tokens[fed:]
+        self.valid = torch.cat([self.valid, decoded], 1)
+        if self.valid.shape[1] != self.cache.length:
+            raise RuntimeError(f"kept cache holds {self.cache.length} positions, expected {self.valid.shape[1]}")

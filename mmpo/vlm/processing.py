@@ -252,7 +252,8 @@ def select_rows(inputs: Mapping[str, Any], index: torch.Tensor | Sequence[int]) 
     """Rows ``index`` of a batch, keeping ``pixel_values`` / ``image_grid_thw`` aligned.
 
     ``pixel_values`` is (num_patches, D) concatenated over all images in row order, so a
-    row's patches are found from the per-image patch counts (grid t*h*w) and ``image_counts``.
+    row's patches are found from the per-image patch counts (grid t*h*w) and ``image_counts`` (plus
+    ``tool_image_counts``: the images of a multi-turn completion, after the row's prompt images).
     Rows may repeat (used to repeat each prompt G times).
     """
     index = torch.as_tensor(index, dtype=torch.long)
@@ -266,7 +267,7 @@ def select_rows(inputs: Mapping[str, Any], index: torch.Tensor | Sequence[int]) 
         out[key] = value[index]
     grid = inputs.get("image_grid_thw")
     if grid is not None and len(grid):
-        counts = inputs["image_counts"]
+        counts = row_image_counts(inputs)
         image_start = torch.cumsum(counts, 0) - counts  # first image of each row
         patches = grid.prod(-1)
         patch_start = torch.cumsum(patches, 0) - patches  # first patch of each image
@@ -279,6 +280,51 @@ def select_rows(inputs: Mapping[str, Any], index: torch.Tensor | Sequence[int]) 
         if images:
             out["image_grid_thw"] = grid[torch.tensor(images, dtype=torch.long)]
             out["pixel_values"] = torch.cat(patch_chunks, 0)
+    return BatchFeature(out)
+
+
+def row_image_counts(inputs: Mapping[str, Any]) -> torch.Tensor:
+    """(B,) images per row in ``pixel_values``: the prompt's (``image_counts``) plus, for a multi-turn rollout,
+    its completion's (``tool_image_counts``: images tool answers put into the conversation)."""
+    counts = inputs["image_counts"]
+    extra = inputs.get("tool_image_counts")
+    return counts if extra is None else counts + extra.to(counts)
+
+
+def append_row_images(inputs: Mapping[str, Any], images: Sequence[Sequence[tuple[torch.Tensor, torch.Tensor]]]
+                      ) -> BatchFeature:
+    """``inputs`` with each row's extra images (``images[row]``: ``(pixel_values (patches, D), grid (3,))`` in
+    the order their placeholders follow the prompt) placed after that row's images, so ``pixel_values`` and
+    ``image_grid_thw`` stay in the order of the placeholders over the batch. ``tool_image_counts`` (B,) counts
+    the extra images of each row (added to any it had); the prompt's own ``image_counts`` are unchanged."""
+    batch_size = inputs["input_ids"].shape[0]
+    if len(images) != batch_size:
+        raise ValueError(f"append_row_images: {len(images)} image lists for {batch_size} rows")
+    out = dict(inputs)
+    previous = inputs.get("tool_image_counts")
+    previous = torch.zeros(batch_size, dtype=torch.long) if previous is None else previous.long().cpu()
+    extra_counts = previous + torch.tensor([len(row) for row in images], dtype=torch.long)
+    if not any(images):
+        out["tool_image_counts"] = extra_counts
+        return BatchFeature(out)
+    grid = inputs.get("image_grid_thw")
+    counts = row_image_counts(inputs).tolist() if grid is not None and len(grid) else [0] * batch_size
+    patches = grid.prod(-1).tolist() if grid is not None and len(grid) else []
+    grids, chunks = [], []
+    image, patch = 0, 0
+    for row in range(batch_size):
+        for _ in range(int(counts[row])):
+            grids.append(grid[image])
+            chunks.append(inputs["pixel_values"][patch:patch + int(patches[image])])
+            patch += int(patches[image])
+            image += 1
+        for pixels, thw in images[row]:
+            grids.append(thw.reshape(3).to(torch.long))
+            chunks.append(pixels)
+    dtype = inputs["pixel_values"].dtype if "pixel_values" in inputs else chunks[0].dtype
+    out["pixel_values"] = torch.cat([c.to(dtype) for c in chunks], 0)
+    out["image_grid_thw"] = torch.stack(grids, 0)
+    out["tool_image_counts"] = extra_counts
     return BatchFeature(out)
 
 

@@ -148,6 +148,8 @@ class HFGenerateEngine:
         self.eos_token_id = turn_end_token_id(tokenizer)
         self.pad_token_id = int(tokenizer.pad_token_id)
         self.forbidden_ids = vision_token_ids(processor)
+        self.kept_cache: _GrowingKVCache | None = None
+        self._last_lean_cache: _GrowingKVCache | None = None
 
     @torch.no_grad()
     def suppressed_token_ids(self) -> list[int] | None:
@@ -168,6 +170,7 @@ class HFGenerateEngine:
         do_sample: bool = True,
         return_log_probs: bool = False,
         logits_processors: Sequence[LogitsProcessor] = (),
+        keep_cache: bool = False,
     ) -> Rollout:
         """Sample ``num_samples`` completions for every row; groups are contiguous.
 
@@ -186,7 +189,12 @@ class HFGenerateEngine:
 
         ``logits_processors`` run on each step's raw logits before the temperature / top-p warpers
         (e.g. HAPO's per-token temperature, ``mmpo.algos.hapo``).
+
+        ``keep_cache=True`` (multi-turn rollouts, :mod:`mmpo.vlm.multiturn`): when the lean loop decoded, its KV cache
+        (a :class:`_GrowingKVCache` of the N rows, holding each prompt and all but the last decoded step) is left in
+        ``self.kept_cache`` for the next turn to continue; otherwise ``self.kept_cache`` is None.
         """
+        self.kept_cache = None
         if num_samples < 1:
             raise ValueError(f"num_samples must be >= 1, got {num_samples}")
         if do_sample and temperature <= 0:
@@ -230,6 +238,9 @@ class HFGenerateEngine:
                 self.last_decode = blocker or "lean"
                 if blocker is None:
                     output, engine_log_probs = self._lean_decode(inputs, cache_copies=cache_copies, **lean)
+                    if keep_cache:
+                        self.kept_cache = self._last_lean_cache
+                    self._last_lean_cache = None
                 else:
                     if cache_copies > 1:
                         inputs["cache"].batch_repeat_interleave(cache_copies)
@@ -351,6 +362,10 @@ class HFGenerateEngine:
 
         Returns the sequences (N, P + T) and, with ``return_log_probs``, the log-probs (N, T) float32 on CPU
         of the sampled tokens under the distribution they were drawn from (:class:`_SampledLogProbRecorder`'s).
+
+        ``inputs["cache"]`` may also be a :class:`_GrowingKVCache` of the N rows holding all but the last column of
+        ``input_ids`` (a multi-turn rollout's kept cache; ``attention_mask`` 0 marks its hidden positions): it is
+        appended to in place. The cache used is left in ``self._last_lean_cache``.
         """
         model = self.model
         # the text decoder: a VLM's language model, or a text LM's own decoder (model.model)
@@ -359,7 +374,12 @@ class HFGenerateEngine:
         prompt_ids, attention = inputs["input_ids"], inputs["attention_mask"]
         rows, width = prompt_ids.shape
         device = prompt_ids.device
-        cache = _GrowingKVCache(inputs["cache"], max_new_tokens, copies=cache_copies)
+        cache = inputs["cache"]
+        if isinstance(cache, _GrowingKVCache):
+            cache.reserve(max_new_tokens)
+        else:
+            cache = _GrowingKVCache(cache, max_new_tokens, copies=cache_copies)
+        self._last_lean_cache = cache
         # HF's positions (_prepare_position_ids_for_generation, then +1 a step) plus Qwen-VL's RoPE offsets: a new
         # token's position is the row's count of real tokens before it + the prompt's delta, equal on the 3 axes
         start = (attention.long().cumsum(-1) - 1).masked_fill(attention == 0, 0)[:, -1:]
@@ -475,6 +495,27 @@ class _GrowingKVCache:
                 buffer[:, :, :length].unflatten(0, (rows, copies)).copy_(source.unsqueeze(1))
                 buffers.append(buffer)
             self.lengths.append(layer.keys.shape[2])
+
+    @property
+    def length(self) -> int:
+        """Positions held (every layer holds the same number between forwards)."""
+        return self.lengths[0]
+
+    def reserve(self, extra: int) -> None:
+        """Room for ``extra`` more positions (the buffers grow, at least doubling, when they are short)."""
+        for buffers in (self.keys, self.values):
+            for index, buffer in enumerate(buffers):
+                need = self.lengths[index] + extra
+                if buffer.shape[2] < need:
+                    grown = buffer.new_empty((*buffer.shape[:2], max(need, 2 * buffer.shape[2]), buffer.shape[3]))
+                    grown[:, :, :self.lengths[index]] = buffer[:, :, :self.lengths[index]]
+                    buffers[index] = grown
+
+    def select(self, rows: Sequence[int]) -> None:
+        """Keep only ``rows`` (in that order), e.g. the trajectories still running."""
+        index = torch.as_tensor(list(rows), dtype=torch.long, device=self.keys[0].device)
+        self.keys = [buffer.index_select(0, index) for buffer in self.keys]
+        self.values = [buffer.index_select(0, index) for buffer in self.values]
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any,
                **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:

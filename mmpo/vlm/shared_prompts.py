@@ -73,6 +73,9 @@ def _shareable_rows(backbone: Any, inputs: Mapping[str, Any], prompt_inputs: Map
         return None
     if backbone.training and any(getattr(m, "gradient_checkpointing", False) for m in backbone.modules()):
         return None  # HF turns use_cache off under gradient checkpointing: the prompt's cache would stay empty
+    tool_images = prompt_inputs.get("tool_image_counts")
+    if tool_images is not None and int(tool_images.sum()) > 0:
+        return None  # images inside the completions (multi-turn tool answers): the plain forward places them
     rows = distinct_prompt_rows(prompt_inputs)
     if rows is None or len(rows[0]) == len(rows[1]):
         return None

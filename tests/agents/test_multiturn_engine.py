@@ -5,34 +5,14 @@ from __future__ import annotations
 
 import pytest
 import torch
+from agent_envs_support import ScriptedEnvironment
 from tiny_vlm_support import build_small_text_lm
 
 from mmpo.data.synthetic import make_items
-from mmpo.tools.env import StepResult
 from mmpo.vlm.factory import load_vlm
 from mmpo.vlm.logprobs import completion_log_probs
 from mmpo.vlm.multiturn import MultiTurnEngine, completion_attention_mask, observation_token_ids
 from mmpo.vlm.rollout import HFGenerateEngine
-
-
-class ScriptedEnvironment:
-    """Answers every model turn with one tool message until ``answers`` turns were answered."""
-
-    tools: list = []
-
-    def __init__(self, answers: int = 2) -> None:
-        self.answers = answers
-        self.steps = 0
-
-    def reset(self, row):
-        return row["problem"]
-
-    def step(self, assistant_message: str) -> StepResult:
-        self.steps += 1
-        if self.steps > self.answers:
-            return StepResult([], reward=1.0, done=True)
-        return StepResult([{"role": "tool", "content": f"result {self.steps}"}], reward=0.5,
-                          info={"tool_calls": 1})
 
 
 @pytest.fixture(scope="module")

@@ -219,3 +219,41 @@ def test_eval_mathvista_from_publisher_files_end_to_end(tiny_model, tmp_path, ca
                       str(data_dir), "--out", str(tmp_path / "eval2")])
     err = capsys.readouterr().err
     assert code == 2 and "'chartqa_test'" in err and str(data_dir / "ChartQA") in err and "test-*.parquet" in err
+
+
+def test_eval_with_tools_reports_tool_use_and_logs_each_answer(tmp_path):
+    """`mmpo eval --tools calculator` on the calc task with a tiny text LM: multi-turn answers, the tool metrics equal
+    what the per-answer records say, and each record holds the answer's conversation."""
+    text = tmp_path / "text"
+    assert mmpo_main(["build-tiny", "--kind", "text", "--out", str(text), "--vocab-size", "400", "--hidden-size", "32",
+                      "--intermediate-size", "64", "--num-layers", "1"]) == 0
+    out = tmp_path / "eval_tools"
+    code = mmpo_main(["eval", "--model", str(text), "--benchmarks", "synth/calc", "--synth-size", "3",
+                      "--num-samples", "2", "--temperature", "1.0", "--max-new-tokens", "12", "--tools", "calculator",
+                      "--max-turns", "2", "--max-total-tokens", "60", "--out", str(out), "--no-progress"])
+    assert code == 0
+    results = json.loads((out / "results.json").read_text())
+    assert results["tool_use"]["tools"] == ["calculator"] and results["tool_use"]["max_turns"] == 2
+    metrics = results["benchmarks"]["synth/calc"]
+    records = [json.loads(line) for line in (out / "predictions" / "synth_calc.jsonl").read_text().splitlines()]
+    turns = [t for record in records for t in record["turns"]]
+    calls = [c for record in records for c in record["tool_calls"]]
+    assert len(turns) == len(calls) == 6 and all(1 <= t <= 2 for t in turns)
+    assert metrics["turns_per_answer"] == pytest.approx(sum(turns) / 6)
+    assert metrics["tool_calls_per_answer"] == pytest.approx(sum(calls) / 6)
+    assert metrics["tool_call_rate"] == pytest.approx(sum(c > 0 for c in calls) / 6)
+    for record in records:
+        for messages, turn_count, completion in zip(record["messages"], record["turns"], record["completions"]):
+            assert messages[0]["role"] == "user" and messages[0]["content"] == record["prompt"]
+            assert sum(m["role"] == "assistant" for m in messages) == turn_count
+            assert [m for m in messages if m["role"] == "assistant"][-1]["content"] == completion
+    assert "tool_call_rate" in (out / "results.md").read_text() and "With tools: tools=['calculator']" in (
+        out / "results.md").read_text()
+
+
+def test_eval_with_an_unknown_tool_fails_before_loading(tmp_path, capsys):
+    code = eval_main(["--model", str(tmp_path / "nowhere"), "--benchmarks", "synth/calc", "--tools", "abacus",
+                      "--out", str(tmp_path / "out")])
+    assert code == 2
+    assert "unknown tool 'abacus'" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()

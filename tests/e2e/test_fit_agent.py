@@ -63,3 +63,52 @@ def test_calc_sft_then_grpo_with_the_calculator(tmp_path):
         assert 1 <= record["turns"] <= 3 and record["tool_calls"] >= 0
         assert [m["role"] for m in record["messages"]][:2] == ["user", "assistant"]
         assert sum(m["role"] == "assistant" for m in record["messages"]) == record["turns"]
+
+
+def test_zoom_sft_then_grpo_with_the_zoom_tool(tmp_path):
+    """configs/agent/zoom_{sft,grpo}_tiny.yaml, 2 steps each, on a small tiny VLM: the crop comes back as an image."""
+    from tiny_vlm_support import build_small_vlm
+
+    base = build_small_vlm(tmp_path / "vlm_base")
+    sft_out = tmp_path / "zoom_sft"
+    assert main(["fit", "-c", str(CONFIGS / "zoom_sft_tiny.yaml"), *_common(tmp_path, "sft"),
+                 f"--model.init_args.model_path={base}", f"--model.init_args.output_dir={sft_out}",
+                 "--model.init_args.val_max_new_tokens=8"]) == 0
+    model, _ = load_vlm(base)
+    trained, _ = load_vlm(sft_out)
+    assert any(not torch.equal(a, b) for a, b in zip(trained.parameters(), model.parameters()))
+    logged = _logged(tmp_path / "sft")
+    assert {"losses/sft", "val/accuracy", "val/tool_calls"} <= set(logged)
+    assert 0 < float(logged["losses/sft"]) < 20
+
+    grpo_out = tmp_path / "zoom_grpo"
+    assert main(["fit", "-c", str(CONFIGS / "zoom_grpo_tiny.yaml"), *_common(tmp_path, "grpo"),
+                 f"--model.init_args.model_path={sft_out}", f"--model.init_args.output_dir={grpo_out}",
+                 "--model.init_args.sampling.num_generations=2", "--model.init_args.sampling.max_new_tokens=8",
+                 "--model.init_args.agent.max_total_tokens=40"]) == 0
+    logged = _logged(tmp_path / "grpo")
+    assert {"agent/turns_mean", "agent/tool_calls_mean", "losses/policy", "val/accuracy"} <= set(logged)
+    records = [json.loads(line) for line in (tmp_path / "grpo" / "rollouts.jsonl").read_text().splitlines()]
+    assert len(records) == 2 * 2 * 2 and {record["step"] for record in records} == {0, 1}
+
+
+def test_arpo_two_steps_through_mmpo_fit(tmp_path):
+    """configs/agent/arpo_tiny.yaml, 2 steps, from the tiny text LM: branching logged, n trajectories per prompt."""
+    base = tmp_path / "text_base"
+    assert main(["build-tiny", "--kind", "text", "--out", str(base), "--vocab-size", "400", "--hidden-size", "32",
+                 "--intermediate-size", "64", "--num-layers", "1"]) == 0
+    assert main(["fit", "-c", str(CONFIGS / "arpo_tiny.yaml"), *_common(tmp_path, "arpo"),
+                 f"--model.init_args.model_path={base}", f"--model.init_args.output_dir={tmp_path / 'arpo_out'}",
+                 "--model.init_args.sampling.num_generations=4", "--model.init_args.arpo.initial_rollouts=2",
+                 "--model.init_args.sampling.max_new_tokens=8", "--model.init_args.agent.max_total_tokens=40",
+                 "--model.init_args.arpo.attribution=hard"]) == 0
+    logged = _logged(tmp_path / "arpo")
+    assert {"arpo/forks", "arpo/topups", "arpo/forked_frac", "agent/tool_calls_mean", "losses/policy",
+            "val/accuracy"} <= set(logged)
+    records = [json.loads(line) for line in (tmp_path / "arpo" / "rollouts.jsonl").read_text().splitlines()]
+    assert len(records) == 2 * 2 * 4  # 2 steps x 2 prompts x n = 4
+    for step in (0, 1):
+        groups = [r["group"] for r in records if r["step"] == step]
+        assert groups == [0, 0, 0, 0, 1, 1, 1, 1]
+    checkpoint = torch.load(tmp_path / "arpo" / "ckpt" / "last.ckpt", weights_only=False)
+    assert set(checkpoint["arpo_branching"]) == {"rng", "initial_entropy"}

@@ -1,4 +1,5 @@
-"""Tasks where a tool must help: ``calc``, arithmetic a tiny model cannot do in its head.
+"""Tasks where a tool must help: ``calc``, arithmetic a tiny model cannot do in its head, and ``zoom``, a detail
+too small to read at a VLM's input resolution.
 
 ``calc``: ``Compute 4821 * 37 - 1290.`` (difficulty 1: a 3-digit times a 2-digit number plus a 3-digit one;
 2: 4-digit x 2-digit +/- 4-digit; 3: 4-digit x 3-digit +/- 5-digit). The answer is an integer (the
@@ -6,6 +7,13 @@
 calculator (an assistant ``<tool_call>``, the tool's answer, an assistant answer in the think/answer format):
 what the SFT warm-up teaches (``mmpo.algos.agent.AgentSFTModule``). Train / val / test are disjoint by the
 registry's content hash.
+
+``zoom``: a large image (8x the task image size: 448 x 448 pixels by default) split into a 4 x 4 grid of cells;
+one cell holds a red box with a 3- to 5-digit number (difficulty 1..3) in a 14-pixel font, the other cells a few
+grey shapes. The tiny VLM sees the whole image at 112 x 112 (its pixel budget), where the digits are 3.5 pixels
+tall: unreadable, while the red box still shows which cell it is in. ``image_zoom_in_tool`` on that cell returns
+its 112 x 112 pixels at full resolution, where the digits are readable. ``tool_trace``: zoom into the box's cell,
+read the number, answer.
 """
 
 from __future__ import annotations
@@ -14,6 +22,7 @@ import json
 import random
 from typing import Any
 
+from mmpo.data.synthetic.drawing import COLORS, font
 from mmpo.data.synthetic.registry import register_task
 
 # difficulty -> (first operand digits, multiplier digits, last operand digits)
@@ -49,4 +58,65 @@ def calc(rng: random.Random, difficulty: int, image_size: int) -> dict[str, Any]
         "key_steps": [[f"{a} * {b} = {a * b}"], [f"{a * b} {sign} {c} = {value}"]],
         "needs_image": False, "image_description": "There is no image.", "rationale": "I use the calculator.",
         "tool_trace": calculator_trace(expression, str(value)),
+    }
+
+
+ZOOM_GRID = 4
+"""Cells per side of a ``zoom`` image."""
+ZOOM_SCALE = 8
+"""A ``zoom`` image's side is this many times the task image size (56 -> 448 pixels)."""
+ZOOM_FONT = 14
+"""Pixel size of the number's font (readable at full resolution, 3.5 pixels at 112 x 112)."""
+
+
+def zoom_trace(bbox: list[int], crop: Any, value: str) -> list[dict[str, Any]]:
+    """The tool-use conversation after the prompt: zoom into ``bbox``, see ``crop``, answer ``value``."""
+    call = json.dumps({"name": "image_zoom_in_tool", "arguments": {"bbox_2d": bbox}})
+    return [
+        {"role": "assistant", "content": f"<tool_call>\n{call}\n</tool_call>"},
+        {"role": "tool", "content": [{"type": "image", "image": crop}]},
+        {"role": "assistant", "content": f"<think>The zoomed box shows {value}.</think><answer>{value}</answer>"},
+    ]
+
+
+@register_task("zoom")
+def zoom(rng: random.Random, difficulty: int, image_size: int) -> dict[str, Any]:
+    """A number in a red box in one cell of a large image; answer: the number (its digits)."""
+    from PIL import Image, ImageDraw
+
+    from mmpo.tools.image_zoom import crop_region
+
+    side = ZOOM_SCALE * image_size
+    cell = side // ZOOM_GRID
+    image = Image.new("RGB", (side, side), (255, 255, 255))
+    draw = ImageDraw.Draw(image)
+    target = rng.randrange(ZOOM_GRID * ZOOM_GRID)
+    col, row = target % ZOOM_GRID, target // ZOOM_GRID
+    for other in range(ZOOM_GRID * ZOOM_GRID):  # a grey shape in some of the other cells
+        if other == target or rng.random() < 0.5:
+            continue
+        x, y = (other % ZOOM_GRID) * cell + cell // 2, (other // ZOOM_GRID) * cell + cell // 2
+        radius = rng.randint(cell // 8, cell // 4)
+        shape = draw.ellipse if rng.random() < 0.5 else draw.rectangle
+        shape((x - radius, y - radius, x + radius, y + radius), fill=(160, 160, 160))
+    digits = difficulty + 2
+    value = str(rng.randint(10 ** (digits - 1), 10**digits - 1))
+    x0, y0 = col * cell, row * cell
+    margin = cell // 8
+    draw.rectangle((x0 + margin, y0 + 2 * margin, x0 + cell - margin, y0 + cell - 2 * margin), outline=COLORS["red"],
+                   width=max(2, cell // 28))
+    text_font = font(ZOOM_FONT * image_size // 56)
+    left, top, right, bottom = draw.textbbox((0, 0), value, font=text_font)
+    draw.text((x0 + (cell - (right - left)) // 2 - left, y0 + (cell - (bottom - top)) // 2 - top), value,
+              fill=(0, 0, 0), font=text_font)
+    bbox = [x0, y0, x0 + cell, y0 + cell]
+    return {
+        "images": [image], "answer": value,
+        "problem": f"The image is {side}x{side} pixels. What number is written in the red box?",
+        "steps": [f"The red box is in the cell {bbox}.", f"Zoomed in, the box shows {value}.",
+                  f"So the answer is {value}."],
+        "key_steps": [[f"{value}"]], "needs_image": True,
+        "image_description": f"A {side}x{side} image with a small red box holding a number.",
+        "rationale": "I zoom into the red box to read the number.",
+        "tool_trace": zoom_trace(bbox, crop_region([image], bbox), value),
     }

@@ -1,0 +1,210 @@
+"""Learning evidence for tool use (issue 39): SFT on tool traces, then RL with the tools, on the tool tasks.
+
+Per task and seed, from one tiny model built with that seed:
+
+1. SFT: ``configs/agent/<task>_sft_tiny.yaml`` for ``--sft-steps`` steps (calc: the tiny Qwen3 text LM;
+   zoom: the tiny Qwen2.5-VL).
+2. RL from that SFT start, ``--rl-steps`` steps each, same seed: GRPO (``configs/agent/<task>_grpo_tiny.yaml``)
+   and, on calc, ARPO (``configs/agent/arpo_tiny.yaml``) at the same rollout budget (8 trajectories per prompt).
+3. Held-out evaluation of the SFT start and of each RL result, greedy, on ``--eval-size`` test-split items
+   (disjoint from training by content hash; the same items for every checkpoint and seed), twice: with the task's
+   tool (multi-turn, ``mmpo eval --tools``) and without tools (one turn).
+
+Contrasts reported over the seeds, paired by item (``mmpo.eval.stats.paired_difference``: hierarchical bootstrap over
+seeds and items, and a Student-t interval over the seed means): RL with tools - RL without tools; RL with tools - SFT
+with tools; ARPO - GRPO (with tools); plus the tool-call rate, tool calls and turns per answer at evaluation and the
+tool calls per trajectory during training (``agent/tool_calls_mean``).
+
+Stages (each resumable: finished work is skipped)::
+
+    python bench/bench_agents.py run --task calc --seeds 0 1 2 3 4 --out runs/bench_agents
+    python bench/bench_agents.py run --task zoom --seeds 0 1 2 3 4 --out runs/bench_agents
+    python bench/bench_agents.py report --out runs/bench_agents      # -> OUT/report.md
+
+Each seed's results go atomically to ``OUT/<task>/s<seed>/results.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Any, Sequence
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+from mmpo.eval.stats import format_interval, mean_std, paired_difference  # noqa: E402
+from mmpo.files import atomic_write_json, atomic_write_text  # noqa: E402
+
+CONFIGS = Path(__file__).resolve().parents[1] / "configs" / "agent"
+TASKS = {
+    "calc": dict(kind="text", tools=["calculator"], max_new_tokens=96, algos={"grpo": "calc_grpo_tiny.yaml", "arpo": "arpo_tiny.yaml"},
+                 sft="calc_sft_tiny.yaml"),
+    "zoom": dict(kind="vlm", tools=["image_zoom_in_tool"], max_new_tokens=128, algos={"grpo": "zoom_grpo_tiny.yaml"},
+                 sft="zoom_sft_tiny.yaml"),
+}
+MODEL_SIZE: dict[str, dict[str, int]] = {"text": {}, "vlm": {}}
+"""Sizes passed to the tiny builders (empty: their defaults, the sizes ``mmpo build-tiny`` writes)."""
+EVAL_SEED = 1234
+TOOL_LIMITS = dict(max_turns=3, max_total_tokens=320)
+SFT_OVERRIDES: list[str] = []
+RL_OVERRIDES: list[str] = []
+"""Extra ``mmpo fit`` overrides of every SFT / RL run (the smoke test shrinks the budgets with them)."""
+
+
+def _fit(config: str, run: Path, model_path: Path, output: Path, steps: int, seed: int, extra: Sequence[str]) -> None:
+    from mmpo.cli import main
+
+    args = ["fit", "-c", str(CONFIGS / config), f"--seed_everything={seed}", f"--trainer.max_steps={steps}",
+            f"--trainer.default_root_dir={run}", f"--trainer.logger.init_args.save_dir={run}",
+            f"--trainer.callbacks.init_args.dirpath={run / 'ckpt'}", "--trainer.limit_val_batches=0",
+            "--trainer.enable_progress_bar=false", f"--model.init_args.model_path={model_path}",
+            f"--model.init_args.output_dir={output}", *extra]
+    if main(args) != 0:
+        raise RuntimeError(f"mmpo fit failed: {' '.join(args)}")
+
+
+def _evaluate(checkpoint: Path, task: str, tools: Sequence[str] | None, eval_size: int, max_new_tokens: int,
+              out: Path) -> dict[str, Any]:
+    from mmpo.eval.harness import ToolUse, evaluate_checkpoint
+
+    tool_use = ToolUse(tuple(tools), **TOOL_LIMITS) if tools else None
+    results = evaluate_checkpoint(checkpoint, [f"synth/{task}"], synth_size=eval_size, synth_seed=EVAL_SEED,
+                                  max_new_tokens=max_new_tokens, out_dir=out, progress=False, device="cpu",
+                                  tool_use=tool_use)
+    metrics = results["benchmarks"][f"synth/{task}"]
+    records = [json.loads(line) for line in (out / "predictions" / f"synth_{task}.jsonl").read_text().splitlines()]
+    summary = {"accuracy": metrics["accuracy"], "correct": [float(record["correct"][0]) for record in records],
+               "ids": [record["id"] for record in records]}
+    for key in ("tool_call_rate", "tool_calls_per_answer", "turns_per_answer"):
+        if key in metrics:
+            summary[key] = metrics[key]
+    return summary
+
+
+def _training_tool_calls(run: Path) -> float | None:
+    """Mean of the logged ``agent/tool_calls_mean`` over the RL steps (tool calls per trajectory)."""
+    values = []
+    for path in run.glob("**/metrics.csv"):
+        with path.open() as handle:
+            values += [float(row["agent/tool_calls_mean"]) for row in csv.DictReader(handle)
+                       if row.get("agent/tool_calls_mean")]
+    return sum(values) / len(values) if values else None
+
+
+def run_seed(task: str, seed: int, out: Path, *, sft_steps: int, rl_steps: int, eval_size: int,
+             max_new_tokens: int | None = None, algos: Sequence[str] | None = None) -> dict[str, Any]:
+    """SFT, RL and the evaluations of one task and seed; returns (and stores) the seed's results.
+    ``max_new_tokens``: tokens per model turn in RL and evaluation (None: the task's, as its configs)."""
+    from mmpo.vlm.factory import build_tiny_text_lm, build_tiny_vlm
+
+    spec = TASKS[task]
+    max_new_tokens = max_new_tokens or spec["max_new_tokens"]
+    root = out / task / f"s{seed}"
+    path = root / "results.json"
+    results: dict[str, Any] = json.loads(path.read_text()) if path.exists() else {
+        "task": task, "seed": seed, "sft_steps": sft_steps, "rl_steps": rl_steps, "eval_size": eval_size,
+        "eval": {}, "training_tool_calls": {}}
+    base = root / "base"
+    if not (base / "config.json").exists():
+        builder = build_tiny_text_lm if spec["kind"] == "text" else build_tiny_vlm
+        builder(base, seed=seed, **MODEL_SIZE[spec["kind"]])
+    checkpoints = {"sft": root / "sft"}
+    if not (checkpoints["sft"] / "config.json").exists():
+        _fit(spec["sft"], root / "sft_run", base, checkpoints["sft"], sft_steps, seed,
+             [f"--data.init_args.seed={seed}", *SFT_OVERRIDES])
+    for algo in algos or list(spec["algos"]):
+        checkpoints[algo] = root / algo
+        if not (checkpoints[algo] / "config.json").exists():
+            seeds = [f"--model.init_args.seed={seed}", f"--data.init_args.seed={seed}"]
+            seeds += [f"--model.init_args.arpo.seed={seed}"] if algo == "arpo" else []
+            _fit(spec["algos"][algo], root / f"{algo}_run", checkpoints["sft"], checkpoints[algo], rl_steps, seed,
+                 [f"--model.init_args.sampling.max_new_tokens={max_new_tokens}", *seeds, *RL_OVERRIDES])
+        results["training_tool_calls"][algo] = _training_tool_calls(root / f"{algo}_run")
+    for name, checkpoint in checkpoints.items():
+        for mode, tools in (("with_tools", spec["tools"]), ("without_tools", None)):
+            key = f"{name}/{mode}"
+            if key not in results["eval"]:
+                results["eval"][key] = _evaluate(checkpoint, task, tools, eval_size, max_new_tokens,
+                                                 root / "eval" / name / mode)
+                atomic_write_json(path, results)
+    atomic_write_json(path, results)
+    return results
+
+
+def _contrast(seeds: list[dict[str, Any]], a: str, b: str) -> str:
+    pairs = [(s["eval"][a]["correct"], s["eval"][b]["correct"]) for s in seeds if a in s["eval"] and b in s["eval"]]
+    if not pairs:
+        return f"| {a} - {b} | n/a | n/a | n/a | 0 |"
+    result = paired_difference([p[0] for p in pairs], [p[1] for p in pairs])
+    return (f"| {a} - {b} | {result['estimate']:+.3f} | {format_interval(result['bootstrap'])} | "
+            f"{format_interval(result['seed_t'])} | {len(pairs)} |")
+
+
+def report(out: Path) -> str:
+    """Markdown tables over every finished seed of every task; written to ``OUT/report.md``."""
+    lines = ["# Tool use: SFT start vs RL, with and without tools (bench/bench_agents.py)", ""]
+    for task, spec in TASKS.items():
+        seeds = [json.loads(p.read_text()) for p in sorted((out / task).glob("s*/results.json"))]
+        if not seeds:
+            continue
+        first = seeds[0]
+        lines += [f"## {task}", "", f"Seeds: {[s['seed'] for s in seeds]}; SFT {first['sft_steps']} steps, RL "
+                  f"{first['rl_steps']} steps; {first['eval_size']} held-out items, greedy.", "",
+                  "| checkpoint | accuracy (mean ± sd over seeds) | tool-call rate | tool calls / answer | "
+                  "turns / answer | training tool calls / trajectory |", "| --- | --- | --- | --- | --- | --- |"]
+        keys = sorted({key for s in seeds for key in s["eval"]})
+        for key in keys:
+            rows = [s["eval"][key] for s in seeds if key in s["eval"]]
+            algo = key.split("/")[0]
+            training = [s["training_tool_calls"].get(algo) for s in seeds if s["training_tool_calls"].get(algo) is not None]
+
+            def stat(name: str) -> str:
+                values = [row[name] for row in rows if name in row]
+                return mean_std(values) if values else "-"
+
+            lines.append(f"| {key} | {stat('accuracy')} | {stat('tool_call_rate')} | {stat('tool_calls_per_answer')} | "
+                         f"{stat('turns_per_answer')} | {mean_std(training) if training and key.endswith('with_tools') else '-'} |")
+        lines += ["", "| contrast (paired by item) | estimate | 95% bootstrap | 95% seed-t | seeds |",
+                  "| --- | --- | --- | --- | --- |"]
+        for algo in spec["algos"]:
+            lines.append(_contrast(seeds, f"{algo}/with_tools", f"{algo}/without_tools"))
+            lines.append(_contrast(seeds, f"{algo}/with_tools", "sft/with_tools"))
+        if "arpo" in spec["algos"]:
+            lines.append(_contrast(seeds, "arpo/with_tools", "grpo/with_tools"))
+        lines.append("")
+    text = "\n".join(lines)
+    atomic_write_text(out / "report.md", text)
+    return text
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    sub = parser.add_subparsers(dest="stage", required=True)
+    run = sub.add_parser("run", help="SFT + RL + evaluations for one task and some seeds")
+    run.add_argument("--task", choices=sorted(TASKS), required=True)
+    run.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2, 3, 4])
+    run.add_argument("--sft-steps", type=int, default=300)
+    run.add_argument("--rl-steps", type=int, default=40)
+    run.add_argument("--eval-size", type=int, default=100)
+    run.add_argument("--max-new-tokens", type=int, default=None,
+                     help="tokens per model turn, training and eval (default: the task's configs': calc 96, zoom 128)")
+    run.add_argument("--algos", nargs="+", default=None, help="RL algorithms (default: all of the task's)")
+    run.add_argument("--out", type=Path, required=True)
+    rep = sub.add_parser("report", help="tables over the finished seeds -> OUT/report.md")
+    rep.add_argument("--out", type=Path, required=True)
+    args = parser.parse_args(argv)
+    if args.stage == "run":
+        for seed in args.seeds:
+            run_seed(args.task, seed, args.out, sft_steps=args.sft_steps, rl_steps=args.rl_steps,
+                     eval_size=args.eval_size, max_new_tokens=args.max_new_tokens, algos=args.algos)
+    print(report(args.out))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

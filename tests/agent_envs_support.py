@@ -1,0 +1,49 @@
+"""Scripted multi-turn environments for the agent tests (shared by name: tests/ is on sys.path, see conftest.py)."""
+
+from __future__ import annotations
+
+from mmpo.tools.env import StepResult
+from mmpo.tools.image_zoom import crop_region
+
+
+class ScriptedEnvironment:
+    """Answers every model turn with one tool message ``result k`` (reward 0.5) until ``answers`` turns were answered;
+    the next turn ends the episode (reward 1)."""
+
+    tools: list = []
+
+    def __init__(self, answers: int = 2) -> None:
+        self.answers = answers
+        self.steps = 0
+
+    def reset(self, row):
+        self.steps = 0
+        return row["problem"]
+
+    def step(self, assistant_message: str) -> StepResult:
+        self.steps += 1
+        if self.steps > self.answers:
+            return StepResult([], reward=1.0, done=True)
+        return StepResult([{"role": "tool", "content": f"result {self.steps}"}], reward=0.5,
+                          info={"tool_calls": 1})
+
+
+class ZoomingEnvironment:
+    """Answers the first two model turns with crops of the row's image (112 x 112, then 224 x 112)."""
+
+    tools: list = []
+
+    def __init__(self) -> None:
+        self.steps = 0
+
+    def reset(self, row):
+        self.steps = 0
+        self.images = row["images"]
+        return row["problem"]
+
+    def step(self, assistant_message: str) -> StepResult:
+        self.steps += 1
+        if self.steps > 2:
+            return StepResult([], done=True)
+        crop = crop_region(self.images, [0, 0, 112 * self.steps, 112])
+        return StepResult([{"role": "tool", "content": [{"type": "image", "image": crop}]}], info={"tool_calls": 1})

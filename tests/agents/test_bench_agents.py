@@ -1,0 +1,41 @@
+"""bench/bench_agents.py with a tiny budget: one seed of calc (SFT, GRPO and ARPO, each evaluated with and without the
+calculator on the same held-out items), resumable, and the report's tables and paired contrasts."""
+
+from __future__ import annotations
+
+import json
+
+from bench_support import load_bench
+
+
+def test_bench_agents_one_seed_end_to_end(tmp_path, monkeypatch):
+    bench = load_bench("bench_agents")
+    monkeypatch.setitem(bench.MODEL_SIZE, "text", dict(vocab_size=400, hidden_size=32, intermediate_size=64,
+                                                       num_layers=1))
+    monkeypatch.setattr(bench, "SFT_OVERRIDES", ["--data.init_args.train_size=8", "--data.init_args.batch_size=2"])
+    monkeypatch.setattr(bench, "RL_OVERRIDES", [
+        "--data.init_args.train_size=8", "--data.init_args.batch_size=2", "--model.init_args.sampling.num_generations=2",
+        "--model.init_args.agent.max_total_tokens=40"])
+    monkeypatch.setattr(bench, "TOOL_LIMITS", dict(max_turns=2, max_total_tokens=40))
+    results = bench.run_seed("calc", 0, tmp_path, sft_steps=2, rl_steps=1, eval_size=2, max_new_tokens=8,
+                             algos=["grpo"])
+    assert set(results["eval"]) == {"sft/with_tools", "sft/without_tools", "grpo/with_tools", "grpo/without_tools"}
+    items = results["eval"]["sft/with_tools"]["ids"]
+    for key, entry in results["eval"].items():
+        assert len(entry["correct"]) == 2 and entry["ids"] == items  # the same held-out items everywhere
+        assert entry["accuracy"] == sum(entry["correct"]) / 2
+        assert ("tool_call_rate" in entry) == key.endswith("/with_tools")
+    assert results["training_tool_calls"]["grpo"] is not None
+    stored = json.loads((tmp_path / "calc" / "s0" / "results.json").read_text())
+    assert stored == json.loads(json.dumps(results))
+
+    def no_more_fits(*args, **kwargs):
+        raise AssertionError("a finished stage ran again")
+
+    monkeypatch.setattr(bench, "_fit", no_more_fits)
+    monkeypatch.setattr(bench, "_evaluate", no_more_fits)
+    assert bench.run_seed("calc", 0, tmp_path, sft_steps=2, rl_steps=1, eval_size=2, max_new_tokens=8,
+                          algos=["grpo"])["eval"] == results["eval"]
+    text = bench.report(tmp_path)
+    assert "| grpo/with_tools - grpo/without_tools |" in text and "| grpo/with_tools - sft/with_tools |" in text
+    assert "| sft/with_tools |" in text and (tmp_path / "report.md").read_text() == text

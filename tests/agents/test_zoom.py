@@ -1,0 +1,203 @@
+"""The image zoom tool, image tool answers in multi-turn rollouts, and the ``zoom`` task.
+
+Hand values for the crop; the tool inside ToolEnvironment (image answer, errors counted); a multi-turn rollout on
+a tiny Qwen2.5-VL whose environment answers with images: the answer's vision tokens are holes in the loss mask,
+the images ride in ``prompt_inputs`` after the prompt's, and the training forward over the whole conversation gives
+the log-probs the sampler drew from; SFT traces of the zoom task encode the crop as vision tokens."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from PIL import Image
+from agent_envs_support import ZoomingEnvironment
+from tiny_vlm_support import build_small_vlm
+
+from mmpo.algos.agent import encode_tool_traces
+from mmpo.data.synthetic import make_items
+from mmpo.tools.env import ToolEnvironment
+from mmpo.tools.functions import load_tools
+from mmpo.tools.image_zoom import MIN_SIDE, crop_region
+from mmpo.tools.sandbox import SandboxLimits, ToolSandbox
+from mmpo.vlm.factory import load_vlm
+from mmpo.vlm.logprobs import completion_log_probs
+from mmpo.vlm.multiturn import MultiTurnEngine, completion_attention_mask, encode_observation
+from mmpo.vlm.processing import image_token_id, vision_token_ids
+from mmpo.vlm.rollout import HFGenerateEngine
+
+
+def _gradient(width=448, height=448):
+    image = Image.new("RGB", (width, height))
+    image.putdata([(x % 256, y % 256, (x + y) % 256) for y in range(height) for x in range(width)])
+    return image
+
+
+def test_crop_region_on_hand_boxes():
+    image = _gradient()
+    crop = crop_region([image], [112, 224, 224, 336])
+    assert crop.size == (112, 112)
+    assert crop.getpixel((0, 0)) == (112, 224, (112 + 224) % 256)  # the top-left pixel is the box's
+    assert crop.getpixel((111, 111)) == (223, 335 % 256, (223 + 335) % 256)
+    # a 10 x 10 box grows around its centre (105, 45) to 28 x 28: [91, 31, 119, 59]
+    small = crop_region([image], [100, 40, 110, 50])
+    assert MIN_SIDE == 28 and small.size == (28, 28) and small.getpixel((0, 0))[:2] == (91, 31)
+    # clipped to the image ([430, 440, 448, 448]), then grown inside it to [420, 420, 448, 448] (pixels are mod 256)
+    edge = crop_region([image], [430, 440, 500, 500])
+    assert edge.size == (28, 28) and edge.getpixel((0, 0))[:2] == (420 % 256, 420 % 256)
+    for bad, message in (([1, 2, 3], "four numbers"), ([5, 5, 5, 9], "empty"), ([500, 500, 600, 600], "outside"),
+                         (["a", 1, 2, 3], "four numbers")):
+        with pytest.raises(ValueError, match=message):
+            crop_region([image], bad)
+    with pytest.raises(ValueError, match="no image"):
+        crop_region([], [0, 0, 10, 10])
+
+
+def test_the_zoom_tool_answers_with_the_image_and_counts_errors():
+    tools = load_tools(["image_zoom_in_tool", "calculator"])
+    zoom = tools[0]
+    assert zoom.image_runner is not None and tools[1].image_runner is None
+    assert zoom.schema["function"]["parameters"]["properties"]["bbox_2d"]["type"] == "array"
+    sandbox = ToolSandbox(SandboxLimits(timeout_s=5.0))
+    try:
+        env = ToolEnvironment(tools, sandbox)
+        row = make_items("zoom", 1, seed=0)[0]
+        env.reset(row)
+        call = json.dumps({"name": "image_zoom_in_tool", "arguments": {"bbox_2d": [0, 0, 112, 112]}})
+        bad = json.dumps({"name": "image_zoom_in_tool", "arguments": {"bbox_2d": [9, 9, 1, 1]}})
+        wrong = json.dumps({"name": "image_zoom_in_tool", "arguments": {"bbox_2d": "top left"}})
+        result = env.step(f"<tool_call>{call}</tool_call><tool_call>{bad}</tool_call><tool_call>{wrong}</tool_call>")
+        first, second, third = result.observation
+        (item,) = first["content"]
+        assert item["type"] == "image" and item["image"].size == (112, 112)
+        assert item["image"].tobytes() == row["images"][0].crop((0, 0, 112, 112)).tobytes()
+        assert second["content"].startswith("Error: bbox_2d [9, 9, 1, 1] is empty")
+        assert third["content"].startswith("Error: argument 'bbox_2d'")
+        assert env.stats.metrics() == {"tools/image_zoom_in_tool/calls": 3.0, "tools/image_zoom_in_tool/errors": 2.0,
+                                       "tools/image_zoom_in_tool/timeouts": 0.0}
+    finally:
+        sandbox.shutdown()
+
+
+def test_zoom_task_items():
+    rows = make_items("zoom", 6, seed=0)
+    held_out = make_items("zoom", 6, seed=0, split="test")
+    assert all(a["images"][0].tobytes() != b["images"][0].tobytes() for a in rows for b in held_out)
+    for row in rows:
+        assert row["images"][0].size == (448, 448)
+        assert len(row["answer"]) == row["difficulty"] + 2 and row["answer"].isdigit()
+        call, tool, answer = row["tool_trace"]
+        bbox = json.loads(call["content"].split("\n")[1])["arguments"]["bbox_2d"]
+        assert bbox[2] - bbox[0] == bbox[3] - bbox[1] == 112 and all(v % 112 == 0 for v in bbox)
+        crop = tool["content"][0]["image"]
+        assert crop.tobytes() == row["images"][0].crop(tuple(bbox)).tobytes()
+        # the red box is in the crop (the cell of the trace), nowhere else
+        red = [(x, y) for y in range(0, 448, 2) for x in range(0, 448, 2)
+               if row["images"][0].getpixel((x, y)) == (220, 20, 20)]
+        assert red and all(bbox[0] <= x < bbox[2] and bbox[1] <= y < bbox[3] for x, y in red)
+        assert answer["content"] == f"<think>The zoomed box shows {row['answer']}.</think><answer>{row['answer']}</answer>"
+
+
+@pytest.fixture(scope="module")
+def vlm(tmp_path_factory):
+    model, processor = load_vlm(build_small_vlm(tmp_path_factory.mktemp("vlm")))
+    head = model.lm_head
+    biased = torch.nn.Linear(head.in_features, head.out_features, bias=True)
+    with torch.no_grad():
+        biased.weight.copy_(head.weight)
+        biased.bias.zero_()
+        biased.bias[model.generation_config.eos_token_id] = 4.0  # turns end after a few tokens
+        # the sampler never draws vision tokens (suppressed); at ~0 probability the training forward's full softmax
+        # and the sampler's suppressed one agree
+        biased.bias[vision_token_ids(processor)] = -40.0
+    model.lm_head = biased
+    return model.eval(), processor
+
+
+def test_image_answers_are_vision_tokens_in_the_context_and_out_of_the_loss(vlm):
+    model, processor = vlm
+    engine = MultiTurnEngine(HFGenerateEngine(model, processor), max_turns=3, max_total_tokens=300,
+                             max_tokens_per_turn=12)
+    torch.manual_seed(0)
+    rollout = engine.generate(make_items("zoom", 2, seed=0), [ZoomingEnvironment() for _ in range(4)], num_samples=2)
+    image_id = image_token_id(processor)
+    attention = completion_attention_mask(rollout)
+    turns = rollout.extras["turns"].tolist()
+    assert turns == [3, 3, 3, 3]  # the bias ends every turn with the turn-end token, well within 12 tokens
+    # crops 112 x 112 -> 8 x 8 patches = 16 vision tokens; 224 x 112 -> resized to 140 x 56 -> 4 x 10 = 10 tokens
+    assert rollout.prompt_inputs["tool_image_counts"].tolist() == [2, 2, 2, 2]
+    assert rollout.prompt_inputs["image_grid_thw"].tolist() == [[1, 8, 8], [1, 8, 8], [1, 4, 10]] * 4
+    for i in range(4):
+        ids = rollout.completion_ids[i][attention[i].bool()]
+        assert int((ids == image_id).sum()) == 16 + 10
+        assert not rollout.completion_mask[i][rollout.completion_ids[i] == image_id].any()  # vision tokens: holes
+    expected, _ = encode_observation(processor, [{"role": "tool", "content": [
+        {"type": "image", "image": crop_region(make_items("zoom", 1, seed=0)[0]["images"], [0, 0, 112, 112])}]}])
+    hole = (rollout.completion_mask[0] == 0) & (attention[0] == 1)
+    first_hole = torch.nonzero(hole).flatten()[:len(expected)]
+    assert rollout.completion_ids[0, first_hole].tolist() == expected
+    with torch.no_grad():
+        log_probs, _ = completion_log_probs(model, rollout.prompt_inputs, rollout.completion_ids, attention)
+    trained = rollout.completion_mask.bool()
+    torch.testing.assert_close(log_probs[trained], rollout.extras["engine_log_probs"][trained], atol=2e-4, rtol=0)
+    # a minibatch of rows keeps each row's images (select_rows counts the tool images too)
+    part = rollout.select([3, 1])
+    assert part.prompt_inputs["image_grid_thw"].tolist() == [[1, 8, 8], [1, 8, 8], [1, 4, 10]] * 2
+    with torch.no_grad():
+        part_log_probs, _ = completion_log_probs(model, part.prompt_inputs, part.completion_ids,
+                                                 completion_attention_mask(part))
+    torch.testing.assert_close(part_log_probs[part.completion_mask.bool()],
+                               log_probs[[3, 1]][part.completion_mask.bool()], atol=1e-5, rtol=0)
+    assert engine.last_transcripts[0][2] == {"role": "tool", "content": "<image 112x112>"}
+
+
+def test_zoom_traces_encode_the_crop_as_vision_tokens_out_of_the_loss(vlm):
+    _, processor = vlm
+    rows = make_items("zoom", 2, seed=0)
+    ids, loss_mask, attention, images = encode_tool_traces(processor, [row["tool_trace"] for row in rows])
+    image_id = image_token_id(processor)
+    for i in range(2):
+        assert len(images[i]) == 1 and images[i][0][1].tolist() == [1, 8, 8]
+        assert int((ids[i] == image_id).sum()) == 16
+        assert not loss_mask[i][ids[i] == image_id].any()
+        trained = processor.batch_decode([ids[i][loss_mask[i].bool()].tolist()], skip_special_tokens=True)[0]
+        assert trained.endswith(f"<answer>{rows[i]['answer']}</answer>")
+        assert '"bbox_2d"' in trained
+
+
+def test_a_text_lm_refuses_image_answers(tmp_path: Path):
+    from tiny_vlm_support import build_small_text_lm
+
+    _, processor = load_vlm(build_small_text_lm(tmp_path / "text"))
+    with pytest.raises(ValueError, match="text-only LM"):
+        encode_observation(processor, [{"role": "tool", "content": [{"type": "image", "image": _gradient(56, 56)}]}])
+
+
+
+def _exploding(images, bbox_2d):
+    raise OSError("the image file vanished")
+
+
+def test_a_raising_image_tool_is_an_error_message():
+    from mmpo.tools.functions import Tool
+    from mmpo.tools.image_zoom import image_tool
+
+    @image_tool(_exploding)
+    def broken_zoom(bbox_2d: list[int]) -> str:
+        """Zoom that fails.
+
+        Args:
+            bbox_2d: the region.
+        """
+
+    from mmpo.tools.functions import tool_schema
+
+    tool = Tool("broken_zoom", "tests:broken_zoom", tool_schema(broken_zoom), broken_zoom)
+    env = ToolEnvironment([tool], sandbox=None)
+    env.reset(make_items("zoom", 1, seed=0)[0])
+    call = json.dumps({"name": "broken_zoom", "arguments": {"bbox_2d": [0, 0, 5, 5]}})
+    (message,) = env.step(f"<tool_call>{call}</tool_call>").observation
+    assert message["content"] == "Error: the image file vanished"
+    assert env.stats.metrics()["tools/broken_zoom/errors"] == 1.0
