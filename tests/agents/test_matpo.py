@@ -43,7 +43,7 @@ def official_broadcast_advantage_return_tensor_by_reqs_ids(data_main_agent, data
     return data_from_subagent_tool, data_padded
 
 
-# mzf666/MATPO verl/protocol.py, get_num_valid_seqs (a dict in place of the TensorDict)
+# mzf666/MATPO verl/protocol.py (commit ee2bef7), get_num_valid_seqs (a dict in place of the TensorDict)
 def official_get_num_valid_seqs(data):
     if "is_pad" in data.keys():
         is_pad = data["is_pad"]
@@ -66,7 +66,7 @@ def _masked_mean(values, mask):  # verl.utils.torch_functional.masked_mean
     return (values * mask).sum() / mask.sum()
 
 
-# mzf666/MATPO verl/trainer/ppo/core_algos.py, agg_loss
+# mzf666/MATPO verl/trainer/ppo/core_algos.py @ 3c41d62, agg_loss
 def official_agg_loss(loss_mat, loss_mask, loss_agg_mode, num_valid_seqs=None):
     bs = loss_mat.shape[0]
     num_valid_seqs = bs if num_valid_seqs is None else num_valid_seqs
