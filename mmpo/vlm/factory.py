@@ -278,11 +278,13 @@ def default_corpus() -> list[str]:
     Imported lazily: ``mmpo.data`` is only needed when no corpus is passed.
     """
     from mmpo.data import SYSTEM_PROMPT
-    from mmpo.data.synthetic import TASKS, TEXT_TASKS, corpus
+    from mmpo.data.synthetic import DIALOGUE_TASKS, TASKS, TEXT_TASKS, corpus
 
     # the text-LM tasks have their own tokenizer (default_text_corpus); leaving them out keeps the tiny VLM's
-    # tokenizer, and so every recorded tiny-VLM run, as it was before they existed
-    return [SYSTEM_PROMPT, *corpus([task for task in TASKS if task not in TEXT_TASKS])]
+    # tokenizer, and so every recorded tiny-VLM run, as it was before they existed (so are the later text-only
+    # multi-agent and dialogue tasks: twohop, lock)
+    later = {*TEXT_TASKS, *DIALOGUE_TASKS, "twohop"}
+    return [SYSTEM_PROMPT, *corpus([task for task in TASKS if task not in later])]
 
 
 def _train_tokenizer(corpus: Sequence[str], vocab_size: int, *,

@@ -219,3 +219,42 @@ def test_two_steps_train_planner_and_workers(tmp_path):
         assert "[CONTEXT]" in str(rollout.rows[4]["problem"])
         assert float(module.loss_sequence_count(rollout, torch.arange(len(rollout)), torch.tensor(9.0))) == 4.0
         assert isinstance(rollout, Rollout) and rollout.completion_mask[workers].sum() > 0
+
+
+def test_lookup_tool_and_twohop_rows_agree():
+    from mmpo.tools.lookup import CITIES, city_of, lookup, population_of
+
+    row = make_items("twohop", 3, seed=1)[2]
+    person = row["problem"].removeprefix("How many people live in the city where ").removesuffix(" lives?")
+    city = city_of(person)
+    assert city in CITIES and row["answer"] == str(population_of(city)) and 10_000 <= int(row["answer"]) < 100_000
+    answer = lookup(f"person:{person}")
+    assert f"[match] {person} lives in {city}." in answer
+    assert len(answer.split(". ")) == 7  # the record and 6 distractors
+    assert f"[match] {city} has {row['answer']} inhabitants." in lookup(f"city:{city}")
+    assert lookup(f"city: {city.lower()} ") .count("[match]") == 1
+    with pytest.raises(ValueError, match="no city"):
+        lookup("city:Atlantis")
+    with pytest.raises(ValueError, match="key must be"):
+        lookup("planet:Mars")
+    trace = row["tool_trace"]
+    assert [m["role"] for m in trace] == ["assistant", "tool", "assistant", "tool", "assistant"]
+    assert trace[-1]["content"].endswith(f"<answer>{row['answer']}</answer>")
+
+
+def test_lookup_runs_in_the_sandbox():
+    import json
+
+    from mmpo.tools.env import ToolEnvironment
+    from mmpo.tools.functions import load_tools
+    from mmpo.tools.lookup import lookup
+    from mmpo.tools.sandbox import SandboxLimits, ToolSandbox
+
+    sandbox = ToolSandbox(SandboxLimits(timeout_s=10.0))
+    try:
+        env = ToolEnvironment(load_tools(["mmpo.tools.lookup:lookup"]), sandbox)
+        call = json.dumps({"name": "lookup", "arguments": {"key": "city:Harrow"}})
+        result = env.step(f"<tool_call>{call}</tool_call>")
+    finally:
+        sandbox.shutdown()
+    assert result.observation[0]["content"] == lookup("city:Harrow")
