@@ -258,3 +258,19 @@ def test_lookup_runs_in_the_sandbox():
     finally:
         sandbox.shutdown()
     assert result.observation[0]["content"] == lookup("city:Harrow")
+
+
+def test_group_filter_runs_on_planners_and_workers_follow():
+    from mmpo.training.config import AdvantageConfig
+
+    module = MATPOModule.__new__(MATPOModule)  # the hook alone, without a model
+    module.advantage = AdvantageConfig(dynamic_sampling=True)
+    parents = torch.tensor([-1, -1, -1, -1, 1, 2, 3])
+    rollout = Rollout(rows=[{}] * 7, group_ids=torch.tensor([0, 0, 1, 1, 2, 3, 4]),
+                      prompt_inputs={"input_ids": torch.zeros(7, 2, dtype=torch.long)},
+                      completion_ids=torch.zeros(7, 1, dtype=torch.long), completion_mask=torch.ones(7, 1),
+                      texts=[""] * 7, extras={"matpo_parent": parents})
+    # question 0's planners agree (1, 1): dropped with their worker; question 1's differ (0, 1): kept
+    keep, metrics = module.filter_groups(torch.tensor([1.0, 1.0, 0.0, 1.0, 1.0, 0.0, 1.0]), rollout)
+    assert keep.tolist() == [False, False, True, True, False, True, True]
+    assert metrics["rewards/dropped_groups"] == 1
