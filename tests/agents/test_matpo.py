@@ -201,8 +201,12 @@ def test_two_steps_train_planner_and_workers(tmp_path):
     before = [p.detach().clone() for p in module.model.parameters()]
     rows = DataLoader(make_items("calc", 4, seed=0), batch_size=2, collate_fn=list)
     trainer = L.Trainer(accelerator="cpu", max_steps=2, logger=False, enable_checkpointing=False,
-                        enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0)
+                        enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
+                        default_root_dir=tmp_path / "run")
     trainer.fit(module, rows)
+    # the rollout log holds every planner and worker trajectory of both steps
+    records = (tmp_path / "run" / "rollouts.jsonl").read_text().splitlines()
+    assert len(records) == sum(len(seen[0]) for seen in module.seen)
     assert any(not torch.equal(a, b) for a, b in zip(before, module.model.parameters()))
     assert any(bool(advantages.abs().sum() > 0) for _, _, advantages, _ in module.seen)
     for rollout, rewards, advantages, metrics in module.seen:
