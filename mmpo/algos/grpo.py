@@ -680,6 +680,7 @@ class GRPOModule(VLMPolicyModule):
         """
         mask = loss_mask(rollout)[index]
         global_tokens, global_seqs = self.update_engine.global_normalisers(mask)
+        global_seqs = self.loss_sequence_count(rollout, index, global_seqs)
         if float(global_tokens) == 0:
             # Every group was filtered out (e.g. dynamic sampling). global_tokens is summed over ranks, so all agree.
             log.warning("step %s: no completion tokens left in the minibatch; update skipped", self.global_step)
@@ -733,6 +734,11 @@ class GRPOModule(VLMPolicyModule):
 
         return self.update_engine.optimizer_step(index.split(micro_size), micro_loss,
                                                  loss_scale=self.update_engine.world_size).metrics
+
+    def loss_sequence_count(self, rollout: Rollout, index: Tensor, sequences: Tensor) -> Tensor:
+        """The sequence normaliser of the ``seq-mean-*`` aggregations for minibatch ``index`` (hook: MATPO counts
+        only its planner rollouts). Default: ``sequences``, the non-empty sequences summed over every rank."""
+        return sequences
 
     def core_loss_spec(self) -> CoreLossSpec:
         """The core loss of this module's settings: ``loss`` with its clip bounds and ``loss_settings``, the KL

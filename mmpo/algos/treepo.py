@@ -4,7 +4,7 @@ Official code: ``multimodal-art-projection/TreePO`` (verl fork; sampler
 ``vLLMRollout.generate_sequences_tree_deepth_first_vanilla_mode``, estimator
 ``compute_tree_reinforce_plus_plus_baseline_outcome_advantage``, recipe ``recipe/treepo/run_treepo_train.sh``).
 
-Rollout (:func:`grow_trees`): every active path generates one segment of ``segment_len`` tokens; a path
+Rollout (:func:`grow_trees`, on the frontier loop of :mod:`mmpo.algos.tree_rollout`): every active path generates one segment of ``segment_len`` tokens; a path
 that emits EOS (or reaches ``max_new_tokens``) becomes a leaf; the others fork. The first fork has
 ``first_branching`` children; afterwards each prompt's budget for the next step is
 ``min(w - finished, b * finished_this_step + b * active)`` (at least one per active path), split evenly
@@ -29,6 +29,7 @@ from torch import Tensor
 
 from mmpo.algos.config import refuse_rollout_correction, require
 from mmpo.algos.grpo import GRPOModule
+from mmpo.algos.tree_rollout import grow_frontier
 from mmpo.training.config import AdvantageConfig, as_config
 from mmpo.core import compute_advantages_with_metrics, dynamic_sampling_filter
 from mmpo.core.advantages_tree import TREE_WEIGHTINGS
@@ -85,34 +86,27 @@ def grow_trees(
               choices=[i % first_branching], done=bool(first_ended[i]) or max_new_tokens <= segment_len)
         for i in range(len(first))
     ]
-    finished_now = {g: sum(p.done for p in paths if p.group == g) for g in range(len(rows))}
-    for _depth in range(1, depth_max):
-        parents, children = [], []
-        for g in range(len(rows)):
-            active = [p for p in paths if p.group == g and not p.done]
-            finished = sum(p.done for p in paths if p.group == g)
-            for path, count in zip(active, fork_counts(len(active), finished, finished_now[g],
-                                                       width=width, branching=branching)):
-                parents += [path] * count
-                children += list(range(count))
-        if not parents:
-            break
-        prefix = torch.nn.utils.rnn.pad_sequence([p.ids for p in parents], batch_first=True,
+
+    def expand(parents: list[tuple[_Path, int]]) -> list[_Path]:
+        prefix = torch.nn.utils.rnn.pad_sequence([p.ids for p, _ in parents], batch_first=True,
                                                  padding_value=engine.pad_token_id)
-        prefix_mask = torch.nn.utils.rnn.pad_sequence([torch.ones_like(p.ids) for p in parents], batch_first=True)
-        prompts = extend_prompts(select_rows(first.prompt_inputs, [p.root for p in parents]), prefix, prefix_mask,
+        prefix_mask = torch.nn.utils.rnn.pad_sequence([torch.ones_like(p.ids) for p, _ in parents], batch_first=True)
+        prompts = extend_prompts(select_rows(first.prompt_inputs, [p.root for p, _ in parents]), prefix, prefix_mask,
                                  pad_token_id=engine.pad_token_id)
-        budget = min(segment_len, max_new_tokens - max(len(p.ids) for p in parents))
-        step = generate_from_inputs(engine, [first.rows[p.root] for p in parents], prompts,
+        budget = min(segment_len, max_new_tokens - max(len(p.ids) for p, _ in parents))
+        step = generate_from_inputs(engine, [first.rows[p.root] for p, _ in parents], prompts,
                                     max_new_tokens=max(budget, 1), temperature=temperature, top_p=top_p)
         step_ended = ended(step, engine.eos_token_id)
         grown = []
-        for i, (parent, child) in enumerate(zip(parents, children)):
+        for i, (parent, child) in enumerate(parents):
             ids = torch.cat([parent.ids, step.completion_ids[i][step.completion_mask[i] > 0]])
             grown.append(_Path(root=parent.root, group=parent.group, ids=ids, choices=parent.choices + [child],
                                done=bool(step_ended[i]) or len(ids) >= max_new_tokens))
-        finished_now = {g: sum(p.done for p in grown if p.group == g) for g in range(len(rows))}
-        paths = [p for p in paths if p.done] + grown
+        return grown
+
+    paths = grow_frontier(paths, group_of=lambda p: p.group, expand=expand, max_depth=depth_max,
+                          fork=lambda active, finished, finished_now: fork_counts(
+                              len(active), finished, finished_now, width=width, branching=branching))
     paths.sort(key=lambda p: (p.group, p.choices))
     return _leaves_rollout(engine, first, paths, depth_max)
 

@@ -185,6 +185,23 @@ class MultiTurnEngine:
                  temperature: float = 1.0, top_p: float = 1.0, do_sample: bool = True) -> Rollout:
         """``num_samples`` trajectories per row; ``envs`` holds one fresh environment per trajectory
         (``len(rows) * num_samples``, trajectory ``i`` answers row ``i // num_samples``)."""
+        first, trajectories = self.start(rows, envs, num_samples=num_samples, temperature=temperature, top_p=top_p,
+                                         do_sample=do_sample)
+        prompts = first.prompt_inputs
+        while True:
+            self._step_environments(trajectories, envs)
+            active = [i for i, t in enumerate(trajectories) if not t.done]
+            if not active:
+                break
+            self._next_turn(trajectories, active, prompts, temperature=temperature, top_p=top_p, do_sample=do_sample)
+        self.last_transcripts = [t.transcript for t in trajectories]
+        return self._rollout(first, trajectories)
+
+    def start(self, rows: Sequence[Mapping[str, Any]], envs: Sequence[Environment], *, num_samples: int,
+              temperature: float = 1.0, top_p: float = 1.0, do_sample: bool = True) -> tuple[Rollout, list[_Trajectory]]:
+        """The first model turn of ``num_samples`` trajectories per row (environments reset, not yet stepped):
+        the engine's first-turn rollout (its ``prompt_inputs`` are every later turn's prompts) and the
+        trajectories. :meth:`generate` and tree rollouts (:mod:`mmpo.algos.dialtree`) continue from here."""
         rows = list(rows)
         if len(envs) != len(rows) * num_samples:
             raise ValueError(f"{len(envs)} environments for {len(rows)} rows x {num_samples} samples")
@@ -221,6 +238,28 @@ class MultiTurnEngine:
                                 do_sample=do_sample)
         self.last_transcripts = [t.transcript for t in trajectories]
         return self._rollout(first.rows, first.group_ids, first.prompt_inputs, trajectories)
+
+    def start(self, rows: Sequence[Mapping[str, Any]], envs: Sequence[Environment], *, num_samples: int,
+              temperature: float = 1.0, top_p: float = 1.0, do_sample: bool = True) -> tuple[Rollout, list[_Trajectory]]:
+        """The first model turn of ``num_samples`` trajectories per row (environments reset, not yet stepped), without
+        a kept cache: the engine's first-turn rollout (its ``prompt_inputs`` are every later turn's prompts) and the
+        trajectories. Tree rollouts (:mod:`mmpo.algos.dialtree`) continue from here with :meth:`_next_turn`."""
+        rows = list(rows)
+        if len(envs) != len(rows) * num_samples:
+            raise ValueError(f"{len(envs)} environments for {len(rows)} rows x {num_samples} samples")
+        first_messages = [env.reset(rows[i // num_samples]) for i, env in enumerate(envs)]
+        prompt_rows = self.tool_prompt_rows(rows, [first_messages[index * num_samples] for index in range(len(rows))],
+                                            [envs[index * num_samples].tools for index in range(len(rows))])
+        first = self.engine.generate(prompt_rows, num_samples=num_samples,
+                                     max_new_tokens=min(self.max_tokens_per_turn, self.max_total_tokens),
+                                     temperature=temperature, top_p=top_p, do_sample=do_sample, return_log_probs=True)
+        trajectories = [_Trajectory() for _ in envs]
+        for i, trajectory in enumerate(trajectories):
+            trajectory.transcript.append({"role": "user", "content": first_messages[i]})
+            keep = first.completion_mask[i] > 0
+            self._add_turn(trajectory, first.completion_ids[i][keep].tolist(),
+                           first.extras["engine_log_probs"][i][keep].tolist())
+        return first, trajectories
 
     def tool_prompt_rows(self, rows: Sequence[Mapping[str, Any]], first_messages: Sequence[str],
                          tools: Sequence[Sequence[Mapping[str, Any]]]) -> list[dict[str, Any]]:

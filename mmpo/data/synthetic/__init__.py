@@ -18,7 +18,7 @@ from mmpo.data.synthetic.registry import (
 )
 
 # Importing the task modules registers the built-in tasks.
-from mmpo.data.synthetic import shapes_tasks, chart_tasks, geometry_tasks, text_tasks, agent_tasks  # noqa: E402,F401
+from mmpo.data.synthetic import shapes_tasks, chart_tasks, geometry_tasks, text_tasks, agent_tasks, dialogue_tasks  # noqa: E402,F401
 
 VISUAL_TASKS: tuple[str, ...] = (
     "count_shapes", "shape_position", "relative_position", "compare_size", "bar_chart", "triangle_angle",
@@ -28,8 +28,11 @@ VISUAL_TASKS: tuple[str, ...] = (
 TEXT_TASKS: tuple[str, ...] = ("long_arithmetic", "word_problem", "countdown")
 """The built-in text-only reasoning tasks for text LMs (mmpo.data.synthetic.text_tasks; docs/llm.md)."""
 
-AGENT_TASKS: tuple[str, ...] = ("calc", "zoom")
+AGENT_TASKS: tuple[str, ...] = ("calc", "zoom", "twohop")
 """Tasks where a tool must help (mmpo.data.synthetic.agent_tasks; docs/agents.md)."""
+
+DIALOGUE_TASKS: tuple[str, ...] = ("lock",)
+"""Multi-turn dialogue tasks against a scripted target (mmpo.data.synthetic.dialogue_tasks; docs/dialtree_rpo.md)."""
 
 __all__ = [
     "DEFAULT_IMAGE_SIZE",
@@ -38,6 +41,7 @@ __all__ = [
     "TASKS",
     "TEXT_TASKS",
     "AGENT_TASKS",
+    "DIALOGUE_TASKS",
     "VISUAL_TASKS",
     "corpus",
     "get_task",

@@ -1,5 +1,6 @@
-"""Tasks where a tool must help: ``calc``, arithmetic a tiny model cannot do in its head, and ``zoom``, a detail
-too small to read at a VLM's input resolution.
+"""Tasks where a tool must help: ``calc``, arithmetic a tiny model cannot do in its head; ``zoom``, a detail
+too small to read at a VLM's input resolution; ``twohop``, two lookups whose answers are padded with distractors
+(MATPO's testbed, docs/matpo.md).
 
 ``calc``: ``Compute 4821 * 37 - 1290.`` (difficulty 1: a 3-digit times a 2-digit number plus a 3-digit one;
 2: 4-digit x 2-digit +/- 4-digit; 3: 4-digit x 3-digit +/- 5-digit). The answer is an integer (the
@@ -119,4 +120,40 @@ def zoom(rng: random.Random, difficulty: int, image_size: int) -> dict[str, Any]
         "image_description": f"A {side}x{side} image with a small red box holding a number.",
         "rationale": "I zoom into the red box to read the number.",
         "tool_trace": zoom_trace(bbox, crop_region([image], bbox), value),
+
+_FIRST_NAMES = ("Ada", "Bram", "Cleo", "Dario", "Edda", "Femi", "Gus", "Hana", "Ivo", "Juno", "Kai", "Lena")
+_LAST_NAMES = ("Abbott", "Brook", "Castell", "Drummond", "Ellery", "Frost", "Garrow", "Holt", "Ingram", "Jessop")
+
+
+def lookup_trace(person: str) -> list[dict[str, str]]:
+    """The single-agent conversation that solves a ``twohop`` row with the lookup tool (two calls, then the
+    answer); the tool answers are the real ones, distractors included."""
+    from mmpo.tools.lookup import city_of, lookup, population_of
+
+    city = city_of(person)
+    calls = [json.dumps({"name": "lookup", "arguments": {"key": key}}) for key in (f"person:{person}", f"city:{city}")]
+    return [
+        {"role": "assistant", "content": f"<tool_call>\n{calls[0]}\n</tool_call>"},
+        {"role": "tool", "content": lookup(f"person:{person}")},
+        {"role": "assistant", "content": f"<tool_call>\n{calls[1]}\n</tool_call>"},
+        {"role": "tool", "content": lookup(f"city:{city}")},
+        {"role": "assistant", "content": f"<think>{person} lives in {city}, which has {population_of(city)} "
+                                         f"inhabitants.</think><answer>{population_of(city)}</answer>"},
+    ]
+
+
+@register_task("twohop")
+def twohop(rng: random.Random, difficulty: int, image_size: int) -> dict[str, Any]:
+    """How many people live in the city where <person> lives? Two lookups (person -> city -> population), each
+    answer padded with distractor records (mmpo.tools.lookup); answer: the population."""
+    from mmpo.tools.lookup import city_of, population_of
+
+    person = f"{rng.choice(_FIRST_NAMES)} {rng.choice(_LAST_NAMES)}"
+    city = city_of(person)
+    value = str(population_of(city))
+    return {
+        "images": [], "problem": f"How many people live in the city where {person} lives?", "answer": value,
+        "steps": [f"{person} lives in {city}.", f"{city} has {value} inhabitants.", f"So the answer is {value}."],
+        "key_steps": [[city], [value]], "needs_image": False, "image_description": "There is no image.",
+        "rationale": "I look the person up, then the city.", "tool_trace": lookup_trace(person),
     }
