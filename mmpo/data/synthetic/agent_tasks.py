@@ -120,6 +120,8 @@ def zoom(rng: random.Random, difficulty: int, image_size: int) -> dict[str, Any]
         "image_description": f"A {side}x{side} image with a small red box holding a number.",
         "rationale": "I zoom into the red box to read the number.",
         "tool_trace": zoom_trace(bbox, crop_region([image], bbox), value),
+    }
+
 
 _FIRST_NAMES = ("Ada", "Bram", "Cleo", "Dario", "Edda", "Femi", "Gus", "Hana", "Ivo", "Juno", "Kai", "Lena")
 _LAST_NAMES = ("Abbott", "Brook", "Castell", "Drummond", "Ellery", "Frost", "Garrow", "Holt", "Ingram", "Jessop")
