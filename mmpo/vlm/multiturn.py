@@ -185,23 +185,6 @@ class MultiTurnEngine:
                  temperature: float = 1.0, top_p: float = 1.0, do_sample: bool = True) -> Rollout:
         """``num_samples`` trajectories per row; ``envs`` holds one fresh environment per trajectory
         (``len(rows) * num_samples``, trajectory ``i`` answers row ``i // num_samples``)."""
-        first, trajectories = self.start(rows, envs, num_samples=num_samples, temperature=temperature, top_p=top_p,
-                                         do_sample=do_sample)
-        prompts = first.prompt_inputs
-        while True:
-            self._step_environments(trajectories, envs)
-            active = [i for i, t in enumerate(trajectories) if not t.done]
-            if not active:
-                break
-            self._next_turn(trajectories, active, prompts, temperature=temperature, top_p=top_p, do_sample=do_sample)
-        self.last_transcripts = [t.transcript for t in trajectories]
-        return self._rollout(first, trajectories)
-
-    def start(self, rows: Sequence[Mapping[str, Any]], envs: Sequence[Environment], *, num_samples: int,
-              temperature: float = 1.0, top_p: float = 1.0, do_sample: bool = True) -> tuple[Rollout, list[_Trajectory]]:
-        """The first model turn of ``num_samples`` trajectories per row (environments reset, not yet stepped):
-        the engine's first-turn rollout (its ``prompt_inputs`` are every later turn's prompts) and the
-        trajectories. :meth:`generate` and tree rollouts (:mod:`mmpo.algos.dialtree`) continue from here."""
         rows = list(rows)
         if len(envs) != len(rows) * num_samples:
             raise ValueError(f"{len(envs)} environments for {len(rows)} rows x {num_samples} samples")
