@@ -18,9 +18,7 @@ off with kl_kind k1 (verl ``algorithm.use_kl_in_reward: false``, ``kl_penalty: k
 from __future__ import annotations
 
 import copy
-import dataclasses
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Mapping
 
 import torch
@@ -93,34 +91,6 @@ class ValueModel(torch.nn.Module):
         torch.nn.init.zeros_(self.head.weight)  # V = 0 everywhere at the start: GAE begins as plain returns
         torch.nn.init.zeros_(self.head.bias)
 
-    HEAD_FILE = "value_head.safetensors"
-
-    @classmethod
-    def from_pretrained(cls, path: str, *, dtype: str | None = None) -> "ValueModel":
-        """The backbone at ``path`` (``load_vlm``) with the head saved beside it (:data:`HEAD_FILE`, written by
-        :meth:`save_head`; a zero head when the directory has none: a policy checkpoint)."""
-        from safetensors.torch import load_file
-
-        from mmpo.vlm.factory import load_vlm
-
-        value_model = cls(load_vlm(path, **({"dtype": getattr(torch, dtype)} if dtype else {}))[0])
-        head = Path(path) / cls.HEAD_FILE
-        if head.is_file():
-            value_model.head.load_state_dict(load_file(str(head)))
-        return value_model
-
-    def save_head(self, directory: str | Path) -> Path:
-        """Write the head's weights to ``directory`` / :data:`HEAD_FILE` (atomically: temp file + rename)."""
-        import os
-
-        from safetensors.torch import save_file
-
-        path = Path(directory) / self.HEAD_FILE
-        temporary = path.with_name(path.name + ".tmp")
-        save_file({k: v.detach().contiguous().cpu() for k, v in self.head.state_dict().items()}, str(temporary))
-        os.replace(temporary, path)
-        return path
-
     def forward(self, rollout: Rollout) -> Tensor:
         """``(N, T)`` values (float32) over the completion positions of ``rollout``."""
         hidden = completion_hidden_states(self.lm, rollout.prompt_inputs, rollout.completion_ids,
@@ -139,11 +109,13 @@ class PPOModule(GRPOModule):
                  advantage: AdvantageConfig = AdvantageConfig(name="grpo"), **kwargs: Any) -> None:
         super().__init__(model_path, advantage=advantage, **kwargs)
         self.critic_config = as_config(critic, ValueModelConfig())
-        self.hparams["critic"] = dataclasses.asdict(self.critic_config)  # plain dicts in checkpoints (as every group)
         if self.critic_config.model_path is None:
-            self.critic = ValueModel(copy.deepcopy(self.model))
-        else:  # a checkpoint: a policy (zero head) or a pretrained value model (its head beside it)
-            self.critic = ValueModel.from_pretrained(self.critic_config.model_path, dtype=self.hparams.dtype)
+            backbone = copy.deepcopy(self.model)
+        else:
+            from mmpo.vlm.factory import load_vlm
+
+            backbone = load_vlm(self.critic_config.model_path, dtype=self.hparams.dtype)[0]
+        self.critic = ValueModel(backbone)
         if self.critic_config.kl_coef > 0 and self._reference[0] is None:
             from mmpo.training.lora import is_lora
             from mmpo.vlm.factory import make_reference_model
