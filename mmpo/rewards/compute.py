@@ -223,12 +223,8 @@ def compute_rewards(
         metrics[f"rewards/{label}/timeouts"] = float(outcome.timed_out)
         metrics[f"rewards/{label}/nonfinite"] = float(rejected)
         metrics[f"rewards/{label}/clamped"] = float(clamped)
-        if is_user_reward_spec(name) or getattr(fns[name], "returns_none", False):
+        if is_user_reward_spec(name):
             metrics[f"rewards/{label}/none_frac"] = float((~applicable).float().mean()) if n else 0.0
-        call = getattr(fns[name], "last_call", None)  # a judge: requests that failed, replies it could not read
-        if call is not None:
-            metrics[f"rewards/{label}/failed"] = float(call.failed)
-            metrics[f"rewards/{label}/unparsed"] = float(call.unparsed)
     if n and not scored.all():
         logger.warning("%d of %d completions got None from every reward function; their total reward is 0",
                        int((~scored).sum()), n)

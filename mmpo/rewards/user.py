@@ -30,7 +30,6 @@ from typing import Any
 
 import torch
 
-from mmpo.rewards.judge import is_judge_spec, judge
 from mmpo.rewards.reward_model import is_reward_model_spec, parse_reward_model_spec, reward_model
 from mmpo.rewards.registry import REWARDS, RewardFn, get_reward
 
@@ -50,8 +49,8 @@ RewardSpec = PluginSpec
 
 def is_user_reward_spec(name: str) -> bool:
     """True for ``file.py:fn`` / ``module:fn`` specs, False for registered names (no ``:``) and reward-model
-    checkpoints (``rm:PATH``) and judges (``judge:FILE.yaml``)."""
-    return SPEC_SEPARATOR in name and not is_reward_model_spec(name) and not is_judge_spec(name)
+    checkpoints (``rm:PATH``)."""
+    return SPEC_SEPARATOR in name and not is_reward_model_spec(name)
 
 
 def parse_reward_spec(text: str) -> RewardSpec:
@@ -182,10 +181,10 @@ def resolve_reward(name: str) -> RewardFn:
         RewardSpecError: an unknown registered name (listing the valid ones) or an unusable spec
         (file not found, import failed, no such function, not callable, bad signature).
     """
-    if is_reward_model_spec(name) or is_judge_spec(name):  # rm:PATH / judge:FILE.yaml (mmpo.rewards.reward_model,
-        try:                                                  # mmpo.rewards.judge)
-            return reward_model(name) if is_reward_model_spec(name) else judge(name)
-        except (ValueError, TypeError) as exc:
+    if is_reward_model_spec(name):  # rm:PATH: a reward-model checkpoint (mmpo.rewards.reward_model)
+        try:
+            return reward_model(name)
+        except ValueError as exc:
             raise RewardSpecError(str(exc)) from None
     if not is_user_reward_spec(name):
         try:
@@ -201,8 +200,6 @@ def reward_label(name: str) -> str:
     """The ``<name>`` of ``rewards/<name>/*`` metrics: the registered name, or a user function's own name."""
     if is_reward_model_spec(name):
         return parse_reward_model_spec(name).label
-    if is_judge_spec(name):
-        return judge(name).__name__
     return parse_reward_spec(name).attribute.rsplit(".", 1)[-1] if is_user_reward_spec(name) else name
 
 

@@ -13,8 +13,7 @@ import yaml
 from mmpo.cli import main
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
-# configs/judges holds judge descriptions for `judge:FILE.yaml` rewards (tests/e2e/test_judge_reward.py), not fit configs
-ALL = sorted(p.relative_to(CONFIGS).as_posix() for p in CONFIGS.rglob("*.yaml") if p.parent.name != "judges")
+ALL = sorted(p.relative_to(CONFIGS).as_posix() for p in CONFIGS.rglob("*.yaml"))
 
 
 def test_the_configs_are_found():
