@@ -103,9 +103,7 @@ def _run_rewards(fns: dict[str, RewardFn], completions: list[str], rows: list[di
     """name -> outcome of ``fn(completions, rows)``, in the worker where possible (module docstring)."""
     if timeout_s is None:
         return {name: _run_inline(fn, completions, rows) for name, fn in fns.items()}
-    # a reward model stays resident here (runs_in_caller); a function that could not be pickled before, too
-    for_worker = [(name, fn) for name, fn in fns.items()
-                  if _RUNS_IN_CALLER.get(name) is not fn and not getattr(fn, "runs_in_caller", False)]
+    for_worker = [(name, fn) for name, fn in fns.items() if _RUNS_IN_CALLER.get(name) is not fn]
     outcomes: dict[str, CallOutcome] = {}
     if for_worker:
         try:

@@ -30,7 +30,6 @@ from typing import Any
 
 import torch
 
-from mmpo.rewards.reward_model import is_reward_model_spec, parse_reward_model_spec, reward_model
 from mmpo.rewards.registry import REWARDS, RewardFn, get_reward
 
 from mmpo.plugins import SPEC_SEPARATOR, PluginSpec, PluginSpecError, function_of, import_module, load_file, parse_spec
@@ -48,9 +47,8 @@ RewardSpec = PluginSpec
 
 
 def is_user_reward_spec(name: str) -> bool:
-    """True for ``file.py:fn`` / ``module:fn`` specs, False for registered names (no ``:``) and reward-model
-    checkpoints (``rm:PATH``)."""
-    return SPEC_SEPARATOR in name and not is_reward_model_spec(name)
+    """True for ``file.py:fn`` / ``module:fn`` specs, False for registered names (no ``:``)."""
+    return SPEC_SEPARATOR in name
 
 
 def parse_reward_spec(text: str) -> RewardSpec:
@@ -181,11 +179,6 @@ def resolve_reward(name: str) -> RewardFn:
         RewardSpecError: an unknown registered name (listing the valid ones) or an unusable spec
         (file not found, import failed, no such function, not callable, bad signature).
     """
-    if is_reward_model_spec(name):  # rm:PATH: a reward-model checkpoint (mmpo.rewards.reward_model)
-        try:
-            return reward_model(name)
-        except ValueError as exc:
-            raise RewardSpecError(str(exc)) from None
     if not is_user_reward_spec(name):
         try:
             return get_reward(name)
@@ -198,8 +191,6 @@ def resolve_reward(name: str) -> RewardFn:
 
 def reward_label(name: str) -> str:
     """The ``<name>`` of ``rewards/<name>/*`` metrics: the registered name, or a user function's own name."""
-    if is_reward_model_spec(name):
-        return parse_reward_model_spec(name).label
     return parse_reward_spec(name).attribute.rsplit(".", 1)[-1] if is_user_reward_spec(name) else name
 
 

@@ -265,10 +265,9 @@ def _save_initialised(model_class: Any, config: Any, ids: dict[str, int], *, see
     generation config, saved with its processor (or tokenizer): the last step of both tiny builders."""
     torch.manual_seed(seed)
     model = model_class(config)
-    if getattr(model, "generation_config", None) is not None:  # a reward model does not generate
-        model.generation_config.eos_token_id = ids["<|im_end|>"]
-        model.generation_config.pad_token_id = ids["<|endoftext|>"]
-        model.generation_config.bos_token_id = ids["<|endoftext|>"]
+    model.generation_config.eos_token_id = ids["<|im_end|>"]
+    model.generation_config.pad_token_id = ids["<|endoftext|>"]
+    model.generation_config.bos_token_id = ids["<|endoftext|>"]
     model.save_pretrained(output_dir)
     processor.save_pretrained(output_dir)
 
@@ -464,10 +463,8 @@ def build_tiny_text_lm(
     num_kv_heads: int = 2,
     intermediate_size: int = 384,
     max_position_embeddings: int = 2048,
-    reward_model: bool = False,
 ) -> Path:
-    """Build, save and return the directory of a tiny randomly initialised Qwen3 text LM (with
-    ``reward_model``: a ``Qwen3ForSequenceClassification`` with one output, a reward model for ``rm:PATH``).
+    """Build, save and return the directory of a tiny randomly initialised Qwen3 text LM.
 
     The model is a real ``Qwen3ForCausalLM`` (a ``Qwen3Config`` with ``num_layers`` layers, grouped-query
     attention with q/k norms), the tokenizer a byte-level BPE trained on ``corpus`` with the ChatML special
@@ -481,7 +478,7 @@ def build_tiny_text_lm(
         corpus: texts for the tokenizer; default: :func:`default_text_corpus`.
         **size: the model sizes above; head_dim = hidden_size / num_heads must be even.
     """
-    from transformers import Qwen3Config, Qwen3ForCausalLM, Qwen3ForSequenceClassification
+    from transformers import Qwen3Config, Qwen3ForCausalLM
 
     if hidden_size % num_heads or (hidden_size // num_heads) % 2:
         raise ValueError(f"hidden_size {hidden_size} / num_heads {num_heads} must be an even integer head_dim")
@@ -510,12 +507,10 @@ def build_tiny_text_lm(
         eos_token_id=ids["<|im_end|>"],
         pad_token_id=ids["<|endoftext|>"],
         tie_word_embeddings=False,
-        **({"num_labels": 1} if reward_model else {}),  # a reward model's one score
     )
-    architecture = Qwen3ForSequenceClassification if reward_model else Qwen3ForCausalLM
-    _save_initialised(architecture, config, ids, seed=seed, output_dir=output_dir, processor=tokenizer)
+    _save_initialised(Qwen3ForCausalLM, config, ids, seed=seed, output_dir=output_dir, processor=tokenizer)
     (output_dir / "mmpo_tiny.json").write_text(
-        json.dumps({"kind": "reward" if reward_model else "text", "seed": seed, "vocab_size": len(tokenizer), "hidden_size": hidden_size,
+        json.dumps({"kind": "text", "seed": seed, "vocab_size": len(tokenizer), "hidden_size": hidden_size,
                     "num_layers": num_layers}, indent=2)
     )
     return output_dir

@@ -17,7 +17,6 @@ import os
 import shutil
 import sys
 import tempfile
-from functools import partial
 from pathlib import Path
 from typing import Sequence
 
@@ -25,10 +24,8 @@ from mmpo.vlm.factory import build_tiny_text_lm, build_tiny_vlm
 
 DEFAULT_OUT = "runs/tiny/base"  # model_path of configs/vlm/sft_tiny.yaml
 DEFAULT_TEXT_OUT = "runs/tiny/text_base"  # model_path of configs/llm/sft_tiny.yaml
-DEFAULT_REWARD_OUT = "runs/tiny/reward_model"  # the rm: path of configs/vlm/grpo_tiny_reward_model.yaml
-# the reward model is the text LM's builder with a one-output classification head (same size flags)
-BUILDERS = {"vlm": build_tiny_vlm, "text": build_tiny_text_lm, "reward": partial(build_tiny_text_lm, reward_model=True)}
-DEFAULT_OUTS = {"vlm": DEFAULT_OUT, "text": DEFAULT_TEXT_OUT, "reward": DEFAULT_REWARD_OUT}
+BUILDERS = {"vlm": build_tiny_vlm, "text": build_tiny_text_lm}
+DEFAULT_OUTS = {"vlm": DEFAULT_OUT, "text": DEFAULT_TEXT_OUT}
 
 
 def size_parameters(kind: str = "vlm") -> dict[str, int]:
@@ -48,8 +45,7 @@ def build_parser() -> argparse.ArgumentParser:
         f"configs: `mmpo build-tiny` writes {DEFAULT_OUT}, the model_path of configs/vlm/sft_tiny.yaml.",
     )
     parser.add_argument("--kind", choices=sorted(BUILDERS), default="vlm",
-                        help="vlm: a tiny Qwen2.5-VL (default); text: a tiny Qwen3 text LM (configs/llm); reward: a "
-                             "tiny Qwen3 reward model (sequence classification, one output; docs/rewards.md)")
+                        help="vlm: a tiny Qwen2.5-VL (default); text: a tiny Qwen3 text LM (configs/llm)")
     parser.add_argument("--out", default=None,
                         help=f"output directory (default: {DEFAULT_OUT}; with --kind text {DEFAULT_TEXT_OUT})")
     parser.add_argument("--seed", type=int, default=0, help="seed of the weight initialisation (default: 0)")
@@ -98,10 +94,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (FileExistsError, ValueError) as error:
         print(f"mmpo build-tiny: error: {error}", file=sys.stderr)
         return 2
-    name = {"vlm": "Qwen2.5-VL", "text": "Qwen3 text LM", "reward": "Qwen3 reward model"}[args.kind]
-    use = (f"use it as rm:{out} in rewards.weights" if args.kind == "reward"
-           else "load it with mmpo.vlm.factory.load_vlm, or as model_path")
-    print(f"tiny {name} written to {out} ({use})")
+    name = "Qwen2.5-VL" if args.kind == "vlm" else "Qwen3 text LM"
+    print(f"tiny {name} written to {out} (load it with mmpo.vlm.factory.load_vlm, or as model_path)")
     return 0
 
 
