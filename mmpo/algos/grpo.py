@@ -527,7 +527,7 @@ class GRPOModule(VLMPolicyModule):
         metrics.update(_mean_dicts(update_stats))
         metrics["perf/rollout_s"] = t_rollout
         metrics["perf/update_s"] = t_update
-        metrics["lr"] = self.update_engine.optimizers()[0].param_groups[0]["lr"]  # the policy's (PPO: 2 optimizers)
+        metrics["lr"] = self.optimizers().param_groups[0]["lr"]
         metrics["perf/skipped_steps"] = float(self.nonfinite.skipped_steps)
         metrics["rewards/total/mean"] = float(rewards.mean())
         metrics.update(state.metrics)
