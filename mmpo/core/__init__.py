@@ -26,8 +26,6 @@ Pieces (each a pure function behind a name registry where there are variants):
 - preference losses: :func:`preference_loss` (``sigmoid`` DPO / cDPO, ``ipo``, ``robust``, ``hinge``;
   ``rpo_alpha``: + the chosen NLL, :func:`chosen_nll`) and :func:`inpo_loss` (INPO) on sequence
   log-probs, with TRL's ``rewards/*`` metrics.
-- PPO with a learned critic (:mod:`mmpo.core.value`): :func:`token_gae` (verl's token-level GAE),
-  :func:`clipped_value_loss`, :func:`rlhf_token_rewards` (outcome on the last token, KL penalty per token).
 - filters (:func:`dynamic_sampling_filter`, :func:`gfpo_filter`, :func:`lspo_filter`) and shaping
   (:func:`overlong_soft_punishment`, :func:`dither_rewards`).
 """
@@ -85,12 +83,8 @@ from mmpo.core.rollout_correction import (
     rollout_is_weights,
 )
 from mmpo.core.shaping import DitherDistribution, dither_rewards, overlong_soft_punishment
-from mmpo.core.value import clipped_value_loss, rlhf_token_rewards, token_gae
 
 __all__ = [
-    "clipped_value_loss",
-    "rlhf_token_rewards",
-    "token_gae",
     "ADVANTAGE_ESTIMATORS",
     "BATCH_COUPLED_LOSSES",
     "AGGREGATION_MODES",
