@@ -40,7 +40,7 @@ from mmpo.training.lora import LoraSettings, is_lora, unwrap, wrap_with_lora
 from mmpo.training.optim import make_optimizer, max_steps_or_none
 from mmpo.training.step_state import StepState
 from mmpo.training.update import UpdateEngine
-from mmpo.vlm.factory import load_vlm, make_reference_model
+from mmpo.vlm.factory import load_vlm, make_reference_model, save_vlm
 from mmpo.vlm.logprobs import completion_hidden_states
 from mmpo.vlm.rollout import Rollout, completion_attention_mask
 
@@ -79,15 +79,12 @@ class TokenValueModel(torch.nn.Module):
                                           completion_attention_mask(rollout))
         return self.head(hidden.to(self.head.weight.dtype)).squeeze(-1).float()
 
-    def save(self, directory: str | Path, processor: Any = None) -> Path:
-        """The backbone in HF format plus ``value_head.pt`` (loadable as ``critic.path``)."""
+    def save(self, directory: str | Path, processor: Any) -> Path:
+        """The backbone and its processor in HF format plus ``value_head.pt`` (loadable as ``critic.path``)."""
         from mmpo.files import atomic_outputs
 
         directory = Path(directory)
-        directory.mkdir(parents=True, exist_ok=True)
-        unwrap(self.backbone).save_pretrained(directory)
-        if processor is not None:
-            processor.save_pretrained(directory)
+        save_vlm(self.backbone, processor, directory)  # a LoRA backbone: merged weights plus its adapter
         with atomic_outputs(directory / VALUE_HEAD_FILE) as (temp,):
             torch.save(self.head.state_dict(), temp)
         return directory
