@@ -233,12 +233,16 @@ class PPOModule(GRPOModule):
         return outcome_token_rewards(rewards, mask, old_log_probs=old.to(rewards), ref_log_probs=ref.to(rewards),
                                      kl_coef=h.kl_coef, kl_kind=h.kl_kind)
 
+    def prepare_values(self, values: Tensor, mask: Tensor) -> Tensor:
+        """Hook on the rollout-time values before GAE (DVPO whitens its frozen values). Default: as they are."""
+        return values
+
     def compute_advantages(self, rewards: Tensor, group_ids: Tensor, rollout: Rollout) -> tuple[Tensor, dict[str, float]]:
         """``(N, T)`` whitened GAE advantages; ``rollout.extras`` gets ``ppo_values`` and ``ppo_returns``."""
         h = self.hparams
         mask = loss_mask(rollout).to(rewards)
         token_rewards, metrics = self.token_rewards(rewards, rollout)
-        values = self.rollout_values(rollout).to(rewards) * mask
+        values = self.prepare_values(self.rollout_values(rollout).to(rewards) * mask, mask)
         advantages, returns = token_gae(token_rewards, values, mask, gamma=h.gamma, lam=h.lam)
         rollout.extras["ppo_values"], rollout.extras["ppo_returns"] = values, returns * mask
         real = mask > 0
