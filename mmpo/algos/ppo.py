@@ -41,6 +41,7 @@ from mmpo.training.optim import make_optimizer, max_steps_or_none
 from mmpo.training.step_state import StepState
 from mmpo.training.update import UpdateEngine
 from mmpo.vlm.factory import load_vlm, make_reference_model, save_vlm
+from mmpo.vlm.fsdp import as_root_forward, full_state_dict, is_sharded, shard_vlm
 from mmpo.vlm.logprobs import completion_hidden_states
 from mmpo.vlm.rollout import Rollout, completion_attention_mask
 
@@ -75,18 +76,40 @@ class TokenValueModel(torch.nn.Module):
 
     def forward(self, rollout: Rollout) -> Tensor:
         """``(N, T)`` values of ``rollout``'s completion tokens (float32)."""
-        hidden = completion_hidden_states(self.backbone, rollout.prompt_inputs, rollout.completion_ids,
-                                          completion_attention_mask(rollout))
+        # sharded (FSDP2): run as a forward of the backbone's root unit, so its own weights are gathered
+        hidden = as_root_forward(self.backbone, completion_hidden_states, self.backbone, rollout.prompt_inputs,
+                                 rollout.completion_ids, completion_attention_mask(rollout))
         return self.head(hidden.to(self.head.weight.dtype)).squeeze(-1).float()
 
-    def save(self, directory: str | Path, processor: Any) -> Path:
-        """The backbone and its processor in HF format plus ``value_head.pt`` (loadable as ``critic.path``)."""
+    def shard(self, mesh: Any, *, frozen: bool) -> None:
+        """FSDP2 over ``mesh``: the backbone as a policy (mmpo.vlm.fsdp.shard_vlm), the head as its own unit (so
+        its gradient is reduced over the ranks too)."""
+        from torch.distributed.fsdp import fully_shard
+
+        shard_vlm(self.backbone, mesh, frozen=frozen)
+        fully_shard(self.head, mesh=mesh)
+
+    def full_state(self) -> tuple[dict[str, Tensor] | None, dict[str, Tensor]]:
+        """(the backbone's full weights when sharded, else None; the head's full weights). Collective when sharded:
+        every rank must call it."""
+        if not is_sharded(self.backbone):
+            return None, self.head.state_dict()
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        head = get_model_state_dict(self.head, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        return full_state_dict(self.backbone), head
+
+    def save(self, directory: str | Path, processor: Any, *, state: tuple[dict | None, dict] | None = None) -> Path:
+        """The backbone and its processor in HF format plus ``value_head.pt`` (loadable as ``critic.path``);
+        ``state``: :meth:`full_state`, gathered beforehand on every rank when sharded."""
         from mmpo.files import atomic_outputs
 
         directory = Path(directory)
-        save_vlm(self.backbone, processor, directory)  # a LoRA backbone: merged weights plus its adapter
+        backbone_state, head_state = state if state is not None else self.full_state()
+        # a LoRA backbone: merged weights plus its adapter
+        save_vlm(self.backbone, processor, directory, state_dict=backbone_state)
         with atomic_outputs(directory / VALUE_HEAD_FILE) as (temp,):
-            torch.save(self.head.state_dict(), temp)
+            torch.save(head_state, temp)
         return directory
 
     @classmethod
@@ -275,17 +298,18 @@ class PPOModule(GRPOModule):
     def configure_model(self) -> None:
         super().configure_model()
         from mmpo.training.fsdp import FSDP2Strategy
-        from mmpo.vlm.fsdp import is_sharded, shard_vlm
 
         strategy = self._trainer.strategy if self._trainer is not None else None
         if isinstance(strategy, FSDP2Strategy) and not is_sharded(self.value_model.backbone):
-            shard_vlm(self.value_model.backbone, self.device_mesh["data_parallel"], frozen=self.critic.frozen)
+            self.value_model.shard(self.device_mesh["data_parallel"], frozen=self.critic.frozen)
 
     def save_hf(self, output_dir: str | Path | None = None) -> Path | None:
         """The policy as GRPO's export; the trained critic beside it in ``<output_dir>/critic``."""
+        # sharded: every rank takes part in gathering the critic's weights before rank 0 writes
+        state = None if self.critic.frozen else self.value_model.full_state()
         written = super().save_hf(output_dir)
-        if written is not None and not self.critic.frozen:
-            self.value_model.save(Path(written) / "critic", self.processor)
+        if written is not None and state is not None:
+            self.value_model.save(Path(written) / "critic", self.processor, state=state)
         return written
 
 

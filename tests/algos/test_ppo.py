@@ -128,3 +128,19 @@ def test_resume_matches_uninterrupted_run(tiny_path, tmp_path):
     state, expected_state = resumed.optimizers().optimizer.state_dict(), module.optimizers().optimizer.state_dict()
     for key, value in expected_state["state"].items():
         assert torch.equal(state["state"][key]["exp_avg"], value["exp_avg"])
+
+
+def test_lora_critic_trains_only_its_adapter_and_head(tiny_path, tmp_path):
+    module = _module(tiny_path, critic=ValueModelConfig(lr=1e-2, lora_rank=4, lora_alpha=8, warmup_steps=1),
+                     optim=OptimConfig(lr=1e-3))
+    trainable = {n for n, p in module.value_model.named_parameters() if p.requires_grad}
+    assert trainable and all("lora_" in n or n.startswith("head.") for n in trainable)
+    frozen = {n: p.detach().clone() for n, p in module.value_model.named_parameters() if not p.requires_grad}
+    trained = {n: p.detach().clone() for n, p in module.value_model.named_parameters() if p.requires_grad}
+    data = PromptDataModule(tasks=["count_shapes"], train_size=2, val_size=2, seed=0, batch_size=1)
+    _trainer(tmp_path, 1, []).fit(module, datamodule=data)
+    after = dict(module.value_model.named_parameters())
+    assert all(torch.equal(after[n], v) for n, v in frozen.items())
+    assert any(not torch.equal(after[n], v) for n, v in trained.items())
+    groups = module.optimizers().optimizer.param_groups
+    assert sum(p.numel() for p in groups[1]["params"]) == sum(after[n].numel() for n in trainable)
