@@ -18,6 +18,7 @@ from mmpo.data import SYSTEM_PROMPT
 from mmpo.data.synthetic import corpus
 from mmpo.training.config import ValueModelConfig
 from mmpo.vlm.factory import build_tiny_vlm
+from tiny_vlm_support import tiny_grpo_fit_args
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -123,47 +124,32 @@ def _rows(log_dir: Path) -> list[dict[str, str]]:
     return list(csv.DictReader(path.open()))
 
 
-def _common(tmp_path: Path, name: str) -> list[str]:
-    return [
-        f"--trainer.default_root_dir={tmp_path / name}",
-        f"--trainer.logger.init_args.save_dir={tmp_path / name}",
-        f"--trainer.callbacks.init_args.dirpath={tmp_path / name / 'ckpt'}",
-        "--trainer.callbacks.init_args.every_n_train_steps=2",
-        "--trainer.max_steps=2",
-        "--trainer.log_every_n_steps=1",
-        "--trainer.enable_progress_bar=false",
-        "--data.init_args.tasks=[count_shapes,arithmetic]",
-        "--data.init_args.train_size=4",
-        "--data.init_args.val_size=2",
-        "--data.init_args.batch_size=2",
-    ]
-
-
 def test_dvpo_configs_pretrain_then_train_against_the_frozen_value_model(tmp_path):
     texts = [SYSTEM_PROMPT, *corpus(["count_shapes", "arithmetic"], n=20)]
     tiny = build_tiny_vlm(tmp_path / "tiny", corpus=texts, vocab_size=400, hidden_size=64, intermediate_size=128)
-    value_dir = tmp_path / "dvpo_value"
-    assert main(["fit", "-c", str(REPO / "configs" / "vlm" / "dvpo_value_tiny.yaml"), *_common(tmp_path, "value"),
-                 f"--model.init_args.model_path={tiny}", f"--model.init_args.output_dir={value_dir}",
-                 "--model.init_args.value_epochs=1"]) == 0
+    value_run = tmp_path / "value"
+    args = tiny_grpo_fit_args(REPO / "configs" / "vlm" / "dvpo_value_tiny.yaml", str(tiny), value_run,
+                              "--trainer.callbacks.init_args.every_n_train_steps=2", "--model.init_args.value_epochs=1")
+    # the value model samples nothing: no sampling settings
+    assert main([a for a in args if ".sampling." not in a]) == 0
+    value_dir = value_run / "hf"
     head = torch.load(value_dir / VALUE_HEAD_FILE, weights_only=True)
     assert float(head["bias"].abs()) > 0  # trained from its zero initialisation
-    rows = _rows(tmp_path / "value")
+    rows = _rows(value_run)
     assert len([r for r in rows if r.get("losses/value")]) == 2
     # the targets are +1 / -1 at the last token: the first step's loss is 0.5 x mean(G^2) with V = 0, positive
     assert float(rows[0]["losses/value"]) > 0
 
-    out = tmp_path / "dvpo_hf"
-    assert main(["fit", "-c", str(REPO / "configs" / "vlm" / "dvpo_tiny.yaml"), *_common(tmp_path, "dvpo"),
-                 f"--model.init_args.model_path={tiny}", f"--model.init_args.output_dir={out}",
-                 f"--model.init_args.critic.path={value_dir}", "--trainer.val_check_interval=2",
-                 "--trainer.limit_val_batches=1", "--model.init_args.sampling.num_generations=2",
-                 "--model.init_args.sampling.max_new_tokens=4"]) == 0
+    run = tmp_path / "dvpo"
+    assert main(tiny_grpo_fit_args(REPO / "configs" / "vlm" / "dvpo_tiny.yaml", str(tiny), run,
+                                   "--trainer.callbacks.init_args.every_n_train_steps=2",
+                                   f"--model.init_args.critic.path={value_dir}")) == 0
+    out = run / "hf"
     assert not (out / "critic").exists()  # the frozen value model is not exported again
-    ckpt = torch.load(tmp_path / "dvpo" / "ckpt" / "last.ckpt", weights_only=True, map_location="cpu")
+    ckpt = torch.load(run / "ckpt" / "last.ckpt", weights_only=True, map_location="cpu")
     assert torch.equal(ckpt["state_dict"]["value_model.head.bias"], head["bias"])  # frozen
     assert torch.equal(ckpt["state_dict"]["value_model.head.weight"], head["weight"])
     assert len(ckpt["optimizer_states"][0]["param_groups"]) == 1  # no critic group
-    logged = {k for r in _rows(tmp_path / "dvpo") for k, v in r.items() if v}
+    logged = {k for r in _rows(run) for k, v in r.items() if v}
     assert {"ppo/kl_in_reward", "critic/values_mean", "losses/policy", "rewards/total/mean"} <= logged
     assert "losses/value" not in logged
