@@ -161,7 +161,7 @@ class PPOModule(GRPOModule):
         c = self.critic
         dtype = getattr(torch, self.hparams.dtype)
         self.value_model = TokenValueModel.load(c.path or model_path, dtype=dtype, head_init_std=c.head_init_std,
-                                           seed=self.hparams.seed)
+                                                seed=self.hparams.seed)
         if c.lora_rank:
             settings = LoraSettings(r=c.lora_rank, alpha=c.lora_alpha, dropout=0.0, init_seed=1)
             if self.hparams.lora_target_modules is not None:
@@ -174,7 +174,9 @@ class PPOModule(GRPOModule):
             self.value_model.train()
         # the KL in the reward needs the reference even when the KL loss is off (beta 0)
         if self.hparams.kl_coef > 0 and self._reference[0] is None and not is_lora(self.model):
-            self._reference[0] = make_reference_model(self.model, 1.0)
+            ref_dtype = self.hparams.ref_dtype
+            self._reference[0] = make_reference_model(
+                self.model, self.hparams.kl_coef, dtype=None if ref_dtype is None else getattr(torch, ref_dtype))
         self._actor_params = [p for p in self.model.parameters() if p.requires_grad]
         # the actor and the critic clipped each to max_grad_norm (DPPO's pattern); the logged norm is both's
         self.update_engine = UpdateEngine(
