@@ -56,6 +56,8 @@ ALGORITHMS: dict[str, tuple[str, str, dict[str, Any]]] = {
     "ahpo": ("mmpo.algos.ahpo.AHPOModule", "sft", {}),
     "grpo_weak": ("mmpo.algos.grpo.GRPOModule", "sft_weak", {}),
     "ahpo_weak": ("mmpo.algos.ahpo.AHPOModule", "sft_weak", {}),
+    # PPO with a learned critic (mmpo.algos.ppo): the critic at the RL learning rate (set in run_one)
+    "ppo": ("mmpo.algos.ppo.PPOModule", "sft", {}),
 }
 ISSUES = {"4": ["grpo", "papo_g", "mapo"], "5": ["grpo", "stepgrpo", "gcpo", "ahpo", "grpo_weak", "ahpo_weak"]}
 
@@ -113,6 +115,8 @@ def run_one(name: str, seed: int, sft_paths: dict[str, Path], eval_rows, out: Pa
     common = dict(sampling={"num_generations": args.group_size, "max_new_tokens": args.max_new_tokens},
                   optim={"lr": args.rl_lr}, loss={"beta": beta, "clip_low": 0.2, "clip_high": 0.3},
                   seed=seed, rewards={"timeout_s": None})
+    if name == "ppo":
+        extra = {**extra, "critic": {"lr": args.rl_lr}}
     module = _import(class_path)(str(sft_paths[sft_kind]), **merged_settings(common, extra))
     data = PromptDataModule(tasks=TASKS, train_size=args.rl_train_size, val_size=0, seed=seed,
                             batch_size=args.prompts_per_step)

@@ -26,6 +26,8 @@ Pieces (each a pure function behind a name registry where there are variants):
 - preference losses: :func:`preference_loss` (``sigmoid`` DPO / cDPO, ``ipo``, ``robust``, ``hinge``;
   ``rpo_alpha``: + the chosen NLL, :func:`chosen_nll`) and :func:`inpo_loss` (INPO) on sequence
   log-probs, with TRL's ``rewards/*`` metrics.
+- PPO with a critic on tokens (:mod:`mmpo.core.value`): :func:`outcome_token_rewards`, :func:`token_gae`,
+  :func:`value_loss` (clipped).
 - filters (:func:`dynamic_sampling_filter`, :func:`gfpo_filter`, :func:`lspo_filter`) and shaping
   (:func:`overlong_soft_punishment`, :func:`dither_rewards`).
 """
@@ -51,6 +53,7 @@ from mmpo.core.kl import KL_KINDS, KLKind, kl_penalty
 from mmpo.core.loss_parts import LossParts, as_loss_parts
 from mmpo.core.logprobs import entropy_from_logits, token_log_probs, token_log_probs_from_hidden
 from mmpo.core.masked import masked_mean, masked_sum, masked_var, masked_whiten
+from mmpo.core.value import last_token_index, outcome_token_rewards, token_gae, value_loss
 from mmpo.core.policy_loss import (
     POLICY_LOSSES,
     Aggregation,
@@ -135,6 +138,10 @@ __all__ = [
     "masked_sum",
     "masked_var",
     "masked_whiten",
+    "last_token_index",
+    "outcome_token_rewards",
+    "token_gae",
+    "value_loss",
     "overlong_soft_punishment",
     "policy_loss",
     "policy_loss_reads_entropy",

@@ -268,6 +268,52 @@ class CriticConfig:
                  f"hidden_dims must be a non-empty list of widths >= 1 or None, got {self.hidden_dims}")
 
 
+@dataclass(frozen=True)
+class ValueModelConfig:
+    """The critic of PPO for language and vision-language models: a value model (a backbone and a scalar head
+    on its final hidden states) beside the policy (verl's ``critic``; mmpo.algos.ppo, docs/ppo.md).
+
+    Attributes:
+        path: saved HF model the value model's backbone is loaded from; None = the policy's ``model_path``
+            (verl's ``critic.model.path`` defaults to the actor's).
+        lr: the critic's AdamW learning rate (verl ``critic.optim.lr``: 1e-5).
+        weight_decay: the critic's AdamW weight decay (verl ``critic.optim.weight_decay``: 0.01).
+        vf_coef: coefficient of the value loss (its parameters are the critic's alone, so this scales only
+            the critic's gradient; verl trains the critic on its own loss: 1.0).
+        cliprange_value: value clipping around the rollout-time values (verl ``critic.cliprange_value``: 0.5);
+            None = no clipping.
+        warmup_steps: the first optimizer steps train only the critic (verl ``trainer.critic_warmup``: 0).
+        frozen: the value model is not trained (DVPO's pretrained global value model): no value loss, no
+            optimizer group.
+        head_init_std: std of the normal initialisation of the scalar head's weight (bias 0); 0 = zeros
+            (transformers' ``initializer_range``: 0.02). A ``path`` saved by mmpo with ``value_head.pt`` loads
+            its head instead.
+        lora_rank: train a LoRA adapter of this rank on the critic's backbone (head trained fully); 0 = full.
+        lora_alpha: the critic adapter's scaling numerator.
+    """
+
+    path: str | None = None
+    lr: float = 1e-5
+    weight_decay: float = 0.01
+    vf_coef: float = 1.0
+    cliprange_value: float | None = 0.5
+    warmup_steps: int = 0
+    frozen: bool = False
+    head_init_std: float = 0.02
+    lora_rank: int = 0
+    lora_alpha: int = 64
+
+    def __post_init__(self) -> None:
+        _require(self.lr > 0, f"critic lr must be > 0, got {self.lr}")
+        _require(self.weight_decay >= 0, f"critic weight_decay must be >= 0, got {self.weight_decay}")
+        _require(self.vf_coef >= 0, f"critic vf_coef must be >= 0, got {self.vf_coef}")
+        _require(self.cliprange_value is None or self.cliprange_value > 0,
+                 f"critic cliprange_value must be > 0 or null, got {self.cliprange_value}")
+        _require(self.warmup_steps >= 0, f"critic warmup_steps must be >= 0, got {self.warmup_steps}")
+        _require(self.head_init_std >= 0, f"critic head_init_std must be >= 0, got {self.head_init_std}")
+        _require(self.lora_rank >= 0, f"critic lora_rank must be >= 0, got {self.lora_rank}")
+
+
 def as_config(value: T | Mapping[str, Any] | None, default: T) -> T:
     """``value`` as an instance of ``default``'s class: ``default`` for None, ``default`` with the given
     fields replaced for a dict (a checkpoint's saved hyperparameters, or a short form in Python)."""

@@ -69,7 +69,9 @@ def _kl_beta(settings: Mapping[str, Any]) -> float:
     """The KL coefficient: the GRPO family's ``loss.beta``, else a flat ``beta`` (DPO's)."""
     loss = settings.get("loss")
     beta = loss.get("beta") if isinstance(loss, Mapping) else settings.get("beta")
-    return float(beta or 0.0)
+    # PPO's KL in the reward needs the same frozen reference (mmpo.algos.ppo: kl_coef)
+    return max(float(beta or 0.0), float(settings.get("kl_coef") or 0.0) if isinstance(settings.get("critic"), Mapping)
+               else 0.0)
 
 
 def _devices(trainer: Mapping[str, Any], override: int | None) -> int:
@@ -172,7 +174,16 @@ def run_shape(config: Mapping[str, Any], *, devices: int | None = None, prompt_t
         accumulates=accumulates, prompts_per_micro_batch=prompts_per_micro,
         generation_prompts=batch if s["_is_rl"] else None,
         samples_from_frozen_copy=bool(s.get("_samples_from_frozen_copy")),
+        critic=_critic(s), critic_lora_rank=int((s.get("critic") or {}).get("lora_rank") or 0) if _critic(s) else 0,
     )
+
+
+def _critic(settings: Mapping[str, Any]) -> str | None:
+    """PPO's value model (a ``critic`` group of mmpo.algos.ppo): "trained", "frozen" (DVPO) or None."""
+    critic = settings.get("critic")
+    if not isinstance(critic, Mapping) or "frozen" not in critic:
+        return None
+    return "frozen" if critic["frozen"] else "trained"
 
 
 def apply_overrides(config: dict[str, Any], overrides: Sequence[str]) -> dict[str, Any]:

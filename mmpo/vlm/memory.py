@@ -36,6 +36,8 @@ silu(gate) * up (4 i): about 7 h + 4 h_kv + 4 i (more below in :func:`layer_acti
 
 from __future__ import annotations
 
+import dataclasses
+
 import functools
 import math
 import re
@@ -243,6 +245,11 @@ class RunShape:
     generation_prompts: int | None = None
     # the model that samples is one of the frozen copies (INPO's pi_t, in ref_dtype), not the policy
     samples_from_frozen_copy: bool = False
+    # PPO's value model (mmpo.algos.ppo): a second backbone of the policy's size in ``dtype``; "trained" adds its
+    # gradients, AdamW states (full, or its LoRA adapters of ``critic_lora_rank``) and a second micro-batch
+    # forward / backward of activations; "frozen" (DVPO) only its weights and its no-grad forward
+    critic: str | None = None
+    critic_lora_rank: int = 0
 
 
 def trained_params(dims: ModelDims, run: RunShape) -> int:
@@ -289,6 +296,13 @@ def estimate_memory(dims: ModelDims, run: RunShape) -> dict[str, float]:
     out["optimizer"] = 2 * trained * w / (1 if run.lora_rank else shard)
     ref_bytes = frozen_policy_copies(run) * dims.num_params * DTYPE_BYTES[run.ref_dtype or run.dtype] / shard
     out["reference"] = 0.0 if run.ref_offload else ref_bytes
+    # PPO's value model: its weights, and when trained its gradients and AdamW states
+    critic_trained = (trained_params(dims, dataclasses.replace(run, lora_rank=run.critic_lora_rank))
+                      if run.critic == "trained" else 0)
+    critic_adapters = critic_trained * w if run.critic_lora_rank else 0
+    critic_split = 1 if run.critic_lora_rank else shard
+    out["critic"] = ((dims.num_params * w / shard + critic_adapters + 3 * critic_trained * w / critic_split)
+                     if run.critic else 0.0)
     # autocast keeps a bf16 copy of each float32 weight a forward uses (whole, even when sharded:
     # FSDP gathers a layer before its forward) until the forward ends
     out["autocast_cache"] = dims.num_params * 2 if (c < w) else 0.0
@@ -319,6 +333,8 @@ def estimate_memory(dims: ModelDims, run: RunShape) -> dict[str, float]:
     out["activations_checkpointing"] = checkpointed + vision_input + outside + shared_kv
     out["activations"] = out["activations_checkpointing" if run.gradient_checkpointing else
                              "activations_no_checkpointing"]
+    if run.critic == "trained":  # the value model's forward / backward runs in the same micro-batch
+        out["activations"] *= 2
     # the log-prob head: one chunk's float32 logits, their exp and their gradient (mmpo.core.logprobs)
     chunk_rows = min(run.logprob_chunk, run.micro_batch * run.completion_tokens)
     out["logprob_chunk"] = 3 * chunk_rows * dims.vocab_size * 4
@@ -336,7 +352,7 @@ def estimate_memory(dims: ModelDims, run: RunShape) -> dict[str, float]:
     sampler = (run.ref_dtype or run.dtype) if run.samples_from_frozen_copy else run.dtype
     out["gathered_weights"] = dims.num_params * DTYPE_BYTES[sampler] if run.sharded and run.generates else 0.0
 
-    steady = out["weights"] + out["gradients"] + out["optimizer"] + out["reference"]
+    steady = out["weights"] + out["gradients"] + out["optimizer"] + out["reference"] + out["critic"]
     out["steady"] = steady
     # Gradients are dropped (set to None) before each optimizer step's first forward and allocated in
     # backward as activations are released: without accumulation the larger of the two is live at
@@ -385,6 +401,7 @@ def format_budget(budget: Mapping[str, float], dims: ModelDims, run: RunShape, *
         f"  gradients                  {gb(budget['gradients'])}",
         f"  optimizer (AdamW, 2 states){gb(budget['optimizer'])}",
         f"  reference                  {gb(budget['reference'])}",
+        *([f"  value model ({run.critic})" + " " * (15 - len(run.critic)) + gb(budget["critic"])] if run.critic else []),
         f"  = steady state             {gb(budget['steady'])}",
         f"  autocast bf16 weight cache {gb(budget['autocast_cache'])}",
         f"  activations, checkpointing {gb(budget['activations_checkpointing'])}"

@@ -161,3 +161,39 @@ def test_unsupported_strategies_are_refused_with_the_fix():
         check_sharding_support(ModelParallelStrategy())
     check_sharding_support(DDPStrategy())  # no error
     check_sharding_support(None)
+
+
+def test_sharded_value_model_matches_unsharded(one_rank_mesh, tiny, tmp_path):
+    """PPO's value model (mmpo.algos.ppo.TokenValueModel): the sharded critic computes the same values and
+    gradients as the unsharded one, and its full weights (backbone and head) gather back for the export."""
+    from mmpo.algos.ppo import TokenValueModel
+    from mmpo.vlm.fsdp import full_value
+
+    plain = TokenValueModel.load(tiny, head_init_std=0.02, seed=1)
+    sharded = copy.deepcopy(plain)
+    sharded.shard(one_rank_mesh, frozen=False)
+    assert is_sharded(sharded.backbone) and not is_sharded(plain.backbone)
+    model, processor = load_vlm(tiny)
+    rows = make_items("count_shapes", 1, seed=0) + make_items("arithmetic", 1, seed=0)  # image + text-only
+    torch.manual_seed(0)
+    rollout = HFGenerateEngine(model, processor).generate(rows, num_samples=2, max_new_tokens=4)
+    mask = rollout.completion_mask.float()
+
+    values, values_sharded = plain(rollout), sharded(rollout)
+    torch.testing.assert_close(values_sharded, values)
+    ((values * mask).sum()).backward()
+    ((values_sharded * mask).sum()).backward()
+    torch.testing.assert_close(full_value(sharded.head.weight.grad), plain.head.weight.grad)
+    torch.testing.assert_close(full_value(sharded.head.bias.grad), plain.head.bias.grad)
+    grads = {name: p.grad for name, p in plain.named_parameters()}
+    sharded_grads = {name: p.grad for name, p in sharded.named_parameters()}
+    key = next(k for k in grads if k.endswith("layers.0.mlp.down_proj.weight"))
+    torch.testing.assert_close(full_value(sharded_grads[key]), grads[key])
+
+    backbone_state, head_state = sharded.full_state()
+    torch.testing.assert_close(head_state["weight"], plain.head.weight.detach())
+    out = sharded.save(tmp_path / "critic", processor, state=(backbone_state, head_state))
+    loaded = TokenValueModel.load(out, head_init_std=0.0)
+    torch.testing.assert_close(loaded.head.weight, plain.head.weight.detach())
+    for (name, a), (_, b) in zip(loaded.backbone.named_parameters(), plain.backbone.named_parameters()):
+        torch.testing.assert_close(a, b.detach(), msg=name)
