@@ -87,6 +87,9 @@ class ModelRewardSpec:
         kind: ``classifier`` (a reward model) or ``judge`` (a generative judge).
         path: checkpoint directory (classifier, or a local judge).
         url: base URL of an OpenAI-compatible server (an HTTP judge), e.g. ``http://127.0.0.1:8000``.
+        backend: a judge of your own, ``path/to/file.py:factory`` or ``package.module:factory``: ``factory(spec)``
+            returns an object with ``generate(texts, images) -> list[str]`` (replies) and a ``cache``
+            (:class:`ResponseCache`); e.g. the rule judges of the MPO testbed (``mmpo.algos.mpo_testbed``).
         model: the model name sent to the server (``"model"`` of the request).
         device: ``auto`` (CUDA when available, else CPU), ``cpu``, ``cuda``, ``cuda:1``...
         dtype: the weights' dtype: float32, bfloat16 or float16.
@@ -95,6 +98,8 @@ class ModelRewardSpec:
         rubric: judge prompt template (``{prompt}``, ``{completion}``, row columns).
         system_prompt: the judge's system turn (None: none).
         score_pattern: regex whose first group is the score (last match wins).
+        score_reduce: ``last`` (the last match is the score) or ``sum`` (every match is a score in range and
+            the reward is their sum: a rubric scored item by item, MPO's reward model).
         min_score, max_score: the valid range of a score; a score outside it is unparseable.
         normalize: rescale a score to ``(s - min_score) / (max_score - min_score)``.
         max_new_tokens: judge reply length.
@@ -111,6 +116,7 @@ class ModelRewardSpec:
     kind: str
     path: str | None = None
     url: str | None = None
+    backend: str | None = None
     model: str | None = None
     device: str = "auto"
     dtype: str = "float32"
@@ -119,6 +125,7 @@ class ModelRewardSpec:
     rubric: str = DEFAULT_RUBRIC
     system_prompt: str | None = None
     score_pattern: str = DEFAULT_SCORE_PATTERN
+    score_reduce: str = "last"
     min_score: float = 0.0
     max_score: float = 10.0
     normalize: bool = True
@@ -141,10 +148,13 @@ class ModelRewardSpec:
         need(self.dtype in DTYPES, f"dtype must be one of {DTYPES}, got {self.dtype!r}")
         if self.kind == "classifier":
             need(self.path is not None, "a classifier needs path (an AutoModelForSequenceClassification checkpoint)")
-            need(self.url is None, "a classifier is loaded from path; url is for a judge endpoint")
+            need(self.url is None and self.backend is None,
+                 "a classifier is loaded from path; url and backend are for judges")
         else:
-            need((self.path is None) != (self.url is None),
-                 "a judge needs exactly one of path (a local causal LM or VLM) and url (an OpenAI-compatible server)")
+            need(sum(x is not None for x in (self.path, self.url, self.backend)) == 1,
+                 "a judge needs exactly one of path (a local causal LM or VLM), url (an OpenAI-compatible server) "
+                 "and backend (a judge of your own, 'file.py:factory')")
+            need(self.score_reduce in ("last", "sum"), f"score_reduce must be last or sum, got {self.score_reduce!r}")
             need(self.url is None or self.url.startswith(("http://", "https://")),
                  f"url must start with http:// or https://, got {self.url!r}")
             need(self.min_score < self.max_score, f"min_score {self.min_score} must be < max_score {self.max_score}")
@@ -268,15 +278,16 @@ def parse_score(reply: str, spec: ModelRewardSpec) -> float | None:
     matches = list(re.finditer(spec.score_pattern, reply))
     if not matches:
         return None
-    try:
-        score = float(matches[-1].group(1))
-    except (TypeError, ValueError):
-        return None
-    if not math.isfinite(score) or not spec.min_score <= score <= spec.max_score:
-        return None
-    if spec.normalize:
-        return (score - spec.min_score) / (spec.max_score - spec.min_score)
-    return score
+    values: list[float] = []
+    for match in (matches if spec.score_reduce == "sum" else matches[-1:]):
+        try:
+            score = float(match.group(1))
+        except (TypeError, ValueError):
+            return None
+        if not math.isfinite(score) or not spec.min_score <= score <= spec.max_score:
+            return None
+        values.append((score - spec.min_score) / (spec.max_score - spec.min_score) if spec.normalize else score)
+    return sum(values)
 
 
 def judge_prompt(rubric: str, prompt: str, completion: str, row: Mapping[str, Any]) -> str:
@@ -474,6 +485,25 @@ class LocalJudgeBackend:
         return replies  # type: ignore[return-value]
 
 
+def make_judge_backend(name: str, spec: ModelRewardSpec) -> Any:
+    """The backend of a judge spec: HTTP (``url``), local (``path``) or your own (``backend``)."""
+    if spec.url is not None:
+        return HTTPJudgeBackend(spec)
+    if spec.path is not None:
+        return LocalJudgeBackend(name, spec)
+    from mmpo.plugins import PluginSpecError, load_function, parse_spec as parse_plugin_spec
+
+    try:
+        factory = load_function(parse_plugin_spec(spec.backend, "judge"))
+    except PluginSpecError as exc:
+        raise ValueError(f"rewards.models.{name}: {exc}") from None
+    backend = factory(spec)
+    if not callable(getattr(backend, "generate", None)) or not hasattr(backend, "cache"):
+        raise ValueError(f"rewards.models.{name}: {spec.backend!r} returned {type(backend).__name__}, which has no "
+                         "generate(texts, images) and cache")
+    return backend
+
+
 class JudgeReward:
     """A generative judge as a reward ``fn(completions, rows) -> list[float | None]``.
 
@@ -487,7 +517,7 @@ class JudgeReward:
     def __init__(self, name: str, spec: ModelRewardSpec, backend: Any | None = None) -> None:
         self.name, self.spec = name, spec
         if backend is None:
-            backend = HTTPJudgeBackend(spec) if spec.url is not None else LocalJudgeBackend(name, spec)
+            backend = make_judge_backend(name, spec)
         self.backend = backend
         self.metrics: dict[str, float] = {}
         self.last_replies: list[str] = []
