@@ -61,7 +61,7 @@ from mmpo.rewards.log_text import shorten
 
 logger = logging.getLogger(__name__)
 
-KINDS = ("classifier", "judge")
+KINDS = ("classifier", "judge", "tarot")
 
 DEFAULT_RUBRIC = (
     "You are grading an answer to a question.\n"
@@ -111,6 +111,9 @@ class ModelRewardSpec:
         max_concurrency: HTTP requests in flight at once.
         cache_size: replies kept in the response cache (0 = no cache); keyed by the whole request.
         api_key_env: environment variable holding a bearer token for the endpoint (None: no header).
+        style_encoder, semantic_encoder: TAROT's two encoders (``kind: tarot``, :mod:`mmpo.rewards.tarot`):
+            ``file.py:fn`` or a mapping of ``TextEncoder`` settings (``path``, ``pooling``, ``device``...).
+        source_column: the row column holding TAROT's source text x (default ``problem``).
     """
 
     kind: str
@@ -138,6 +141,9 @@ class ModelRewardSpec:
     max_concurrency: int = 4
     cache_size: int = 4096
     api_key_env: str | None = None
+    style_encoder: Any = None
+    semantic_encoder: Any = None
+    source_column: str = "problem"
 
     def __post_init__(self) -> None:
         def need(ok: bool, message: str) -> None:
@@ -146,7 +152,10 @@ class ModelRewardSpec:
 
         need(self.kind in KINDS, f"kind must be one of {KINDS}, got {self.kind!r}")
         need(self.dtype in DTYPES, f"dtype must be one of {DTYPES}, got {self.dtype!r}")
-        if self.kind == "classifier":
+        if self.kind == "tarot":
+            need(self.style_encoder is not None and self.semantic_encoder is not None,
+                 "kind tarot needs style_encoder and semantic_encoder")
+        elif self.kind == "classifier":
             need(self.path is not None, "a classifier needs path (an AutoModelForSequenceClassification checkpoint)")
             need(self.url is None and self.backend is None,
                  "a classifier is loaded from path; url and backend are for judges")
@@ -574,6 +583,10 @@ _SPECS: dict[str, ModelRewardSpec] = {}
 
 def build_model_reward(name: str, spec: ModelRewardSpec) -> Callable:
     """The reward object of ``spec`` (loads the model)."""
+    if spec.kind == "tarot":
+        from mmpo.rewards.tarot import TarotReward
+
+        return TarotReward(name, spec)
     return ClassifierReward(name, spec) if spec.kind == "classifier" else JudgeReward(name, spec)
 
 
