@@ -83,6 +83,22 @@ def dpo_pairs(prompts: Sequence[str], right: Sequence[str], left: Sequence[str],
     return pairs
 
 
+def write_dpo_pairs(path: str, pairs: Sequence[Mapping[str, Any]], *, overwrite: bool = False) -> str:
+    """Write TAROT pairs as jsonl (one ``{"id", "prompt", "chosen", "rejected", ...}`` a line), atomically; an
+    existing file is kept unless ``overwrite``. The file loads as DPO data with
+    ``load_preference_rows(path, keys=ColumnKeys(prompt_key="prompt"))`` / ``PreferenceDataModule``."""
+    import json
+    from pathlib import Path
+
+    from mmpo.files import atomic_write_text
+
+    if Path(path).exists() and not overwrite:
+        raise FileExistsError(f"{path} exists; pass overwrite=True to replace it")
+    lines = [json.dumps({"id": f"tarot-{index}", **dict(pair)}) for index, pair in enumerate(pairs)]
+    atomic_write_text(path, "".join(line + "\n" for line in lines))
+    return str(path)
+
+
 class TextEncoder:
     """A checkpoint as ``texts -> Tensor (N, D)`` (float32 on the CPU), resident on its device.
 

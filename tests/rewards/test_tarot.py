@@ -163,3 +163,19 @@ def test_tarot_model_reward_in_compute_rewards(encoder_path):
         assert metrics["rewards/tarot/utility"] == pytest.approx(float(utility.mean()), abs=1e-5)
     finally:
         MODEL_REWARDS.clear()
+
+
+def test_dpo_pairs_file_loads_as_preference_data(tmp_path):
+    from mmpo.data.loaders import ColumnKeys
+    from mmpo.data.preference import load_preference_rows
+    from mmpo.rewards.tarot import write_dpo_pairs
+
+    style = _table_encoder({"x": [1, 0], "a": [0, 1], "b": [1, 0]})
+    semantic = _table_encoder({"x": [1, 0], "a": [1, 0], "b": [1, 0]})
+    pairs = dpo_pairs(["x"], ["b"], ["a"], style=style, semantic=semantic)
+    path = write_dpo_pairs(str(tmp_path / "pairs.jsonl"), pairs)
+    with pytest.raises(FileExistsError):
+        write_dpo_pairs(path, pairs)
+    rows, stats = load_preference_rows(path, keys=ColumnKeys(prompt_key="prompt"))
+    assert stats["loaded"] == 1 and rows[0]["problem"] == "x"
+    assert rows[0]["chosen"] == "a" and rows[0]["rejected"] == "b"
