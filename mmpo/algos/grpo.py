@@ -204,7 +204,7 @@ class GRPOModule(VLMPolicyModule):
         # imports user reward files and checks their signatures: a bad spec fails before load_vlm
         from mmpo.rewards.user import validate_reward_weights
 
-        validate_reward_weights(self.rewards.weights)
+        validate_reward_weights(self.rewards.weights, models=self.rewards.models)
         if self.rollout_engine.name == "vllm":
             from mmpo.vlm.vllm_engine import vllm_available
 

@@ -159,7 +159,7 @@ class INPOModule(VLMPolicyModule):
                 f"got {self.sampling.num_generations}")
         from mmpo.rewards.user import validate_reward_weights
 
-        validate_reward_weights(self.rewards.weights)
+        validate_reward_weights(self.rewards.weights, models=self.rewards.models)
 
     @property
     def reference_model(self) -> torch.nn.Module:

@@ -38,6 +38,7 @@ from typing import Any
 import torch
 
 from mmpo.rewards.log_text import shorten
+from mmpo.rewards.models import is_model_reward, reward_call_metrics
 from mmpo.rewards.registry import RewardFn
 from mmpo.rewards.user import is_user_reward_spec, resolve_reward, reward_label
 from mmpo.rewards.worker import CallOutcome, WorkerUnavailable, get_reward_worker
@@ -103,7 +104,9 @@ def _run_rewards(fns: dict[str, RewardFn], completions: list[str], rows: list[di
     """name -> outcome of ``fn(completions, rows)``, in the worker where possible (module docstring)."""
     if timeout_s is None:
         return {name: _run_inline(fn, completions, rows) for name, fn in fns.items()}
-    for_worker = [(name, fn) for name, fn in fns.items() if _RUNS_IN_CALLER.get(name) is not fn]
+    # model rewards (mmpo.rewards.models) stay resident here: the worker would load its own copy
+    for_worker = [(name, fn) for name, fn in fns.items()
+                  if _RUNS_IN_CALLER.get(name) is not fn and not getattr(fn, "runs_in_process", False)]
     outcomes: dict[str, CallOutcome] = {}
     if for_worker:
         try:
@@ -221,8 +224,11 @@ def compute_rewards(
         metrics[f"rewards/{label}/timeouts"] = float(outcome.timed_out)
         metrics[f"rewards/{label}/nonfinite"] = float(rejected)
         metrics[f"rewards/{label}/clamped"] = float(clamped)
-        if is_user_reward_spec(name):
+        if is_user_reward_spec(name) or is_model_reward(name):
             metrics[f"rewards/{label}/none_frac"] = float((~applicable).float().mean()) if n else 0.0
+        if outcome.error is None:  # a judge's unparseable / failed judgements of this call
+            for key, value in reward_call_metrics(fns[name]).items():
+                metrics[f"rewards/{label}/{key}"] = value
     if n and not scored.all():
         logger.warning("%d of %d completions got None from every reward function; their total reward is 0",
                        int((~scored).sum()), n)

@@ -180,12 +180,18 @@ def resolve_reward(name: str) -> RewardFn:
         (file not found, import failed, no such function, not callable, bad signature).
     """
     if not is_user_reward_spec(name):
+        from mmpo.rewards.models import get_model_reward
+
+        model_reward = get_model_reward(name)
+        if model_reward is not None:  # rewards.models (mmpo.rewards.models)
+            return model_reward
         try:
             return get_reward(name)
         except KeyError:
             raise RewardSpecError(
                 f"unknown reward {name!r}; registered: {sorted(REWARDS)}; a function of your own is given "
-                f"as 'path/to/file.py:function' or 'package.module:function'") from None
+                f"as 'path/to/file.py:function' or 'package.module:function', a model as an entry of "
+                f"rewards.models") from None
     return _user_reward(parse_reward_spec(name))
 
 
@@ -194,15 +200,26 @@ def reward_label(name: str) -> str:
     return parse_reward_spec(name).attribute.rsplit(".", 1)[-1] if is_user_reward_spec(name) else name
 
 
-def validate_reward_weights(weights: Mapping[str, Any] | None, setting: str = "reward_weights") -> None:
+def validate_reward_weights(weights: Mapping[str, Any] | None, setting: str = "reward_weights",
+                            models: Mapping[str, Any] | None = None) -> None:
     """Check a ``name or spec -> weight`` mapping before anything expensive runs.
 
     Every user function is imported and its signature checked; registered names must exist;
     weights must be finite numbers; two rewards may not log under the same ``rewards/<name>``.
+    ``models`` (``rewards.models``) are parsed and loaded first (``mmpo.rewards.models``), once per
+    process, so their names resolve; each must be weighted.
 
     Raises:
         ValueError: naming ``setting``, the reward and what is wrong.
     """
+    if models:
+        from mmpo.rewards.models import register_model_rewards
+
+        unweighted = sorted(set(models) - set(weights or {}))
+        if unweighted:
+            raise ValueError(f"rewards.models defines {unweighted} but {setting} gives them no weight; "
+                             f"add them to {setting} (weights: {dict(weights or {})})")
+        register_model_rewards(models)
     if weights is None:
         return
     if not isinstance(weights, Mapping) or not weights:

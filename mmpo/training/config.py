@@ -235,10 +235,13 @@ class RewardConfig:
     Attributes:
         weights: reward -> weight; None = accuracy 0.9, format 0.1. A reward is a registered name or your own function, ``path/to/file.py:fn`` or ``package.module:fn`` (docs/grpo.md).
         timeout_s: per reward-function call deadline in seconds (a hang gives zeros); None = inline, no deadline.
+        models: model rewards by name: reward-model checkpoints (``kind: classifier``) and generative judges
+            (``kind: judge``), each weighted in ``weights`` under its name (docs/rewards.md, ``mmpo.rewards.models``).
     """
 
     weights: dict[str, float] | None = None
     timeout_s: float | None = 10.0
+    models: dict[str, dict[str, Any]] | None = None
 
     def __post_init__(self) -> None:
         _require(self.timeout_s is None or self.timeout_s > 0, f"reward_timeout_s must be > 0, got {self.timeout_s}")

@@ -516,6 +516,41 @@ def build_tiny_text_lm(
     return output_dir
 
 
+def build_tiny_reward_model(
+    output_dir: str | Path,
+    *,
+    seed: int = 0,
+    corpus: Sequence[str] | None = None,
+    vocab_size: int = 400,
+    hidden_size: int = 32,
+    num_layers: int = 1,
+    num_labels: int = 1,
+) -> Path:
+    """Build, save and return a tiny randomly initialised reward model: a ``Qwen3ForSequenceClassification``
+    (``num_labels`` logits read at the last non-pad token) with the tiny text LM's tokenizer and chat template
+    (:func:`build_tiny_text_lm`), loadable with ``AutoModelForSequenceClassification`` (``mmpo.rewards.models``)."""
+    from transformers import Qwen3Config, Qwen3ForSequenceClassification
+
+    output_dir = Path(output_dir)
+    output_dir.mkdir(parents=True, exist_ok=True)
+    corpus = list(corpus) if corpus is not None else default_text_corpus()
+    tokenizer = _train_tokenizer(corpus, vocab_size, special_tokens=QWEN_TEXT_SPECIAL_TOKENS,
+                                 chat_template=QWEN_TEXT_CHAT_TEMPLATE)
+    ids = {tok: tokenizer.convert_tokens_to_ids(tok) for tok in QWEN_TEXT_SPECIAL_TOKENS}
+    config = Qwen3Config(
+        vocab_size=len(tokenizer), hidden_size=hidden_size, intermediate_size=2 * hidden_size,
+        num_hidden_layers=num_layers, num_attention_heads=2, num_key_value_heads=1, head_dim=hidden_size // 2,
+        max_position_embeddings=2048, max_window_layers=num_layers,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+        bos_token_id=ids["<|endoftext|>"], eos_token_id=ids["<|im_end|>"], pad_token_id=ids["<|endoftext|>"],
+        num_labels=num_labels,
+    )
+    torch.manual_seed(seed)
+    Qwen3ForSequenceClassification(config).save_pretrained(output_dir)
+    tokenizer.save_pretrained(output_dir)
+    return output_dir
+
+
 def _tiny_video_processor(min_pixels: int, max_pixels: int):
     """Qwen2-VL's video processor (the processor class requires one; videos are not used here)."""
     from transformers import Qwen2VLVideoProcessor

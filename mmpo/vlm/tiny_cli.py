@@ -1,5 +1,7 @@
 """``mmpo build-tiny --out DIR``: the tiny Qwen2.5-VL the tiny VLM configs start from; with
-``--kind text``, the tiny Qwen3 text LM of the tiny text configs (configs/llm, docs/llm.md).
+``--kind text``, the tiny Qwen3 text LM of the tiny text configs (configs/llm, docs/llm.md); with
+``--kind reward_model``, a tiny Qwen3 sequence classifier (the reward model of
+configs/vlm/grpo_tiny_reward_model.yaml, docs/rewards.md).
 
 The same builders the quickstart uses (``mmpo.vlm.factory.build_tiny_vlm`` / ``build_tiny_text_lm``);
 the size flags are read from those functions' integer keyword arguments, so they never drift apart
@@ -20,12 +22,13 @@ import tempfile
 from pathlib import Path
 from typing import Sequence
 
-from mmpo.vlm.factory import build_tiny_text_lm, build_tiny_vlm
+from mmpo.vlm.factory import build_tiny_reward_model, build_tiny_text_lm, build_tiny_vlm
 
 DEFAULT_OUT = "runs/tiny/base"  # model_path of configs/vlm/sft_tiny.yaml
 DEFAULT_TEXT_OUT = "runs/tiny/text_base"  # model_path of configs/llm/sft_tiny.yaml
-BUILDERS = {"vlm": build_tiny_vlm, "text": build_tiny_text_lm}
-DEFAULT_OUTS = {"vlm": DEFAULT_OUT, "text": DEFAULT_TEXT_OUT}
+DEFAULT_REWARD_MODEL_OUT = "runs/tiny/reward_model"  # the reward model of configs/vlm/grpo_tiny_reward_model.yaml
+BUILDERS = {"vlm": build_tiny_vlm, "text": build_tiny_text_lm, "reward_model": build_tiny_reward_model}
+DEFAULT_OUTS = {"vlm": DEFAULT_OUT, "text": DEFAULT_TEXT_OUT, "reward_model": DEFAULT_REWARD_MODEL_OUT}
 
 
 def size_parameters(kind: str = "vlm") -> dict[str, int]:
@@ -45,7 +48,8 @@ def build_parser() -> argparse.ArgumentParser:
         f"configs: `mmpo build-tiny` writes {DEFAULT_OUT}, the model_path of configs/vlm/sft_tiny.yaml.",
     )
     parser.add_argument("--kind", choices=sorted(BUILDERS), default="vlm",
-                        help="vlm: a tiny Qwen2.5-VL (default); text: a tiny Qwen3 text LM (configs/llm)")
+                        help="vlm: a tiny Qwen2.5-VL (default); text: a tiny Qwen3 text LM (configs/llm); "
+                        "reward_model: a tiny Qwen3 sequence classifier (docs/rewards.md)")
     parser.add_argument("--out", default=None,
                         help=f"output directory (default: {DEFAULT_OUT}; with --kind text {DEFAULT_TEXT_OUT})")
     parser.add_argument("--seed", type=int, default=0, help="seed of the weight initialisation (default: 0)")
@@ -94,7 +98,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (FileExistsError, ValueError) as error:
         print(f"mmpo build-tiny: error: {error}", file=sys.stderr)
         return 2
-    name = "Qwen2.5-VL" if args.kind == "vlm" else "Qwen3 text LM"
+    name = {"vlm": "Qwen2.5-VL", "text": "Qwen3 text LM", "reward_model": "Qwen3 reward model"}[args.kind]
     print(f"tiny {name} written to {out} (load it with mmpo.vlm.factory.load_vlm, or as model_path)")
     return 0
 
