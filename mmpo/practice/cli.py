@@ -32,7 +32,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(list(sys.argv[1:] if argv is None else argv))
     if args.resume and args.overwrite:
-        parser.error("--resume and --overwrite exclude each other")
+        print("mmpo practice: error: --resume and --overwrite exclude each other", file=sys.stderr)
+        return 2
     options = {f: args[f] for f in PracticeConfig.__dataclass_fields__}
     try:
         runner = TrainingFreeGRPO(PracticeConfig(**options))
