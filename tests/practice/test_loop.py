@@ -89,3 +89,13 @@ def test_tiny_config_through_the_cli(tiny, tmp_path, capsys):
     assert main([*args, "--resume"]) == 0  # finished: nothing left to do, nothing rewritten
     assert json.loads((out / "state.json").read_text()) == state
     assert main([*args, "--resume", "--overwrite"]) == 2
+
+
+def test_the_policy_as_its_own_extractor(tiny, tmp_path):
+    """extractor: policy: the frozen tiny LM answers the four prompts; its unreadable answers change nothing."""
+    config = _config(tiny, tmp_path / "self", extractor="policy", epochs=1, train_size=1, max_new_tokens=4)
+    state = TrainingFreeGRPO(config).run(progress=False)
+    (record,) = state["history"]
+    assert record["groups_with_experiences"] == 0
+    # random weights write no <Experiences> block, so no operation is proposed and the library stays empty
+    assert record["proposed_operations"] == 0 and state["experiences"] == {}

@@ -81,3 +81,50 @@ def test_rule_extractor_rules():
         {"operation": "ADD", "content": "a: 2"}]})
     assert json.loads(merged.split("```json")[-1].split("```")[0]) == [
         {"operation": "ADD", "content": "a: 2"}, {"operation": "UPDATE", "id": "G0", "content": "b: 1"}]
+
+
+def test_chat_endpoint_backend_posts_the_two_turns():
+    import threading
+    from http.server import BaseHTTPRequestHandler, HTTPServer
+
+    from mmpo.practice.backends import build_backend
+
+    seen = []
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_POST(self):  # noqa: N802 - http.server's name
+            seen.append((self.path, self.headers.get("Authorization"),
+                         json.loads(self.rfile.read(int(self.headers["Content-Length"])))))
+            body = json.dumps({"choices": [{"message": {"content": "<Experiences>1. A: b.</Experiences>"}}]}).encode()
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    server = HTTPServer(("127.0.0.1", 0), Handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        backend = build_backend({"base_url": f"http://127.0.0.1:{server.server_port}/v1", "model": "judge"})
+        answer = backend.complete("sys", "usr", stage="group_advantage", context={})
+    finally:
+        server.shutdown()
+    assert answer == "<Experiences>1. A: b.</Experiences>"
+    path, auth, body = seen[0]
+    assert path == "/v1/chat/completions" and auth is None
+    assert body["model"] == "judge" and body["temperature"] == 0.0
+    assert body["messages"] == [{"role": "system", "content": "sys"}, {"role": "user", "content": "usr"}]
+
+
+def test_build_backend_refuses_unknown_specs():
+    import pytest
+
+    from mmpo.practice.backends import build_backend
+
+    with pytest.raises(ValueError, match="extractor must be"):
+        build_backend("judge")
+    with pytest.raises(ValueError, match="needs the loaded policy"):
+        build_backend("policy")
