@@ -10,6 +10,7 @@ Files in ``output_dir`` (all written atomically):
 - ``state.json``: the commit point of a step, written last: the config, the next step and each step's counts;
   a run stopped at any moment resumes from it and reproduces the uninterrupted run (each step's sampling
   seed is ``seed + step`` and the data order depends only on ``seed`` and the epoch);
+- ``system_prompt.txt``: at the end, the system prompt with the library appended (the deployed form);
 - ``heldout.json``: held-out accuracy with and without the final library (when ``val_size`` > 0).
 """
 
@@ -25,8 +26,8 @@ from typing import Any, Callable, Union
 
 import torch
 
-from mmpo.files import atomic_write_json
-from mmpo.practice.experience import problem_with_experiences
+from mmpo.files import atomic_write_json, atomic_write_text
+from mmpo.practice.experience import problem_with_experiences, system_with_experiences
 from mmpo.practice.updater import ExperienceUpdater, Group
 
 # configs/practice/math_reasoning.yaml of the official repo
@@ -234,10 +235,21 @@ class TrainingFreeGRPO:
                 bar.set_postfix(reward=f"{record['reward_mean']:.3f}", library=len(experiences))
                 if on_step is not None:
                     on_step(step, record)
+        if state["next_step"] == self.total_steps:
+            atomic_write_text(self.out / "system_prompt.txt", self.deployed_system_prompt(experiences))
         if state["next_step"] == self.total_steps and self.config.val_size > 0 \
                 and not (self.out / "heldout.json").is_file():
             atomic_write_json(self.out / "heldout.json", self.heldout(experiences, progress=progress))
         return state
+
+    def deployed_system_prompt(self, experiences: dict[str, str]) -> str:
+        """The policy's system prompt with the library appended (the official final agent config)."""
+        base = self.config.system_prompt
+        if base == "default":
+            from mmpo.data import SYSTEM_PROMPT
+
+            base = SYSTEM_PROMPT
+        return system_with_experiences(base or "", experiences)
 
     def heldout(self, experiences: dict[str, str], *, progress: bool = False) -> dict[str, Any]:
         """Greedy held-out accuracy with the library in the prompt and without it (empty library, same template)."""

@@ -84,6 +84,10 @@ def test_tiny_config_through_the_cli(tiny, tmp_path, capsys):
     heldout = json.loads((out / "heldout.json").read_text())
     assert heldout["num_items"] == 4 and set(heldout) == {"num_items", "library_size", "with_library",
                                                           "without_library"}
+    deployed = (out / "system_prompt.txt").read_text()
+    from mmpo.data import SYSTEM_PROMPT
+    from mmpo.practice.experience import system_with_experiences
+    assert deployed == system_with_experiences(SYSTEM_PROMPT, state["experiences"])
     assert main(args) == 2
     assert "pass --resume" in capsys.readouterr().err
     assert main([*args, "--resume"]) == 0  # finished: nothing left to do, nothing rewritten
