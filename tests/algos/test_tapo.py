@@ -133,3 +133,36 @@ def test_library_command_then_tapo_tiny_config(tiny_model, tmp_path, fit_vlm_con
     logged = [r for r in rows if r.get("tapo/guided_reward_mean")]
     assert len(logged) == 2
     assert all(0.0 <= float(r["tapo/all_wrong_group_frac"]) <= 1.0 for r in logged)
+
+
+def test_resume_matches_uninterrupted_run(tiny_model, library_file, tmp_path):
+    """1 + 1 TAPO steps straight == 1 step, a fresh Trainer from the checkpoint, 1 more (weights bit for bit)."""
+    import lightning as L
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    from mmpo.algos.tapo import TAPOModule
+    from mmpo.data.datamodule import PromptDataModule
+
+    def module():
+        return TAPOModule(str(tiny_model), library=str(library_file), guided_per_group=1, seed=5,
+                          sampling={"num_generations": 2, "max_new_tokens": 3}, optim={"lr": 1e-3},
+                          rewards={"timeout_s": None})
+
+    def data():
+        return PromptDataModule(tasks=["count_shapes"], train_size=4, val_size=1, seed=3, batch_size=2)
+
+    def trainer(root, steps, callbacks=()):
+        return L.Trainer(accelerator="cpu", devices=1, max_steps=steps, default_root_dir=root, logger=False,
+                         enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
+                         num_sanity_val_steps=0, callbacks=list(callbacks))
+
+    straight = module()
+    trainer(tmp_path / "a", 2).fit(straight, datamodule=data())
+    checkpoint = ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=1, save_last=True, save_top_k=-1)
+    trainer(tmp_path / "b", 1, [checkpoint]).fit(module(), datamodule=data())
+    resumed = module()
+    trainer(tmp_path / "c", 2).fit(resumed, datamodule=data(), ckpt_path=str(tmp_path / "ckpt" / "last.ckpt"))
+    expected = dict(straight.model.named_parameters())
+    for name, param in resumed.model.named_parameters():
+        assert torch.equal(param, expected[name]), name
+    assert resumed.trainer.global_step == 2

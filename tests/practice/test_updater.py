@@ -128,3 +128,11 @@ def test_build_backend_refuses_unknown_specs():
         build_backend("judge")
     with pytest.raises(ValueError, match="needs the loaded policy"):
         build_backend("policy")
+
+
+def test_group_size_one_never_updates_the_library_with_ground_truth():
+    """The paper's G = 1 ablation: a single rollout's mean reward is 0 or 1, so no group is partially correct."""
+    groups = [Group({"problem": p, "answer": "1", "task": "t"}, [p], [r]) for p, r in (("A", 1.0), ("B", 0.0))]
+    backend = Scripted({})
+    new, stats = _updater(backend).run(groups, {"G0": "t: kept."})
+    assert new == {"G0": "t: kept."} and stats.groups_used == 0 and backend.calls == []
