@@ -135,7 +135,7 @@ def test_library_command_then_tapo_tiny_config(tiny_model, tmp_path, fit_vlm_con
     assert all(0.0 <= float(r["tapo/all_wrong_group_frac"]) <= 1.0 for r in logged)
 
 
-def test_resume_matches_uninterrupted_run(tiny_model, library_file, tmp_path):
+def test_resume_matches_uninterrupted_run(tiny_model, library_file, tmp_path, scripted_reward):
     """1 + 1 TAPO steps straight == 1 step, a fresh Trainer from the checkpoint, 1 more (weights bit for bit)."""
     import lightning as L
     from lightning.pytorch.callbacks import ModelCheckpoint
@@ -143,10 +143,12 @@ def test_resume_matches_uninterrupted_run(tiny_model, library_file, tmp_path):
     from mmpo.algos.tapo import TAPOModule
     from mmpo.data.datamodule import PromptDataModule
 
+    weights = scripted_reward([1.0, 0.0])  # guided right, unguided wrong: every group has a signal
+
     def module():
         return TAPOModule(str(tiny_model), library=str(library_file), guided_per_group=1, seed=5,
                           sampling={"num_generations": 2, "max_new_tokens": 3}, optim={"lr": 1e-3},
-                          rewards={"timeout_s": None})
+                          rewards={"timeout_s": None, "weights": weights})
 
     def data():
         return PromptDataModule(tasks=["count_shapes"], train_size=4, val_size=1, seed=3, batch_size=2)
@@ -163,6 +165,8 @@ def test_resume_matches_uninterrupted_run(tiny_model, library_file, tmp_path):
     resumed = module()
     trainer(tmp_path / "c", 2).fit(resumed, datamodule=data(), ckpt_path=str(tmp_path / "ckpt" / "last.ckpt"))
     expected = dict(straight.model.named_parameters())
+    initial = dict(module().model.named_parameters())
+    assert any(not torch.equal(p, initial[n]) for n, p in expected.items())  # the steps did train
     for name, param in resumed.model.named_parameters():
         assert torch.equal(param, expected[name]), name
     assert resumed.trainer.global_step == 2
