@@ -73,8 +73,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     from mmpo.files import atomic_write_json
     from mmpo.vlm.factory import load_vlm
 
-    rows = [row for task in args.tasks.split(",") for row in synthetic.make_items(task, args.size, seed=args.seed)]
-    model, processor = load_vlm(args.model)
+    if min(args.samples, args.max_depth, args.beam, args.size) < 1:
+        print("mmpo tapo-library: error: --samples, --max-depth, --beam and --size must be >= 1", file=sys.stderr)
+        return 2
+    try:
+        rows = [row for task in args.tasks.split(",") for row in synthetic.make_items(task, args.size, seed=args.seed)]
+        model, processor = load_vlm(args.model)
+    except (KeyError, FileNotFoundError) as error:
+        message = error.args[0] if isinstance(error, KeyError) and error.args else error
+        print(f"mmpo tapo-library: error: {message}", file=sys.stderr)
+        return 2
     score = policy_scorer(model, processor, samples=args.samples, max_new_tokens=args.max_new_tokens,
                           temperature=args.temperature, seed=args.seed)
     library = build_library(rows, score, max_depth=args.max_depth, beam=args.beam)

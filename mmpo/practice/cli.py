@@ -38,8 +38,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         runner = TrainingFreeGRPO(PracticeConfig(**options))
         state = runner.run(resume=args.resume, overwrite=args.overwrite, progress=not args.no_progress)
-    except (PracticeRunError, ValueError) as error:
-        print(f"mmpo practice: error: {error}", file=sys.stderr)
+    except (PracticeRunError, ValueError, KeyError, FileNotFoundError) as error:
+        message = error.args[0] if isinstance(error, KeyError) and error.args else error
+        print(f"mmpo practice: error: {message}", file=sys.stderr)
         return 2
     print(f"library of {len(state['experiences'])} experience(s) after {state['next_step']} step(s): "
           f"{runner.out / 'experiences.json'}")

@@ -126,6 +126,11 @@ class TrainingFreeGRPO:
         config.check()
         self.config = config
         self.out = Path(config.output_dir)
+        self.rows = practice_rows(config, "train")
+        if len(self.rows) < config.batch_size:
+            raise ValueError(f"{len(self.rows)} practice problems are fewer than batch_size {config.batch_size}")
+        self.num_batches = len(self.rows) // config.batch_size  # the remainder is dropped, as in the official loop
+        self.total_steps = config.epochs * self.num_batches
         if policy is None:
             from mmpo.vlm.factory import load_vlm
 
@@ -141,11 +146,6 @@ class TrainingFreeGRPO:
                                          num_experiences=config.num_experiences_per_query,
                                          given_ground_truth=config.given_ground_truth,
                                          retries=config.batch_update_retries)
-        self.rows = practice_rows(config, "train")
-        if len(self.rows) < config.batch_size:
-            raise ValueError(f"{len(self.rows)} practice problems are fewer than batch_size {config.batch_size}")
-        self.num_batches = len(self.rows) // config.batch_size  # the remainder is dropped, as in the official loop
-        self.total_steps = config.epochs * self.num_batches
 
     # ------------------------------------------------------------------ state
 

@@ -128,6 +128,8 @@ def test_library_command_then_tapo_tiny_config(tiny_model, tmp_path, fit_vlm_con
     assert sum(t["count"] for t in library["templates"]) == 2 and library["max_depth"] == 1
     assert all(len(t["actions"]) == 1 for t in library["templates"])
     assert main(args) == 2 and "pass --overwrite" in capsys.readouterr().err
+    assert main([*args[:-10], "--tasks", "nope", "--out", str(tmp_path / "x.json")]) == 2
+    assert capsys.readouterr().err.startswith("mmpo tapo-library: error: unknown synthetic task 'nope'")
     rows = fit_vlm_config("tapo_tiny.yaml", tiny_model, tmp_path / "fit", f"--model.init_args.library={out}",
                           "--model.init_args.sampling.num_generations=3")
     logged = [r for r in rows if r.get("tapo/guided_reward_mean")]

@@ -93,6 +93,11 @@ def test_tiny_config_through_the_cli(tiny, tmp_path, capsys):
     assert main([*args, "--resume"]) == 0  # finished: nothing left to do, nothing rewritten
     assert json.loads((out / "state.json").read_text()) == state
     assert main([*args, "--resume", "--overwrite"]) == 2
+    capsys.readouterr()
+    assert main([*args, "--tasks=[nope]"]) == 2
+    assert capsys.readouterr().err.startswith("mmpo practice: error: unknown synthetic task 'nope'")
+    assert main([*args[:3], f"--model_path={tmp_path / 'none'}", f"--output_dir={tmp_path / 'o'}"]) == 2
+    assert "no config.json" in capsys.readouterr().err
 
 
 def test_the_policy_as_its_own_extractor(tiny, tmp_path):
