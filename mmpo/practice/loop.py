@@ -120,13 +120,15 @@ def with_library(row: dict[str, Any], experiences: dict[str, str]) -> dict[str, 
 
 
 class TrainingFreeGRPO:
-    """Runs :class:`PracticeConfig`; ``policy`` / ``backend`` may be given (tests), else they are loaded."""
+    """Runs :class:`PracticeConfig`; ``policy`` / ``backend`` may be given (tests), else they are loaded; ``rows``
+    replaces the synthetic practice problems (rows with ``problem`` and ``answer``)."""
 
-    def __init__(self, config: PracticeConfig, *, policy: tuple[Any, Any] | None = None, backend: Any = None) -> None:
+    def __init__(self, config: PracticeConfig, *, policy: tuple[Any, Any] | None = None, backend: Any = None,
+                 rows: list[dict[str, Any]] | None = None) -> None:
         config.check()
         self.config = config
         self.out = Path(config.output_dir)
-        self.rows = practice_rows(config, "train")
+        self.rows = practice_rows(config, "train") if rows is None else list(rows)  # own rows: config.tasks unused
         if len(self.rows) < config.batch_size:
             raise ValueError(f"{len(self.rows)} practice problems are fewer than batch_size {config.batch_size}")
         self.num_batches = len(self.rows) // config.batch_size  # the remainder is dropped, as in the official loop
