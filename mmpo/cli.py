@@ -35,6 +35,8 @@ PROGRAM_SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "demos": ("mmpo.robotics.cli:demos_main", "generate scripted demonstrations in robomimic's HDF5 layout"),
     "rollout": ("mmpo.robotics.cli:rollout_main", "roll out a robot policy checkpoint, optionally recording a video"),
     "list": ("mmpo.listing:main", "the registered algorithms, estimators, losses, rewards, benchmarks, robot tasks"),
+    "practice": ("mmpo.practice.cli:main", "Training-Free GRPO: learn an experience library with frozen weights"),
+    "tapo-library": ("mmpo.algos.tapo_cli:main", "build TAPO's thought-template library by search on seed problems"),
     "report": ("mmpo.report:main", "plots and a Markdown summary of a run's logged metrics (RUN_DIR)"),
 }
 

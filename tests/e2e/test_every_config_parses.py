@@ -13,7 +13,9 @@ import yaml
 from mmpo.cli import main
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
-ALL = sorted(p.relative_to(CONFIGS).as_posix() for p in CONFIGS.rglob("*.yaml"))
+# configs/practice holds `mmpo practice` configs (prompt-space optimisation, not a Lightning fit)
+ALL = sorted(p.relative_to(CONFIGS).as_posix() for p in CONFIGS.rglob("*.yaml") if p.parent.name != "practice")
+PRACTICE = sorted(p.relative_to(CONFIGS).as_posix() for p in (CONFIGS / "practice").glob("*.yaml"))
 
 
 def test_the_configs_are_found():
@@ -31,3 +33,13 @@ def test_config_parses(name, capsys):
     printed = yaml.safe_load(capsys.readouterr().out)
     declared = yaml.safe_load((CONFIGS / name).read_text())["model"]["class_path"]
     assert printed["model"]["class_path"] == declared and declared.startswith("mmpo.")
+
+
+@pytest.mark.parametrize("name", PRACTICE)
+def test_practice_config_parses(name):
+    from mmpo.practice.cli import build_parser
+    from mmpo.practice.loop import PracticeConfig
+
+    args = build_parser().parse_args(["-c", str(CONFIGS / name)])
+    PracticeConfig(**{key: args[key] for key in PracticeConfig.__dataclass_fields__}).check()
+    assert "practice/training_free_grpo_tiny.yaml" in PRACTICE
