@@ -129,6 +129,7 @@ class TGPOModule(CheckpointedState, GaussianPPOModule):
                              f"{self.env.n_steps}, act_steps={self.act_steps}, reset_at_iteration="
                              f"{self.env.reset_at_iteration}")
         self.allocator = AllocationChains(self.decomposition, self.env.num_envs, seed + 1)
+        self.allocation_metrics: dict[str, float] = {}
 
     def load_actor(self, bc_checkpoint: str, ft_steps: int) -> tuple[GaussianChunkPolicy, dict[str, Any]]:
         """A fresh time-conditioned Gaussian policy on the task's observation (seeded by ``seed``)."""
@@ -173,9 +174,14 @@ class TGPOModule(CheckpointedState, GaussianPPOModule):
             chains.tau = tau
         self._set_allocations(tau)
         super()._reset_envs()
-        if self._trainer is not None:
-            self.log_dict({"tgpo/mh_accept_rate": chains.accepted / max(chains.proposed, 1),
-                           "tgpo/tau_mean": float(tau.double().mean())}, on_step=True, on_epoch=False, batch_size=1)
+        self.allocation_metrics = {"tgpo/mh_accept_rate": chains.accepted / max(chains.proposed, 1),
+                                   "tgpo/tau_mean": float(tau.double().mean())}
+
+    def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
+        """Log the allocation search of the iteration's rollout (and keep it in ``last_metrics``)."""
+        if self.allocation_metrics:
+            self.log_dict(self.allocation_metrics, on_step=True, on_epoch=False, batch_size=1)
+            self.last_metrics.update(self.allocation_metrics)
 
     def evaluation_allocations(self, obs0: torch.Tensor, seed: int) -> torch.Tensor:
         """Per env, the best of ``tgpo.eval_candidates`` uniform allocations by V(s0, tau): (N, K)."""
