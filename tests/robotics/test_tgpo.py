@@ -53,7 +53,8 @@ def test_pointmass_observation_and_a_satisfying_scripted_run():
     tau = torch.tensor([[15, 30]])
     by_hand = [stage_reward(inner.decomposition, torch.as_tensor(states[t - 1]).view(1, -1),
                             torch.as_tensor(states[t]).view(1, -1), t, tau).item() for t in range(1, 41)]
-    assert rewards == pytest.approx(by_hand) and sum(rewards) > 2.0  # both subgoals met at their times
+    by_hand[-1] += 1.0  # success_bonus: the formula holds
+    assert rewards == pytest.approx(by_hand) and sum(rewards) > 3.0  # both subgoals met at their times
     # an allocation too early for the first subgoal (due at t=2, ~9 steps away) forfeits its bonus: the STL
     # spec itself does not pin the times (this path still passes through the first ball and satisfies it)
     _, early_rewards, _, early = _scripted_episode(env, [2, 20])

@@ -4,7 +4,8 @@ each with nested specifications of 2 to 4 sequential timed reach subgoals plus a
 Observation (flat float32): ``[state (D), t / H, stage one-hot (K + 1), tau / H (K)]`` -- the policy and the
 critic see the state, the time, the stage (subgoals already due) and the time allocation tau (K integer steps,
 the last K entries, set through the vector env with ``set_attr("tgpo_tau", rows)`` before a reset). The reward is
-TGPO's dense stage-wise reward (:func:`mmpo.robotics.tgpo_core.stage_reward`). The last step of an episode (t = H)
+TGPO's dense stage-wise reward (:func:`mmpo.robotics.tgpo_core.stage_reward`) plus ``success_bonus`` on the last step
+when the whole formula is satisfied. The last step of an episode (t = H)
 puts the whole formula's robustness on the recorded trajectory in ``info["stl_robustness"]`` and
 ``info["success"] = robustness > 0``.
 """
@@ -67,12 +68,14 @@ class STLEnv(gym.Env, ABC):
     state_dim: int
     action_dim: int
 
-    def __init__(self, spec: Formula, *, bonus: float = 1.0, invariant_weight: float = 1.0) -> None:
+    def __init__(self, spec: Formula, *, bonus: float = 1.0, invariant_weight: float = 1.0,
+                 success_bonus: float = 1.0) -> None:
         self.formula = spec
         self.decomposition = decompose(spec)
         self.num_subgoals = self.decomposition.num_subgoals
         self.horizon = max(self.decomposition.horizon(), spec.horizon())
         self.bonus, self.invariant_weight = float(bonus), float(invariant_weight)
+        self.success_bonus = float(success_bonus)
         obs_dim = self.state_dim + 1 + (self.num_subgoals + 1) + self.num_subgoals
         self.observation_space = gym.spaces.Box(-np.inf, np.inf, (obs_dim,), np.float32)
         self.action_space = gym.spaces.Box(-1.0, 1.0, (self.action_dim,), np.float32)
@@ -117,7 +120,7 @@ class STLEnv(gym.Env, ABC):
         if done:
             rho = float(self.formula(torch.as_tensor(np.stack(self._traj)).unsqueeze(0))[0])
             info.update(stl_robustness=rho, success=rho > 0)
-        return self._obs(), float(reward[0]), False, done, info
+        return self._obs(), float(reward[0]) + (self.success_bonus if info["success"] else 0.0), False, done, info
 
 
 class STLPointMassEnv(STLEnv):
