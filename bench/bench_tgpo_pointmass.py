@@ -1,4 +1,5 @@
-"""TGPO on the STL point mass: STL satisfaction rate over training, MH vs uniform time allocation, over seeds.
+"""TGPO on the STL point mass: STL satisfaction rate over training, MH vs uniform time allocation vs flat PPO on the
+terminal robustness reward, over seeds.
 
 Each run is ``TGPOModule`` (mmpo/robotics/tgpo.py) on ``stl_pointmass{K}`` with the settings of
 configs/robotics/tgpo_pointmass.yaml (16 envs, one episode per env per iteration), evaluated every ``--eval-every``
@@ -18,13 +19,20 @@ from pathlib import Path
 import numpy as np
 
 
-def run(task: str, sampler: str, seed: int, iterations: int, eval_every: int) -> dict:
+VARIANTS = {"mh": ("", "mh"), "uniform": ("", "uniform"), "flat": ("_robustness", "uniform")}
+"""variant -> (task suffix, allocation sampler); "flat" is PPO on the terminal STL robustness reward (the allocation
+in its observation is drawn uniformly and takes no part in its reward)."""
+
+
+def run(task: str, variant: str, seed: int, iterations: int, eval_every: int) -> dict:
     import lightning.pytorch as pl
     import torch
 
     from mmpo.robotics.envs.tasks import get_task
     from mmpo.robotics.tgpo import TGPOModule
 
+    suffix, sampler = VARIANTS[variant]
+    task = task + suffix
     torch.manual_seed(seed)
     horizon = get_task(task).max_episode_steps
     module = TGPOModule(num_iterations=iterations, env={"task": task, "num_envs": 16, "n_steps": horizon,
@@ -47,7 +55,8 @@ def run(task: str, sampler: str, seed: int, iterations: int, eval_every: int) ->
                          accelerator="cpu", callbacks=[Record()])
     start = time.time()
     trainer.fit(module)
-    return {"task": task, "sampler": sampler, "seed": seed, "curve": curve, "seconds": time.time() - start}
+    return {"task": task, "variant": variant, "sampler": sampler, "seed": seed, "curve": curve,
+            "seconds": time.time() - start}
 
 
 def t_interval(values: np.ndarray) -> tuple[float, float]:
@@ -62,7 +71,7 @@ def t_interval(values: np.ndarray) -> tuple[float, float]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--task", default="stl_pointmass2")
-    parser.add_argument("--samplers", nargs="+", default=["mh", "uniform"])
+    parser.add_argument("--variants", nargs="+", default=["mh", "uniform"], choices=sorted(VARIANTS))
     parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
     parser.add_argument("--iterations", type=int, default=100)
     parser.add_argument("--eval-every", type=int, default=10)
@@ -74,8 +83,8 @@ def main() -> None:
     for path in (json_path, png_path):
         if path.exists():
             raise SystemExit(f"{path} exists; choose another --out")
-    runs = [run(args.task, sampler, seed, args.iterations, args.eval_every)
-            for sampler in args.samplers for seed in args.seeds]
+    runs = [run(args.task, variant, seed, args.iterations, args.eval_every)
+            for variant in args.variants for seed in args.seeds]
     atomic_write_json(json_path, {"args": {k: str(v) for k, v in vars(args).items()}, "runs": runs})
 
     import matplotlib
@@ -84,16 +93,17 @@ def main() -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(6, 4))
-    for sampler in args.samplers:
-        curves = [r["curve"] for r in runs if r["sampler"] == sampler]
+    labels = {"mh": "TGPO, tau by critic-guided MH", "uniform": "TGPO, tau uniform", "flat": "PPO, terminal robustness"}
+    for variant in args.variants:
+        curves = [r["curve"] for r in runs if r.get("variant", r["sampler"]) == variant]
         steps = [p["env_steps"] for p in curves[0]]
         rates = np.array([[p["eval_success_rate"] for p in c] for c in curves])
         stats = [t_interval(rates[:, i]) for i in range(rates.shape[1])]
         mean = np.array([s[0] for s in stats])
         half = np.nan_to_num(np.array([s[1] for s in stats]))
-        ax.plot(steps, mean, label=f"TGPO, tau by {sampler} ({len(curves)} seeds)")
+        ax.plot(steps, mean, label=f"{labels[variant]} ({len(curves)} seeds)")
         ax.fill_between(steps, np.clip(mean - half, 0, 1), np.clip(mean + half, 0, 1), alpha=0.2)
-        print(sampler, "final eval success rate: %.3f +- %.3f" % stats[-1], "per seed:", rates[:, -1].tolist())
+        print(variant, "final eval success rate: %.3f +- %.3f" % stats[-1], "per seed:", rates[:, -1].tolist())
     ax.set_xlabel("env steps")
     ax.set_ylabel("eval STL satisfaction rate")
     ax.set_title(f"{args.task}: mean and 95% t-interval over seeds")

@@ -64,6 +64,17 @@ def test_pointmass_observation_and_a_satisfying_scripted_run():
         env.reset(seed=0)
 
 
+def test_flat_baseline_reward_is_the_terminal_robustness():
+    stage, flat = make_env("stl_pointmass2", seed=0), make_env("stl_pointmass2_robustness", seed=0)
+    _, stage_rewards, stage_states, stage_info = _scripted_episode(stage, [15, 30])
+    _, flat_rewards, flat_states, flat_info = _scripted_episode(flat, [15, 30])
+    assert np.array_equal(stage_states, flat_states) and flat_info["success"]
+    assert flat_rewards[:-1] == [0.0] * 39 and flat_rewards[-1] == flat_info["stl_robustness"] > 0
+    assert flat_info["stl_robustness"] == stage_info["stl_robustness"]
+    with pytest.raises(ValueError, match="reward must be one of"):
+        type(stage.unwrapped)(2, reward="sparse")
+
+
 def test_reacher_env_is_the_mujoco_arm():
     env = make_env("stl_reacher3", seed=0)
     obs, _ = env.reset(seed=1)

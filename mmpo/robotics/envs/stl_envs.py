@@ -23,6 +23,9 @@ from mmpo.robotics.stl import Always, And, Eventually, Formula, InBall, Not
 from mmpo.robotics.tgpo_core import decompose, stage_count, stage_reward
 
 SUBGOAL_CHOICES = (2, 3, 4)
+#: "stage": TGPO's stage-wise reward; "robustness": the flat baseline's, 0 until the last step, then the whole
+#: formula's robustness on the episode (PPO on the STL robustness reward, no decomposition).
+REWARD_MODES = ("stage", "robustness")
 
 
 def nested_reach_spec(goals: list[InBall], obstacle: InBall, first: tuple[int, int], then: tuple[int, int]) -> Formula:
@@ -69,7 +72,10 @@ class STLEnv(gym.Env, ABC):
     action_dim: int
 
     def __init__(self, spec: Formula, *, bonus: float = 1.0, invariant_weight: float = 1.0,
-                 success_bonus: float = 1.0) -> None:
+                 success_bonus: float = 1.0, reward: str = "stage") -> None:
+        if reward not in REWARD_MODES:
+            raise ValueError(f"reward must be one of {REWARD_MODES}, got {reward!r}")
+        self.reward_mode = reward
         self.formula = spec
         self.decomposition = decompose(spec)
         self.num_subgoals = self.decomposition.num_subgoals
@@ -113,13 +119,15 @@ class STLEnv(gym.Env, ABC):
         state = np.asarray(self._step_state(np.clip(np.asarray(action, np.float64), -1.0, 1.0)), dtype=np.float64)
         self._traj.append(state)
         self._t += 1
-        reward = stage_reward(self.decomposition, torch.as_tensor(prev).view(1, -1), torch.as_tensor(state).view(1, -1),
-                              self._t, self._tau, bonus=self.bonus, invariant_weight=self.invariant_weight)
         done = self._t >= self.horizon
         info: dict[str, Any] = {"stl_robustness": float("nan"), "success": False}
         if done:
             rho = float(self.formula(torch.as_tensor(np.stack(self._traj)).unsqueeze(0))[0])
             info.update(stl_robustness=rho, success=rho > 0)
+        if self.reward_mode == "robustness":
+            return self._obs(), info["stl_robustness"] if done else 0.0, False, done, info
+        reward = stage_reward(self.decomposition, torch.as_tensor(prev).view(1, -1), torch.as_tensor(state).view(1, -1),
+                              self._t, self._tau, bonus=self.bonus, invariant_weight=self.invariant_weight)
         return self._obs(), float(reward[0]) + (self.success_bonus if info["success"] else 0.0), False, done, info
 
 
