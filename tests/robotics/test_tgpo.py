@@ -115,6 +115,24 @@ def test_allocations_reach_the_envs_and_the_chains_are_feasible(tmp_path):
         module.teardown("fit")
 
 
+@pytest.mark.slow
+def test_allocations_reach_subprocess_env_workers_in_groups():
+    """The same vector-env workers as DPPO (subprocesses, two groups): set_attr reaches every env."""
+    module = _module(env={"task": "stl_pointmass2", "num_envs": 3, "n_steps": 40, "act_steps": 1,
+                          "asynchronous": True, "env_groups": 2})
+    module.envs = module.make_envs()
+    try:
+        assert type(module.envs).__name__ == "EnvGroups"
+        module._reset_envs()
+        tau = module.allocator.tau
+        assert np.array_equal(np.stack(module.envs.get_attr("tgpo_tau")), tau.numpy())
+        assert np.allclose(module._obs[:, -2:], tau.numpy() / 40)
+        with pytest.raises(ValueError, match="needs 3 values"):
+            module.envs.set_attr("tgpo_tau", [tau[0].numpy()])
+    finally:
+        module.teardown("fit")
+
+
 def test_uniform_sampler_and_bad_settings():
     module = _module(tgpo={"hidden_dims": [8, 8, 8], "sampler": "uniform"})
     trainer = pl.Trainer(max_epochs=1, logger=False, enable_checkpointing=False, enable_progress_bar=False,
