@@ -151,7 +151,8 @@ def _cli_args(config: str, root: Path, *extra: str) -> list[str]:
     return ["fit", "-c", str(REPO / "configs" / "robotics" / config), "--trainer.default_root_dir", str(root),
             "--trainer.logger", "false", "--trainer.enable_progress_bar", "false",
             "--trainer.callbacks.init_args.dirpath", str(root / "checkpoints"),
-            "--trainer.callbacks.init_args.filename", "{step}", "--trainer.callbacks.init_args.every_n_train_steps", "1",
+            "--trainer.callbacks.init_args.filename", "{step}",
+            "--trainer.callbacks.init_args.every_n_train_steps", "1",
             "--model.init_args.tgpo.hidden_dims", "[8, 8, 8]", "--model.init_args.critic.hidden_dims", "[8, 8, 8]",
             "--model.init_args.optim.mu", "1", *extra]
 

@@ -109,7 +109,8 @@ def test_mh_step_accepts_exactly_where_the_uniform_draw_is_below_the_acceptance(
     d = Decomposition((Subgoal(A, 0, 20, None), Subgoal(B, 5, 20, 0)), ())
     tau = d.midpoints(64)
     value = lambda t: -0.1 * (t[:, 0] - 3).abs().double()  # noqa: E731  (prefers tau_0 near 3)
-    new, accepted = mh_step(tau, value, d, temperature=0.5, proposal_std=3.0, generator=torch.Generator().manual_seed(7))
+    new, accepted = mh_step(tau, value, d, temperature=0.5, proposal_std=3.0,
+                            generator=torch.Generator().manual_seed(7))
     # the same draws by hand: noise first, then the uniforms
     g = torch.Generator().manual_seed(7)
     noise = torch.randn(tau.shape, generator=g, dtype=torch.float64)

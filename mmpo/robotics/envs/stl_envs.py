@@ -112,7 +112,8 @@ class STLEnv(gym.Env, ABC):
         stage = np.zeros(self.num_subgoals + 1, np.float32)
         stage[int(stage_count(self._tau, self._t)[0])] = 1.0
         tau = self._tau[0].numpy().astype(np.float32) / self.horizon
-        return np.concatenate([self._traj[-1].astype(np.float32), [self._t / self.horizon], stage, tau]).astype(np.float32)
+        parts = [self._traj[-1].astype(np.float32), [self._t / self.horizon], stage, tau]
+        return np.concatenate(parts).astype(np.float32)
 
     def step(self, action):
         prev = self._traj[-1]
