@@ -24,7 +24,7 @@ VARIANTS = {"mh": ("", "mh"), "uniform": ("", "uniform"), "flat": ("_robustness"
 in its observation is drawn uniformly and takes no part in its reward)."""
 
 
-def run(task: str, variant: str, seed: int, iterations: int, eval_every: int) -> dict:
+def run(task: str, variant: str, seed: int, iterations: int, eval_every: int, temperature: float = 1.0) -> dict:
     import lightning.pytorch as pl
     import torch
 
@@ -37,7 +37,7 @@ def run(task: str, variant: str, seed: int, iterations: int, eval_every: int) ->
     horizon = get_task(task).max_episode_steps
     module = TGPOModule(num_iterations=iterations, env={"task": task, "num_envs": 16, "n_steps": horizon,
                                                         "act_steps": 1, "asynchronous": False},
-                        tgpo={"hidden_dims": [64, 64, 64], "sampler": sampler},
+                        tgpo={"hidden_dims": [64, 64, 64], "sampler": sampler, "temperature": temperature},
                         optim={"minibatch_size": 16 * horizon // 2}, evaluation={"every": eval_every, "episodes": 16},
                         seed=seed)
     curve: list[dict] = []
@@ -75,6 +75,7 @@ def main() -> None:
     parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
     parser.add_argument("--iterations", type=int, default=100)
     parser.add_argument("--eval-every", type=int, default=10)
+    parser.add_argument("--temperature", type=float, default=1.0, help="MH temperature T (tgpo.temperature)")
     parser.add_argument("--out", type=Path, required=True, help="output prefix (.json and .png are added)")
     args = parser.parse_args()
     from mmpo.files import atomic_write_json
@@ -83,7 +84,7 @@ def main() -> None:
     for path in (json_path, png_path):
         if path.exists():
             raise SystemExit(f"{path} exists; choose another --out")
-    runs = [run(args.task, variant, seed, args.iterations, args.eval_every)
+    runs = [run(args.task, variant, seed, args.iterations, args.eval_every, args.temperature)
             for variant in args.variants for seed in args.seeds]
     atomic_write_json(json_path, {"args": {k: str(v) for k, v in vars(args).items()}, "runs": runs})
 
