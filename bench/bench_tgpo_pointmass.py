@@ -80,7 +80,7 @@ def main() -> None:
     args = parser.parse_args()
     from mmpo.files import atomic_write_json
 
-    json_path, png_path = args.out.with_suffix(".json"), args.out.with_suffix(".png")
+    json_path, png_path = (args.out.parent / f"{args.out.name}.{ext}" for ext in ("json", "png"))
     for path in (json_path, png_path):
         if path.exists():
             raise SystemExit(f"{path} exists; choose another --out")
