@@ -333,6 +333,48 @@ class DSRLConfig:
         _require(self.buffer_size >= 1, f"buffer_size must be >= 1, got {self.buffer_size}")
 
 
+TGPO_SAMPLERS: tuple[str, ...] = ("mh", "uniform")
+
+
+@dataclass(frozen=True)
+class TGPOConfig:
+    """TGPO's policy network and its high-level search over time allocations (mmpo.robotics.tgpo; docs/tgpo.md
+    marks which values the paper gives and which are this implementation's choice).
+
+    Attributes:
+        hidden_dims: widths of the policy's mean ResidualMLP (equal widths).
+        activation: its activation.
+        init_std: the Gaussian policy's initial std; min_std: its floor.
+        sampler: how each episode's allocation tau is drawn in training: "mh" (Metropolis-Hastings chains, one per
+            env, driven by the critic V(s0, tau)) or "uniform" (the ablation: uniform over the feasible set).
+        temperature: T of the MH acceptance min(1, exp((V(tau') - V(tau)) / T)).
+        proposal_std: std (env steps) of the MH random-walk proposal tau' = project(round(tau + std * eps)).
+        mh_steps: MH steps per env at each reset.
+        eval_candidates: allocations drawn uniformly at evaluation; each env keeps the one with the best V(s0, tau).
+    """
+
+    hidden_dims: list[int] | None = None
+    activation: str = "mish"
+    init_std: float = 0.5
+    min_std: float = 0.05
+    sampler: str = "mh"
+    temperature: float = 1.0
+    proposal_std: float = 2.0
+    mh_steps: int = 1
+    eval_candidates: int = 16
+
+    def __post_init__(self) -> None:
+        _require(self.hidden_dims is None or (len(self.hidden_dims) >= 1 and min(self.hidden_dims) >= 1),
+                 f"hidden_dims must be a non-empty list of widths >= 1 or None, got {self.hidden_dims}")
+        _require(0 < self.min_std <= self.init_std,
+                 f"need 0 < min_std <= init_std, got min_std={self.min_std}, init_std={self.init_std}")
+        _require(self.sampler in TGPO_SAMPLERS, f"sampler must be one of {TGPO_SAMPLERS}, got {self.sampler!r}")
+        _require(self.temperature > 0, f"temperature must be > 0, got {self.temperature}")
+        _require(self.proposal_std > 0, f"proposal_std must be > 0, got {self.proposal_std}")
+        _require(self.mh_steps >= 1, f"mh_steps must be >= 1, got {self.mh_steps}")
+        _require(self.eval_candidates >= 1, f"eval_candidates must be >= 1, got {self.eval_candidates}")
+
+
 # The flat init arguments of DPPOModule before the groups: old name -> (group, field).
 DPPO_FLAT_NAMES: dict[str, tuple[str, str]] = {
     **{name: ("env", name) for name in ("task", "act_steps", "max_episode_steps", "normalizer_path", "num_envs",

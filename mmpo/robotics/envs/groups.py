@@ -168,6 +168,17 @@ class EnvGroups(gym.vector.VectorEnv):
     def get_attr(self, name: str) -> tuple[Any, ...]:
         return tuple(value for group in self.groups for value in group.get_attr(name))
 
+    def set_attr(self, name: str, values: Any) -> None:
+        """``values``: one per env (a list of num_envs, split by group) or one for all envs."""
+        if isinstance(values, (list, tuple)):
+            if len(values) != self.num_envs:
+                raise ValueError(f"set_attr({name!r}) needs {self.num_envs} values, got {len(values)}")
+            for group, part in zip(self.groups, self.slices):
+                group.set_attr(name, list(values[part]))
+        else:
+            for group in self.groups:
+                group.set_attr(name, values)
+
     def call(self, name: str, *args: Any, **kwargs: Any) -> tuple[Any, ...]:
         return tuple(value for group in self.groups for value in group.call(name, *args, **kwargs))
 

@@ -164,3 +164,27 @@ def robosuite_env_kwargs(
         kwargs["camera_names"] = camera
     kwargs.update(spec.extra_env_kwargs)
     return kwargs
+
+
+# TGPO's STL tasks (mmpo/robotics/envs/stl_envs.py): K = 2-4 timed reach subgoals plus an obstacle; episodes of
+# H = 20 K (point mass) / 30 K (arm) steps; observation = state, t / H, stage one-hot (K + 1), tau / H (K).
+STL_SUBGOALS = (2, 3, 4)
+
+
+def _register_stl_tasks() -> None:
+    import gymnasium as gym
+
+    for k in STL_SUBGOALS:
+        for name, cls, state_dim, steps_per_goal in (("pointmass", "STLPointMassEnv", 2, 20),
+                                                     ("reacher", "STLReacherEnv", 8, 30)):
+            # "_robustness": the flat baseline's reward (the episode's STL robustness at its last step only)
+            for suffix, reward in (("", "stage"), ("_robustness", "robustness")):
+                env_id = f"MmpoSTL{cls[3:-3]}{k}{'Robustness' if suffix else ''}-v0"
+                if env_id not in gym.registry:
+                    gym.register(env_id, entry_point=f"mmpo.robotics.envs.stl_envs:{cls}",
+                                 kwargs={"num_subgoals": k, "reward": reward})
+                register_task(TaskSpec(f"stl_{name}{k}{suffix}", "gymnasium", env_id, ("observation",),
+                                       steps_per_goal * k, state_dim + 2 * k + 2, 2), replace=True)
+
+
+_register_stl_tasks()
