@@ -18,13 +18,12 @@ from mmpo.core import aggregate
 from mmpo.data.synthetic import make_items
 from mmpo.tools.parsing import HermesToolCallParser, ToolCall
 from mmpo.training.config import LossConfig, OptimConfig, RewardConfig, SamplingConfig
-from mmpo.rewards import REWARDS, register_reward
+from mmpo.rewards import REWARDS
 from mmpo.vlm.rollout import Rollout
 
-if "matpo_test_chars" not in REWARDS:
-    @register_reward("matpo_test_chars")
-    def _chars(completions, rows):  # a reward that differs between samples: the final message's length
-        return torch.tensor([len(text) / 10 for text in completions], dtype=torch.float32)
+def _chars(completions, rows):
+    """A reward that differs between samples: the final message's length / 10."""
+    return torch.tensor([len(text) / 10 for text in completions], dtype=torch.float32)
 
 # ---------------------------------------------------------------- official reference (transcribed)
 # mzf666/MATPO verl/protocol.py, broadcast_advantage_return_tensor_by_reqs_ids (commit ee2bef7), on plain objects
@@ -181,7 +180,9 @@ class _Recording(MATPOModule):
                                                    dict(state.metrics))]
 
 
-def test_two_steps_train_planner_and_workers(tmp_path):
+def test_two_steps_train_planner_and_workers(tmp_path, monkeypatch):
+    # registered for this test only: a name left in the registry would reach other tests (`mmpo list`)
+    monkeypatch.setitem(REWARDS, "matpo_test_chars", _chars)
     torch.manual_seed(0)
     module = _Recording(build_small_text_lm(tmp_path / "lm"), agent={"tools": ["calculator"], "max_turns": 2,
                                                                      "max_total_tokens": 120},

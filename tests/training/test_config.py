@@ -154,7 +154,7 @@ def test_nested_yaml_parses_to_the_groups_with_module_defaults(tmp_path, capsys)
     assert (args["optim"]["lr"], args["optim"]["minibatch_size"], args["optim"]["mu"]) == (2e-6, 12, 1)
     assert args["rollout_correction"] == {"mode": "token_truncate", "cap": 3.0, "cap_low": None, "bypass": False}
     assert args["rollout_engine"]["name"] == "hf"
-    assert args["rewards"] == {"weights": {"accuracy": 1.0}, "timeout_s": None}
+    assert args["rewards"] == {"weights": {"accuracy": 1.0}, "timeout_s": None, "models": None}
 
 
 def test_the_parsed_config_instantiates_the_dataclasses():
