@@ -460,3 +460,11 @@ def merged_settings(*layers: Mapping[str, Any]) -> dict[str, Any]:
             else:
                 out[key] = dict(value) if isinstance(value, Mapping) else value
     return out
+
+
+def refuse_chain_evaluation(evaluation: EvalConfig, why: str) -> None:
+    """Refuse DPPO's denoising-chain evaluation settings (``sampler``, ``ddpm_std_floor``) for a policy without that
+    chain (Gaussian, flow): ``ValueError("[<set ones>] <why>")``."""
+    chain_only = [f"evaluation.{name}" for name in ("sampler", "ddpm_std_floor") if getattr(evaluation, name) is not None]
+    if chain_only:
+        raise ValueError(f"{chain_only} {why}")

@@ -38,6 +38,7 @@ from mmpo.robotics.config import (
     GaussianPolicyConfig,
     PPOLossConfig,
     ReturnsConfig,
+    refuse_chain_evaluation,
 )
 from mmpo.robotics.dppo import DPPO_OPTIM, DPPOModule, EnvFactory
 from mmpo.robotics.policy.io import _read_checkpoint
@@ -224,9 +225,7 @@ class GaussianPPOModule(DPPOModule):
     ) -> None:
         self.gaussian = as_config(gaussian, GaussianPolicyConfig())
         evaluation = as_config(evaluation, EvalConfig())
-        chain_only = [f"evaluation.{name}" for name in ("sampler", "ddpm_std_floor") if getattr(evaluation, name) is not None]
-        if chain_only:
-            raise ValueError(f"{chain_only} are denoising-chain settings of DPPO; the Gaussian policy has none")
+        refuse_chain_evaluation(evaluation, "are denoising-chain settings of DPPO; the Gaussian policy has none")
         clip = self.gaussian.clip_coef
         chain = DenoisingChainConfig(ft_steps=1, clip_base=clip, clip_final=clip, noise_clip=self.gaussian.noise_clip)
         super().__init__(bc_checkpoint, num_iterations, env=env, chain=chain, returns=returns, loss=loss, optim=optim,

@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from mmpo.robotics.config import DenoisingChainConfig, EnvConfig, EvalConfig, PPOLossConfig, ReinFlowConfig, ReturnsConfig
+from mmpo.robotics.config import refuse_chain_evaluation
 from mmpo.robotics.dppo import DPPOModule, EnvFactory
 from mmpo.robotics.policy.flow import FlowPolicy
 from mmpo.robotics.policy.io import load_policy
@@ -45,9 +46,7 @@ def load_flow_policy(path: str, method: str) -> tuple[FlowPolicy, dict[str, Any]
 
 
 def check_no_chain_eval(evaluation: EvalConfig, method: str) -> None:
-    chain_only = [f"evaluation.{name}" for name in ("sampler", "ddpm_std_floor") if getattr(evaluation, name) is not None]
-    if chain_only:
-        raise ValueError(f"{chain_only} are DPPO's diffusion-chain settings; {method}'s flow policy has none")
+    refuse_chain_evaluation(evaluation, f"are DPPO's diffusion-chain settings; {method}'s flow policy has none")
 
 
 class ReinFlowModule(DPPOModule):
