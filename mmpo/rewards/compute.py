@@ -18,6 +18,11 @@ Extreme values (one rule, before any advantage is computed; docs/reliability.md,
 
 So the step always trains on finite, bounded rewards: never a NaN advantage and a silently skipped step.
 
+The worker imports no torch for the built-ins: it runs their torch-free ``worker_form``
+(``mmpo.rewards.registry``), which returns a list of floats, and this process turns every result
+into a tensor. A reward whose module imports torch (a user's, ``mmpo.rewards.step``'s) makes the
+worker import it then, once.
+
 Which functions run in the worker: those it can load by reference, i.e. defined at module level
 (or a ``functools.partial`` of such a function) in a module the worker can import; the built-ins
 and any ``@register_reward`` function in your own module qualify, and so do user functions given
@@ -39,7 +44,7 @@ import torch
 
 from mmpo.rewards.log_text import shorten
 from mmpo.rewards.models import is_model_reward, reward_call_metrics
-from mmpo.rewards.registry import RewardFn
+from mmpo.rewards.registry import RewardFn, worker_form_of
 from mmpo.rewards.user import is_user_reward_spec, resolve_reward, reward_label
 from mmpo.rewards.worker import CallOutcome, WorkerUnavailable, get_reward_worker
 
@@ -105,7 +110,8 @@ def _run_rewards(fns: dict[str, RewardFn], completions: list[str], rows: list[di
     if timeout_s is None:
         return {name: _run_inline(fn, completions, rows) for name, fn in fns.items()}
     # model rewards (mmpo.rewards.models) stay resident here: the worker would load its own copy
-    for_worker = [(name, fn) for name, fn in fns.items()
+    # a built-in goes as its torch-free worker_form (a list of floats back), so the worker needs no torch
+    for_worker = [(name, worker_form_of(fn)) for name, fn in fns.items()
                   if _RUNS_IN_CALLER.get(name) is not fn and not getattr(fn, "runs_in_process", False)]
     outcomes: dict[str, CallOutcome] = {}
     if for_worker:

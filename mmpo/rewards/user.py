@@ -25,10 +25,9 @@ from __future__ import annotations
 import inspect
 import math
 import numbers
+import sys
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
-
-import torch
 
 from mmpo.rewards.registry import REWARDS, RewardFn, get_reward
 
@@ -96,8 +95,13 @@ def _accepted_names(spec: RewardSpec, fn: Callable) -> tuple[frozenset[str] | No
 
 
 def _scores(value: Any, n: int) -> list[float | None]:
-    """The function's result as N floats or None (not applicable); malformed results raise."""
-    if isinstance(value, torch.Tensor):
+    """The function's result as N floats or None (not applicable); malformed results raise.
+
+    Imports no torch (the reward worker runs this): a tensor can only come from a function that
+    imported torch itself, so it is recognised through ``sys.modules``."""
+    torch = sys.modules.get("torch")
+    is_tensor = torch.is_tensor if torch is not None else (lambda _: False)
+    if is_tensor(value):
         value = value.detach().reshape(-1).tolist()
     if isinstance(value, (str, bytes, Mapping)) or not isinstance(value, Iterable):
         raise TypeError(f"returned a {type(value).__name__}; expected a list of float or None")
@@ -110,7 +114,7 @@ def _scores(value: Any, n: int) -> list[float | None]:
             scores.append(None)
         elif isinstance(item, numbers.Real):
             scores.append(float(item))
-        elif isinstance(item, torch.Tensor) and item.numel() == 1:
+        elif is_tensor(item) and item.numel() == 1:
             scores.append(float(item))
         else:
             raise TypeError(f"returned a {type(item).__name__} for completion {index}; "

@@ -4,8 +4,15 @@ A thread stuck in a computation cannot be interrupted in Python (math-verify exp
 ``10^{10^{10^{10}}}``, a user reward in an endless loop), so reward functions run in one
 long-lived worker process. A call that misses its deadline kills that process (SIGKILL, then
 ``wait``: no zombie) and the next call starts a fresh one; :attr:`RewardWorker.restarts` counts
-these. The worker lives between calls, so its start-up (importing torch, sympy, math-verify:
-seconds) is paid once per process and again only after a kill, never inside a deadline.
+these. The worker lives between calls, so its start-up (importing sympy and math-verify: about
+a second) is paid once per process and again only after a kill, never inside a deadline.
+
+What the worker imports: ``mmpo.rewards`` (the registry, the built-ins, math-verify), and no
+torch or transformers. The built-ins run as their torch-free ``worker_form`` (a list of floats,
+``mmpo.rewards.registry``) and the trainer turns results into tensors, so a worker running only
+them stays at about 120 MiB of resident memory instead of about 555 MiB with torch. A reward
+whose module imports torch (a user's ``file.py:fn``, a registered function of such a module)
+makes the worker import torch when it loads that function, still before the deadline starts.
 
 How it starts: a fresh interpreter (``subprocess``, ``python -c`` running :func:`serve`) talking
 over a socket pair. Not ``multiprocessing``: its "fork" copies the trainer, which by then runs
@@ -16,14 +23,14 @@ only behind an ``if __name__ == "__main__"`` guard; without one the worker would
 training run). Start-up is the same as "spawn"; once the worker is up a call costs the same for
 every start method: pickling the batch (sent once for all the call's functions) and the results.
 Measured on a busy 2-core CPU machine:
-worker start 2-6 s, once; 16 completions, ``accuracy`` + ``format``: 7.6 ms inline vs 9.2 ms in
+worker start 2-6 s, once (when it imported torch; measured before the worker became torch-free); 16 completions, ``accuracy`` + ``format``: 7.6 ms inline vs 9.2 ms in
 the worker (median), 15.8 ms when each of the 4 prompts carries a 448x448 image.
 
 What runs in the worker: functions that pickle (by reference: a module-level function, or a
 ``functools.partial`` of one) and that the worker can import. A user's ``path/file.py:fn``
 reward pickles as its spec (``mmpo.rewards.user.UserReward``): the worker loads that file by
 its absolute path while loading the call's functions, before the deadline starts. Messages use plain ``pickle``, so
-tensors are copied, never shared through file descriptors a killed worker would leave behind.
+a tensor (in a row, or a result of a reward that uses torch) is copied, never shared through file descriptors a killed worker would leave behind.
 The worker ignores Ctrl-C (the trainer handles it), exits when the trainer closes its end (at
 exit, or when the trainer dies while the worker is idle) and, on Linux, is killed by the kernel
 when the trainer thread that started it dies (the trainer's main thread in practice), even
@@ -100,7 +107,7 @@ def serve(fd: int, parent_pid: int, started_by_main_thread: bool) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     _die_with_parent(parent_pid, started_by_main_thread)
     conn = Connection(fd)
-    import mmpo.rewards  # noqa: F401  (torch, math-verify and the built-ins, before any deadline runs)
+    import mmpo.rewards  # noqa: F401  (math-verify and the built-ins, no torch, before any deadline runs)
 
     _send(conn, ("ready",))
     while True:
