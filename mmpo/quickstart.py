@@ -2,7 +2,9 @@
 
 1. build a tiny Qwen2.5-VL (``build_tiny_vlm``: config + tokenizer trained on the synthetic corpus);
 2. evaluate it on held-out synthetic items (before SFT);
-3. SFT warm-up (Lightning ``Trainer`` + ``SFTModule``) on rendered think/answer solutions; evaluate;
+3. SFT warm-up (Lightning ``Trainer`` + ``SFTModule``) on rendered think/answer solutions from an
+   imperfect teacher that abstains ("unsure") on 80% of the questions about red, blue or green
+   shapes (``mmpo.data.demonstrations``); evaluate;
 4. GRPO (Lightning ``Trainer`` + ``GRPOModule``, arXiv 2402.03300) with the accuracy + format
    reward; evaluate on the same held-out items;
 5. print the table (before SFT / after SFT / after GRPO per task), save the eval bars and the
@@ -18,9 +20,15 @@ kept: each resume logs to a new ``logs/version_N`` and the curve joins them). ``
 an existing ``--out`` aside to ``OUT.old-<time>`` and starts over. ``--out`` is locked while a
 run writes it.
 
-The default budget takes about 3 minutes on 2 idle CPU cores (2:23 measured, bench/RESULTS.md
-"Quickstart"; up to ~10 minutes when the cores are busy); ``--tiny`` is a seconds-long smoke run
-(it checks the plumbing, not learning).
+Why the abstaining teacher: at this scale (a 0.8M-parameter model seeing a 56 px image as 4 tokens)
+the tiny VLM barely perceives the images, and GRPO from a plain SFT start does not show a gain over
+5 seeds (bench/RESULTS.md "quickstart-verdict"). What RL adds to imitation is shown instead where it
+is unambiguous: the SFT model copies the teacher's abstentions, GRPO is rewarded only for correct
+answers and learns to attempt those questions. ``--abstain-share 0`` runs the plain teacher.
+
+The default budget takes about 3 minutes on 2 idle CPU cores (bench/RESULTS.md "Quickstart"; up to
+~10 minutes when the cores are busy); ``--tiny`` is a seconds-long smoke run (it checks the plumbing,
+not learning).
 """
 
 from __future__ import annotations
@@ -66,6 +74,11 @@ class QuickstartConfig:
     """SFT optimizer steps."""
     sft_lr: float = 1e-3
     """SFT learning rate."""
+    sft_abstain_colours: tuple[str, ...] = ("red", "blue", "green")
+    """colours whose questions the SFT teacher may abstain on (``mmpo.data.demonstrations``)."""
+    sft_abstain_share: float = 0.8
+    """share of those questions the teacher abstains on (0: the plain teacher). Greedy decoding after SFT
+    then abstains on every such question (3 of 5 colours: about 58% of the held-out items)."""
     grpo_train_size: int = 4000
     """GRPO training prompts (all tasks together): fresh prompts every step (600 prompts seen ~3 times each
     raised the training reward without any held-out gain: memorised items)."""
@@ -119,6 +132,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "text tasks (" + ",".join(TEXT_QUICKSTART_TASKS) + ")")
     parser.add_argument("--tasks", default=None, help="comma-separated synthetic tasks (default: "
                         + ",".join(QuickstartConfig().tasks) + "; with --kind text the text tasks)")
+    parser.add_argument("--abstain-share", type=float, default=None,
+                        help="share of the questions about red, blue or green shapes on which the SFT teacher "
+                        "abstains (default 0.8; 0: the plain teacher, on which the GRPO gain is not shown)")
     parser.add_argument("--sft-steps", type=int, default=None, help="override the SFT steps")
     parser.add_argument("--grpo-steps", type=int, default=None, help="override the GRPO steps")
     parser.add_argument("--eval-size", type=int, default=None, help="override held-out items per task")
@@ -133,8 +149,10 @@ def build_parser() -> argparse.ArgumentParser:
 def config_from_args(args: argparse.Namespace) -> QuickstartConfig:
     config = QuickstartConfig.tiny() if args.tiny else QuickstartConfig()
     overrides: dict[str, Any] = {}
-    if args.kind == "text":
-        overrides.update(kind="text", tasks=TEXT_QUICKSTART_TASKS[:len(config.tasks)])
+    if args.kind == "text":  # the text tasks name no colours: the plain teacher
+        overrides.update(kind="text", tasks=TEXT_QUICKSTART_TASKS[:len(config.tasks)], sft_abstain_share=0.0)
+    if args.abstain_share is not None:
+        overrides["sft_abstain_share"] = args.abstain_share
     if args.tasks:
         overrides["tasks"] = tuple(task.strip() for task in args.tasks.split(",") if task.strip())
     for name in ("sft_steps", "grpo_steps", "eval_size"):
@@ -238,11 +256,13 @@ def _fit(trainer, module, datamodule, stage_dir: Path, *, validate_first: bool =
 def run_sft(model_path: Path, config: QuickstartConfig, stage_dir: Path, *, seed: int, progress: bool) -> Path:
     """Stage 3: SFT warm-up on rendered think/answer solutions; returns the HF export."""
     from mmpo.algos.sft import SFTModule
-    from mmpo.data.datamodule import PromptDataModule
+    from mmpo.data.demonstrations import AbstainingTeacherDataModule
     from mmpo.training.config import OptimConfig
 
-    datamodule = PromptDataModule(tasks=list(config.tasks), train_size=config.sft_train_size, val_size=0,
-                                  seed=seed, batch_size=config.sft_batch_size)
+    datamodule = AbstainingTeacherDataModule(
+        abstain_colours=config.sft_abstain_colours, abstain_share=config.sft_abstain_share,
+        tasks=list(config.tasks), train_size=config.sft_train_size, val_size=0, seed=seed,
+        batch_size=config.sft_batch_size)
     # The module writes the HF export (output_dir) when fit ends.
     module = SFTModule(model_path=str(model_path), optim=OptimConfig(lr=config.sft_lr),
                        output_dir=str(stage_dir / "hf"), save_hf_on_checkpoint=False)
@@ -300,6 +320,16 @@ def item_correctness(eval_dir: Path) -> dict[str, float]:
                 record = json.loads(line)
                 scores[f"{path.stem}/{record['id']}"] = float(bool(record["correct"][0]))
     return scores
+
+
+def abstention_share(eval_dir: Path) -> float | None:
+    """Share of an evaluation's completions that abstain (``mmpo.data.demonstrations``); None: not evaluated."""
+    from mmpo.data.demonstrations import abstention_rate
+
+    completions = [text for path in sorted((eval_dir / "predictions").glob("*.jsonl"))
+                   for line in path.read_text().splitlines() if line.strip()
+                   for text in json.loads(line)["completions"]]
+    return abstention_rate(completions) if completions else None
 
 
 def paired_gain(before: Mapping[str, float], after: Mapping[str, float], *, level: float = 0.95,
@@ -363,6 +393,8 @@ def write_summary(out: Path, config: QuickstartConfig, stages: dict[str, dict[st
     summary = {
         "config": asdict(config), "seed": seed, "accuracy": stages, "timings_s": timings, "paths": paths,
         "grpo_vs_sft": gain, "reward": reward_rise(grpo_csvs),
+        "abstained": {stage: abstention_share(out / "eval" / name)
+                      for stage, name in (("after SFT", "after_sft"), ("after GRPO", "after_grpo"))},
         # a gain only when the paired interval over the held-out items excludes zero
         "grpo_improved_over_sft": None if gain is None else bool(gain["shown"] and gain["gain"] > 0),
     }
@@ -513,6 +545,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     if reward is not None:
         print(f"\nGRPO training reward ({reward['key']}), mean of the first / last {reward['window']} of "
               f"{reward['steps']} steps: {reward['first']:.3f} -> {reward['last']:.3f}")
+    abstained = summary.get("abstained") or {}
+    if summary["config"]["sft_abstain_share"] > 0 and None not in abstained.values():
+        print(f"Held-out answers that abstain (\"unsure\", as the SFT teacher did on "
+              f"{summary['config']['sft_abstain_share']:.0%} of the questions about "
+              f"{'/'.join(summary['config']['sft_abstain_colours'])} shapes): after SFT "
+              f"{abstained['after SFT']:.0%}, after GRPO {abstained['after GRPO']:.0%}")
     print(f"\n{verdict_line(summary.get('grpo_vs_sft'))} "
           f"Total {time.perf_counter() - started:.0f} s. Outputs: {args.out}/ "
           "(results.md, quickstart.json, eval.png, learning_curve.png, sft/hf, grpo/hf)")
