@@ -12,7 +12,12 @@ def test_quickstart_tiny_smoke(tmp_path, capsys):
     assert mmpo_main(["quickstart", "--tiny", "--out", str(out), "--seed", "0", "--no-progress"]) == 0
     summary = json.loads((out / "quickstart.json").read_text())
     assert set(summary) == {"config", "seed", "accuracy", "timings_s", "paths", "grpo_improved_over_sft",
-                            "grpo_vs_sft", "reward"}
+                            "grpo_vs_sft", "reward", "abstained"}
+    # the abstention shares are those of the evaluations' completions (each a count out of eval_size x tasks)
+    for stage, name in (("after SFT", "after_sft"), ("after GRPO", "after_grpo")):
+        texts = [text for path in (out / "eval" / name / "predictions").glob("*.jsonl")
+                 for line in path.read_text().splitlines() for text in json.loads(line)["completions"]]
+        assert summary["abstained"][stage] == sum("<answer>unsure</answer>" in t for t in texts) / len(texts)
     tiny = QuickstartConfig.tiny()
     assert list(summary["accuracy"]) == list(STAGES)
     for stage in STAGES:
