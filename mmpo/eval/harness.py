@@ -20,7 +20,7 @@ import json
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
 
 import torch
 from tqdm.auto import tqdm
@@ -28,6 +28,9 @@ from tqdm.auto import tqdm
 from mmpo.eval.benchmarks.base import decode_row_images
 from mmpo.eval.metrics import summarize_correctness
 from mmpo.eval.registry import Row, load_benchmark_rows, resolve_benchmark
+
+if TYPE_CHECKING:
+    from mmpo.eval.judge_extraction import JudgeEval
 
 CORRECT_THRESHOLD = 0.5
 DEFAULT_MAX_NEW_TOKENS = 128
@@ -517,7 +520,7 @@ def evaluate_checkpoint(
     min_pixels: int | None = None,
     max_pixels: int | None = None,
     tool_use: ToolUse | None = None,
-    judge_eval: Any = None,
+    judge_eval: "JudgeEval | None" = None,
 ) -> dict[str, Any]:
     """Evaluate a saved checkpoint on named benchmarks (see :mod:`mmpo.eval.registry`).
 
