@@ -59,3 +59,33 @@ def mathvista_dir(tmp_path):
     write_parquet(columns, MATHVISTA_FEATURES,
                   tmp_path / "MathVista" / "data" / "testmini-00000-of-00001-725687bf7a18d64b.parquet")
     return tmp_path
+
+
+MATHVERSE_FEATURES = {
+    "sample_index": S, "problem_index": S, "problem_version": S, "question": S, "image": datasets.Image(),
+    "answer": S, "question_type": S,
+    "metadata": {"split": S, "source": S, "subject": S, "subfield": S},
+    "query_wo": S, "query_cot": S, "question_for_eval": S,
+}
+
+
+def mathverse_dir(tmp_path):
+    meta = {"split": "testmini", "source": "GeoQA", "subject": "Plane Geometry", "subfield": "Angle"}
+    question = "As shown in the figure, angle 1 = 30°, find angle 2.\nChoices:\nA:30°\nB:60°\nC:90°\nD:120°"
+    columns = {
+        "sample_index": ["1", "5", "6"], "problem_index": ["1", "1", "2"],
+        "problem_version": ["Text Dominant", "Vision Only", "Text Lite"],
+        "question": [question, "", "Find the length of AC."],
+        "image": [png(), png(), png()], "answer": ["B", "B", "5"],
+        "question_type": ["multi-choice", "multi-choice", "free-form"], "metadata": [meta] * 3,
+        "query_wo": ["Please directly answer the question and provide the correct option letter.\nQuestion: "
+                     + question, "According to the question shown in the image, directly answer.",
+                     "Please directly answer the question.\nQuestion: Find the length of AC."],
+        "query_cot": ["Please first conduct reasoning, and then answer the question and provide the correct option "
+                      "letter, e.g., A, B, C, D, at the end.\nQuestion: " + question,
+                      "According to the question shown in the image, please first conduct reasoning, and then answer.",
+                      "Please first conduct reasoning, and then answer the question.\nQuestion: Find the length of AC."],
+        "question_for_eval": [question, "", "Find the length of AC."],
+    }
+    write_parquet(columns, MATHVERSE_FEATURES, tmp_path / "MathVerse" / "testmini.parquet")
+    return tmp_path

@@ -19,7 +19,7 @@ from mmpo.training.config import OptimConfig, as_config
 from mmpo.vlm.logprobs import completion_log_probs
 from mmpo.vlm.processing import encode_completions, encode_prompts
 
-STYLES = ("think-answer", "steps")
+STYLES = ("think-answer", "steps", "answer")
 
 
 class SFTModule(VLMPolicyModule):
@@ -29,7 +29,8 @@ class SFTModule(VLMPolicyModule):
         model_path: saved HF model directory (e.g. ``build_tiny_vlm`` output or a real checkpoint).
         optim: AdamW and its schedule (:class:`~mmpo.training.config.OptimConfig`: lr 1e-4 by default, weight_decay,
             warmup_steps, lr_schedule).
-        style: solution style taught: think-answer (default) or steps (StepGRPO).
+        style: solution style taught: think-answer (default), steps (StepGRPO) or answer (the row's answer
+            alone, no system prompt: a text rewriter such as the TAROT testbed's).
         max_completion_length: truncate target completions to this many tokens (None = no limit).
         val_max_new_tokens: completion length for greedy validation.
         save_hf_on_checkpoint: also write HF weights to output_dir whenever a Lightning checkpoint is saved.

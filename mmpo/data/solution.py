@@ -1,18 +1,20 @@
 """System prompts and rendering of a Row's reference solution into a completion.
 
-Two styles:
+Three styles:
 - ``think-answer`` (default; what SFT teaches and the ``format`` reward checks):
   ``<think>{steps joined by spaces}</think><answer>{answer}</answer>``.
 - ``steps`` (R1-VL / StepGRPO, arXiv 2503.12937, Mulberry layout):
   ``### Image Description: ...`` / ``### Rationales: ...`` / ``### Step k: ...`` /
   ``### The final answer is: {answer}``, one section per line.
+- ``answer``: the row's ``answer`` alone, no system prompt (a policy that writes text rather than solves:
+  the TAROT testbed's rewriter, ``mmpo.rewards.tarot_testbed``).
 """
 
 from __future__ import annotations
 
 from typing import Any, Literal
 
-SolutionStyle = Literal["think-answer", "steps"]
+SolutionStyle = Literal["think-answer", "steps", "answer"]
 
 SYSTEM_PROMPT: str = (
     "Think step by step inside <think> </think>, then give only the final answer inside <answer> </answer>."
@@ -36,7 +38,9 @@ def system_prompt_for(style: SolutionStyle = "think-answer") -> str:
         return SYSTEM_PROMPT
     if style == "steps":
         return STEPS_SYSTEM_PROMPT
-    raise ValueError(f"unknown solution style {style!r}; valid: 'think-answer', 'steps'")
+    if style == "answer":
+        return ""  # no system turn
+    raise ValueError(f"unknown solution style {style!r}; valid: 'think-answer', 'steps', 'answer'")
 
 
 def render_solution(row: dict[str, Any], style: SolutionStyle = "think-answer") -> str:
@@ -45,7 +49,7 @@ def render_solution(row: dict[str, Any], style: SolutionStyle = "think-answer") 
     Args:
         row: a Row (needs ``steps`` and ``answer``; the steps style also uses the
             optional ``image_description`` and ``rationale`` fields, with defaults).
-        style: ``"think-answer"`` or ``"steps"``.
+        style: ``"think-answer"``, ``"steps"`` or ``"answer"``.
 
     Returns:
         The completion text (no chat markup, no EOS).
@@ -65,4 +69,6 @@ def render_solution(row: dict[str, Any], style: SolutionStyle = "think-answer") 
             lines.append(f"### Step {k}: {step}")
         lines.append(f"### The final answer is: {answer}")
         return "\n".join(lines)
-    raise ValueError(f"unknown solution style {style!r}; valid: 'think-answer', 'steps'")
+    if style == "answer":
+        return answer
+    raise ValueError(f"unknown solution style {style!r}; valid: 'think-answer', 'steps', 'answer'")

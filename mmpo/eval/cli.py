@@ -7,6 +7,9 @@ Example::
         --num-samples 8 --temperature 0.7 --out runs/eval_k8
     mmpo eval --model CKPT --benchmarks mathvista_testmini,chartqa_test --data-dir ~/benchmarks --out runs/eval_mv
     mmpo eval --model runs/tiny/calc_grpo --benchmarks synth/calc --tools calculator --out runs/eval_calc
+    mmpo eval --model CKPT --benchmarks mathvista_testmini,mathverse_testmini --data-dir ~/benchmarks \
+        --judge http://127.0.0.1:8000 --judge-model Qwen/Qwen2.5-7B-Instruct --judge-benchmarks mathvista,mathverse \
+        --out runs/eval_judged   # the official LLM answer extraction beside the rule's (docs/eval.md)
     mmpo eval --list     # every benchmark name, and the files each local benchmark expects
 """
 
@@ -76,6 +79,18 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--max-total-tokens", type=int, default=512,
                         help="with --tools: completion tokens per answer, model and tool tokens together")
     parser.add_argument("--tool-timeout", type=float, default=10.0, help="with --tools: deadline of one tool call, s")
+    parser.add_argument("--judge", default=None,
+                        help="also score MathVista / MathVerse with their official LLM answer extraction by this "
+                        "judge: an OpenAI-compatible server URL (http://127.0.0.1:8000), a local model directory, "
+                        "path/file.py:factory, or a YAML file of judge settings as in rewards.models (docs/eval.md)")
+    parser.add_argument("--judge-model", default=None, help="with --judge URL: the model name sent to the server")
+    parser.add_argument("--judge-benchmarks", default=None,
+                        help="with --judge: comma-separated benchmarks of --benchmarks, or protocols (mathvista, "
+                        "mathverse: every benchmark of that family), to judge-score (default: every MathVista and "
+                        "MathVerse benchmark of the run)")
+    parser.add_argument("--mathverse-scoring", choices=["judge", "rule"], default="judge",
+                        help="with --judge: MathVerse's second stage: the judge decides whether the extraction matches "
+                        "the standard answer (judge, the official protocol) or the benchmark's rule does (rule)")
     parser.add_argument("--out", required=True, help="output directory")
     parser.add_argument("--no-progress", action="store_true", help="hide the progress bars")
     return parser
@@ -111,19 +126,27 @@ def main(argv: Sequence[str] | None = None) -> int:
     from mmpo.data import system_prompt_for
     from mmpo.eval.reports import results_table
 
+    if args.judge is None and (args.judge_model or args.judge_benchmarks):
+        parser.error("--judge-model and --judge-benchmarks need --judge")
     tool_use = None
+    judge_eval = None
     try:
         if args.tools is not None:
             tool_use = ToolUse(tuple(name.strip() for name in args.tools.split(",") if name.strip()),
                                max_turns=args.max_turns, max_total_tokens=args.max_total_tokens,
                                tool_timeout_s=args.tool_timeout)
+        if args.judge is not None:
+            from mmpo.eval.judge_extraction import JudgeEval, judge_spec
+
+            selected = tuple(name.strip() for name in (args.judge_benchmarks or "").split(",") if name.strip())
+            judge_eval = JudgeEval(judge_spec(args.judge, args.judge_model), selected, args.mathverse_scoring)
         results = evaluate_checkpoint(
             args.model, names, num_samples=args.num_samples, greedy=greedy, temperature=temperature,
             top_p=args.top_p, max_new_tokens=args.max_new_tokens, batch_size=args.batch_size, limit=args.limit,
             synth_size=args.synth_size, synth_seed=args.synth_seed, seed=args.seed, out_dir=args.out,
             progress=not args.no_progress, device=args.device, dtype=args.dtype,
             system_prompt=system_prompt_for(args.prompt_style), data_dir=args.data_dir,
-            min_pixels=args.min_pixels, max_pixels=args.max_pixels, tool_use=tool_use,
+            min_pixels=args.min_pixels, max_pixels=args.max_pixels, tool_use=tool_use, judge_eval=judge_eval,
         )
     except (UnknownBenchmarkError, NotAModelError, FileNotFoundError, ValueError, ToolSpecError) as error:
         print(f"mmpo eval: error: {error}", file=sys.stderr)

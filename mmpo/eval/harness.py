@@ -20,7 +20,7 @@ import json
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
 
 import torch
 from tqdm.auto import tqdm
@@ -28,6 +28,9 @@ from tqdm.auto import tqdm
 from mmpo.eval.benchmarks.base import decode_row_images
 from mmpo.eval.metrics import summarize_correctness
 from mmpo.eval.registry import Row, load_benchmark_rows, resolve_benchmark
+
+if TYPE_CHECKING:
+    from mmpo.eval.judge_extraction import JudgeEval
 
 CORRECT_THRESHOLD = 0.5
 DEFAULT_MAX_NEW_TOKENS = 128
@@ -517,6 +520,7 @@ def evaluate_checkpoint(
     min_pixels: int | None = None,
     max_pixels: int | None = None,
     tool_use: ToolUse | None = None,
+    judge_eval: "JudgeEval | None" = None,
 ) -> dict[str, Any]:
     """Evaluate a saved checkpoint on named benchmarks (see :mod:`mmpo.eval.registry`).
 
@@ -533,6 +537,9 @@ def evaluate_checkpoint(
         data_dir: folder with the local-file benchmarks' files (``mmpo.eval.benchmarks``).
         min_pixels, max_pixels: a VLM's image pixel budget (None: the saved processor's).
         tool_use: evaluate with tools (:class:`ToolUse`; VLMs and text LMs, not dLLMs).
+        judge_eval: judge-score the benchmarks it selects (:class:`mmpo.eval.judge_extraction.JudgeEval`) after
+            their rule scoring: each benchmark's metrics gain ``judge`` (judge accuracy, agreement with the rule,
+            failures), its per-item predictions the judge's extraction and score per answer.
 
     Returns:
         The results dict described in :mod:`mmpo.eval.reports` (without per-item predictions).
@@ -551,6 +558,13 @@ def evaluate_checkpoint(
         from mmpo.tools.functions import load_tools
 
         load_tools(list(tool_use.tools), "--tools")  # a bad tool fails now, before the model loads
+    judged_benchmarks: dict[str, str] = {}
+    judge_backend = None
+    if judge_eval is not None:  # a bad selection or judge fails now, before the model loads
+        from mmpo.rewards.models import make_judge_backend
+
+        judged_benchmarks = judge_eval.select([benchmark.name for benchmark in resolved])
+        judge_backend = make_judge_backend("judge", judge_eval.spec)
     model_type, loaded = model if model is not None else load_model_for_eval(
         model_path, device=device, dtype=dtype, min_pixels=min_pixels, max_pixels=max_pixels,
         max_new_tokens=max_new_tokens, temperature=temperature)
@@ -569,6 +583,8 @@ def evaluate_checkpoint(
                                "tool_timeout_s": tool_use.tool_timeout_s}
     if data_dir is not None:
         results["data_dir"] = str(data_dir)
+    if judge_eval is not None:
+        results["judge"] = {**judge_eval.describe(), "benchmarks": list(judged_benchmarks)}
     predictions: dict[str, list[dict[str, Any]]] = {}
     for benchmark in resolved:
         rows = load_benchmark_rows(benchmark, limit=limit)
@@ -588,8 +604,13 @@ def evaluate_checkpoint(
             metrics = evaluate(model_obj, processor, rows, max_new_tokens=max_new_tokens,
                                temperature=temperature, top_p=top_p, system_prompt=system_prompt,
                                tool_use=tool_use, **common)
-        metrics["seconds"] = round(time.perf_counter() - started, 2)
         predictions[benchmark.name] = metrics.pop("predictions")
+        if benchmark.name in judged_benchmarks:
+            from mmpo.eval.judge_extraction import judge_benchmark
+
+            metrics["judge"] = judge_benchmark(judged_benchmarks[benchmark.name], rows, predictions[benchmark.name],
+                                               judge_backend, mathverse_scoring=judge_eval.mathverse_scoring)
+        metrics["seconds"] = round(time.perf_counter() - started, 2)
         results["benchmarks"][benchmark.name] = metrics
     if out_dir is not None:
         write_reports(results, out_dir, predictions=predictions)

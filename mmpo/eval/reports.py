@@ -10,8 +10,11 @@ The results dict (what ``mmpo.eval.harness.evaluate_checkpoint`` returns and
       "benchmarks": {
         name: {"num_items": int, "num_samples": int, "accuracy": float,
                "avg@k": float, "pass@1": float, ..., "pass@k": float,
-               "by_task": {task: {same metric keys}}, "seconds": float},
+               "by_task": {task: {same metric keys}}, "seconds": float,
+               "judge": {"protocol": str, "items": float, "rule_accuracy": float, "judge_accuracy": float,
+                         "agreement": float, "judge_failed": float}},   # judge-scored benchmarks only
       },
+      "judge": {"url" | "path" | "backend": str, "model": str, ..., "benchmarks": [name, ...]},   # with --judge
     }
 """
 
@@ -71,23 +74,30 @@ TOOL_COLUMNS = ("tool_call_rate", "tool_calls_per_answer", "turns_per_answer")
 """Columns of a run with tools (``mmpo eval --tools``)."""
 
 
+JUDGE_COLUMNS = ("judge_accuracy", "agreement", "judge_failed")
+"""Columns of judge-scored benchmarks (``mmpo eval --judge``; ``agreement``: judge score equal to the rule's)."""
+
+
 def results_table(results: Mapping[str, Any]) -> str:
     """Markdown table of one eval run: a row per benchmark (and per task inside multi-task ones)."""
     benchmarks: Mapping[str, Mapping[str, Any]] = results["benchmarks"]
     columns = metric_columns(benchmarks)
     # runs with tools (`mmpo eval --tools`) add how the answers used them
     tool_columns = [key for key in TOOL_COLUMNS if any(key in metrics for metrics in benchmarks.values())]
-    header = ["benchmark", "items", "samples", "accuracy", *columns, *tool_columns]
+    judge_columns = list(JUDGE_COLUMNS) if any("judge" in metrics for metrics in benchmarks.values()) else []
+    header = ["benchmark", "items", "samples", "accuracy", *columns, *tool_columns, *judge_columns]
     rows: list[list[Any]] = []
     for name, metrics in benchmarks.items():
+        judged = metrics.get("judge") or {}
         rows.append([name, metrics["num_items"], metrics["num_samples"], metrics["accuracy"],
-                     *[metrics.get(column) for column in [*columns, *tool_columns]]])
+                     *[metrics.get(column) for column in [*columns, *tool_columns]],
+                     *[judged.get(column) for column in judge_columns]])
         by_task = metrics.get("by_task") or {}
         if len(by_task) > 1:
             for task, task_metrics in by_task.items():
                 rows.append([f"  {name}:{task}", task_metrics["num_items"], task_metrics["num_samples"],
                              task_metrics["accuracy"], *[task_metrics.get(column) for column in columns],
-                             *[None for _ in tool_columns]])
+                             *[None for _ in [*tool_columns, *judge_columns]]])
     return markdown_table(header, rows)
 
 
@@ -97,10 +107,14 @@ def results_markdown(results: Mapping[str, Any]) -> str:
     settings = ", ".join(f"{key}={value}" for key, value in decoding.items())
     tools = results.get("tool_use")
     with_tools = ("With tools: " + ", ".join(f"{key}={value}" for key, value in tools.items()) + ".\n\n") if tools else ""
+    judge = results.get("judge")
+    with_judge = ("Judge-scored (accuracy: the rule's; judge_accuracy, agreement: the judge's): "
+                  + ", ".join(f"{key}={value}" for key, value in judge.items() if value is not None) + ".\n\n"
+                  ) if judge else ""
     return (
         f"# Eval: {results.get('model', '?')}\n\n"
         f"Model type: {results.get('model_type', '?')}. Decoding: {settings}.\n\n"
-        f"{with_tools}{results_table(results)}\n"
+        f"{with_tools}{with_judge}{results_table(results)}\n"
     )
 
 

@@ -132,6 +132,23 @@ class TextEncoder:
 
     @torch.no_grad()
     def __call__(self, texts: list[str]) -> torch.Tensor:
+        """The (N, D) embeddings; a text with no tokens (an empty rewrite) embeds as the zero vector, whose cosine
+        with anything is 0."""
+        texts = list(texts)
+        kept = [i for i, text in enumerate(texts) if self.tokenizer(text, add_special_tokens=True)["input_ids"]]
+        if len(kept) == len(texts):
+            return self._embed(texts)
+        if kept:
+            embedded = self._embed([texts[i] for i in kept])
+        else:  # the embedding width without a forward pass
+            config = self.model.config
+            width = config.num_labels if self.pooling == "logits" else getattr(config, "hidden_size", 1)
+            embedded = torch.zeros(0, width)
+        out = torch.zeros(len(texts), embedded.shape[1])
+        out[kept] = embedded
+        return out
+
+    def _embed(self, texts: list[str]) -> torch.Tensor:
         out = []
         for start in range(0, len(texts), self.batch_size):
             chunk = list(texts[start:start + self.batch_size])

@@ -7,13 +7,12 @@ from __future__ import annotations
 
 import csv
 import json
-import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
 import torch
 import yaml
+from loopback_judge import LoopbackJudge
 
 from mmpo.cli import main
 from mmpo.data import SYSTEM_PROMPT
@@ -93,45 +92,21 @@ def test_grpo_trains_two_steps_with_a_reward_model(tiny_vlm, tmp_path, monkeypat
         assert float(metrics["rewards/helpful_rm/errors"]) == 0.0
 
 
-class _LengthJudge:
+def _length_judge() -> LoopbackJudge:
     """An OpenAI-compatible judge on 127.0.0.1: replies 'Score: n' with n = len(user text) % 11, except
     for prompts whose length is divisible by 5, which get a reply without a score."""
-
-    def __init__(self) -> None:
-        self.prompts: list[str] = []
-        judge = self
-
-        class Handler(BaseHTTPRequestHandler):
-            def log_message(self, *args):
-                pass
-
-            def do_POST(self):
-                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-                content = body["messages"][-1]["content"]
-                text = content if isinstance(content, str) else content[-1]["text"]
-                judge.prompts.append(text)
-                reply = "undecided" if len(text) % 5 == 0 else f"Score: {len(text) % 11}"
-                data = json.dumps({"choices": [{"message": {"content": reply}}]}).encode()
-                self.send_response(200)
-                self.send_header("Content-Length", str(len(data)))
-                self.end_headers()
-                self.wfile.write(data)
-
-        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
-        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
+    return LoopbackJudge(lambda text: "undecided" if len(text) % 5 == 0 else f"Score: {len(text) % 11}")
 
 
 def test_grpo_trains_two_steps_with_an_http_judge(tiny_vlm, tmp_path, monkeypatch):
     config = REPO / "configs" / "vlm" / "grpo_tiny_judge.yaml"
-    server = _LengthJudge()
+    server = _length_judge()
     try:
         models = _config_models(config)
         models["judge"]["url"] = server.url
         seen = _fit(config, tiny_vlm, tmp_path, models, monkeypatch)
     finally:
-        server.httpd.shutdown()
-        server.httpd.server_close()
+        server.close()
     logged = _logged(tmp_path)
     assert len(seen) == len(logged) == 2
     rubric = models["judge"]["rubric"]

@@ -7,7 +7,7 @@ import datasets
 import pytest
 from PIL import Image
 
-from benchmark_fixtures import S, mathvista_dir, png, write_parquet
+from benchmark_fixtures import S, mathverse_dir, mathvista_dir, png, write_parquet
 from mmpo.eval.benchmarks import BenchmarkFilesError, decode_row_images, judge
 from mmpo.eval.benchmarks.scoring import final_answer_text, match_choice, relaxed_correctness
 from mmpo.eval.registry import describe_benchmarks, load_benchmark_rows, resolve_benchmark
@@ -72,36 +72,6 @@ def test_mathvista_scoring_and_agreement_with_the_official_extraction(tmp_path):
 
 
 # ----------------------------------------------------------------------------- MathVerse
-
-MATHVERSE_FEATURES = {
-    "sample_index": S, "problem_index": S, "problem_version": S, "question": S, "image": datasets.Image(),
-    "answer": S, "question_type": S,
-    "metadata": {"split": S, "source": S, "subject": S, "subfield": S},
-    "query_wo": S, "query_cot": S, "question_for_eval": S,
-}
-
-
-def mathverse_dir(tmp_path):
-    meta = {"split": "testmini", "source": "GeoQA", "subject": "Plane Geometry", "subfield": "Angle"}
-    question = "As shown in the figure, angle 1 = 30°, find angle 2.\nChoices:\nA:30°\nB:60°\nC:90°\nD:120°"
-    columns = {
-        "sample_index": ["1", "5", "6"], "problem_index": ["1", "1", "2"],
-        "problem_version": ["Text Dominant", "Vision Only", "Text Lite"],
-        "question": [question, "", "Find the length of AC."],
-        "image": [png(), png(), png()], "answer": ["B", "B", "5"],
-        "question_type": ["multi-choice", "multi-choice", "free-form"], "metadata": [meta] * 3,
-        "query_wo": ["Please directly answer the question and provide the correct option letter.\nQuestion: "
-                     + question, "According to the question shown in the image, directly answer.",
-                     "Please directly answer the question.\nQuestion: Find the length of AC."],
-        "query_cot": ["Please first conduct reasoning, and then answer the question and provide the correct option "
-                      "letter, e.g., A, B, C, D, at the end.\nQuestion: " + question,
-                      "According to the question shown in the image, please first conduct reasoning, and then answer.",
-                      "Please first conduct reasoning, and then answer the question.\nQuestion: Find the length of AC."],
-        "question_for_eval": [question, "", "Find the length of AC."],
-    }
-    write_parquet(columns, MATHVERSE_FEATURES, tmp_path / "MathVerse" / "testmini.parquet")
-    return tmp_path
-
 
 def test_mathverse_versions_prompts_and_scoring(tmp_path):
     data_dir = mathverse_dir(tmp_path)

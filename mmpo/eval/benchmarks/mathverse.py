@@ -49,9 +49,11 @@ def build_row(record: Mapping[str, Any], index: int = 0) -> Row:
         scoring = {"rule": "choice", "choices": parse_choices(str(record["question"])), "gold": str(record["answer"])}
     else:
         scoring = {"rule": "math", "gold": str(record["answer"])}
-    return make_row(item_id=record["sample_index"], task=str(record["problem_version"]),
-                    prompt=str(record[PROMPT_COLUMN]), images=[record["image"]], answer=record["answer"],
-                    scoring=scoring)
+    row = make_row(item_id=record["sample_index"], task=str(record["problem_version"]),
+                   prompt=str(record[PROMPT_COLUMN]), images=[record["image"]], answer=record["answer"],
+                   scoring=scoring)
+    row["question"] = str(record["question"])  # the official second-stage scoring prompt's [Question]
+    return row
 
 
 def _only(version: str):
