@@ -138,7 +138,7 @@ QUICKSTART_STAGES = ("before SFT", "after SFT", "after GRPO")
 
 
 # the reference table: the newest pinned run (the 2026-11-29 table moved with the processor type; see RESULTS)
-QUICKSTART_HEADING = "### Reference table (2026-12-01, commit e6468fe, SIMD level pinned)"
+QUICKSTART_HEADING = "### Reference table (2026-12-05, commit 21ceec3, SIMD level pinned)"
 
 
 def quickstart_recorded(text: str) -> list[Claim]:

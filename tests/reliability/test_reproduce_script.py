@@ -29,7 +29,7 @@ FAKE_RESULTS = """# Benchmark results
 
 ## Quickstart
 
-### Reference table (2026-12-01, commit e6468fe, SIMD level pinned): a reference table
+### Reference table (2026-12-05, commit 21ceec3, SIMD level pinned): a reference table
 
 Some words.
 
