@@ -62,6 +62,8 @@ ALGORITHMS: dict[str, tuple[str, str, dict[str, Any]]] = {
     # (build_value, --value-steps); its KL is in the token reward (kl_coef 0.2, official), no KL loss term
     "dvpo": ("mmpo.algos.dvpo.DVPOModule", "sft", {}),
 }
+#: paired contrasts over seeds in the summary, when both sides ran (issue 41: DVPO vs PPO + critic vs GRPO)
+PAIRED = [("ppo", "grpo"), ("dvpo", "ppo"), ("dvpo", "grpo")]
 ISSUES = {"4": ["grpo", "papo_g", "mapo"], "5": ["grpo", "stepgrpo", "gcpo", "ahpo", "grpo_weak", "ahpo_weak"]}
 
 
@@ -167,7 +169,10 @@ def run_one(name: str, seed: int, sft_paths: dict[str, Path], eval_rows, out: Pa
 
 def summarize(results: list[dict[str, Any]], baseline_acc: dict[str, dict[str, float]]) -> str:
     lines = ["| algo | " + " | ".join(TASKS) + " | all | mean step s | n seeds |", "|---" * (len(TASKS) + 4) + "|"]
+    starts = {kind for _, kind, _ in ALGORITHMS.values()}
     for kind, acc in baseline_acc.items():
+        if kind not in starts:  # an earlier version also scored DVPO's value model as if it were a policy
+            continue
         lines.append(f"| {kind} (start, no RL) | " + " | ".join(f"{acc[t]:.3f}" for t in TASKS)
                      + f" | {acc['all']:.3f} | - | - |")
     by_algo: dict[str, list[dict[str, Any]]] = {}
@@ -184,6 +189,19 @@ def summarize(results: list[dict[str, Any]], baseline_acc: dict[str, dict[str, f
             cells.append(f"{statistics.mean(values):.3f} ± {spread:.3f}")
         step = statistics.mean(s for r in runs for s in r["step_s"][1:] or r["step_s"])
         lines.append(f"| {name} | " + " | ".join(cells) + f" | {step:.2f} | {len(runs)} |")
+    # paired over seeds (same seed: same data order and first rollout): a - b, mean and Student-t 95% interval
+    from mmpo.eval.stats import format_interval, seed_t_interval
+
+    for a, b in PAIRED:
+        seeds = sorted({r["seed"] for r in by_algo.get(a, [])} & {r["seed"] for r in by_algo.get(b, [])})
+        if not seeds:
+            continue
+        cells = []
+        for key in [*TASKS, "all"]:
+            diffs = [next(r for r in by_algo[a] if r["seed"] == s)["accuracy"][key]
+                     - next(r for r in by_algo[b] if r["seed"] == s)["accuracy"][key] for s in seeds]
+            cells.append(f"{statistics.mean(diffs):+.3f} {format_interval(seed_t_interval(diffs))}")
+        lines.append(f"| {a} - {b}, paired | " + " | ".join(cells) + f" | - | {len(seeds)} |")
     # PAPO's cost: per seed, mean PAPO step time / mean GRPO step time (first step excluded: warm-up)
     ratios = []
     for r in by_algo.get("papo_g", []):
@@ -238,7 +256,8 @@ def main(argv: list[str] | None = None) -> int:
     if "dvpo" in names:
         sft_paths["dvpo_value"] = build_value(sft_paths["sft"], out, args)
     eval_rows = [row for task in TASKS for row in make_items(task, args.eval_size, seed=1234, split="test")]
-    for kind, path in sft_paths.items():
+    for kind in kinds:  # the policies' starts (not DVPO's value model)
+        path = sft_paths[kind]
         if kind not in state["baseline"]:
             model, processor = load_vlm(path)
             prompt = STEPS_SYSTEM_PROMPT if kind == "sft_steps" else SYSTEM_PROMPT
