@@ -65,9 +65,15 @@ def counted_bytes(module: Any) -> dict[str, int]:
 
 def worker(args: argparse.Namespace) -> None:
     """One side: ``args.steps`` steps of ``args.worker``; its measurements as JSON to ``args.json``."""
-    sys.path.insert(0, str(REPO / "bench"))
+    import importlib.util
+
     load_start = os.getloadavg()
-    import bench_vlm_algos as bench  # noqa: E402  (sets one thread)
+    # the accuracy bench's module builder, loaded from its file (the bench scripts are not a package); it sets
+    # one thread
+    spec = importlib.util.spec_from_file_location("bench_vlm_algos", REPO / "bench" / "bench_vlm_algos.py")
+    bench = importlib.util.module_from_spec(spec)
+    sys.modules["bench_vlm_algos"] = bench
+    spec.loader.exec_module(bench)
     import lightning as L
 
     from mmpo.data.datamodule import PromptDataModule
