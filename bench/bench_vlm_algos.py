@@ -58,7 +58,12 @@ ALGORITHMS: dict[str, tuple[str, str, dict[str, Any]]] = {
     "ahpo_weak": ("mmpo.algos.ahpo.AHPOModule", "sft_weak", {}),
     # PPO with a learned critic (mmpo.algos.ppo): the critic at the RL learning rate (set in run_one)
     "ppo": ("mmpo.algos.ppo.PPOModule", "sft", {}),
+    # DVPO (mmpo.algos.dvpo): PPO against the frozen global value model pretrained on the SFT start
+    # (build_value, --value-steps); its KL is in the token reward (kl_coef 0.2, official), no KL loss term
+    "dvpo": ("mmpo.algos.dvpo.DVPOModule", "sft", {}),
 }
+#: paired contrasts over seeds in the summary, when both sides ran (issue 41: DVPO vs PPO + critic vs GRPO)
+PAIRED = [("ppo", "grpo"), ("dvpo", "ppo"), ("dvpo", "grpo")]
 ISSUES = {"4": ["grpo", "papo_g", "mapo"], "5": ["grpo", "stepgrpo", "gcpo", "ahpo", "grpo_weak", "ahpo_weak"]}
 
 
@@ -108,7 +113,30 @@ def build_sft(kind: str, init: Path, out: Path, args: argparse.Namespace) -> Pat
     return target
 
 
-def run_one(name: str, seed: int, sft_paths: dict[str, Path], eval_rows, out: Path, args) -> dict[str, Any]:
+def build_value(sft: Path, out: Path, args: argparse.Namespace) -> Path:
+    """DVPO stage 1 (mmpo.algos.dvpo.GlobalValueModule) on the SFT start: preference pairs of the bench's tasks
+    (the reference solution +1, the same reasoning with a wrong answer -1), ``--value-steps`` optimizer steps
+    (value_epochs 2 per batch of 8 pairs), lr ``--value-lr``, linear decay; cached in ``out/dvpo_value``."""
+    from mmpo.algos.dvpo import GlobalValueModule
+    from mmpo.data.datamodule import PreferenceDataModule
+
+    target = out / "dvpo_value" / "hf"
+    if (target / "config.json").exists():
+        return target
+    L.seed_everything(0, verbose=False)
+    data = PreferenceDataModule(tasks=TASKS, train_size=args.value_train_size, val_size=0, seed=0, batch_size=8)
+    module = GlobalValueModule(model_path=str(sft), optim=OptimConfig(lr=args.value_lr, lr_schedule="linear",
+                                                                       max_grad_norm=1.0),
+                               output_dir=str(target))
+    t0 = time.perf_counter()
+    _trainer(out / "dvpo_value", args.value_steps, []).fit(module, datamodule=data)
+    final = {k: round(module.last_metrics[k], 3) for k in ("value/final_chosen_mean", "value/final_rejected_mean")}
+    print(f"[bench] dvpo value model: {args.value_steps} steps in {time.perf_counter() - t0:.0f} s, {final}", flush=True)
+    return target
+
+
+def make_module(name: str, seed: int, sft_paths: dict[str, Path], args) -> L.LightningModule:
+    """The RL module of ``name`` with the bench's shared settings (seeded)."""
     class_path, sft_kind, extra = ALGORITHMS[name]
     L.seed_everything(seed, verbose=False)
     beta = 0.04 if name == "stepgrpo" else 0.0 if name.startswith("ahpo") or name == "gcpo" else 0.01
@@ -117,7 +145,14 @@ def run_one(name: str, seed: int, sft_paths: dict[str, Path], eval_rows, out: Pa
                   seed=seed, rewards={"timeout_s": None})
     if name == "ppo":
         extra = {**extra, "critic": {"lr": args.rl_lr}}
-    module = _import(class_path)(str(sft_paths[sft_kind]), **merged_settings(common, extra))
+    if name == "dvpo":  # the KL is in the token reward (kl_coef), not a loss term
+        extra = {**extra, "critic": {"path": str(sft_paths["dvpo_value"])}}
+        common = {**common, "loss": {**common["loss"], "beta": 0.0}}
+    return _import(class_path)(str(sft_paths[sft_kind]), **merged_settings(common, extra))
+
+
+def run_one(name: str, seed: int, sft_paths: dict[str, Path], eval_rows, out: Path, args) -> dict[str, Any]:
+    module = make_module(name, seed, sft_paths, args)
     data = PromptDataModule(tasks=TASKS, train_size=args.rl_train_size, val_size=0, seed=seed,
                             batch_size=args.prompts_per_step)
     timer = StepTimer()
@@ -134,7 +169,10 @@ def run_one(name: str, seed: int, sft_paths: dict[str, Path], eval_rows, out: Pa
 
 def summarize(results: list[dict[str, Any]], baseline_acc: dict[str, dict[str, float]]) -> str:
     lines = ["| algo | " + " | ".join(TASKS) + " | all | mean step s | n seeds |", "|---" * (len(TASKS) + 4) + "|"]
+    starts = {kind for _, kind, _ in ALGORITHMS.values()}
     for kind, acc in baseline_acc.items():
+        if kind not in starts:  # an earlier version also scored DVPO's value model as if it were a policy
+            continue
         lines.append(f"| {kind} (start, no RL) | " + " | ".join(f"{acc[t]:.3f}" for t in TASKS)
                      + f" | {acc['all']:.3f} | - | - |")
     by_algo: dict[str, list[dict[str, Any]]] = {}
@@ -151,6 +189,19 @@ def summarize(results: list[dict[str, Any]], baseline_acc: dict[str, dict[str, f
             cells.append(f"{statistics.mean(values):.3f} ± {spread:.3f}")
         step = statistics.mean(s for r in runs for s in r["step_s"][1:] or r["step_s"])
         lines.append(f"| {name} | " + " | ".join(cells) + f" | {step:.2f} | {len(runs)} |")
+    # paired over seeds (same seed: same data order and first rollout): a - b, mean and Student-t 95% interval
+    from mmpo.eval.stats import format_interval, seed_t_interval
+
+    for a, b in PAIRED:
+        seeds = sorted({r["seed"] for r in by_algo.get(a, [])} & {r["seed"] for r in by_algo.get(b, [])})
+        if not seeds:
+            continue
+        cells = []
+        for key in [*TASKS, "all"]:
+            diffs = [next(r for r in by_algo[a] if r["seed"] == s)["accuracy"][key]
+                     - next(r for r in by_algo[b] if r["seed"] == s)["accuracy"][key] for s in seeds]
+            cells.append(f"{statistics.mean(diffs):+.3f} {format_interval(seed_t_interval(diffs))}")
+        lines.append(f"| {a} - {b}, paired | " + " | ".join(cells) + f" | - | {len(seeds)} |")
     # PAPO's cost: per seed, mean PAPO step time / mean GRPO step time (first step excluded: warm-up)
     ratios = []
     for r in by_algo.get("papo_g", []):
@@ -183,6 +234,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--group-size", type=int, default=4)
     parser.add_argument("--max-new-tokens", type=int, default=48)
     parser.add_argument("--eval-size", type=int, default=12, help="held-out items per task")
+    parser.add_argument("--value-steps", type=int, default=120, help="DVPO value-model pretraining optimizer steps")
+    parser.add_argument("--value-lr", type=float, default=1e-4)
+    parser.add_argument("--value-train-size", type=int, default=480, help="DVPO value-model preference pairs")
     args = parser.parse_args(argv)
 
     from mmpo.vlm.factory import build_tiny_vlm, load_vlm
@@ -199,8 +253,11 @@ def main(argv: list[str] | None = None) -> int:
     names = list(dict.fromkeys(args.algos.split(",") if args.algos else names))
     kinds = sorted({ALGORITHMS[n][1] for n in names})
     sft_paths = {kind: build_sft(kind, init, out, args) for kind in kinds}
+    if "dvpo" in names:
+        sft_paths["dvpo_value"] = build_value(sft_paths["sft"], out, args)
     eval_rows = [row for task in TASKS for row in make_items(task, args.eval_size, seed=1234, split="test")]
-    for kind, path in sft_paths.items():
+    for kind in kinds:  # the policies' starts (not DVPO's value model)
+        path = sft_paths[kind]
         if kind not in state["baseline"]:
             model, processor = load_vlm(path)
             prompt = STEPS_SYSTEM_PROMPT if kind == "sft_steps" else SYSTEM_PROMPT

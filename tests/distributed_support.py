@@ -1,6 +1,6 @@
-"""Shared by the data-parallel equivalence tests (tests/e2e/test_ddp_vlm.py, test_fsdp_vlm.py):
-the tiny VLM they train and the launchers of tests/fixed_grpo_worker.py, tests/fixed_sft_worker.py and
-tests/fixed_preference_worker.py."""
+"""Shared by the data-parallel equivalence tests (tests/e2e/test_ddp_vlm.py, test_fsdp_vlm.py, test_fsdp_ppo.py):
+the tiny VLM they train and the launchers of tests/fixed_grpo_worker.py, tests/fixed_sft_worker.py,
+tests/fixed_preference_worker.py and tests/fixed_ppo_worker.py."""
 
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ from safetensors.torch import load_file
 WORKER = Path(__file__).with_name("fixed_grpo_worker.py")
 SFT_WORKER = Path(__file__).with_name("fixed_sft_worker.py")
 PREFERENCE_WORKER = Path(__file__).with_name("fixed_preference_worker.py")
+PPO_WORKER = Path(__file__).with_name("fixed_ppo_worker.py")
 
 
 def build_data_parallel_tiny(directory: Path) -> str:
@@ -90,6 +91,16 @@ def run_fixed_preference(tmp_path: Path, algo: str, mode: str, tiny_path: str, n
     out = tmp_path / f"{name}.safetensors"
     args = [algo, mode, tiny_path, str(out), str(steps), str(ckpt_dir), str(resume), pairs, str(timeout_s), agree, kind]
     return run_worker(PREFERENCE_WORKER, args, tmp_path, out, expect_ok=expect_ok)
+
+
+def run_fixed_ppo(tmp_path: Path, mode: str, tiny_path: str, name: str, *, steps: int = 2,
+                  ckpt_dir: Path | str = "-", resume: Path | str = "-",
+                  optimizer: str = "sgd") -> tuple[dict[str, torch.Tensor], str]:
+    """Run tests/fixed_ppo_worker.py (MODE single or fsdp, OPTIMIZER sgd or adamw); returns its final full
+    weights (``policy.*``, ``critic.*``), the last step's ``values`` and ``returns``, and its stdout."""
+    out = tmp_path / f"{name}.safetensors"
+    args = [mode, tiny_path, str(out), str(steps), str(ckpt_dir), str(resume), optimizer]
+    return run_worker(PPO_WORKER, args, tmp_path, out)
 
 
 def run_worker(script: Path, args: list[str], cwd: Path, out: Path, *,

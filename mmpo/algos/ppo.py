@@ -304,6 +304,8 @@ class PPOModule(GRPOModule):
         strategy = self._trainer.strategy if self._trainer is not None else None
         if isinstance(strategy, FSDP2Strategy) and not is_sharded(self.value_model.backbone):
             self.value_model.shard(self.device_mesh["data_parallel"], frozen=self.critic.frozen)
+        # FSDP2 replaces the policy's parameters by sharded ones: the warm-up must switch those off
+        self._actor_params = [p for p in self.model.parameters() if p.requires_grad]
 
     def save_hf(self, output_dir: str | Path | None = None) -> Path | None:
         """The policy as GRPO's export; the trained critic beside it in ``<output_dir>/critic``."""

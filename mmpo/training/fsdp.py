@@ -200,7 +200,10 @@ class FSDP2Strategy(ModelParallelStrategy):
             # here without the CheckpointIO: at least its checksum sidecar is checked
             if self.broadcast(checksum_status(path) == "mismatch" if self.is_global_zero else None):
                 raise corrupt_checkpoint_error(path, _mismatch_reason(path))
-        metadata = super().load_checkpoint(path, weights_only=weights_only)
+        if path.is_dir() and (path / "meta.pt").is_file():
+            metadata = self._load_sharded(path, weights_only=weights_only)
+        else:
+            metadata = super().load_checkpoint(path, weights_only=weights_only)
         extra = self._extra_tensors()
         if extra and path.is_dir():
             from torch.distributed.checkpoint import load
@@ -215,6 +218,39 @@ class FSDP2Strategy(ModelParallelStrategy):
             raise CorruptCheckpointError(f"checkpoint {path} is damaged: its weights or optimizer state hold NaN or "
                                          "inf; the run stops before any step")
         return metadata
+
+
+    def _load_sharded(self, path: Path, *, weights_only: Optional[bool]) -> dict[str, Any]:
+        """Lightning's sharded-checkpoint load (``lightning.fabric.strategies.model_parallel._load_checkpoint``)
+        with one difference: a parameter that had no optimizer state when the checkpoint was written (it had
+        never taken a step: PPO's policy during its critic warm-up) is not looked for in the checkpoint and
+        starts without state, as in the uninterrupted run, where the optimizer creates it on its first step.
+        (Lightning asks the checkpoint for the state of every parameter and fails on the missing ones.)"""
+        from lightning.fabric.strategies.fsdp import _distributed_checkpoint_load
+        from torch.distributed.checkpoint import FileSystemReader
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            get_model_state_dict,
+            get_optimizer_state_dict,
+            set_optimizer_state_dict,
+        )
+
+        module = self.model
+        strict = self.lightning_module.strict_loading
+        module_state = {"state_dict": get_model_state_dict(module)}
+        _distributed_checkpoint_load(module_state, path)
+        module.load_state_dict(module_state["state_dict"], strict=strict)
+        saved = set(FileSystemReader(path).read_metadata().state_dict_metadata)
+        for index, optimizer in enumerate(self.optimizers):
+            key = f"optimizer_{index}"
+            wanted = get_optimizer_state_dict(module, optimizer)  # a state for every parameter (zero-lr step)
+            wanted["state"] = {fqn: state for fqn, state in wanted["state"].items()
+                               if any(f"{key}.state.{fqn}.{name}" in saved for name in state)}
+            optim_state = {key: wanted}
+            _distributed_checkpoint_load(optim_state, path)
+            set_optimizer_state_dict(module, optimizer, optim_state_dict=optim_state[key],
+                                     options=StateDictOptions(cpu_offload=True, strict=False))
+        return torch.load(path / "meta.pt", weights_only=weights_only)  # everything not a module or optimizer
 
 
 def check_sharding_support(strategy: Any) -> None:
