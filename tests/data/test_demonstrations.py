@@ -90,3 +90,23 @@ def test_no_task_counts_the_abstention_correct():
     rows = [row for task in ("count_shapes", "compare_size", "bar_chart") for row in make_items(task, 5, seed=0)]
     completion = "<think>I am not sure.</think><answer>unsure</answer>"
     assert accuracy_reward([completion] * len(rows), rows).tolist() == [0.0] * len(rows)
+
+
+def test_the_config_in_docs_data_builds_the_teacher():
+    import importlib
+    from pathlib import Path
+
+    import yaml
+
+    text = (Path(__file__).resolve().parents[2] / "docs" / "data.md").read_text()
+    block = next(b for b in re.findall(r"```yaml\n(.*?)```", text, flags=re.S) if "AbstainingTeacherDataModule" in b)
+    spec = yaml.safe_load(block)["data"]
+    module_name, class_name = spec["class_path"].rsplit(".", 1)
+    datamodule = getattr(importlib.import_module(module_name), class_name)(
+        **spec["init_args"], train_size=20, val_size=0, seed=0)
+    datamodule.setup("fit")
+    expected = [asked_colour(r["problem"]) in ("red", "blue", "green") and
+                int.from_bytes(hashlib.sha256(f"abstain:0:{r['id']}".encode()).digest()[:8], "big") / 2**64 < 0.8
+                for r in AbstainingTeacherDataModule(abstain_share=0.0, tasks=["count_shapes", "bar_chart"],
+                                                     train_size=20, val_size=0, seed=0)._synthetic(20, "train")]
+    assert [r["answer"] == ABSTAIN_ANSWER for r in datamodule.train_rows] == expected and any(expected)
