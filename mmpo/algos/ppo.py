@@ -42,7 +42,7 @@ from mmpo.training.step_state import StepState
 from mmpo.training.update import UpdateEngine
 from mmpo.vlm.factory import load_vlm, make_reference_model, save_vlm
 from mmpo.vlm.fsdp import as_root_forward, full_state_dict, is_sharded, shard_vlm
-from mmpo.vlm.logprobs import completion_hidden_states
+from mmpo.vlm.logprobs import _decoder, completion_hidden_states, sequence_inputs
 from mmpo.vlm.rollout import Rollout, completion_attention_mask
 
 log = logging.getLogger(__name__)
@@ -79,6 +79,13 @@ class TokenValueModel(torch.nn.Module):
         # sharded (FSDP2): run as a forward of the backbone's root unit, so its own weights are gathered
         hidden = as_root_forward(self.backbone, completion_hidden_states, self.backbone, rollout.prompt_inputs,
                                  rollout.completion_ids, completion_attention_mask(rollout))
+        return self.head(hidden.to(self.head.weight.dtype)).squeeze(-1).float()
+
+    def state_values(self, rollout: Rollout) -> Tensor:
+        """``(N, T + 1)`` float32: V(s_t) before each completion token t (the columns of :meth:`forward`) and, at
+        column ``l`` of a completion of length ``l``, the value after its last token (T-PPO bootstraps a
+        truncated response with it)."""
+        hidden = as_root_forward(self.backbone, states_from_last_prompt_token, self.backbone, rollout)
         return self.head(hidden.to(self.head.weight.dtype)).squeeze(-1).float()
 
     def shard(self, mesh: Any, *, frozen: bool) -> None:
@@ -122,6 +129,26 @@ class TokenValueModel(torch.nn.Module):
         if head.is_file():
             model.head.load_state_dict(torch.load(head, map_location="cpu", weights_only=True))
         return model
+
+
+def states_from_last_prompt_token(model: torch.nn.Module, rollout: Rollout) -> Tensor:
+    """``(N, T + 1, H)`` final hidden states of ``model`` over ``[prompt | completion]`` from the prompt's last
+    position on: column t is the state that predicts completion token t, column T the state after the last
+    column's token."""
+    inputs = sequence_inputs(rollout.prompt_inputs, rollout.completion_ids, rollout.completion_mask)
+    if "pixel_values" in inputs:
+        inputs["pixel_values"] = inputs["pixel_values"].to(next(model.parameters()).dtype)
+    hidden = _decoder(model)(**inputs, use_cache=False).last_hidden_state
+    return hidden[:, rollout.prompt_inputs["input_ids"].shape[1] - 1:]
+
+
+def shard_value_model(module: Any, value_model: TokenValueModel, *, frozen: bool) -> None:
+    """Shard ``value_model`` over the module's data-parallel mesh when its trainer runs FSDP2 (and it is not yet)."""
+    from mmpo.training.fsdp import FSDP2Strategy
+
+    strategy = module._trainer.strategy if module._trainer is not None else None
+    if isinstance(strategy, FSDP2Strategy) and not is_sharded(value_model.backbone):
+        value_model.shard(module.device_mesh["data_parallel"], frozen=frozen)
 
 
 class PPOModule(GRPOModule):
@@ -299,11 +326,7 @@ class PPOModule(GRPOModule):
 
     def configure_model(self) -> None:
         super().configure_model()
-        from mmpo.training.fsdp import FSDP2Strategy
-
-        strategy = self._trainer.strategy if self._trainer is not None else None
-        if isinstance(strategy, FSDP2Strategy) and not is_sharded(self.value_model.backbone):
-            self.value_model.shard(self.device_mesh["data_parallel"], frozen=self.critic.frozen)
+        shard_value_model(self, self.value_model, frozen=self.critic.frozen)
         # FSDP2 replaces the policy's parameters by sharded ones: the warm-up must switch those off
         self._actor_params = [p for p in self.model.parameters() if p.requires_grad]
 

@@ -10,14 +10,19 @@ No official code was found (docs/algorithm_sources.md section 14, T-PPO); the me
   token (:func:`~mmpo.core.advantages_truncated.truncated_gae`);
 - the critic is trained only on completed sequences (value targets = GAE returns, MSE).
 
-Simplifications, each UNVERIFIED against the paper: the critic is a linear value head on the policy's
-detached final hidden states (T-PPO trains a separate value model); a completed response that spanned
-several windows trains the critic on its last window only (earlier windows were updated at earlier steps);
-window length, gamma and lambda defaults are not the paper's (gamma = lam = 1.0 are verl's PPO defaults).
+The critic is PPO's value model (:class:`~mmpo.algos.ppo.TokenValueModel`, ``critic``: a separate backbone with
+a scalar head, loaded from ``critic.path`` or the policy, its own learning rate and weight decay), as the paper
+trains a separate value model. ``critic: null`` selects the cheaper earlier form: a linear value head on the
+policy's detached final hidden states.
+
+Simplifications, each UNVERIFIED against the paper: a completed response that spanned several windows trains
+the critic on its last window only (earlier windows were updated at earlier steps); window length, gamma and
+lambda defaults are not the paper's (gamma = lam = 1.0 are verl's PPO defaults).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Mapping, Sequence
 
 import numpy as np
@@ -27,12 +32,12 @@ from torch import Tensor
 
 from mmpo.algos.config import refuse_rollout_correction, require
 from mmpo.algos.grpo import GRPOModule
-from mmpo.training.config import AdvantageConfig, as_config
+from mmpo.algos.ppo import TokenValueModel, shard_value_model, states_from_last_prompt_token
+from mmpo.training.config import AdvantageConfig, ValueModelConfig, as_config
 from mmpo.training.state_hooks import CheckpointedState
 from mmpo.core import LossParts, compute_advantages_with_metrics
 from mmpo.training.optim import make_optimizer, max_steps_or_none
 from mmpo.vlm.continuation import ended, extend_prompts, generate_from_inputs
-from mmpo.vlm.logprobs import _decoder, sequence_inputs
 from mmpo.vlm.processing import encode_prompts
 from mmpo.vlm.rollout import Rollout, concat_rollouts
 
@@ -75,7 +80,10 @@ class TPPOModule(CheckpointedState, GRPOModule):
         window_len: tokens generated per response per step (UNVERIFIED; the paper's window length is not known here).
         gamma: discount of the extended GAE.
         lam: GAE lambda.
-        value_lr: learning rate of the value head (None = ``lr``).
+        critic: the value model (:class:`~mmpo.training.config.ValueModelConfig`; T-PPO reads ``path``, ``lr``,
+            ``weight_decay`` and ``head_init_std``); None = a linear head on the policy's detached final hidden
+            states (zero-initialised, trained at ``value_lr``).
+        value_lr: learning rate of the value head when ``critic`` is None (None = ``lr``).
         value_coef: coefficient of the critic's MSE loss.
         max_inflight: most unfinished responses carried to the next step (the oldest are kept); None = all.
         **kwargs: every :class:`GRPOModule` setting (``advantage`` is fixed to ``tppo``).
@@ -91,6 +99,7 @@ class TPPOModule(CheckpointedState, GRPOModule):
         window_len: int = 16,
         gamma: float = 1.0,
         lam: float = 1.0,
+        critic: ValueModelConfig | None = ValueModelConfig(),
         value_lr: float | None = None,
         value_coef: float = 1.0,
         max_inflight: int | None = None,
@@ -98,11 +107,22 @@ class TPPOModule(CheckpointedState, GRPOModule):
     ) -> None:
         advantage = as_config(advantage, AdvantageConfig(name="tppo"))
         require(advantage.name == "tppo", "TPPOModule's advantage is 'tppo'")
+        self.critic = None if critic is None else as_config(critic, ValueModelConfig())
         super().__init__(model_path, advantage=advantage, **kwargs)
-        hidden = self.model.get_output_embeddings().weight.shape[1]
-        self.value_head = torch.nn.Linear(hidden, 1)
-        torch.nn.init.zeros_(self.value_head.weight)
-        torch.nn.init.zeros_(self.value_head.bias)
+        # a plain dict in hparams (checkpoints load with weights_only=True), as the config groups are
+        self.hparams["critic"] = None if self.critic is None else dataclasses.asdict(self.critic)
+        self.value_model: TokenValueModel | None = None
+        self.value_head: torch.nn.Linear | None = None
+        if self.critic is not None:
+            self.value_model = TokenValueModel.load(
+                self.critic.path or model_path, dtype=getattr(torch, self.hparams.dtype),
+                head_init_std=self.critic.head_init_std, seed=self.hparams.seed)
+            self.value_model.train()
+        else:
+            hidden = self.model.get_output_embeddings().weight.shape[1]
+            self.value_head = torch.nn.Linear(hidden, 1)
+            torch.nn.init.zeros_(self.value_head.weight)
+            torch.nn.init.zeros_(self.value_head.bias)
         self.inflight = InflightResponses()
 
     def _validate_settings(self) -> None:
@@ -113,6 +133,12 @@ class TPPOModule(CheckpointedState, GRPOModule):
         require(0 < h.gamma <= 1, f"gamma must be in (0, 1], got {h.gamma}")
         require(0 <= h.lam <= 1, f"lam must be in [0, 1], got {h.lam}")
         require(h.value_lr is None or h.value_lr > 0, f"value_lr must be > 0 or None, got {h.value_lr}")
+        c = self.critic
+        if c is not None:
+            require(h.value_lr is None, "T-PPO: set the critic's learning rate as critic.lr (value_lr is for critic: null)")
+            require(not c.frozen and c.warmup_steps == 0 and c.lora_rank == 0,
+                    "T-PPO's critic reads path, lr, weight_decay and head_init_std only (frozen, warmup_steps and "
+                    "lora_rank are PPO's)")
         require(h.value_coef >= 0, f"value_coef must be >= 0, got {h.value_coef}")
         require(h.max_inflight is None or h.max_inflight >= 0, f"max_inflight must be >= 0 or None, got {h.max_inflight}")
         require(self.optim.minibatch_size is None,
@@ -122,9 +148,13 @@ class TPPOModule(CheckpointedState, GRPOModule):
         refuse_rollout_correction(self.rollout_correction)
 
     def configure_optimizers(self) -> dict[str, Any]:
-        groups = [{"params": list(self.model.parameters())},
-                  {"params": list(self.value_head.parameters()), "lr": self.hparams.value_lr or self.optim.lr,
-                   "weight_decay": 0.0}]
+        if self.value_model is not None:
+            critic = {"params": list(self.value_model.parameters()), "lr": self.critic.lr,
+                      "weight_decay": self.critic.weight_decay}
+        else:
+            critic = {"params": list(self.value_head.parameters()), "lr": self.hparams.value_lr or self.optim.lr,
+                      "weight_decay": 0.0}
+        groups = [{"params": list(self.model.parameters())}, critic]
         return make_optimizer(groups, lr=self.optim.lr, weight_decay=self.optim.weight_decay, betas=self.optim.betas,
                               warmup_steps=self.optim.warmup_steps, schedule=self.optim.lr_schedule,
                               total_steps=max_steps_or_none(self))
@@ -186,16 +216,24 @@ class TPPOModule(CheckpointedState, GRPOModule):
     def state_values(self, rollout: Rollout) -> Tensor:
         """``(N, T + 1)`` V(s_t) before each completion token t and, at column l, after the last one.
 
-        The value head reads the policy's final hidden state at the position that predicts the next
-        token, detached (the critic does not train the policy)."""
-        inputs = sequence_inputs(rollout.prompt_inputs, rollout.completion_ids, rollout.completion_mask)
-        if "pixel_values" in inputs:
-            inputs["pixel_values"] = inputs["pixel_values"].to(next(self.model.parameters()).dtype)
+        The value model's (:meth:`TokenValueModel.state_values`); with ``critic: null`` the value head on the
+        policy's final hidden state at the position that predicts the next token, detached (the critic does not
+        train the policy)."""
+        if self.value_model is not None:
+            return self.value_model.state_values(rollout)
         with torch.no_grad():
-            hidden = _decoder(self.model)(**inputs, use_cache=False).last_hidden_state
-        prompt_width = rollout.prompt_inputs["input_ids"].shape[1]
-        states = hidden[:, prompt_width - 1 :].float()  # (N, T + 1)
+            states = states_from_last_prompt_token(self.model, rollout).float()  # (N, T + 1, H)
         return self.value_head(states).squeeze(-1)
+
+    def on_fit_start(self) -> None:
+        super().on_fit_start()
+        if self.value_model is not None:
+            self.value_model.to(self.device)
+
+    def configure_model(self) -> None:
+        super().configure_model()
+        if self.value_model is not None:
+            shard_value_model(self, self.value_model, frozen=False)
 
     def compute_advantages(self, rewards: Tensor, group_ids: Tensor, rollout: Rollout) -> tuple[Tensor, dict[str, float]]:
         h = self.hparams

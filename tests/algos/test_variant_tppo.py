@@ -29,8 +29,9 @@ def tiny_model(tmp_path_factory) -> Path:
 def _module(tiny_model, **overrides):
     from mmpo.algos.tppo import TPPOModule
 
+    # critic None: the value head on the policy's detached states (the value-model critic: the tests at the end)
     settings = dict(sampling={"num_generations": 2, "max_new_tokens": 7}, window_len=3, loss={"beta": 0.0},
-                    optim={"lr": 1e-3}, value_lr=1e-2, seed=5)
+                    optim={"lr": 1e-3}, value_lr=1e-2, seed=5, critic=None)
     return TPPOModule(str(tiny_model), **merged_settings(settings, overrides))
 
 
@@ -138,3 +139,71 @@ def test_tppo_fit_smoke(tiny_model, tmp_path, fit_vlm_config, scripted_reward):
     assert len(logged) == 2
     assert float(logged[1]["tppo/carried"]) >= 0
     assert all("losses/value" in r for r in logged)
+
+
+def _critic_module(tiny_model, **overrides):
+    from mmpo.algos.tppo import TPPOModule
+
+    settings = dict(sampling={"num_generations": 2, "max_new_tokens": 7}, window_len=3, loss={"beta": 0.0},
+                    optim={"lr": 1e-3}, seed=5, critic={"lr": 2e-3, "weight_decay": 0.05})
+    return TPPOModule(str(tiny_model), **merged_settings(settings, overrides))
+
+
+def test_the_default_critic_is_ppos_value_model(tiny_model):
+    from mmpo.algos.ppo import TokenValueModel
+
+    module = _no_eos(_critic_module(tiny_model))
+    assert isinstance(module.value_model, TokenValueModel) and module.value_head is None
+    assert module.hparams["critic"]["lr"] == 2e-3  # a plain dict: weights-only checkpoints load it
+    groups = module.configure_optimizers()["optimizer"].param_groups
+    assert [g["lr"] for g in groups] == [1e-3, 2e-3] and groups[1]["weight_decay"] == 0.05
+    assert {id(p) for p in groups[1]["params"]} == {id(p) for p in module.value_model.parameters() if p.requires_grad}
+    # the separate value model starts from the policy's weights, not from the policy's tensors
+    assert all(a is not b for a, b in zip(module.value_model.backbone.parameters(), module.model.parameters()))
+
+
+def test_value_model_state_values_extend_its_token_values(tiny_model):
+    module = _no_eos(_critic_module(tiny_model))
+    torch.manual_seed(0)
+    rollout = module.build_rollout(make_items("count_shapes", 1, seed=4))
+    with torch.no_grad():
+        states = module.value_model.state_values(rollout)
+        tokens = module.value_model(rollout)
+    assert states.shape == (len(rollout), rollout.completion_ids.shape[1] + 1)
+    # the first T columns are V(s_t) before each completion token: the value model's own per-token values
+    torch.testing.assert_close(states[:, :-1], tokens, atol=1e-5, rtol=1e-5)
+
+
+def test_advantages_with_a_constant_value_model(tiny_model):
+    module = _no_eos(_critic_module(tiny_model))
+    torch.nn.init.zeros_(module.value_model.head.weight)
+    torch.nn.init.constant_(module.value_model.head.bias, 0.5)  # V = 0.5 everywhere
+    rows = make_items("count_shapes", 1, seed=4)
+    torch.manual_seed(0)
+    module.build_rollout(rows)
+    module.build_rollout(rows)
+    rollout = module.build_rollout(rows)
+    rewards = torch.tensor([0.0, 0.0, 0.0, 0.0, 1.0, 0.0])
+    adv, _ = module.compute_advantages(rewards, rollout.group_ids, rollout)
+    # as with the head: truncated rows bootstrap 0.5 -> A = 0; completed rows A = R - 0.5 on their one token
+    torch.testing.assert_close(adv[:4], torch.zeros(4, adv.shape[1]))
+    assert adv[4, 0].item() == pytest.approx(0.5) and adv[5, 0].item() == pytest.approx(-0.5)
+    # the critic's loss trains the value model (its head gets a gradient), never the policy
+    parts, _ = module.extra_loss_terms(rollout, {"mask": rollout.completion_mask.float(),
+                                                 "aggregation": lambda x, m: (x * m).sum() / m.sum()})
+    total = parts.total()
+    total.backward()
+    # completed rows' targets: returns = A + V = R; error 0.5 (V - R)^2 = 0.125 on both of their tokens
+    assert float(total) == pytest.approx(0.125)
+    assert module.value_model.head.bias.grad is not None
+    assert all(p.grad is None for p in module.model.parameters())
+
+
+@pytest.mark.parametrize("critic, value_lr, message", [
+    ({"lr": 1e-3}, 1e-2, "critic.lr"), ({"frozen": True}, None, "frozen, warmup_steps and lora_rank")])
+def test_critic_settings_t_ppo_does_not_read_fail_in_one_line(tiny_model, critic, value_lr, message):
+    from mmpo.algos.tppo import TPPOModule
+
+    with pytest.raises(ValueError, match=message):
+        TPPOModule(str(tiny_model), sampling={"num_generations": 2, "max_new_tokens": 7}, window_len=3,
+                   critic=critic, value_lr=value_lr)

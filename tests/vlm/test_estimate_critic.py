@@ -33,3 +33,15 @@ def test_estimate_counts_the_value_model():
     # KL in the reward: the frozen reference copy, as GRPO's beta > 0 keeps
     with_kl, _ = estimate_config(CONFIG, architecture="qwen2.5-vl-7b", overrides=[*PPO, "model.init_args.kl_coef=0.001"])
     assert with_kl["reference"] > 0
+
+
+def test_estimate_counts_t_ppos_value_model_and_not_its_head():
+    tppo = ["model.class_path=mmpo.algos.tppo.TPPOModule", "model.init_args.advantage=null",
+            "model.init_args.loss.beta=0", "model.init_args.optim.minibatch_size=null"]
+    dims = architecture_dims("qwen2.5-vl-7b")
+    with_model, table = estimate_config(CONFIG, architecture="qwen2.5-vl-7b", overrides=tppo)
+    head_only, _ = estimate_config(CONFIG, architecture="qwen2.5-vl-7b", overrides=[*tppo, "model.init_args.critic=null"])
+    # T-PPO's default critic is PPO's trained value model: weights + gradients + 2 AdamW states over 8 GPUs
+    assert with_model["critic"] == pytest.approx(4 * dims.num_params * 4 / 8)
+    assert "value model (trained)" in table
+    assert head_only["critic"] == 0  # the head on the policy's states: one linear layer, not counted
