@@ -187,7 +187,9 @@ def train_encoder(path: str | Path, texts: Sequence[str], labels: Sequence[str],
         raise ValueError(f"{path} has {model.config.num_labels} logits for {len(classes)} labels")
     tokenizer.padding_side = "right"
     torch.manual_seed(seed)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
+    from mmpo.training.optim import make_adamw
+
+    optimizer = make_adamw(model.parameters(), lr=lr, weight_decay=0.01)  # torch AdamW's default decay
     order = random.Random(seed)
     indices = list(range(len(texts)))
     model.train()
