@@ -80,4 +80,4 @@ assert current_platform.device_type == 'cpu', current_platform.device_type
 print('vllm', vllm.__version__, 'torch', torch.__version__, 'torchvision', torchvision.__version__,
       'transformers', transformers.__version__, 'platform', current_platform.device_type)
 "
-echo "done: run the vLLM tests with  $VENV/bin/python -m pytest tests/vlm/test_vllm_engine.py  (docs/vllm.md)"
+echo "done: run the vLLM tests with  $VENV/bin/python -m pytest tests/vlm/test_vllm_engine.py tests/llm/test_vllm_text_engine.py  (docs/vllm.md)"

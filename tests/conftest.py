@@ -21,11 +21,16 @@ sys.path.insert(0, str(Path(__file__).parent))
 torch.set_num_threads(1)
 
 
+VLLM_TEST_FILES = ("tests/vlm/test_vllm_engine.py", "tests/llm/test_vllm_text_engine.py")
+
+
 def pytest_report_header(config):
-    """Whether the vLLM backend's tests run here (tests/vlm/conftest.py leaves them out without vLLM)."""
+    """Whether the vLLM backend's tests run here (tests/vlm/conftest.py and tests/llm/conftest.py leave them
+    out without vLLM)."""
     import importlib.util
 
+    files = " and ".join(VLLM_TEST_FILES)
     if importlib.util.find_spec("vllm") is not None:
-        return "vllm: importable, tests/vlm/test_vllm_engine.py runs"
-    return ("vllm: not importable here, tests/vlm/test_vllm_engine.py not collected (run it in the vLLM venv: "
-            ".venv-vllm/bin/python -m pytest tests/vlm/test_vllm_engine.py; docs/vllm.md)")
+        return f"vllm: importable, {files} run"
+    return (f"vllm: not importable here, {files} not collected (run them in the vLLM venv: "
+            f".venv-vllm/bin/python -m pytest {' '.join(VLLM_TEST_FILES)}; docs/vllm.md)")

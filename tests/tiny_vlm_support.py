@@ -31,9 +31,11 @@ def tiny_qwen3_vl_config():
         image_token_id=60, video_token_id=61, vision_start_token_id=62, vision_end_token_id=63)
 
 
-def tiny_grpo_fit_args(config: Path, tiny_path: str, tmp_path: Path, *overrides: str) -> list[str]:
-    """``mmpo fit`` arguments for 2 GRPO steps of ``config`` on a tiny VLM under ``tmp_path``: G = 2, 4 new
-    tokens, 4 training rows of two tasks, 2 prompts a batch, no validation (``overrides`` go in between)."""
+def tiny_grpo_fit_args(config: Path, tiny_path: str, tmp_path: Path, *overrides: str,
+                       tasks: tuple[str, ...] = ("count_shapes", "arithmetic")) -> list[str]:
+    """``mmpo fit`` arguments for 2 GRPO steps of ``config`` on a tiny VLM (or, with text ``tasks``, a tiny text
+    LM) under ``tmp_path``: G = 2, 4 new tokens, 4 training rows of ``tasks``, 2 prompts a batch, no validation
+    (``overrides`` go in between)."""
     return [
         "fit", "-c", str(config),
         f"--trainer.default_root_dir={tmp_path}", f"--trainer.logger.init_args.save_dir={tmp_path}",
@@ -42,7 +44,7 @@ def tiny_grpo_fit_args(config: Path, tiny_path: str, tmp_path: Path, *overrides:
         f"--model.init_args.model_path={tiny_path}", f"--model.init_args.output_dir={tmp_path / 'hf'}",
         "--model.init_args.sampling.num_generations=2", "--model.init_args.sampling.max_new_tokens=4",
         *overrides,
-        "--data.init_args.tasks=[count_shapes,arithmetic]", "--data.init_args.train_size=4",
+        f"--data.init_args.tasks=[{','.join(tasks)}]", "--data.init_args.train_size=4",
         "--data.init_args.val_size=2", "--data.init_args.batch_size=2",
     ]
 

@@ -45,6 +45,11 @@ def make_adamw(
 
     ``fused=True`` asks for torch's fused kernel (one kernel for all parameters; CPU and CUDA,
     floating-point parameters) and falls back to the default path where the device or dtype has none.
+
+    Every step of the returned optimizer bumps its parameters' in-place version counters (``p._version``),
+    as any in-place torch op does. torch's fused kernel writes the parameters without bumping them (torch
+    2.13 / 2.14), so a fused optimizer gets a step post-hook that does (:func:`_bump_versions`): the vLLM
+    rollout engine reads the counters to know that the policy changed and its copy must be synced.
     """
     _require(lr > 0, f"lr must be > 0, got {lr}")
     _require(weight_decay >= 0, f"weight_decay must be >= 0, got {weight_decay}")
@@ -52,10 +57,18 @@ def make_adamw(
     trainable = _trainable(params)
     if fused:
         try:
-            return torch.optim.AdamW(trainable, fused=True, **settings)
+            optimizer = torch.optim.AdamW(trainable, fused=True, **settings)
         except RuntimeError:  # a device / dtype without the fused kernel
             pass
+        else:
+            optimizer.register_step_post_hook(_bump_versions)
+            return optimizer
     return torch.optim.AdamW(trainable, **settings)
+
+
+def _bump_versions(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    """Step post-hook: mark every parameter of ``optimizer`` modified in place (its version counter + 1)."""
+    torch.autograd.graph.increment_version([p for group in optimizer.param_groups for p in group["params"]])
 
 
 def make_optimizer(

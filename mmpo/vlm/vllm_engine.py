@@ -1,8 +1,10 @@
 """Rollouts with vLLM, colocated in the trainer process (the ``rollout_engine: vllm`` backend).
 
 :class:`VLLMEngine` has :class:`~mmpo.vlm.rollout.HFGenerateEngine`'s contract, ``generate(rows, ...) ->
-Rollout``: the same prompts (``encode_prompts``: chat template, qwen-vl-utils resize, the processor's
-pixel budget; vLLM's own prompt token ids are checked equal to ours, row by row), ``num_samples``
+Rollout``, for both model kinds of :func:`mmpo.vlm.factory.model_kind`: the same prompts (``encode_prompts``:
+chat template, qwen-vl-utils resize, the processor's pixel budget; vLLM's own prompt token ids are checked
+equal to ours, row by row; a text-only LM's prompts are the tokenizer's chat template, handed to vLLM as
+those token ids), ``num_samples``
 completions per prompt seeded from torch's RNG (so GRPO's per-step seed fixes them), vision special tokens
 never sampled (vLLM's ``allowed_token_ids``: every id but those, a -inf mask before temperature and top-p),
 and with ``return_log_probs`` the sampled tokens' log-probs under the distribution they were drawn from
@@ -29,7 +31,7 @@ from typing import Any, Iterator, Mapping, Sequence
 
 import torch
 
-from mmpo.vlm.factory import pixel_budget
+from mmpo.vlm.factory import is_text_processor, pixel_budget, turn_end_token_id
 from mmpo.vlm.processing import build_messages, default_system_prompt, encode_prompts, repeat_rows, vision_token_ids
 from mmpo.vlm.rollout import Rollout, _cut_by, completion_mask_from_ids
 
@@ -68,9 +70,11 @@ class VLLMEngine:
     """Sampling with a colocated vLLM ``LLM`` whose weights follow the trained policy.
 
     Args:
-        model: the trained HF policy (a Qwen-VL ``...ForConditionalGeneration``); its weights are pushed
-            to vLLM after it changes. Kept as ``engine.model`` for code that scores with it.
-        processor: its processor (pixel budget already set: ``load_vlm``'s min/max pixels).
+        model: the trained HF policy (a Qwen-VL ``...ForConditionalGeneration`` or a text-only
+            ``...ForCausalLM``); its weights are pushed to vLLM after it changes. Kept as ``engine.model`` for
+            code that scores with it.
+        processor: its processor (``load_vlm``'s: a VLM's with its pixel budget set, or a text LM's
+            :class:`~mmpo.vlm.factory.TextProcessor`).
         model_path: the directory the policy was loaded from (vLLM builds its copy from it).
         system_prompt: ``"default"`` = ``mmpo.data.SYSTEM_PROMPT``.
         max_prompt_length: refuse longer prompts (never truncated).
@@ -101,7 +105,8 @@ class VLLMEngine:
         self.gpu_memory_utilization = gpu_memory_utilization
         self.engine_kwargs = dict(engine_kwargs or {})
         tokenizer = processor.tokenizer
-        self.eos_token_id = int(tokenizer.convert_tokens_to_ids("<|im_end|>"))
+        self.text_only = is_text_processor(processor)
+        self.eos_token_id = turn_end_token_id(tokenizer)
         self.pad_token_id = int(tokenizer.pad_token_id)
         self.forbidden_ids = vision_token_ids(processor)
         self.llm: Any = None
@@ -115,11 +120,15 @@ class VLLMEngine:
         ``load_state_dict``, e.g. a resumed checkpoint), so an unchanged sum means vLLM's copy is current."""
         return sum(int(p._version) for p in self.model.parameters())
 
-    def _allowed_token_ids(self) -> list[int]:
-        """Every id of the output layer but the vision special tokens and the model's own suppressed ids."""
+    def _allowed_token_ids(self) -> list[int] | None:
+        """Every id of the output layer but the vision special tokens and the model's own suppressed ids;
+        None (no restriction) when nothing is banned, as the HF engine's ``suppress_tokens`` is then None
+        (a text-only LM without configured ``suppress_tokens``)."""
         vocab = int(self.model.get_output_embeddings().weight.shape[0])
         configured = getattr(getattr(self.model, "generation_config", None), "suppress_tokens", None) or []
         banned = set(self.forbidden_ids) | {int(i) for i in configured}
+        if not banned:
+            return None
         return [i for i in range(vocab) if i not in banned]
 
     def _build(self) -> None:
@@ -134,7 +143,11 @@ class VLLMEngine:
                 os.environ.setdefault(key, value)
         from vllm import LLM
 
-        min_pixels, max_pixels = pixel_budget(self.processor)
+        multimodal: dict[str, Any] = {}
+        if not self.text_only:  # the processor's pixel budget, so vLLM resizes images as the trainer does
+            min_pixels, max_pixels = pixel_budget(self.processor)
+            multimodal = {"limit_mm_per_prompt": {"image": 8, "video": 0},
+                          "mm_processor_kwargs": {"size": {"shortest_edge": min_pixels, "longest_edge": max_pixels}}}
         threads = torch.get_num_threads()  # vLLM lowers torch's thread count for serving: the trainer keeps its own
         with _rng_untouched():
             self.llm = LLM(
@@ -142,8 +155,7 @@ class VLLMEngine:
                 max_model_len=self.max_model_len, max_num_batched_tokens=self.max_num_batched_tokens,
                 gpu_memory_utilization=self.gpu_memory_utilization, logprobs_mode="processed_logprobs",
                 generation_config="vllm",  # sampling settings come from here, not the model's generation_config
-                limit_mm_per_prompt={"image": 8, "video": 0},
-                mm_processor_kwargs={"size": {"shortest_edge": min_pixels, "longest_edge": max_pixels}},
+                **multimodal,
                 **self.engine_kwargs,
             )
         torch.set_num_threads(threads)
@@ -171,8 +183,21 @@ class VLLMEngine:
 
     # ------------------------------------------------------------------ sampling
 
-    def _vllm_prompts(self, rows: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
-        """The prompts of :func:`encode_prompts` (same messages, chat template, prefix and resized images)."""
+    def _vllm_prompts(self, rows: Sequence[Mapping[str, Any]],
+                      prompts: Mapping[str, torch.Tensor] | None = None) -> list[dict[str, Any]]:
+        """The prompts of :func:`encode_prompts` (same messages, chat template, prefix and resized images).
+
+        A text-only LM's prompts are ``prompts``' own token ids (the tokenizer's chat template, encoded by
+        :func:`encode_prompts`; computed here when not given): vLLM would tokenize text again with special
+        tokens added (a second BOS on Llama). A VLM's are the text and the images, which vLLM's processor
+        expands into image placeholders itself.
+        """
+        if self.text_only:
+            if prompts is None:
+                prompts = encode_prompts(self.processor, rows, system_prompt=self.system_prompt,
+                                         max_prompt_length=self.max_prompt_length)
+            return [{"prompt_token_ids": ids[mask > 0].tolist()}
+                    for ids, mask in zip(prompts["input_ids"], prompts["attention_mask"])]
         from qwen_vl_utils import process_vision_info
 
         system_prompt = default_system_prompt() if self.system_prompt == "default" else self.system_prompt
@@ -240,7 +265,7 @@ class VLLMEngine:
                       for seed in seeds]
         else:
             params = [SamplingParams(temperature=0.0, **common) for _ in rows]
-        outputs = self.llm.generate(self._vllm_prompts(rows), params, use_tqdm=False)
+        outputs = self.llm.generate(self._vllm_prompts(rows, prompts), params, use_tqdm=False)
         ids = prompts["input_ids"]
         sequences: list[list[int]] = []
         log_probs: list[list[float]] = []

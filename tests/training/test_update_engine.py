@@ -207,6 +207,30 @@ def test_make_optimizer_drops_frozen_parameters_and_keeps_group_settings():
         make_optimizer([trained], lr=1.0, schedule="cosine")
 
 
+@pytest.mark.parametrize("fused", [True, False])
+def test_every_optimizer_step_bumps_the_parameters_versions(fused):
+    """The vLLM engine syncs when the parameters' version counters moved (mmpo.vlm.vllm_engine). torch's fused
+    AdamW writes them without bumping the counters (the control); make_adamw's optimizer bumps them on every
+    step, fused or not, and its update equals the plain fused kernel's."""
+    from mmpo.training.optim import make_adamw
+
+    torch.manual_seed(0)
+    start, grad = torch.randn(5), torch.randn(5)
+    raw = torch.nn.Parameter(start.clone())
+    plain = torch.optim.AdamW([raw], lr=0.1, weight_decay=0.0, fused=fused)
+    ours = torch.nn.Parameter(start.clone())
+    optimizer = make_adamw([ours], lr=0.1, fused=fused)
+    assert optimizer.defaults["fused"] is (True if fused else None)
+    for step in range(2):
+        raw.grad, ours.grad = grad.clone(), grad.clone()
+        before_raw, before_ours = raw._version, ours._version
+        plain.step()
+        optimizer.step()
+        assert ours._version > before_ours
+        assert (raw._version > before_raw) is (not fused)  # the control: fused leaves the counter alone
+    assert torch.equal(ours.detach(), raw.detach()) and not torch.equal(ours.detach(), start)
+
+
 def test_no_rl_module_overrides_training_step():
     from mmpo.algos import grpo  # noqa: F401  (imports register nothing; the classes are walked below)
     import mmpo.algos

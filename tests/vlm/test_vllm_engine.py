@@ -165,9 +165,13 @@ def test_refuses_hf_logits_processors(engine):
 
 def test_fit_two_steps_with_the_vllm_config(tiny_path, tmp_path):
     """`mmpo fit -c configs/vlm/grpo_tiny_vllm.yaml`: 2 GRPO steps sampled by vLLM, with the IS correction
-    reading the engine's log-probs (each trainer / engine ratio is 1 - the vision tokens' mass, ~1% here)."""
+    reading the engine's log-probs (each trainer / engine ratio is 1 - the vision tokens' mass, ~1% here),
+    step 2 after step 1 changed the weights."""
     assert main(tiny_grpo_fit_args(CONFIG, tiny_path, tmp_path,
-        "--model.init_args.rollout_correction.mode=token_truncate")) == 0
+        "--model.init_args.rollout_correction.mode=token_truncate",
+        # the random model's rewards are all 0: an entropy bonus makes step 1 move the weights, so step 2
+        # samples after a real (fused AdamW) update and its sync
+        "--model.init_args.loss.entropy_coef=0.01", "--model.init_args.optim.lr=1e-3")) == 0
     (path,) = tmp_path.glob("**/metrics.csv")
     rows = [r for r in csv.DictReader(path.open()) if r.get("losses/policy")]
     assert len(rows) == 2
@@ -177,4 +181,7 @@ def test_fit_two_steps_with_the_vllm_config(tiny_path, tmp_path):
         # (or above it) would mean a stale engine
         assert 0.9 < float(row["rollout_is/mean"]) <= 1.0 + 1e-3
         assert 0.0 <= float(row["rollout_is/kl"]) < 0.03
+        # measured ~0.010 (the vision mass); without the sync after step 1's fused AdamW step, step 2's weight
+        # mean was 1.017 (the engine sampled from the old weights)
+        assert float(row["rollout_is/logp_diff_mean"]) < 0.02
     assert (tmp_path / "hf" / "config.json").is_file()
