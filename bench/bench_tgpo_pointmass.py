@@ -11,8 +11,10 @@ a plot of the mean over seeds with a 95% t-interval.
 
 Resumable per run: each finished (variant, seed) run is written at once to ``<out>.runs/<variant>_seed<S>.json``
 (with the commit and the UTC times it ran at) and skipped when the same command is run again, so a stop loses
-only the run in progress. ``<out>.json`` (all runs) and ``<out>.png`` are written when every run is there.
-``--task`` takes any STL task (``stl_pointmass{2,3,4}``, ``stl_reacher{2,3,4}``, ``stl_pointmass2_tight``).
+only the run in progress; runs go seed by seed (every variant of a seed, then the next seed). ``<out>.json`` (the
+runs of the command) and ``<out>.png`` are derived from the per-run files and written (again) when every run of
+the command is there, so a later command with more seeds extends them.
+``--task`` takes any STL task (``stl_pointmass{2,3,4}``, ``stl_reacher{2,3,4}``).
 
     python bench/bench_tgpo_pointmass.py summary --out bench/records/tgpo/by_subgoals A.json B.json ...
 
@@ -102,14 +104,12 @@ def run_all(args: argparse.Namespace) -> None:
     from mmpo.files import atomic_write_json
 
     json_path, png_path = (args.out.parent / f"{args.out.name}.{ext}" for ext in ("json", "png"))
-    if json_path.exists() or png_path.exists():
-        raise SystemExit(f"{json_path} or {png_path} exists (all runs done); choose another --out")
     run_dir = args.out.parent / f"{args.out.name}.runs"
     run_dir.mkdir(parents=True, exist_ok=True)
     settings = {"task": args.task, "iterations": args.iterations, "eval_every": args.eval_every}
     runs = []
-    for variant in args.variants:
-        for seed in args.seeds:
+    for seed in args.seeds:  # seed-major: a stopped command leaves every variant with the same seeds
+        for variant in args.variants:
             path = run_dir / f"{run_name(variant, seed, args.temperature)}.json"
             if path.exists():
                 result = _load_json(path)
