@@ -107,6 +107,7 @@ def run_all(args: argparse.Namespace) -> None:
     run_dir = args.out.parent / f"{args.out.name}.runs"
     run_dir.mkdir(parents=True, exist_ok=True)
     settings = {"task": args.task, "iterations": args.iterations, "eval_every": args.eval_every}
+    commit = _commit()  # at the start: the code this process imports (later edits of the clone do not reach it)
     runs = []
     for seed in args.seeds:  # seed-major: a stopped command leaves every variant with the same seeds
         for variant in args.variants:
@@ -119,7 +120,7 @@ def run_all(args: argparse.Namespace) -> None:
             else:
                 began = datetime.now(timezone.utc).isoformat(timespec="seconds")
                 result = run(args.task, variant, seed, args.iterations, args.eval_every, args.temperature)
-                result.update(settings=settings, commit=_commit(), began_utc=began,
+                result.update(settings=settings, commit=commit, began_utc=began,
                               ended_utc=datetime.now(timezone.utc).isoformat(timespec="seconds"))
                 atomic_write_json(path, result)
                 last = result["curve"][-1]["eval_success_rate"] if result["curve"] else float("nan")
