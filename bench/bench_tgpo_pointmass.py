@@ -94,7 +94,7 @@ def _commit() -> str:
 
 
 def run_name(variant: str, seed: int, temperature: float) -> str:
-    tag = "" if variant == "flat" or temperature == 1.0 else f"_T{temperature:g}"
+    tag = f"_T{temperature:g}" if variant == "mh" and temperature != 1.0 else ""  # T only acts on MH
     return f"{variant}{tag}_seed{seed}"
 
 
