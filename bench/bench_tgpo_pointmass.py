@@ -170,7 +170,9 @@ def plot_curves(runs: list[dict], task: str, png_path: Path) -> None:
 
 
 def summarise(files: list[Path], out: Path) -> None:
-    """Final eval satisfaction rate by number of subgoals (the task name's trailing digit), per variant."""
+    """Final eval satisfaction rate by number of subgoals (the digit after the system's name), per variant: mean and
+    95% t-interval over seeds (also of the mean of the last two evaluations), the paired-by-seed differences between
+    the variants at each K, and a plot of the finals."""
     import re
 
     import matplotlib
@@ -181,23 +183,38 @@ def summarise(files: list[Path], out: Path) -> None:
     png_path = out.parent / f"{out.name}.png"
     if png_path.exists():
         raise SystemExit(f"{png_path} exists; choose another --out")
-    rows: dict[str, dict[int, list[float]]] = {}
+    rows: dict[str, dict[int, dict[int, tuple[float, float]]]] = {}  # label -> K -> seed -> (final, last two)
     for path in files:
         for r in _load_json(path)["runs"]:
             match = re.match(r"stl_[a-z]+(\d+)", r["task"])
             if match is None:
                 raise SystemExit(f"{path}: task {r['task']!r} names no number of subgoals")
-            rows.setdefault(variant_label(r), {}).setdefault(int(match.group(1)), []).append(
-                r["curve"][-1]["eval_success_rate"])
+            rates = [p["eval_success_rate"] for p in r["curve"]]
+            rows.setdefault(variant_label(r), {}).setdefault(int(match.group(1)), {})[int(r["seed"])] = (
+                rates[-1], float(np.mean(rates[-2:])))
     fig, ax = plt.subplots(figsize=(6, 4))
     for i, (label, by_k) in enumerate(rows.items()):
         ks = sorted(by_k)
-        stats = [t_interval(np.array(by_k[k])) for k in ks]
+        stats = [t_interval(np.array([v[0] for v in by_k[k].values()])) for k in ks]
         offset = 0.06 * (i - (len(rows) - 1) / 2)
         ax.errorbar([k + offset for k in ks], [s[0] for s in stats], yerr=[np.nan_to_num(s[1]) for s in stats],
                     marker="o", capsize=3, label=label)
         for k, s in zip(ks, stats):
-            print(f"{label}, K = {k}: {s[0]:.3f} +- {s[1]:.3f} over {len(by_k[k])} seeds, per seed {by_k[k]}")
+            last_two = t_interval(np.array([v[1] for v in by_k[k].values()]))
+            print(f"{label}, K = {k}: final {s[0]:.3f} +- {s[1]:.3f}, mean of the last two evaluations "
+                  f"{last_two[0]:.3f} +- {last_two[1]:.3f} over {len(by_k[k])} seeds; per seed (final) "
+                  f"{[v[0] for v in by_k[k].values()]}")
+    labels = list(rows)
+    for a_i, a in enumerate(labels):
+        for b in labels[a_i + 1:]:
+            for k in sorted(set(rows[a]) & set(rows[b])):
+                seeds = sorted(set(rows[a][k]) & set(rows[b][k]))
+                if len(seeds) < 2:
+                    continue
+                for j, what in enumerate(("final", "last two")):
+                    diff = t_interval(np.array([rows[a][k][s][j] - rows[b][k][s][j] for s in seeds]))
+                    print(f"K = {k}, {what}: [{a}] - [{b}] = {diff[0]:+.3f} +- {diff[1]:.3f} "
+                          f"(paired over seeds {seeds})")
     ax.set_xlabel("number of sequential subgoals K")
     ax.set_ylabel("final eval STL satisfaction rate")
     ax.set_xticks(sorted({k for by_k in rows.values() for k in by_k}))
