@@ -64,6 +64,16 @@ def test_pointmass_observation_and_a_satisfying_scripted_run():
         env.reset(seed=0)
 
 
+def test_tight_pointmass_task():
+    env = make_env("stl_pointmass2_tight", seed=0)
+    inner = env.unwrapped
+    assert inner.horizon == 20 and env.observation_space.shape == (8,)
+    # the first subgoal is ~5 full-speed steps away, the second ~5-7 after it: [7, 14] is met, [2, 4] is too early
+    _, rewards, _, info = _scripted_episode(env, [7, 14])
+    _, early_rewards, _, early = _scripted_episode(env, [2, 4])
+    assert info["success"] and not early["success"] and sum(early_rewards) < sum(rewards) - 1.0
+
+
 def test_flat_baseline_reward_is_the_terminal_robustness():
     stage, flat = make_env("stl_pointmass2", seed=0), make_env("stl_pointmass2_robustness", seed=0)
     _, stage_rewards, stage_states, stage_info = _scripted_episode(stage, [15, 30])

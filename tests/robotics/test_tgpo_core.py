@@ -45,6 +45,18 @@ def test_decompose_invariants_nested_under_a_subgoal_and_conjunctive_reach():
     assert d.horizon() == 7
 
 
+def test_decompose_the_tight_pointmass_spec():
+    d = decompose(pointmass_spec(2, "tight"))
+    g1, g2 = (InBall(c, 0.15) for c in [(0.6, -0.2), (0.6, 0.6)])
+    assert d.subgoals == (Subgoal(g1, 0, 10, None), Subgoal(g2, 0, 10, 0))
+    assert d.invariants == (Invariant(Not(InBall((0.0, 0.1), 0.25)), 0, 20, None),)
+    assert d.horizon() == 20
+    # tau_1 in [0, 10], tau_2 in [tau_1, tau_1 + 10]
+    assert d.project(torch.tensor([[12, 3], [4, 15]])).tolist() == [[10, 10], [4, 14]]
+    with pytest.raises(ValueError, match="windows must be one of"):
+        pointmass_spec(2, "loose")
+
+
 @pytest.mark.parametrize("formula", [Until(A, B, 0, 2), Or((Eventually(A, 0, 1), Eventually(B, 0, 1))),
                                      Eventually(Eventually(A, 0, 1), 0, 1), Always(Eventually(A, 0, 1), 0, 2), A,
                                      Always(A, 0, 3)])

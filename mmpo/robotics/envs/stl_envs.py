@@ -39,12 +39,20 @@ def nested_reach_spec(goals: list[InBall], obstacle: InBall, first: tuple[int, i
     return And((spec, Always(Not(obstacle), 0, spec.horizon())))
 
 
-def pointmass_spec(num_subgoals: int) -> Formula:
-    """Point mass in [-1, 1]^2: visit 2-4 balls (r 0.15) in order around an obstacle (r 0.25 at (0, 0.1))."""
+#: the point mass's subgoal windows: (first, then) intervals; "tight" leaves little slack for the allocation (each
+#: subgoal needs 4-8 steps from its predecessor at full speed, so most uniform allocations of [0, 10] are too early)
+POINTMASS_WINDOWS = {"standard": ((0, 20), (5, 20)), "tight": ((0, 10), (0, 10))}
+
+
+def pointmass_spec(num_subgoals: int, windows: str = "standard") -> Formula:
+    """Point mass in [-1, 1]^2: visit 2-4 balls (r 0.15) in order around an obstacle (r 0.25 at (0, 0.1)), each
+    within the ``POINTMASS_WINDOWS[windows]`` interval after the previous one."""
     _check_subgoals(num_subgoals)
+    if windows not in POINTMASS_WINDOWS:
+        raise ValueError(f"windows must be one of {sorted(POINTMASS_WINDOWS)}, got {windows!r}")
     centers = [(0.6, -0.2), (0.6, 0.6), (-0.6, 0.6), (-0.6, -0.2)][:num_subgoals]
     goals = [InBall(c, 0.15) for c in centers]
-    return nested_reach_spec(goals, InBall((0.0, 0.1), 0.25), (0, 20), (5, 20))
+    return nested_reach_spec(goals, InBall((0.0, 0.1), 0.25), *POINTMASS_WINDOWS[windows])
 
 
 def reacher_spec(num_subgoals: int) -> Formula:
@@ -137,8 +145,8 @@ class STLPointMassEnv(STLEnv):
 
     state_dim, action_dim = 2, 2
 
-    def __init__(self, num_subgoals: int = 2, **kwargs: Any) -> None:
-        super().__init__(pointmass_spec(num_subgoals), **kwargs)
+    def __init__(self, num_subgoals: int = 2, windows: str = "standard", **kwargs: Any) -> None:
+        super().__init__(pointmass_spec(num_subgoals, windows), **kwargs)
 
     def _reset_state(self, seed: int | None) -> np.ndarray:
         return np.array([self.np_random.uniform(-0.2, 0.2), self.np_random.uniform(-0.9, -0.7)])

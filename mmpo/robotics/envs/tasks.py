@@ -185,6 +185,13 @@ def _register_stl_tasks() -> None:
                                  kwargs={"num_subgoals": k, "reward": reward})
                 register_task(TaskSpec(f"stl_{name}{k}{suffix}", "gymnasium", env_id, ("observation",),
                                        steps_per_goal * k, state_dim + 2 * k + 2, 2), replace=True)
+    # the point mass with tight windows (F[0,10](g1 and F[0,10](g2)), H = 20): most allocations are too early,
+    # the setting where the allocation search matters (the MH vs uniform ablation, bench/RESULTS.md)
+    if "MmpoSTLPointMass2Tight-v0" not in gym.registry:
+        gym.register("MmpoSTLPointMass2Tight-v0", entry_point="mmpo.robotics.envs.stl_envs:STLPointMassEnv",
+                     kwargs={"num_subgoals": 2, "windows": "tight"})
+    register_task(TaskSpec("stl_pointmass2_tight", "gymnasium", "MmpoSTLPointMass2Tight-v0", ("observation",), 20, 8,
+                           2), replace=True)
 
 
 _register_stl_tasks()
