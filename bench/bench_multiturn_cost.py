@@ -8,7 +8,9 @@ would end the trajectory). Each rollout starts from the same seed, so every repe
 Side ``single``: the same engine's one-turn :meth:`~mmpo.vlm.rollout.HFGenerateEngine.generate` with the
 end-of-turn token suppressed and ``max_new_tokens`` = the multi side's model tokens per trajectory (measured by a
 probe run first), so both sides generate the same number of model tokens up to rounding (both counts recorded);
-the ratios are per rollout and per generated token.
+the ratios are per rollout and per generated token. Each side also counts its decoder forwards per rollout (the
+prefills and the decode steps, each over the batch's active rows): within a turn the batch decodes until its
+longest turn ends, so a rollout of several turns runs more sequential steps than one turn of the same tokens.
 
 Each side runs in its own subprocess on the same tiny text LM (``build_tiny_text_lm``, built once), one torch
 thread, ``--repeats`` timed rollouts after one warm-up; the sides alternate A B B A over ``--rounds`` rounds. The
@@ -95,9 +97,12 @@ def _side(args: argparse.Namespace) -> dict[str, float]:
             return multi.generate(rows, envs, num_samples=args.samples)
         return engine.generate(rows, num_samples=args.samples, max_new_tokens=args.single_tokens)
 
+    forwards = [0]  # decoder forwards (a prefill or one decode step of the batch's active rows each)
+    model.model.register_forward_hook(lambda *_: forwards.__setitem__(0, forwards[0] + 1))
     with torch.no_grad():
         torch.manual_seed(0)
         warm = rollout()  # warm-up
+        warm_forwards, forwards[0] = forwards[0], 0
         walls, cpus, generated = [], [], int(warm.completion_mask.sum())
         turns = float(warm.extras["turns"].float().mean()) if "turns" in warm.extras else 1.0
         for _ in range(args.repeats):
@@ -108,9 +113,10 @@ def _side(args: argparse.Namespace) -> dict[str, float]:
             cpus.append(time.process_time() - cpu)
             generated = int(result.completion_mask.sum())
     if not walls:  # the probe: how many model tokens the multi side generates
-        return {"generated_tokens": generated, "trajectories": len(warm), "turns_mean": turns}
+        return {"generated_tokens": generated, "trajectories": len(warm), "turns_mean": turns,
+                "decoder_forwards": warm_forwards}
     return {"wall_s": statistics.median(walls), "cpu_s": statistics.median(cpus), "generated_tokens": generated,
-            "turns_mean": turns}
+            "turns_mean": turns, "decoder_forwards": forwards[0] / len(walls)}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -159,7 +165,8 @@ def main(argv: list[str] | None = None) -> int:
             rounds.append({side: {key: statistics.mean(r[key] for r in results) for key in results[0]}
                            for side, results in runs.items()})
             print(f"round {index}: " + ", ".join(f"{side} {v['wall_s']:.3f} s wall / {v['cpu_s']:.3f} s CPU "
-                                                 f"({v['generated_tokens']:.0f} tokens)" for side, v in rounds[-1].items()),
+                                                 f"({v['generated_tokens']:.0f} tokens, {v['decoder_forwards']:.0f} decoder forwards)"
+                                                 for side, v in rounds[-1].items()),
                   flush=True)
     summary = {"settings": {k: v for k, v in vars(args).items() if k not in ("side", "model", "out", "single_tokens")},
                "probe": probe, "single_tokens_per_trajectory": single_tokens,
