@@ -98,7 +98,8 @@ def _side(args: argparse.Namespace) -> dict[str, float]:
         return engine.generate(rows, num_samples=args.samples, max_new_tokens=args.single_tokens)
 
     forwards = [0]  # decoder forwards (a prefill or one decode step of the batch's active rows each)
-    model.model.register_forward_hook(lambda *_: forwards.__setitem__(0, forwards[0] + 1))
+    # on the first decoder layer: the lean decode loop runs the layers itself, not the decoder module
+    model.model.layers[0].register_forward_hook(lambda *_: forwards.__setitem__(0, forwards[0] + 1))
     with torch.no_grad():
         torch.manual_seed(0)
         warm = rollout()  # warm-up
