@@ -114,17 +114,19 @@ def _data():
     return PromptDataModule(tasks=["count_shapes"], train_size=6, val_size=2, seed=3, batch_size=1)
 
 
-def test_resume_restores_inflight_responses(tiny_model, tmp_path):
+@pytest.mark.parametrize("critic", ["head", "value model"])
+def test_resume_restores_inflight_responses(tiny_model, tmp_path, critic):
     # 3 steps straight == 2 steps, a checkpoint, a fresh module and Trainer, 1 step; the third step continues
-    # the responses in flight at the checkpoint, so losing them would change the weights
-    straight = _module(tiny_model)
+    # the responses in flight at the checkpoint, so losing them would change the weights (the value model's too)
+    make = _module if critic == "head" else _critic_module
+    straight = make(tiny_model)
     _trainer(tmp_path / "a", 3, []).fit(straight, datamodule=_data())
 
     checkpoint = ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=2, save_last=True, save_top_k=-1)
-    _trainer(tmp_path / "b", 2, [checkpoint]).fit(_module(tiny_model), datamodule=_data())
+    _trainer(tmp_path / "b", 2, [checkpoint]).fit(make(tiny_model), datamodule=_data())
     saved = torch.load(tmp_path / "ckpt" / "last.ckpt", weights_only=True)
     assert len(saved["tppo_inflight"]) > 0
-    resumed = _module(tiny_model)
+    resumed = make(tiny_model)
     _trainer(tmp_path / "c", 3, []).fit(resumed, datamodule=_data(), ckpt_path=str(tmp_path / "ckpt" / "last.ckpt"))
     assert resumed.last_metrics["tppo/carried"] == straight.last_metrics["tppo/carried"] > 0
     for (name, p), q in zip(straight.named_parameters(), resumed.parameters()):
