@@ -19,8 +19,10 @@ Protocol (documented in ``bench/RESULTS.md``, section "VLM algorithms: evidence"
   geometry   geometry_aux, SFT on a mix    GRPO, GCPO                    share of groups whose contrastive
              with / without the auxiliary                                 mask is non-zero; aux rate by kind
              construction
-  weak       think-answer, 40 steps        GRPO, AHPO                    gate-open share, expert token share
-             (accuracy ~0)
+  weak       think-answer, 40 steps        GRPO, AHPO, TAPO              gate-open share, expert token share;
+             (accuracy ~0)                                               all-wrong group share (every
+                                                                         algorithm), TAPO's guided /
+                                                                         unguided rewards
   ========== ============================= ============================= ===================================
 
 - Held-out score: greedy accuracy on ``--eval-size`` test-split items per task (disjoint from the
@@ -37,7 +39,11 @@ Stages (each resumable; finished work is skipped)::
     python bench/bench_vlm_evidence.py runs --out runs/vlm_evidence &  # sharing the jobs via claim files
     python bench/bench_vlm_evidence.py report --out runs/vlm_evidence          # tables + curve plot
 
-Every run result is written atomically to ``OUT/runs/<experiment>__<algo>__s<seed>.json``.
+Every run result is written atomically to ``OUT/runs/<experiment>__<algo>__s<seed>.json``; a worker that is
+stopped leaves a claim whose process is gone, which the next worker takes over (the interrupted run is redone
+from its start, with the same seeds). ``--algos`` picks some of each experiment's algorithms. TAPO's template
+library is built by the starts stage from the weak start (``--tapo-seed-problems`` training-split problems per
+task, the code of ``mmpo tapo-library``) into ``OUT/starts/sft_weak_tapo_library.json``.
 """
 
 from __future__ import annotations
