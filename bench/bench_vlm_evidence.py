@@ -19,8 +19,10 @@ Protocol (documented in ``bench/RESULTS.md``, section "VLM algorithms: evidence"
   geometry   geometry_aux, SFT on a mix    GRPO, GCPO                    share of groups whose contrastive
              with / without the auxiliary                                 mask is non-zero; aux rate by kind
              construction
-  weak       think-answer, 40 steps        GRPO, AHPO                    gate-open share, expert token share
-             (accuracy ~0)
+  weak       think-answer, 40 steps        GRPO, AHPO, TAPO              gate-open share, expert token share;
+             (accuracy ~0)                                               all-wrong group share (every
+                                                                         algorithm), TAPO's guided /
+                                                                         unguided rewards
   ========== ============================= ============================= ===================================
 
 - Held-out score: greedy accuracy on ``--eval-size`` test-split items per task (disjoint from the
@@ -37,7 +39,11 @@ Stages (each resumable; finished work is skipped)::
     python bench/bench_vlm_evidence.py runs --out runs/vlm_evidence &  # sharing the jobs via claim files
     python bench/bench_vlm_evidence.py report --out runs/vlm_evidence          # tables + curve plot
 
-Every run result is written atomically to ``OUT/runs/<experiment>__<algo>__s<seed>.json``.
+Every run result is written atomically to ``OUT/runs/<experiment>__<algo>__s<seed>.json``; a worker that is
+stopped leaves a claim whose process is gone, which the next worker takes over (the interrupted run is redone
+from its start, with the same seeds). ``--algos`` picks some of each experiment's algorithms. TAPO's template
+library is built by the starts stage from the weak start (``--tapo-seed-problems`` training-split problems per
+task, the code of ``mmpo tapo-library``) into ``OUT/starts/sft_weak_tapo_library.json``.
 """
 
 from __future__ import annotations
@@ -123,11 +129,16 @@ EXPERIMENTS: dict[str, Experiment] = {
         "grpo": (GRPO, {}),
         "gcpo": ("mmpo.algos.gcpo.GCPOModule", {"loss": {"beta": 0.0}}),
     }, lr=5e-5, temperature=0.7),
+    # TAPO: its template library is built by the starts stage from the weak start on training-split problems
+    # (mmpo.algos.tapo_cli.library_from_policy, the code of `mmpo tapo-library`); every other setting is GRPO's
     "weak": Experiment("sft_weak", 48, {
         "grpo": (GRPO, {}),
         "ahpo": ("mmpo.algos.ahpo.AHPOModule", {"loss": {"beta": 0.0}}),
+        "tapo": ("mmpo.algos.tapo.TAPOModule", {"library": "<out>/starts/sft_weak_tapo_library.json"}),
     }),
 }
+OUT_MARK = "<out>/"  # a setting value starting with it is a file under --out (resolve_out_paths)
+TAPO_CLASS = "mmpo.algos.tapo.TAPOModule"
 
 
 # ----------------------------------------------------------------------------- data
@@ -275,6 +286,39 @@ def run_path(out: Path, experiment: str, algo: str, seed: int) -> Path:
     return out / "runs" / f"{experiment}__{algo}__s{seed}.json"
 
 
+def resolve_out_paths(settings: dict[str, Any], out: Path) -> dict[str, Any]:
+    """``settings`` with every string value that starts with ``<out>/`` (at any depth) made a path under ``out``."""
+    def resolve(value: Any) -> Any:
+        if isinstance(value, dict):
+            return {key: resolve(item) for key, item in value.items()}
+        if isinstance(value, str) and value.startswith(OUT_MARK):
+            return str(out / value[len(OUT_MARK):])
+        return value
+
+    return resolve(settings)
+
+
+def all_wrong_group_frac(rewards: Sequence[float], group_ids: Sequence[int]) -> float:
+    """The share of groups whose every reward is <= 0 (no correct rollout: GRPO's advantage is 0 on them)."""
+    groups: dict[int, bool] = {}
+    for reward, gid in zip(rewards, group_ids):
+        groups[int(gid)] = groups.get(int(gid), True) and float(reward) <= 0
+    return sum(groups.values()) / len(groups) if groups else float("nan")
+
+
+def with_group_counts(module_class: type) -> type:
+    """``module_class`` logging ``evidence/all_wrong_group_frac`` each step (the same rule for every algorithm,
+    TAPO's guided rollouts included); training is unchanged."""
+    class Counted(module_class):
+        def compute_rewards(self, rollout):
+            rewards, metrics = super().compute_rewards(rollout)
+            metrics["evidence/all_wrong_group_frac"] = all_wrong_group_frac(rewards.tolist(), rollout.group_ids.tolist())
+            return rewards, metrics
+
+    Counted.__name__ = Counted.__qualname__ = module_class.__name__
+    return Counted
+
+
 # ----------------------------------------------------------------------------- stages
 
 
@@ -328,6 +372,31 @@ def build_start(kind: str, init: Path, out: Path, args: argparse.Namespace) -> P
     return target
 
 
+def build_tapo_library(name: str, start_model: Path, args: argparse.Namespace) -> Path | None:
+    """The experiment's TAPO library (if it runs TAPO), built once from its start with the code of
+    ``mmpo tapo-library`` on ``--tapo-seed-problems`` training-split items per task (seed 0); cached."""
+    from mmpo.algos.tapo_cli import library_from_policy, seed_problems
+    from mmpo.vlm.factory import load_vlm
+
+    experiment = EXPERIMENTS[name]
+    tapo = [extra for algo, (path, extra) in experiment.algos.items() if path == TAPO_CLASS and algo in chosen_algos(args, name)]
+    if not tapo:
+        return None
+    target = Path(resolve_out_paths(tapo[0], args.out)["library"])
+    if target.exists():
+        return target
+    start = STARTS[experiment.start]
+    rows = seed_problems(start.tasks, args.tapo_seed_problems, seed=0)
+    model, processor = load_vlm(start_model)
+    t0 = time.perf_counter()
+    library = library_from_policy(model, processor, rows, samples=args.tapo_samples, max_depth=3, beam=2,
+                                  max_new_tokens=experiment.max_new_tokens, temperature=experiment.temperature, seed=0)
+    atomic_write_json(target, library)
+    print(f"[evidence] {name}: TAPO library of {len(library['templates'])} template(s) from {len(rows)} seed problems "
+          f"in {time.perf_counter() - t0:.0f} s", flush=True)
+    return target
+
+
 def stage_starts(args: argparse.Namespace) -> None:
     from mmpo.vlm.factory import load_vlm
 
@@ -336,6 +405,7 @@ def stage_starts(args: argparse.Namespace) -> None:
         experiment = EXPERIMENTS[name]
         kind = experiment.start
         path = build_start(kind, init, args.out, args)
+        build_tapo_library(name, path, args)
         result_path = args.out / "starts" / f"{kind}.json"
         if result_path.exists():
             continue
@@ -358,10 +428,23 @@ def chosen_experiments(args: argparse.Namespace) -> list[str]:
     return chosen
 
 
+def chosen_algos(args: argparse.Namespace, name: str) -> list[str]:
+    """The experiment's algorithms named in ``--algos`` (all of them without it)."""
+    wanted = getattr(args, "algos", None)
+    if not wanted:
+        return list(EXPERIMENTS[name].algos)
+    chosen = [algo.strip() for algo in wanted.split(",")]
+    known = {algo for experiment in EXPERIMENTS.values() for algo in experiment.algos}
+    unknown = [algo for algo in chosen if algo not in known]
+    if unknown:
+        raise SystemExit(f"unknown algorithm(s) {unknown}; valid: {sorted(known)}")
+    return [algo for algo in EXPERIMENTS[name].algos if algo in chosen]
+
+
 def jobs(args: argparse.Namespace) -> list[tuple[str, str, int]]:
     """(experiment, algo, seed), seed-major so a cut-short run still covers every algorithm."""
     return [(name, algo, seed) for seed in range(args.seeds) for name in chosen_experiments(args)
-            for algo in EXPERIMENTS[name].algos]
+            for algo in chosen_algos(args, name)]
 
 
 def run_one(experiment: str, algo: str, seed: int, args: argparse.Namespace) -> dict[str, Any]:
@@ -373,7 +456,8 @@ def run_one(experiment: str, algo: str, seed: int, args: argparse.Namespace) -> 
     spec = EXPERIMENTS[experiment]
     class_path, extra = spec.algos[algo]
     module_name, class_name = class_path.rsplit(".", 1)
-    module_class = getattr(__import__(module_name, fromlist=[class_name]), class_name)
+    module_class = with_group_counts(getattr(__import__(module_name, fromlist=[class_name]), class_name))
+    extra = resolve_out_paths(extra, args.out)
     start = STARTS[spec.start]
     rows = eval_rows(start.tasks, args.eval_size, start.difficulty)
     masked = masked_rows(rows) if experiment == "main" else None
@@ -427,15 +511,39 @@ def training_metrics(root: Path) -> dict[str, dict[str, float]]:
 
 
 def claim(path: Path) -> bool:
-    """Atomically claim a run for this process (``<run>.claim`` created with O_EXCL), so several worker
-    processes can share one job list; a claim left by a killed worker is removed by hand."""
+    """Atomically claim a run for this process (``<run>.claim`` created with O_EXCL, holding the pid), so several
+    worker processes can share one job list. A claim whose process is gone (a stopped worker) is stale: it is
+    removed and the run claimed again, so a restarted worker redoes the interrupted run and nothing finished is
+    lost (each finished run is its own file)."""
+    marker = path.with_name(path.name + ".claim")
+    for _ in range(2):
+        try:
+            descriptor = os.open(marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+        except FileExistsError:
+            if not claim_is_stale(marker):
+                return False
+            marker.unlink(missing_ok=True)
+            continue
+        os.write(descriptor, str(os.getpid()).encode())
+        os.close(descriptor)
+        return True
+    return False
+
+
+def claim_is_stale(marker: Path) -> bool:
+    """Whether the claim's process no longer runs on this machine (an unreadable or empty claim is not stale:
+    it may be being written)."""
     try:
-        descriptor = os.open(path.with_name(path.name + ".claim"), os.O_CREAT | os.O_EXCL | os.O_WRONLY)
-    except FileExistsError:
+        pid = int(marker.read_text().strip())
+    except (OSError, ValueError):
         return False
-    os.write(descriptor, str(os.getpid()).encode())
-    os.close(descriptor)
-    return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:
+        return False
+    return False
 
 
 def stage_runs(args: argparse.Namespace) -> None:
@@ -641,12 +749,41 @@ def mechanism_lines(name: str, experiment: Experiment, start: dict, grouped) -> 
             lines.append(f"- {algo}: uses the construction on {_mean([aux_rate(r['final'], True) for r in runs]):.3f} "
                          f"of exterior and {_mean([aux_rate(r['final'], False) for r in runs]):.3f} of interior items"
                          f"{extra}")
-    elif name == "weak" and "ahpo" in algos:
+    elif name == "weak":
+        lines += weak_group_lines(name, algos, grouped)
+    if name == "weak" and "ahpo" in algos:
         runs = grouped[(name, "ahpo")]
         lines.append(f"- ahpo: gate open {_mean([_metric(r, 'ahpo/gate_on_frac', 'first') for r in runs]):.3f} -> "
                      f"{_mean([_metric(r, 'ahpo/gate_on_frac') for r in runs]):.3f} of the prompts, expert token share "
                      f"{_mean([_metric(r, 'ahpo/off_policy_token_share', 'first') for r in runs]):.3f} -> "
                      f"{_mean([_metric(r, 'ahpo/off_policy_token_share') for r in runs]):.3f} (first -> last fifth)")
+    return lines
+
+
+def weak_group_lines(name: str, algos: Sequence[str], grouped) -> list[str]:
+    """All-wrong group fraction (first -> last fifth of the steps) per algorithm, its change vs GRPO paired by
+    seed (Student-t over the seeds, last fifth), and TAPO's guided / unguided rollout rewards."""
+    lines: list[str] = []
+    key = "evidence/all_wrong_group_frac"
+    grpo = {run["seed"]: _metric(run, key) for run in grouped.get((name, "grpo"), []) if key in run["train_metrics"]}
+    for algo in algos:
+        runs = [run for run in grouped[(name, algo)] if key in run["train_metrics"]]
+        if not runs:
+            continue
+        line = (f"- {algo}: all-wrong groups {_mean([_metric(r, key, 'first') for r in runs]):.3f} -> "
+                f"{_mean([_metric(r, key) for r in runs]):.3f} (first -> last fifth, {len(runs)} seeds)")
+        paired = [_metric(r, key) - grpo[r["seed"]] for r in runs if r["seed"] in grpo]
+        if algo != "grpo" and len(paired) > 1:
+            low, high = seed_t_interval(paired)
+            line += f", last fifth vs GRPO {_mean(paired):+.3f} seed-t [{low:+.3f}, {high:+.3f}]"
+        if algo == "tapo":
+            line += (f"; guided reward {_mean([_metric(r, 'tapo/guided_reward_mean', 'first') for r in runs]):.3f} -> "
+                     f"{_mean([_metric(r, 'tapo/guided_reward_mean') for r in runs]):.3f}, unguided "
+                     f"{_mean([_metric(r, 'tapo/unguided_reward_mean', 'first') for r in runs]):.3f} -> "
+                     f"{_mean([_metric(r, 'tapo/unguided_reward_mean') for r in runs]):.3f}, groups all wrong without "
+                     f"the guided rollouts {_mean([_metric(r, 'tapo/unguided_all_wrong_group_frac') for r in runs]):.3f}"
+                     " (last fifth)")
+        lines.append(line)
     return lines
 
 
@@ -711,6 +848,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("stage", choices=["starts", "runs", "report"])
     parser.add_argument("--out", type=Path, default=Path("runs/vlm_evidence"))
     parser.add_argument("--experiments", default=None, help="comma-separated subset of " + ",".join(EXPERIMENTS))
+    parser.add_argument("--algos", default=None, help="comma-separated subset of each experiment's algorithms")
+    parser.add_argument("--tapo-seed-problems", type=int, default=4,
+                        help="training-split seed problems per task for the TAPO library (built by the starts stage)")
+    parser.add_argument("--tapo-samples", type=int, default=4, help="completions per scored node of the TAPO search")
     parser.add_argument("--seeds", type=int, default=5)
     parser.add_argument("--sft-steps", type=int, default=300, help="SFT steps of the main and steps starts")
     parser.add_argument("--geo-sft-steps", type=int, default=600, help="SFT steps of the geometry start")

@@ -68,8 +68,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     if out.exists() and not args.overwrite:
         print(f"mmpo tapo-library: error: {out} exists (pass --overwrite to replace it)", file=sys.stderr)
         return 2
-    from mmpo.algos.tapo import build_library
-    from mmpo.data import synthetic
     from mmpo.files import atomic_write_json
     from mmpo.vlm.factory import load_vlm
 
@@ -77,15 +75,33 @@ def main(argv: Sequence[str] | None = None) -> int:
         print("mmpo tapo-library: error: --samples, --max-depth, --beam and --size must be >= 1", file=sys.stderr)
         return 2
     try:
-        rows = [row for task in args.tasks.split(",") for row in synthetic.make_items(task, args.size, seed=args.seed)]
+        rows = seed_problems(args.tasks.split(","), args.size, seed=args.seed)
         model, processor = load_vlm(args.model)
     except (KeyError, FileNotFoundError) as error:
         message = error.args[0] if isinstance(error, KeyError) and error.args else error
         print(f"mmpo tapo-library: error: {message}", file=sys.stderr)
         return 2
-    score = policy_scorer(model, processor, samples=args.samples, max_new_tokens=args.max_new_tokens,
-                          temperature=args.temperature, seed=args.seed)
-    library = build_library(rows, score, max_depth=args.max_depth, beam=args.beam)
+    library = library_from_policy(model, processor, rows, samples=args.samples, max_depth=args.max_depth,
+                                  beam=args.beam, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+                                  seed=args.seed)
     atomic_write_json(out, library)
     print(f"{len(library['templates'])} template(s) from {len(rows)} seed problem(s) written to {out}")
     return 0
+
+
+def seed_problems(tasks: Sequence[str], size: int, *, seed: int) -> list[dict[str, Any]]:
+    """``size`` training-split items of each task (never the test split that held-out scores use)."""
+    from mmpo.data import synthetic
+
+    return [row for task in tasks for row in synthetic.make_items(task, size, seed=seed, split="train")]
+
+
+def library_from_policy(model: Any, processor: Any, rows: Sequence[Mapping[str, Any]], *, samples: int = 4,
+                        max_depth: int = 3, beam: int = 2, max_new_tokens: int = 256, temperature: float = 1.0,
+                        seed: int = 0) -> dict:
+    """The library of ``rows`` scored by the policy (what ``mmpo tapo-library`` writes; benchmarks call it too)."""
+    from mmpo.algos.tapo import build_library
+
+    score = policy_scorer(model, processor, samples=samples, max_new_tokens=max_new_tokens, temperature=temperature,
+                          seed=seed)
+    return build_library(rows, score, max_depth=max_depth, beam=beam)

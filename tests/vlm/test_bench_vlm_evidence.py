@@ -198,3 +198,92 @@ def test_sampled_accuracy_averages_each_rows_contiguous_samples(monkeypatch):
                                        temperature=0.7)
     assert values == pytest.approx([2 / 3, 1.0])
     assert seen["samples"] == 3 and seen["temperature"] == 0.7
+
+
+def test_claim_left_by_a_stopped_worker_is_taken_again(tmp_path):
+    import subprocess
+    import sys
+
+    path = evidence.run_path(tmp_path, "weak", "tapo", 0)
+    path.parent.mkdir(parents=True)
+    marker = path.with_name(path.name + ".claim")
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()  # its pid no longer runs: the claim is stale
+    marker.write_text(str(gone.pid))
+    assert evidence.claim_is_stale(marker) is True
+    assert evidence.claim(path) is True and marker.read_text() == str(__import__("os").getpid())
+    assert evidence.claim(path) is False  # this process runs: the claim holds
+    marker.write_text("")  # a claim being written is not stale
+    assert evidence.claim_is_stale(marker) is False and evidence.claim(path) is False
+
+
+def test_resolve_out_paths_only_marked_strings_at_any_depth(tmp_path):
+    settings = {"library": "<out>/starts/lib.json", "loss": {"beta": 0.0, "note": "<out>/x"}, "name": "out/<out>/"}
+    assert evidence.resolve_out_paths(settings, tmp_path) == {
+        "library": str(tmp_path / "starts" / "lib.json"), "loss": {"beta": 0.0, "note": str(tmp_path / "x")},
+        "name": "out/<out>/"}
+    assert settings["library"] == "<out>/starts/lib.json"  # the experiment table is not changed
+
+
+def test_all_wrong_group_frac_hand_values():
+    # group 0: 0, 0 (all wrong); group 1: 0, 1 (one right); group 2: -0.5, 0 (all wrong: <= 0) -> 2 of 3
+    assert evidence.all_wrong_group_frac([0, 0, 0, 1, -0.5, 0], [0, 0, 1, 1, 2, 2]) == pytest.approx(2 / 3)
+    assert evidence.all_wrong_group_frac([1, 0], [5, 5]) == 0.0
+    assert math.isnan(evidence.all_wrong_group_frac([], []))
+
+
+def test_with_group_counts_adds_the_metric_and_keeps_the_rewards():
+    import torch
+
+    class Base:
+        def compute_rewards(self, rollout):
+            return torch.tensor([0.0, 0.0, 1.0, 0.0]), {"base": 1.0}
+
+    class Rollout:
+        group_ids = torch.tensor([0, 0, 1, 1])
+
+    counted = evidence.with_group_counts(Base)
+    assert issubclass(counted, Base) and counted.__name__ == "Base"
+    rewards, metrics = counted().compute_rewards(Rollout())
+    assert rewards.tolist() == [0.0, 0.0, 1.0, 0.0]
+    assert metrics == {"base": 1.0, "evidence/all_wrong_group_frac": 0.5}
+
+
+def test_algos_filter_the_jobs_seed_major():
+    from argparse import Namespace
+
+    args = Namespace(seeds=2, experiments="weak", algos="tapo,grpo")
+    assert evidence.jobs(args) == [("weak", "grpo", 0), ("weak", "tapo", 0), ("weak", "grpo", 1), ("weak", "tapo", 1)]
+    assert [job[1] for job in evidence.jobs(Namespace(seeds=1, experiments="weak", algos=None))] == ["grpo", "ahpo",
+                                                                                                      "tapo"]
+    with pytest.raises(SystemExit, match="unknown algorithm"):
+        evidence.jobs(Namespace(seeds=1, experiments="weak", algos="tap"))
+    assert evidence.EXPERIMENTS["weak"].algos["tapo"][1] == {"library": "<out>/starts/sft_weak_tapo_library.json"}
+
+
+def test_report_all_wrong_groups_and_tapo_rewards(tmp_path):
+    start = {"correct": [False] * 4, "tasks": ["t1", "t1", "t2", "t2"]}
+    atomic_write_json(tmp_path / "starts" / "sft_weak.json", start)
+    key = "evidence/all_wrong_group_frac"
+    # GRPO seeds: last fifth 1.0, 0.75; TAPO: 0.5, 0.75 -> differences -0.5, 0.0, mean -0.25
+    for seed, (grpo_last, tapo_last) in enumerate([(1.0, 0.5), (0.75, 0.75)]):
+        _write_run(tmp_path, "weak", "grpo", seed, [False, False, False, seed == 1])
+        _write_run(tmp_path, "weak", "tapo", seed, [seed == 0, False, False, False])
+        for algo, last in (("grpo", grpo_last), ("tapo", tapo_last)):
+            path = evidence.run_path(tmp_path, "weak", algo, seed)
+            run = json.loads(path.read_text())
+            run["train_metrics"] = {key: {"first": 1.0, "last": last}}
+            if algo == "tapo":
+                run["train_metrics"].update({"tapo/guided_reward_mean": {"first": 0.0, "last": 0.5},
+                                             "tapo/unguided_reward_mean": {"first": 0.0, "last": 0.25},
+                                             "tapo/unguided_all_wrong_group_frac": {"first": 1.0, "last": 0.8}})
+            atomic_write_json(path, run)
+    text = evidence.report(tmp_path)
+    assert "- grpo: all-wrong groups 1.000 -> 0.875 (first -> last fifth, 2 seeds)" in text
+    # seed-t over (-0.5, 0.0): mean -0.25, sd 0.3536, se 0.25, t(0.975, 1) 12.706 -> +-3.177
+    assert ("- tapo: all-wrong groups 1.000 -> 0.625 (first -> last fifth, 2 seeds), last fifth vs GRPO -0.250 "
+            "seed-t [-3.427, +2.927]; guided reward 0.000 -> 0.500, unguided 0.000 -> 0.250, groups all wrong "
+            "without the guided rollouts 0.800 (last fifth)") in text
+    # accuracy: GRPO 0.125 per seed mean, TAPO 0.125; paired per seed (+1/4, -1/4) -> estimate 0
+    tapo = next(line for line in text.splitlines() if line.startswith("| tapo |"))
+    assert tapo.startswith("| tapo | 2 | 0.250 | 0.000 | 0.125 | +0.125 [") and "+0.000 [" in tapo
