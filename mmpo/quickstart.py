@@ -313,22 +313,21 @@ REWARD_CURVE_KEYS = ("rewards/total/mean", "rewards/accuracy/mean", "val/accurac
 
 def item_correctness(eval_dir: Path) -> dict[str, float]:
     """``{benchmark/item id: 1.0 or 0.0}`` from an evaluation's ``predictions/*.jsonl`` (greedy: one sample)."""
-    scores: dict[str, float] = {}
-    for path in sorted((eval_dir / "predictions").glob("*.jsonl")):
-        for line in path.read_text().splitlines():
-            if line.strip():
-                record = json.loads(line)
-                scores[f"{path.stem}/{record['id']}"] = float(bool(record["correct"][0]))
-    return scores
+    return {f"{benchmark}/{record['id']}": float(bool(record["correct"][0]))
+            for benchmark, record in prediction_records(eval_dir)}
+
+
+def prediction_records(eval_dir: Path) -> list[tuple[str, dict[str, Any]]]:
+    """``(benchmark file stem, record)`` for every item of an evaluation's ``predictions/*.jsonl``."""
+    return [(path.stem, json.loads(line)) for path in sorted((eval_dir / "predictions").glob("*.jsonl"))
+            for line in path.read_text().splitlines() if line.strip()]
 
 
 def abstention_share(eval_dir: Path) -> float | None:
     """Share of an evaluation's completions that abstain (``mmpo.data.demonstrations``); None: not evaluated."""
     from mmpo.data.demonstrations import abstention_rate
 
-    completions = [text for path in sorted((eval_dir / "predictions").glob("*.jsonl"))
-                   for line in path.read_text().splitlines() if line.strip()
-                   for text in json.loads(line)["completions"]]
+    completions = [text for _benchmark, record in prediction_records(eval_dir) for text in record["completions"]]
     return abstention_rate(completions) if completions else None
 
 

@@ -22,7 +22,6 @@ lambda defaults are not the paper's (gamma = lam = 1.0 are verl's PPO defaults).
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any, Mapping, Sequence
 
 import numpy as np
@@ -90,6 +89,7 @@ class TPPOModule(CheckpointedState, GRPOModule):
     """
 
     checkpointed_state = (("tppo_inflight", "inflight"),)
+    config_groups = GRPOModule.config_groups + ("critic",)
 
     def __init__(
         self,
@@ -109,8 +109,6 @@ class TPPOModule(CheckpointedState, GRPOModule):
         require(advantage.name == "tppo", "TPPOModule's advantage is 'tppo'")
         self.critic = None if critic is None else as_config(critic, ValueModelConfig())
         super().__init__(model_path, advantage=advantage, **kwargs)
-        # a plain dict in hparams (checkpoints load with weights_only=True), as the config groups are
-        self.hparams["critic"] = None if self.critic is None else dataclasses.asdict(self.critic)
         self.value_model: TokenValueModel | None = None
         self.value_head: torch.nn.Linear | None = None
         if self.critic is not None:

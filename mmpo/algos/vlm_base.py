@@ -93,8 +93,9 @@ class VLMPolicyModule(NonFiniteGuardMixin, VLMCheckpointHooks, L.LightningModule
         self.optim = as_config(optim, OptimConfig())
         # the config groups (``self.optim``, a subclass's ``self.sampling`` ...) go into hparams (and so into
         # checkpoints) as plain dicts: a checkpoint loads with weights_only=True and its dicts build them back
-        for name in self.config_groups:
-            self.hparams[name] = dataclasses.asdict(getattr(self, name))
+        for name in self.config_groups:  # a group may be None where the module allows it (T-PPO's critic)
+            group = getattr(self, name)
+            self.hparams[name] = None if group is None else dataclasses.asdict(group)
         self.nonfinite = NonFiniteGuard(max_consecutive_skips)
         require(lora_rank >= 0, f"lora_rank must be >= 0 (0 = no LoRA), got {lora_rank}")
         self._validate_settings()  # before the (slow) model load
