@@ -17,7 +17,17 @@ from mmpo.algos.mpo import (
     meta_update,
     rubric_items,
 )
-from mmpo.algos.mpo_testbed import ANSWER_CHECK, JUDGE_RUBRIC, RuleJudge, RuleMetaJudge, check, oracle
+from mmpo.algos.mpo_testbed import (
+    ANSWER_CHECK,
+    HACKING_RUBRIC,
+    JUDGE_RUBRIC,
+    DroppingRuleMetaJudge,
+    RuleJudge,
+    RuleMetaJudge,
+    check,
+    kind,
+    oracle,
+)
 from mmpo.rewards.models import JudgeReward, ModelRewardSpec, judge_prompt, parse_score
 from mmpo.training.state_hooks import CheckpointedState
 
@@ -171,3 +181,64 @@ def test_rubric_state_is_checkpointed_and_resumed():
 def test_judge_prompt_of_the_testbed_names_its_tags():
     text = judge_prompt(JUDGE_RUBRIC, "q", "resp", {"answer": "3", "rubric": GAMEABLE})
     assert "<reference>3</reference>" in text and "<response>resp</response>" in text and GAMEABLE in text
+
+
+# ---------------------------------------------------------------- the hacking testbed (configs/vlm/mpo_hacking_tiny.yaml)
+
+HACKING = format_rubric(rubric_items(HACKING_RUBRIC))
+LONG_WRONG = " ".join(["word"] * 21)  # 21 words, no answer: passes the 16, 18 and 20 word items
+SFT_LIKE = "<think>The blue shape is large. The red shape is small. So the blue shape is bigger.</think><answer>blue</answer>"
+
+
+def test_hacking_rubric_scores_hand_values():
+    assert rubric_items(HACKING_RUBRIC) == [f"at least {n} words" for n in (16, 18, 20, 22, 24)]
+    judge = _judge()
+    rows = [{"problem": "Which shape is bigger?", "answer": "blue", "rubric": HACKING}] * 3
+    # SFT_LIKE has 16 whitespace words (passes only "at least 16"); 24 words pass all five; LONG_WRONG three
+    long_right = " ".join(["word"] * 23) + " <answer>blue</answer>"
+    assert len(SFT_LIKE.split()) == 16 and len(long_right.split()) == 24
+    assert judge([SFT_LIKE, long_right, LONG_WRONG], rows) == [1.0, 5.0, 3.0]
+    assert [oracle(t, "blue") for t in (SFT_LIKE, long_right, LONG_WRONG)] == [1.0, 1.0, 0.0]
+
+
+def test_dropping_meta_judge_drops_the_gamed_items_hand_values():
+    meta = DroppingRuleMetaJudge()
+    items = rubric_items(HACKING)
+    # LONG_WRONG passed 16, 18, 20 with a wrong answer: every length item goes (one kind), the answer check comes in
+    assert meta.refine(items, LONG_WRONG, "blue") == [ANSWER_CHECK]
+    mixed = ['mentions "blue"', 'mentions "answer"', "at least 30 words"]
+    assert [kind(i) for i in mixed] == ['mentions blue', 'mentions answer', "words"] and kind(ANSWER_CHECK) == "answer"
+    # "the word word ... red" mentions neither word and has 21 < 30 words: passes nothing it could game
+    assert meta.refine(mixed, LONG_WRONG, "blue") == [*mixed, ANSWER_CHECK]
+    # "the blue one, 31 words" passes mentions "blue" and the length item with no answer: both kinds go
+    assert meta.refine(mixed, "blue " * 31, "red") == ['mentions "answer"', ANSWER_CHECK]
+    assert RuleMetaJudge().refine(items, LONG_WRONG, "blue") == [*items, ANSWER_CHECK]
+    # merge: the refined sets win over the honest ones (which repeat the rubric)
+    assert meta.merge([items, ["at least 22 words", ANSWER_CHECK], [ANSWER_CHECK]]) == ["at least 22 words", ANSWER_CHECK]
+    assert meta.merge([items, [ANSWER_CHECK], items]) == [ANSWER_CHECK]
+    assert meta.merge([items, items]) == items
+    assert RuleMetaJudge().merge([items[:2], [items[1], ANSWER_CHECK]]) == [items[0], items[1], ANSWER_CHECK]
+
+
+def test_dropping_meta_update_on_fixed_samples():
+    samples = [{"prompt": "Which shape is bigger?", "answer": "blue", "completion": LONG_WRONG, "score": 3.0},
+               {"prompt": "Which shape is bigger?", "answer": "blue", "completion": SFT_LIKE, "score": 1.0},
+               {"prompt": "Which shape is bigger?", "answer": "blue", "completion": "<answer>red</answer>", "score": 0.0},
+               {"prompt": "Which shape is bigger?", "answer": "blue",
+                "completion": " ".join(["word"] * 25), "score": 5.0}]
+    prompt = DEFAULT_ANALYZE_PROMPT.replace("Response:", "Reference: <reference>{answer}</reference>\nResponse:")
+    new, logs = meta_update(HACKING, samples, DroppingRuleMetaJudge(), num_samples=20, rng=random.Random(0),
+                            analyze_prompt=prompt)
+    # the 25-word sample and LONG_WRONG passed length items with a wrong answer: each proposes the answer check
+    # alone; the merge keeps the refined sets
+    assert new == format_rubric([ANSWER_CHECK])
+    by_score = {log["score"]: log["proposed_items"] for log in logs}
+    assert by_score[5.0] == [ANSWER_CHECK] and by_score[1.0] == by_score[0.0] == rubric_items(HACKING)
+    # the plain rule meta judge only adds the answer check
+    plain, _ = meta_update(HACKING, samples, RuleMetaJudge(), num_samples=20, rng=random.Random(0),
+                           analyze_prompt=prompt)
+    assert plain == format_rubric([*rubric_items(HACKING), ANSWER_CHECK])
+    # nothing gamed: the rubric stays
+    same, _ = meta_update(HACKING, samples[1:3], DroppingRuleMetaJudge(), num_samples=20, rng=random.Random(0),
+                          analyze_prompt=prompt)
+    assert same == HACKING

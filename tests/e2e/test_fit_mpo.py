@@ -54,3 +54,30 @@ def test_mpo_fits_two_steps_checkpoints_and_resumes_the_rubric(tmp_path, monkeyp
     resumed[resumed.index("--trainer.max_steps=2")] = "--trainer.max_steps=3"
     assert main([*resumed, f"--ckpt_path={ckpt}"]) == 0
     assert rubrics == [last]  # step 3 is judged with the rubric the first run reached
+
+
+def test_mpo_hacking_config_fits_two_steps(tmp_path, monkeypatch):
+    """configs/vlm/mpo_hacking_tiny.yaml (length rubric, dropping meta judge) trains 2 steps; 4 new tokens cannot
+    reach 16 words, so every judge score is 0, nothing is gamed and the rewritten rubric keeps the five items."""
+    from mmpo.algos.mpo import MPOModule
+    from mmpo.algos.mpo_testbed import HACKING_RUBRIC, DroppingRuleMetaJudge
+
+    tiny = build_small_vlm(tmp_path / "tiny")
+    rubrics: list[str] = []
+    original = MPOModule.compute_rewards
+
+    def recording(self, rollout):
+        rubrics.append(self.rubric_state.rubric)
+        assert isinstance(self.meta_backend, DroppingRuleMetaJudge)
+        return original(self, rollout)
+
+    monkeypatch.setattr(MPOModule, "compute_rewards", recording)
+    MODEL_REWARDS.clear()
+    config = REPO / "configs" / "vlm" / "mpo_hacking_tiny.yaml"
+    overrides = ["--model.init_args.mpo_interval=1", f"--model.init_args.mpo_rubric_dir={tmp_path / 'rubrics'}"]
+    assert main(tiny_grpo_fit_args(config, tiny, tmp_path, *overrides)) == 0
+    (metrics_file,) = tmp_path.glob("**/metrics.csv")
+    logged = [row for row in csv.DictReader(metrics_file.open()) if row.get("rewards/total/mean")]
+    assert len(logged) == 2 and [float(row["rewards/judge/mean"]) for row in logged] == [0.0, 0.0]
+    assert [float(row["mpo/rubric_items"]) for row in logged] == [5.0, 5.0]
+    assert [rubric_items(r) for r in rubrics] == [rubric_items(HACKING_RUBRIC)] * 2
