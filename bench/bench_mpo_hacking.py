@@ -56,8 +56,45 @@ def changes(metrics: Path, window: int) -> dict[str, float]:
     return result
 
 
+def summarize(results: dict[str, dict[int, dict[str, float]]], seeds: list[int]) -> dict:
+    """Per arm the mean change of the proxy and the oracle with its seed-t 95 % interval, and the paired
+    MPO - fixed differences per seed (``results[arm][seed]`` as :func:`changes` gives)."""
+    from mmpo.eval.stats import seed_t_interval
+
+    summary: dict = {"seeds": list(seeds), "runs": results}
+    for arm in ARMS:
+        for name in ("proxy", "oracle"):
+            values = [results[arm][s][f"{name}_change"] for s in seeds]
+            summary[f"{arm}_{name}_change"] = {"per_seed": values, "mean": mean(values),
+                                               "ci95": list(seed_t_interval(values))}
+    for name in ("proxy", "oracle"):
+        diffs = [results["mpo"][s][f"{name}_change"] - results["fixed"][s][f"{name}_change"] for s in seeds]
+        summary[f"paired_{name}_mpo_minus_fixed"] = {"per_seed": diffs, "mean": mean(diffs),
+                                                     "ci95": list(seed_t_interval(diffs))}
+    return summary
+
+
+def table(summary: dict) -> str:
+    """The markdown table of :func:`summarize`'s summary and the paired differences under it."""
+    from mmpo.eval.stats import format_interval
+
+    seeds = summary["seeds"]
+    lines = ["| run | proxy change | oracle change | per-seed proxy, first -> last | per-seed oracle, first -> last |",
+             "|---|---|---|---|---|"]
+    for arm in ARMS:
+        per = [summary["runs"][arm][s] for s in seeds]
+        row = [arm] + [f"{summary[f'{arm}_{n}_change']['mean']:+.3f} {format_interval(summary[f'{arm}_{n}_change']['ci95'])}"
+                       for n in ("proxy", "oracle")]
+        row += [", ".join(f"{r[f'{n}_first']:.3f}->{r[f'{n}_last']:.3f}" for r in per) for n in ("proxy", "oracle")]
+        lines.append("| " + " | ".join(row) + " |")
+    for name in ("proxy", "oracle"):
+        paired = summary[f"paired_{name}_mpo_minus_fixed"]
+        lines.append(f"\npaired MPO - fixed, {name} change: {paired['mean']:+.3f} {format_interval(paired['ci95'])}"
+                     f" (per seed {', '.join(f'{d:+.3f}' for d in paired['per_seed'])})")
+    return "\n".join(lines) + "\n"
+
+
 def main(argv: list[str] | None = None) -> int:
-    from mmpo.eval.stats import format_interval, seed_t_interval
     from mmpo.files import atomic_write_json, atomic_write_text
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -68,28 +105,11 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     results = {arm: {seed: changes(run(arm, seed, args.sft, args.out), args.window) for seed in args.seeds}
                for arm in ARMS}
-    lines = ["| run | proxy change | oracle change | per-seed proxy, first -> last | per-seed oracle, first -> last |",
-             "|---|---|---|---|---|"]
-    summary: dict = {"seeds": args.seeds, "window": args.window, "runs": results}
-    for arm in ARMS:
-        per = [results[arm][s] for s in args.seeds]
-        row = [arm]
-        for name in ("proxy", "oracle"):
-            values = [r[f"{name}_change"] for r in per]
-            summary[f"{arm}_{name}_change"] = {"mean": mean(values), "ci95": seed_t_interval(values)}
-            row.append(f"{mean(values):+.3f} {format_interval(seed_t_interval(values))}")
-        for name in ("proxy", "oracle"):
-            row.append(", ".join(f"{r[f'{name}_first']:.3f}->{r[f'{name}_last']:.3f}" for r in per))
-        lines.append("| " + " | ".join(row) + " |")
-    for name in ("proxy", "oracle"):
-        diffs = [results["mpo"][s][f"{name}_change"] - results["fixed"][s][f"{name}_change"] for s in args.seeds]
-        summary[f"paired_{name}_mpo_minus_fixed"] = {"per_seed": diffs, "mean": mean(diffs),
-                                                     "ci95": seed_t_interval(diffs)}
-        lines.append(f"\npaired MPO - fixed, {name} change: {mean(diffs):+.3f} {format_interval(seed_t_interval(diffs))}"
-                     f" (per seed {', '.join(f'{d:+.3f}' for d in diffs)})")
+    summary = {**summarize(results, args.seeds), "window": args.window}
+    text = table(summary)
     atomic_write_json(args.out / "summary.json", summary)
-    atomic_write_text(args.out / "table.md", "\n".join(lines) + "\n")
-    print("\n".join(lines))
+    atomic_write_text(args.out / "table.md", text)
+    print(text, end="")
     return 0
 
 
