@@ -33,7 +33,8 @@ def run(arm: str, seed: int, sft: str, out: Path) -> Path:
         return found[-1]
     command = [sys.executable, "-m", "mmpo.cli", "fit", "-c", str(CONFIG), f"--seed_everything={seed}",
                "--trainer.enable_progress_bar=false", f"--trainer.default_root_dir={directory}",
-               f"--trainer.logger.init_args.save_dir={directory}", f"--trainer.callbacks.init_args.dirpath={directory / 'ckpt'}",
+               f"--trainer.logger.init_args.save_dir={directory}",
+               f"--trainer.callbacks.init_args.dirpath={directory / 'ckpt'}",
                f"--model.init_args.model_path={sft}", f"--model.init_args.output_dir={directory / 'hf'}",
                f"--model.init_args.mpo_rubric_dir={directory / 'rubrics'}", f"--model.init_args.seed={seed}",
                f"--data.init_args.seed={seed}", *ARMS[arm]]
@@ -83,8 +84,8 @@ def table(summary: dict) -> str:
              "|---|---|---|---|---|"]
     for arm in ARMS:
         per = [summary["runs"][arm][s] for s in seeds]
-        row = [arm] + [f"{summary[f'{arm}_{n}_change']['mean']:+.3f} {format_interval(summary[f'{arm}_{n}_change']['ci95'])}"
-                       for n in ("proxy", "oracle")]
+        changes_ = [summary[f"{arm}_{n}_change"] for n in ("proxy", "oracle")]
+        row = [arm] + [f"{c['mean']:+.3f} {format_interval(c['ci95'])}" for c in changes_]
         row += [", ".join(f"{r[f'{n}_first']:.3f}->{r[f'{n}_last']:.3f}" for r in per) for n in ("proxy", "oracle")]
         lines.append("| " + " | ".join(row) + " |")
     for name in ("proxy", "oracle"):

@@ -44,5 +44,6 @@ def test_summary_and_table_hand_values():
     assert paired["per_seed"] == pytest.approx([0.3, 0.3, 0.4]) and paired["mean"] == pytest.approx(1 / 3)
     assert summary["mpo_proxy_change"]["ci95"] == pytest.approx([-1.0, -1.0])  # no spread
     text = bench.table(summary)
-    assert "| fixed | +3.000 [+0.516, +5.484] | -0.300 [-0.548, -0.052] | 1.000->4.000, 1.000->5.000, 1.000->3.000 |" in text
+    assert ("| fixed | +3.000 [+0.516, +5.484] | -0.300 [-0.548, -0.052] | 1.000->4.000, 1.000->5.000, 1.000->3.000 |"
+            in text)
     assert "paired MPO - fixed, oracle change: +0.333 [+0.190, +0.477] (per seed +0.300, +0.300, +0.400)" in text

@@ -183,11 +183,12 @@ def test_judge_prompt_of_the_testbed_names_its_tags():
     assert "<reference>3</reference>" in text and "<response>resp</response>" in text and GAMEABLE in text
 
 
-# ---------------------------------------------------------------- the hacking testbed (configs/vlm/mpo_hacking_tiny.yaml)
+# ------------------------------------------------- the hacking testbed (configs/vlm/mpo_hacking_tiny.yaml)
 
 HACKING = format_rubric(rubric_items(HACKING_RUBRIC))
 LONG_WRONG = " ".join(["word"] * 21)  # 21 words, no answer: passes the 16, 18 and 20 word items
-SFT_LIKE = "<think>The blue shape is large. The red shape is small. So the blue shape is bigger.</think><answer>blue</answer>"
+SFT_LIKE = ("<think>The blue shape is large. The red shape is small. So the blue shape is bigger.</think>"
+            "<answer>blue</answer>")
 
 
 def test_hacking_rubric_scores_hand_values():
@@ -214,7 +215,8 @@ def test_dropping_meta_judge_drops_the_gamed_items_hand_values():
     assert meta.refine(mixed, "blue " * 31, "red") == ['mentions "answer"', ANSWER_CHECK]
     assert RuleMetaJudge().refine(items, LONG_WRONG, "blue") == [*items, ANSWER_CHECK]
     # merge: the refined sets win over the honest ones (which repeat the rubric)
-    assert meta.merge([items, ["at least 22 words", ANSWER_CHECK], [ANSWER_CHECK]]) == ["at least 22 words", ANSWER_CHECK]
+    refined = ["at least 22 words", ANSWER_CHECK]
+    assert meta.merge([items, refined, [ANSWER_CHECK]]) == refined
     assert meta.merge([items, [ANSWER_CHECK], items]) == [ANSWER_CHECK]
     assert meta.merge([items, items]) == items
     assert RuleMetaJudge().merge([items[:2], [items[1], ANSWER_CHECK]]) == [items[0], items[1], ANSWER_CHECK]
@@ -223,7 +225,8 @@ def test_dropping_meta_judge_drops_the_gamed_items_hand_values():
 def test_dropping_meta_update_on_fixed_samples():
     samples = [{"prompt": "Which shape is bigger?", "answer": "blue", "completion": LONG_WRONG, "score": 3.0},
                {"prompt": "Which shape is bigger?", "answer": "blue", "completion": SFT_LIKE, "score": 1.0},
-               {"prompt": "Which shape is bigger?", "answer": "blue", "completion": "<answer>red</answer>", "score": 0.0},
+               {"prompt": "Which shape is bigger?", "answer": "blue", "completion": "<answer>red</answer>",
+                "score": 0.0},
                {"prompt": "Which shape is bigger?", "answer": "blue",
                 "completion": " ".join(["word"] * 25), "score": 5.0}]
     prompt = DEFAULT_ANALYZE_PROMPT.replace("Response:", "Reference: <reference>{answer}</reference>\nResponse:")
