@@ -17,9 +17,9 @@ official meta reward model sees the task), the rubric is being gamed and it prop
 the answer check; otherwise the rubric's items; a merge request gets every distinct item back.
 :class:`DroppingRuleMetaJudge` refines further on a gamed sample: it drops every item of a kind that sample
 passed (:func:`kind`: all length thresholds are one criterion, which paid for a wrong answer) and adds the
-answer check; its merge keeps the refined sets (those with the answer check)
-when there are any, since the sets of honest samples only repeat the rubric. All are deterministic: they exist
-so MPO's loop can be tested and measured without a language model.
+answer check; its merge keeps the refined sets (those with the answer check) when there are any, since the
+sets of honest samples only repeat the rubric. All are deterministic: they exist so MPO's loop can be tested
+and measured without a language model.
 
 The hacking testbed (``configs/vlm/mpo_hacking_tiny.yaml``, :data:`HACKING_RUBRIC`) starts from a rubric of
 length thresholds above what the SFT policy writes, under a token budget in which a long response pushes the
