@@ -519,31 +519,53 @@ class MultiTurnEngine:
         turn_log_probs: list[list[float]] = [[] for _ in rows]
         limits = [first_limit] * len(rows)
         while rows:
-            width = max(len(tokens) for tokens in feed)
-            widths = [len(tokens) for tokens in feed]
-            ids = torch.tensor([tokens + [pad] * (width - len(tokens)) for tokens in feed], dtype=torch.long)
-            places = torch.tensor([[c + d + k for k in range(width)] for c, d in zip(counts, deltas)], dtype=torch.long)
+            # trajectories starting a turn: the environment's answer (all but the new turn's header's last token) onto
+            # their own cache rows first, in one forward over just those rows, so the step below stays one token wide
+            starting = [row for row, tokens in enumerate(feed) if len(tokens) > 1]
+            if starting:
+                chunks = [feed[row][:-1] for row in starting]
+                width = max(len(chunk) for chunk in chunks)
+                ids = torch.tensor([chunk + [pad] * (width - len(chunk)) for chunk in chunks], dtype=torch.long)
+                places = torch.tensor([[counts[row] + deltas[row] + k for k in range(width)] for row in starting],
+                                      dtype=torch.long)
+                if multimodal:
+                    places = places.unsqueeze(0).repeat(3, 1, 1)
+                    for index, row in enumerate(starting):
+                        if feed_images[row]:
+                            i = rows[row]
+                            position, delta = _multimodal_positions(backbone, engine.processor, prompts, i,
+                                                                    trajectories[i], len(feed[row]))
+                            places[:, index, :len(chunks[index])] = position[:, :-1]
+                            deltas[row] = int(delta.reshape(-1)[0])
+                with torch.inference_mode():
+                    ids = ids.to(device)
+                    hidden = _embed_chunk(model, ids, [image for row in starting for image in feed_images[row]])
+                    rope = text.rotary_emb(hidden, places.to(device))
+                    mask = cache.begin(width, starting)
+                    for layer in text.layers:
+                        hidden = layer(hidden, attention_mask=mask, position_embeddings=rope, position_ids=None,
+                                       cache=cache, use_cache=True)
+                    cache.advance([len(chunk) for chunk in chunks], starting)
+                for row, chunk in zip(starting, chunks):
+                    counts[row] += len(chunk)
+                    feed[row], feed_images[row] = feed[row][-1:], []
+                self.last_prefill_tokens += sum(len(chunk) for chunk in chunks)
+            # one token per running trajectory
+            ids = torch.tensor(feed, dtype=torch.long)
+            places = torch.tensor([[c + d] for c, d in zip(counts, deltas)], dtype=torch.long)
             if multimodal:
-                places = places.unsqueeze(0).repeat(3, 1, 1)
-                for row, i in enumerate(rows):
-                    if feed_images[row]:
-                        position, delta = _multimodal_positions(backbone, engine.processor, prompts, i,
-                                                                trajectories[i], widths[row])
-                        places[:, row, :widths[row]] = position
-                        deltas[row] = int(delta.reshape(-1)[0])
+                places = places.unsqueeze(0).expand(3, -1, -1)
             early = [len(turn) < min_new_tokens for turn in turn_ids]
             with torch.inference_mode():
                 ids = ids.to(device)
-                hidden = _embed_chunk(model, ids, [image for images in feed_images for image in images])
+                hidden = text.embed_tokens(ids)
                 rope = text.rotary_emb(hidden, places.to(device))
-                mask = cache.begin(width)
+                mask = cache.begin(1)
                 for layer in text.layers:
                     hidden = layer(hidden, attention_mask=mask, position_embeddings=rope, position_ids=None,
                                    cache=cache, use_cache=True)
-                last = torch.tensor(widths, device=device) - 1
-                hidden = text.norm(hidden)[torch.arange(len(rows), device=device), last]
-                scores = model.lm_head(hidden).float()
-                cache.advance(widths)
+                scores = model.lm_head(text.norm(hidden)[:, -1]).float()
+                cache.advance([1] * len(rows))
                 if any(early):
                     scores = scores.masked_fill(torch.where(torch.tensor(early, device=device)[:, None],
                                                             banned_early, banned), -math.inf)
@@ -556,11 +578,9 @@ class MultiTurnEngine:
                 else:
                     tokens = torch.argmax(scores, dim=-1)
                 log_probs = torch.log_softmax(scores, dim=-1).gather(-1, tokens[:, None]).squeeze(-1)
-            self.last_prefill_tokens += sum(w - 1 for w in widths)
             ended = []
             for row, (token, log_prob) in enumerate(zip(tokens.tolist(), log_probs.tolist())):
-                counts[row] += widths[row]
-                feed_images[row] = []
+                counts[row] += 1
                 if token not in forbidden:  # never drawn while suppressed; should one be, it cuts the turn
                     turn_ids[row].append(token)
                     turn_log_probs[row].append(log_prob)
@@ -805,10 +825,12 @@ class _RowCache:
         self.lengths = torch.full((self.valid.shape[0],), length, dtype=torch.long, device=device)
         self.end = length  # the longest row's length
         self._write: torch.Tensor | None = None
+        self._subset: torch.Tensor | None = None
 
-    def begin(self, width: int) -> torch.Tensor:
-        """Room for a chunk of ``width`` columns; returns its attention mask (rows, 1, width, end + width): a real
-        column of row ``r`` sees the row's real positions and its own chunk up to itself."""
+    def begin(self, width: int, rows: Sequence[int] | None = None) -> torch.Tensor:
+        """Room for a chunk of ``width`` columns of ``rows`` (default: all, in order; else a forward over just those
+        rows); returns its attention mask (rows, 1, width, keys): a real column of row ``r`` sees the row's real
+        positions and its own chunk up to itself."""
         need = self.end + width
         if self.valid.shape[1] < need:
             grow = max(need, 2 * self.valid.shape[1])
@@ -822,25 +844,46 @@ class _RowCache:
             self.valid = valid
         device = self.valid.device
         columns = torch.arange(width, device=device)
-        self._write = self.lengths[:, None] + columns  # (rows, width)
-        self._rows = torch.arange(self.valid.shape[0], device=device)[:, None]
+        if rows is None:
+            self._subset = None
+            index = torch.arange(self.valid.shape[0], device=device)
+            lengths, valid = self.lengths, self.valid
+        else:
+            index = self._subset = torch.as_tensor(list(rows), dtype=torch.long, device=device)
+            lengths, valid = self.lengths[index], self.valid[index]
+            need = int(lengths.max()) + width
+        self._write = lengths[:, None] + columns  # (rows, width)
+        self._rows = index[:, None]
         self._stop = need
-        relative = torch.arange(need, device=device)[None, :] - self.lengths[:, None]  # (rows, keys)
+        if width == 1 and rows is None:  # a decode step: each row's new position is real; it sees those
+            self.valid[self._rows, self._write] = True
+            return self.valid[:, None, None, :need]
+        relative = torch.arange(need, device=device)[None, :] - lengths[:, None]  # (rows, keys)
         own = (relative[:, None, :] >= 0) & (relative[:, None, :] <= columns[None, :, None])
-        return (self.valid[:, None, :need] | own).unsqueeze(1)
+        return (valid[:, None, :need] | own).unsqueeze(1)
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any,
                **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
         self.keys[layer_idx][self._rows, :, self._write] = key_states.transpose(1, 2)
         self.values[layer_idx][self._rows, :, self._write] = value_states.transpose(1, 2)
-        return self.keys[layer_idx][:, :, :self._stop], self.values[layer_idx][:, :, :self._stop]
+        keys, values = self.keys[layer_idx][:, :, :self._stop], self.values[layer_idx][:, :, :self._stop]
+        if self._subset is not None:
+            keys, values = keys.index_select(0, self._subset), values.index_select(0, self._subset)
+        return keys, values
 
-    def advance(self, widths: Sequence[int]) -> None:
-        """The chunk's real columns (``widths[r]`` of row ``r``) are in the cache now."""
+    def advance(self, widths: Sequence[int], rows: Sequence[int] | None = None) -> None:
+        """The chunk's real columns (``widths[k]`` of its ``k``-th row) are in the cache now."""
+        if self._write.shape[1] == 1 and rows is None:  # a decode step (``begin`` marked its positions)
+            self.lengths = self.lengths + 1
+            self.end += 1
+            return
         columns = torch.arange(self._write.shape[1], device=self.valid.device)
-        real = columns[None, :] < torch.tensor(widths, device=self.valid.device)[:, None]
-        self.valid[self._rows, self._write] |= real
-        self.lengths = self.lengths + torch.tensor(widths, device=self.lengths.device)
+        widths = torch.tensor(widths, device=self.valid.device)
+        self.valid[self._rows, self._write] |= columns[None, :] < widths[:, None]
+        if rows is None:
+            self.lengths = self.lengths + widths
+        else:
+            self.lengths = self.lengths.index_add(0, self._rows[:, 0], widths)
         self.end = int(self.lengths.max())
 
     def select(self, rows: Sequence[int]) -> None:

@@ -88,14 +88,19 @@ CASES = {
 
 
 class _ForwardCounter:
-    """Counts the text decoder's forwards (calls of its first layer: a prefill or one decode step each)."""
+    """Counts the text decoder's forwards (calls of its first layer): decode steps (one token wide) and prefills."""
 
     def __init__(self, model):
-        self.count = 0
-        self.handle = getattr(model.model, "language_model", model.model).layers[0].register_forward_hook(self)
+        self.decode_steps = self.prefills = 0
+        self.handle = getattr(model.model, "language_model", model.model).layers[0].register_forward_pre_hook(
+            self, with_kwargs=True)
 
-    def __call__(self, *_):
-        self.count += 1
+    def __call__(self, module, args, kwargs):
+        hidden = args[0] if args else kwargs["hidden_states"]
+        if hidden.shape[1] == 1:
+            self.decode_steps += 1
+        else:
+            self.prefills += 1
 
 
 def _rollout(policy, case, schedule, *, rows=4, num_samples=1, do_sample=False, seed=0):
@@ -110,7 +115,7 @@ def _rollout(policy, case, schedule, *, rows=4, num_samples=1, do_sample=False, 
                                   num_samples=num_samples, do_sample=do_sample)
     finally:
         counter.handle.remove()
-    return rollout, engine, counter.count
+    return rollout, engine, counter
 
 
 def _model_runs(rollout, i):
@@ -161,9 +166,11 @@ def test_greedy_continuous_batching_equals_the_turn_synchronous_engine(name, req
         assert any(continuous.completion_ids[i, r[-1][1] - 1] != eos for i, r in enumerate(runs))
     if name == "vlm_images":
         assert continuous.prompt_inputs["tool_image_counts"].tolist() == [2, 2, 2, 2]
-    # one forward for the prompts, then one step per model token of the longest trajectory
+    # one step per model token of the longest trajectory; prefills: the prompts once, then at most one per step at
+    # which turns started (the trajectories starting a turn at that step together)
     model_tokens = continuous.completion_mask.sum(-1)
-    assert continuous_forwards == 1 + int(model_tokens.max())
+    assert continuous_forwards.decode_steps == int(model_tokens.max())
+    assert 2 <= continuous_forwards.prefills <= 1 + int((continuous.extras["turns"] - 1).sum())
     # the tool answers were prefilled, each once, onto the kept cache rows
     holes = int((completion_attention_mask(continuous) - continuous.completion_mask).sum())
     assert continuous_engine.last_prefill_tokens == holes
