@@ -227,6 +227,10 @@ class MultiTurnEngine:
                                             [envs[index * num_samples].tools for index in range(len(rows))])
         self.last_prefill_tokens = 0
         self.last_schedule = "turns"
+        if getattr(engine, "continue_token_ids", None) is not None:  # the vLLM engine
+            self.last_schedule = "vllm"
+            return self._generate_vllm(prompt_rows, first_messages, envs, num_samples=num_samples,
+                                       temperature=temperature, top_p=top_p, do_sample=do_sample)
         if self.schedule == "continuous":
             rollout = self._generate_continuous(prompt_rows, first_messages, envs, num_samples=num_samples,
                                                 temperature=temperature, top_p=top_p, do_sample=do_sample)
@@ -429,6 +433,36 @@ class MultiTurnEngine:
             self._add_turn(trajectories[i], drawn[-1], log_probs[row, :keep].tolist())
         kept.after_turn(trajectories, active, drawn, steps=new_ids.shape[1])
 
+
+    # ------------------------------------------------------------------ the vLLM engine
+
+    def _generate_vllm(self, prompt_rows: list[dict[str, Any]], first_messages: list[str],
+                       envs: Sequence[Environment], *, num_samples: int, temperature: float, top_p: float,
+                       do_sample: bool) -> Rollout:
+        """The rollout on :class:`~mmpo.vlm.vllm_engine.VLLMEngine` (text LMs): every turn of the running trajectories
+        is one vLLM call, each trajectory a request with its prompt and conversation so far as token ids (vLLM's
+        prefix cache holds the earlier turns' KV; within a call vLLM batches the requests continuously)."""
+        engine = self.engine
+        prompts = encode_prompts(engine.processor, prompt_rows, system_prompt=engine.system_prompt,
+                                 max_prompt_length=engine.max_prompt_length)
+        repeated = repeat_rows(prompts, num_samples)
+        starts = [ids[mask > 0].tolist() for ids, mask in zip(repeated["input_ids"], repeated["attention_mask"])]
+        trajectories = [_Trajectory() for _ in envs]
+        for trajectory, message in zip(trajectories, first_messages):
+            trajectory.transcript.append({"role": "user", "content": message})
+        active = list(range(len(trajectories)))
+        while active:
+            budgets = [min(self.max_tokens_per_turn, self.max_total_tokens - len(trajectories[i].tokens))
+                       for i in active]
+            drawn = engine.continue_token_ids([starts[i] + trajectories[i].tokens for i in active], budgets,
+                                              temperature=temperature, top_p=top_p, do_sample=do_sample)
+            for i, (tokens, log_probs) in zip(active, drawn):
+                self._add_turn(trajectories[i], tokens, log_probs)
+            self._step_environments(trajectories, envs)  # a text LM refuses image answers (encode_observation)
+            active = [i for i in active if not trajectories[i].done]
+        self.last_transcripts = [t.transcript for t in trajectories]
+        group_ids = torch.arange(len(prompt_rows)).repeat_interleave(num_samples)
+        return self._rollout([prompt_rows[i] for i in group_ids.tolist()], group_ids, repeated, trajectories)
 
     # ------------------------------------------------------------------ continuous batching
 
