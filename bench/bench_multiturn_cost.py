@@ -1,9 +1,9 @@
 """Multi-turn vs single-turn rollout cost at the same generated tokens (issue 39: at most 1.3x).
 
 Side ``multi``: :class:`mmpo.vlm.multiturn.MultiTurnEngine` (``--schedule continuous``, the default: continuous
-batching across turns; ``turns``: the turn-synchronous schedule with the KV cache kept across turns) runs ``--turns``
-model turns per trajectory; a scripted environment answers every turn but the last with a short tool message (``result k``),
-so the later turns also prefill the environment's tokens, the cost multi-turn adds. A turn ends at the model's
+batching across turns; ``turns``: the turn-synchronous schedule with the KV cache kept across turns) runs
+``--turns`` model turns per trajectory; a scripted environment answers every turn but the last with a short tool
+message (``result k``), so the later turns also prefill the environment's tokens, the cost multi-turn adds. A turn ends at the model's
 end-of-turn token (its logit raised by ``--eos-bias`` so turns are short; a turn cut by ``--tokens-per-turn``
 would end the trajectory). Each rollout starts from the same seed, so every repeat draws the same tokens.
 Side ``single``: the same engine's one-turn :meth:`~mmpo.vlm.rollout.HFGenerateEngine.generate` with the

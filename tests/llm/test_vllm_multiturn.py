@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from agent_envs_support import ScriptedEnvironment
+from agent_envs_support import ScriptedEnvironment, agent_fit_args
 from tiny_vlm_support import build_small_text_lm
 
 from mmpo.data.synthetic import make_items
@@ -99,3 +99,28 @@ def test_sampled_multi_turn_scores_like_the_trainer(engines):
     torch.testing.assert_close(log_probs[trained], rollout.extras["engine_log_probs"][trained],
                                atol=LOG_PROB_TOLERANCE, rtol=0)
 
+
+
+def test_calc_grpo_trains_two_steps_with_vllm_rollouts(tmp_path):
+    """configs/agent/calc_grpo_tiny.yaml with ``rollout_engine: vllm`` (a text LM): 2 steps through ``mmpo fit``, the
+    rollouts multi-turn with the sandboxed calculator, validation greedy on vLLM too."""
+    import csv
+    import json
+    from pathlib import Path
+
+    from mmpo.cli import main
+
+    base = tmp_path / "text_base"
+    assert main(["build-tiny", "--kind", "text", "--out", str(base), "--vocab-size", "400"]) == 0  # head_dim 32
+    config = Path(__file__).resolve().parents[2] / "configs" / "agent" / "calc_grpo_tiny.yaml"
+    logs = tmp_path / "logs"
+    assert main(agent_fit_args(config, base, tmp_path, "--model.init_args.sampling.num_generations=2",
+                               "--model.init_args.sampling.max_new_tokens=8",
+                               "--model.init_args.agent.max_total_tokens=40", "--model.init_args.rollout_engine.name=vllm",
+                               "--model.init_args.rollout_engine.vllm_max_model_len=1024",
+                               "--model.init_args.rollout_engine.vllm_max_num_batched_tokens=4096")) == 0
+    (path,) = logs.glob("**/metrics.csv")
+    logged = {key for row in csv.DictReader(path.open()) for key, value in row.items() if value}
+    assert {"agent/turns_mean", "agent/tool_calls_mean", "losses/policy", "val/accuracy"} <= logged
+    records = [json.loads(line) for line in (logs / "rollouts.jsonl").read_text().splitlines()]
+    assert len(records) == 2 * 2 * 2 and all(1 <= record["turns"] <= 3 for record in records)
