@@ -23,9 +23,10 @@ every step feeds each running trajectory's new tokens and draws its next token. 
 feeds its last sampled token; one whose turn just ended is stepped by its environment at once (the trajectories whose
 turns ended at that step form one batch: a tool sandbox runs their calls together) and feeds, in the same step, its
 turn's last token and the environment's answer (images included: their features replace the placeholders), then
-draws its next turn's first token, while the others go on decoding. A step's input is right-padded to its widest
-row; each row writes its keys at its own next cache positions (:class:`_RowCache`), so the pad columns are never
-attended and a row's cache has no holes past its prompt; each token keeps the position the training forward gives it
+draws its next turn's first token, while the others go on decoding. The answers go through one forward over just the
+rows starting a turn at that step (right-padded to the longest answer), so every decode step stays one token wide;
+each row writes its keys at its own next cache positions (:class:`_RowCache`), so pad columns are never attended and
+a row's cache has no holes past its prompt; each token keeps the position the training forward gives it
 (a text LM: its count of real tokens before it; Qwen-VL: ``get_rope_index`` over the row's real sequence where an
 answer brings images, then +1 a token). Finished trajectories' rows are dropped. The sampling is HF ``_sample``'s
 (vision tokens suppressed, EOS before ``min_new_tokens`` within a turn, temperature, top-p, ``multinomial``;
@@ -515,13 +516,14 @@ class MultiTurnEngine:
         """Decode every trajectory to its end, one token per running trajectory per step (see the module docstring).
 
         ``prefilled``: :meth:`HFGenerateEngine._prefill`'s output (a cache of each prompt but its last token, one row
-        per prompt, ``copies`` trajectories per prompt; Qwen-VL's ``rope_deltas`` per trajectory). A step feeds each
-        running trajectory's new tokens (its last sampled token; at a turn's start also the environment's answer,
-        images included), right-padded to the widest; each row's keys go to its own next cache positions
-        (:class:`_RowCache`), the pad columns beyond them are never attended, and the next token is drawn from the
-        logits of the row's last real column: HF's suppression of vision tokens (and of the turn end before the
-        generation config's ``min_new_tokens`` in a turn), then temperature and top-p, then ``multinomial`` (argmax
-        when greedy), the log-prob taken from the distribution drawn from."""
+        per prompt, ``copies`` trajectories per prompt; Qwen-VL's ``rope_deltas`` per trajectory). A step first runs
+        the trajectories starting a turn (their last turn's final token and the environment's answer, images
+        included, right-padded to the longest) through one forward over just their cache rows, then feeds every
+        running trajectory one token (its last sampled one, or its new turn's header's last token); each row's keys
+        go to its own next cache positions (:class:`_RowCache`), and the next token is drawn as HF ``_sample`` draws:
+        vision tokens suppressed (and the turn end before the generation config's ``min_new_tokens`` in a turn), then
+        temperature and top-p, then ``multinomial`` (argmax when greedy), the log-prob taken from the distribution
+        drawn from."""
         engine = self.engine
         model = engine.model
         text = getattr(model.model, "language_model", model.model)
