@@ -103,7 +103,7 @@ class _ForwardCounter:
             self.prefills += 1
 
 
-def _rollout(policy, case, schedule, *, rows=4, num_samples=1, do_sample=False, seed=0):
+def _rollout(policy, case, schedule, *, rows=4, num_samples=1, do_sample=False, seed=0, **sampling):
     model, processor = policy
     _, task, environment, per_turn, total = case
     engine = MultiTurnEngine(HFGenerateEngine(model, processor), max_turns=3, max_total_tokens=total,
@@ -112,7 +112,7 @@ def _rollout(policy, case, schedule, *, rows=4, num_samples=1, do_sample=False, 
     try:
         torch.manual_seed(seed)
         rollout = engine.generate(make_items(task, rows, seed=0), [environment(salt) for salt in range(rows * num_samples)],
-                                  num_samples=num_samples, do_sample=do_sample)
+                                  num_samples=num_samples, do_sample=do_sample, **sampling)
     finally:
         counter.handle.remove()
     return rollout, engine, counter
@@ -176,16 +176,35 @@ def test_greedy_continuous_batching_equals_the_turn_synchronous_engine(name, req
     assert continuous_engine.last_prefill_tokens == holes
 
 
-@pytest.mark.parametrize("name", ["text", "vlm_images"])
-def test_one_sampled_trajectory_draws_the_turn_synchronous_tokens(name, request):
-    """One trajectory: both schedules draw one multinomial sample per step from the same RNG state."""
+@pytest.mark.parametrize("name,sampling", [("text", {}), ("text", {"temperature": 0.7, "top_p": 0.9}),
+                                           ("vlm_images", {})])
+def test_one_sampled_trajectory_draws_the_turn_synchronous_tokens(name, sampling, request):
+    """One trajectory: both schedules draw one multinomial sample per step from the same RNG state (after the same
+    temperature and top-p warpers)."""
     case = CASES[name]
     policy = request.getfixturevalue(case[0])
     for seed in (0, 1):
-        continuous, engine, _ = _rollout(policy, case, "continuous", rows=1, do_sample=True, seed=seed)
-        turns, _, _ = _rollout(policy, case, "turns", rows=1, do_sample=True, seed=seed)
+        continuous, engine, _ = _rollout(policy, case, "continuous", rows=1, do_sample=True, seed=seed, **sampling)
+        turns, _, _ = _rollout(policy, case, "turns", rows=1, do_sample=True, seed=seed, **sampling)
         assert engine.last_schedule == "continuous" and int(continuous.extras["turns"][0]) >= 2
         _assert_same(continuous, turns)
+
+
+def test_min_new_tokens_holds_in_every_turn(text_lm):
+    """The generation config's ``min_new_tokens`` bans the turn end within each turn's first tokens, as HF ``generate``
+    does per turn in the turn-synchronous schedule."""
+    model, _ = text_lm
+    model.generation_config.min_new_tokens = 3
+    try:
+        continuous, engine, _ = _rollout(text_lm, CASES["text"], "continuous")
+        turns, _, _ = _rollout(text_lm, CASES["text"], "turns")
+    finally:
+        model.generation_config.min_new_tokens = None
+    assert engine.last_schedule == "continuous"
+    _assert_same(continuous, turns)
+    runs = [_model_runs(continuous, i) for i in range(len(continuous))]
+    assert max(continuous.extras["turns"].tolist()) >= 2
+    assert all(end - start >= 3 for r in runs for start, end in r)
 
 
 def test_sampled_groups_score_like_the_training_forward(text_lm):
