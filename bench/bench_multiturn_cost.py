@@ -1,16 +1,18 @@
 """Multi-turn vs single-turn rollout cost at the same generated tokens (issue 39: at most 1.3x).
 
-Side ``multi``: :class:`mmpo.vlm.multiturn.MultiTurnEngine` (KV cache kept across turns) runs ``--turns`` model turns
-per trajectory; a scripted environment answers every turn but the last with a short tool message (``result k``),
-so the later turns also prefill the environment's tokens, the cost multi-turn adds. A turn ends at the model's
+Side ``multi``: :class:`mmpo.vlm.multiturn.MultiTurnEngine` (``--schedule continuous``, the default: continuous
+batching across turns; ``turns``: the turn-synchronous schedule with the KV cache kept across turns) runs
+``--turns`` model turns per trajectory; a scripted environment answers every turn but the last with a short tool
+message (``result k``), so the later turns also prefill the environment's tokens, the cost multi-turn adds. A turn ends at the model's
 end-of-turn token (its logit raised by ``--eos-bias`` so turns are short; a turn cut by ``--tokens-per-turn``
 would end the trajectory). Each rollout starts from the same seed, so every repeat draws the same tokens.
 Side ``single``: the same engine's one-turn :meth:`~mmpo.vlm.rollout.HFGenerateEngine.generate` with the
 end-of-turn token suppressed and ``max_new_tokens`` = the multi side's model tokens per trajectory (measured by a
 probe run first), so both sides generate the same number of model tokens up to rounding (both counts recorded);
 the ratios are per rollout and per generated token. Each side also counts its decoder forwards per rollout (the
-prefills and the decode steps, each over the batch's active rows): within a turn the batch decodes until its
-longest turn ends, so a rollout of several turns runs more sequential steps than one turn of the same tokens.
+prefills and the decode steps, each over the batch's active rows): with the turn-synchronous schedule the batch
+decodes each turn until its longest turn ends, so a rollout of several turns runs more sequential steps than one turn
+of the same tokens; continuous batching runs 1 + the longest trajectory's model tokens.
 
 Each side runs in its own subprocess on the same tiny text LM (``build_tiny_text_lm``, built once), one torch
 thread, ``--repeats`` timed rollouts after one warm-up; the sides alternate A B B A over ``--rounds`` rounds. The
@@ -89,7 +91,7 @@ def _side(args: argparse.Namespace) -> dict[str, float]:
     engine = HFGenerateEngine(model, processor)
     rows = make_items("long_arithmetic", args.prompts, seed=0)
     multi = MultiTurnEngine(engine, max_turns=args.turns, max_total_tokens=10 * args.turns * args.tokens_per_turn,
-                            max_tokens_per_turn=args.tokens_per_turn, keep_cache=True)
+                            max_tokens_per_turn=args.tokens_per_turn, keep_cache=True, schedule=args.schedule)
 
     def rollout():
         if args.side == "multi":
@@ -106,6 +108,7 @@ def _side(args: argparse.Namespace) -> dict[str, float]:
         warm_forwards, forwards[0] = forwards[0], 0
         walls, cpus, generated = [], [], int(warm.completion_mask.sum())
         turns = float(warm.extras["turns"].float().mean()) if "turns" in warm.extras else 1.0
+        longest = int(warm.completion_mask.sum(-1).max())  # model tokens of the longest trajectory
         for _ in range(args.repeats):
             torch.manual_seed(0)
             wall, cpu = time.perf_counter(), time.process_time()
@@ -115,9 +118,9 @@ def _side(args: argparse.Namespace) -> dict[str, float]:
             generated = int(result.completion_mask.sum())
     if not walls:  # the probe: how many model tokens the multi side generates
         return {"generated_tokens": generated, "trajectories": len(warm), "turns_mean": turns,
-                "decoder_forwards": warm_forwards}
+                "decoder_forwards": warm_forwards, "longest_trajectory_tokens": longest}
     return {"wall_s": statistics.median(walls), "cpu_s": statistics.median(cpus), "generated_tokens": generated,
-            "turns_mean": turns, "decoder_forwards": forwards[0] / len(walls)}
+            "turns_mean": turns, "decoder_forwards": forwards[0] / len(walls), "longest_trajectory_tokens": longest}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -129,6 +132,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--eos-bias", type=float, default=2.0, help="logit bias of the end-of-turn token (multi)")
     parser.add_argument("--prompts", type=int, default=4)
     parser.add_argument("--samples", type=int, default=4, help="trajectories per prompt (G)")
+    parser.add_argument("--schedule", choices=("continuous", "turns"), default="continuous",
+                        help="the multi side's MultiTurnEngine schedule")
     parser.add_argument("--out", default=None, help="JSON record to write")
     parser.add_argument("--side", choices=("multi", "single"), help=argparse.SUPPRESS)
     parser.add_argument("--model", help=argparse.SUPPRESS)
@@ -144,7 +149,8 @@ def main(argv: list[str] | None = None) -> int:
         model = build_tiny_text_lm(Path(tmp) / "model", corpus=corpus(["long_arithmetic"], n=50), vocab_size=400)
         common = [f"--{k}={v}" for k, v in (("turns", args.turns), ("tokens-per-turn", args.tokens_per_turn),
                                               ("prompts", args.prompts), ("samples", args.samples),
-                                              ("eos-bias", args.eos_bias), ("model", model))]
+                                              ("eos-bias", args.eos_bias), ("schedule", args.schedule),
+                                              ("model", model))]
         env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
 
         def run(side: str, repeats: int, single_tokens: int = 0) -> dict[str, float]:

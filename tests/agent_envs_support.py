@@ -47,3 +47,17 @@ class ZoomingEnvironment:
             return StepResult([], done=True)
         crop = crop_region(self.images, [0, 0, 112 * self.steps, 112])
         return StepResult([{"role": "tool", "content": [{"type": "image", "image": crop}]}], info={"tool_calls": 1})
+
+
+def agent_fit_args(config, base, tmp_path, *overrides: str) -> list[str]:
+    """``mmpo fit`` arguments for 2 steps of an agent ``config`` from the model at ``base`` under ``tmp_path`` (logs in
+    ``tmp_path / "logs"``): 8 training rows, 2 prompts a batch, one validation batch at step 2, a checkpoint at step 2
+    (``overrides`` last)."""
+    logs = tmp_path / "logs"
+    return ["fit", "-c", str(config), f"--trainer.default_root_dir={logs}", f"--trainer.logger.init_args.save_dir={logs}",
+            f"--trainer.callbacks.init_args.dirpath={tmp_path / 'ckpt'}",
+            "--trainer.callbacks.init_args.every_n_train_steps=2", "--trainer.max_steps=2",
+            "--trainer.val_check_interval=2", "--trainer.limit_val_batches=1", "--trainer.log_every_n_steps=1",
+            "--trainer.enable_progress_bar=false", "--data.init_args.train_size=8", "--data.init_args.val_size=2",
+            "--data.init_args.batch_size=2", f"--model.init_args.model_path={base}",
+            f"--model.init_args.output_dir={tmp_path / 'out'}", *overrides]

@@ -94,6 +94,8 @@ class AgentGRPOModule(GRPOModule):
     """
 
     config_groups = (*GRPOModule.config_groups, "agent")
+    multi_turn_engines: tuple[str, ...] = ("hf", "vllm")
+    """The rollout engines this module's multi-turn rollouts run on (vLLM: text LMs, docs/vllm.md)."""
 
     def __init__(self, model_path: str, agent: AgentConfig = AgentConfig(), **kwargs: Any) -> None:
         self.agent = as_config(agent, AgentConfig())
@@ -108,8 +110,9 @@ class AgentGRPOModule(GRPOModule):
 
     def _validate_settings(self) -> None:
         super()._validate_settings()
-        require(self.rollout_engine.name == "hf", "agent: multi-turn rollouts run on rollout_engine: hf "
-                "(vLLM multi-turn is not implemented)")
+        require(self.rollout_engine.name in self.multi_turn_engines,
+                f"{type(self).__name__}: multi-turn rollouts run on rollout_engine: "
+                f"{' or '.join(self.multi_turn_engines)}")
         load_tools(self.agent.tools, "agent.tools")  # a bad tool fails here, before the model loads
         make_parser(self.agent.parser)
 

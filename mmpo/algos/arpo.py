@@ -322,6 +322,8 @@ class ARPOModule(CheckpointedState, AgentGRPOModule):
     ``arpo/entropy_delta_mean`` (H_now - H_init of the trajectories that reached a branching decision).
     """
 
+    multi_turn_engines = ("hf",)  # branching rollouts fork trajectories between HF turns
+
     config_groups = (*AgentGRPOModule.config_groups, "arpo")
     checkpointed_state = (("arpo_branching", "multiturn"),)
 

@@ -17,7 +17,29 @@ environment), grouped contiguously by prompt, and
 - ``extras["turns"]``, ``extras["tool_calls"]`` (N,) long, ``extras["env_rewards"]`` (N,) float (the sum of
   the environment's step rewards); ``texts``: each trajectory's last model message (what reward functions see).
 
-Decoding: the first turn goes through the engine's own :meth:`~mmpo.vlm.rollout.HFGenerateEngine.generate`
+Decoding, ``schedule="continuous"`` (the default): continuous batching across turns. Each prompt but its last token is
+prefilled once for its G trajectories (:meth:`~mmpo.vlm.rollout.HFGenerateEngine._prefill`, images encoded once); then
+every step feeds each running trajectory's new tokens and draws its next token. A trajectory in the middle of a turn
+feeds its last sampled token; one whose turn just ended is stepped by its environment at once (the trajectories whose
+turns ended at that step form one batch: a tool sandbox runs their calls together) and feeds, in the same step, its
+turn's last token and the environment's answer (images included: their features replace the placeholders), then
+draws its next turn's first token, while the others go on decoding. The answers go through one forward over just the
+rows starting a turn at that step (right-padded to the longest answer), so every decode step stays one token wide;
+each row writes its keys at its own next cache positions (:class:`_RowCache`), so pad columns are never attended and
+a row's cache has no holes past its prompt; each token keeps the position the training forward gives it
+(a text LM: its count of real tokens before it; Qwen-VL: ``get_rope_index`` over the row's real sequence where an
+answer brings images, then +1 a token). Finished trajectories' rows are dropped. The sampling is HF ``_sample``'s
+(vision tokens suppressed, EOS before ``min_new_tokens`` within a turn, temperature, top-p, ``multinomial``;
+``argmax`` when greedy), so the decoder runs 1 + (the longest trajectory's model tokens) sequential steps, against
+the sum over turns of each turn's longest in the turn-synchronous schedule. Greedy decoding gives the
+turn-synchronous schedule's tokens, masks and log-probs, and one sampled trajectory its tokens from the same RNG state
+(tests/agents/test_continuous_batching.py); with several trajectories the RNG draws come in another order.
+It applies wherever the engine's lean loop covers the model (:func:`~mmpo.vlm.rollout.lean_decode_blocker`: Qwen2.5-VL,
+Qwen2 / Qwen3 / Llama text LMs with sdpa attention and a generation config it reproduces); elsewhere, or with
+``schedule="turns"``, the turn-synchronous schedule below runs (``last_schedule`` says which ran, and why).
+
+Decoding, ``schedule="turns"``: every turn of the batch decodes until its longest trajectory's turn ends.
+The first turn goes through the engine's own :meth:`~mmpo.vlm.rollout.HFGenerateEngine.generate`
 (each prompt prefilled once for its G samples, the lean decoding loop where it applies), which leaves its KV cache
 (``keep_cache``). Each later turn keeps that cache (:class:`_KeptCache`): only the turn's new tokens (the previous
 turn's last token, which the loop never fed, and the environment's answer, images included) run through the text
@@ -32,6 +54,7 @@ tokens with the same log-probs from the same RNG state (tests/agents/test_kv_cac
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -43,9 +66,10 @@ from mmpo.tools.env import Environment, ToolEnvironment
 from mmpo.tools.functions import tool_system_prompt
 from mmpo.vlm.continuation import extend_prompts
 from mmpo.vlm.fsdp import full_weights
-from mmpo.vlm.processing import append_row_images, default_system_prompt, model_inputs, select_rows
+from mmpo.vlm.processing import (append_row_images, default_system_prompt, encode_prompts, model_inputs,
+                                 repeat_rows, select_rows)
 from mmpo.vlm.rollout import (HFGenerateEngine, Rollout, _SampledLogProbRecorder, completion_attention_mask,  # noqa: F401
-                              completion_mask_from_ids)
+                              completion_mask_from_ids, lean_decode_blocker)
 
 _TURN_SENTINEL = "\u2063MMPO_TURN\u2063"
 
@@ -162,16 +186,26 @@ class MultiTurnEngine:
         max_total_tokens: completion tokens (model and environment) per trajectory at most; a turn is cut at
             the budget, and an environment answer that does not fit ends the trajectory.
         max_tokens_per_turn: tokens of one model turn at most.
-        keep_cache: keep the KV cache across turns where the lean loop decodes (the module docstring); False
-            re-prefills the conversation at every turn (the same tokens and log-probs, more compute).
+        keep_cache: with ``schedule="turns"``: keep the KV cache across turns where the lean loop decodes (the module
+            docstring); False re-prefills the conversation at every turn (the same tokens and log-probs, more compute).
+        schedule: ``"continuous"`` (default): continuous batching across turns (the module docstring), wherever the
+            engine's lean loop covers the model (:func:`~mmpo.vlm.rollout.lean_decode_blocker`), greedy decoding
+            included; elsewhere, and with ``"turns"``, the turn-synchronous schedule: every turn of the batch
+            decodes until its longest trajectory's turn ends. ``last_schedule`` says which ran (and why).
     """
 
     def __init__(self, engine: HFGenerateEngine, *, max_turns: int, max_total_tokens: int,
-                 max_tokens_per_turn: int, keep_cache: bool = True) -> None:
+                 max_tokens_per_turn: int, keep_cache: bool = True, schedule: str = "continuous") -> None:
         if min(max_turns, max_total_tokens, max_tokens_per_turn) < 1:
             raise ValueError("max_turns, max_total_tokens and max_tokens_per_turn must be >= 1")
+        if schedule not in ("continuous", "turns"):
+            raise ValueError(f"schedule must be 'continuous' or 'turns', got {schedule!r}")
         self.engine = engine
         self.keep_cache = keep_cache
+        self.schedule = schedule
+        self.last_schedule = ""
+        """How the last :meth:`generate` decoded: ``"continuous"``, or ``"turns"`` (``"turns: <why>"`` where the
+        continuous schedule was asked for but the lean loop does not cover the model or its generation config)."""
         self.last_prefill_tokens = 0
         """Context tokens the later turns of the last :meth:`generate` ran through the model before decoding (with
         the kept cache: each turn's new tokens only; re-prefilling: each turn's whole conversation)."""
@@ -192,6 +226,17 @@ class MultiTurnEngine:
         first_messages = [env.reset(rows[i // num_samples]) for i, env in enumerate(envs)]
         prompt_rows = self.tool_prompt_rows(rows, [first_messages[index * num_samples] for index in range(len(rows))],
                                             [envs[index * num_samples].tools for index in range(len(rows))])
+        self.last_prefill_tokens = 0
+        self.last_schedule = "turns"
+        if getattr(engine, "continue_token_ids", None) is not None:  # the vLLM engine
+            self.last_schedule = "vllm"
+            return self._generate_vllm(prompt_rows, first_messages, envs, num_samples=num_samples,
+                                       temperature=temperature, top_p=top_p, do_sample=do_sample)
+        if self.schedule == "continuous":
+            rollout = self._generate_continuous(prompt_rows, first_messages, envs, num_samples=num_samples,
+                                                temperature=temperature, top_p=top_p, do_sample=do_sample)
+            if rollout is not None:
+                return rollout
         first = engine.generate(prompt_rows, num_samples=num_samples,
                                 max_new_tokens=min(self.max_tokens_per_turn, self.max_total_tokens),
                                 temperature=temperature, top_p=top_p, do_sample=do_sample, return_log_probs=True,
@@ -389,6 +434,220 @@ class MultiTurnEngine:
             self._add_turn(trajectories[i], drawn[-1], log_probs[row, :keep].tolist())
         kept.after_turn(trajectories, active, drawn, steps=new_ids.shape[1])
 
+
+    # ------------------------------------------------------------------ the vLLM engine
+
+    def _generate_vllm(self, prompt_rows: list[dict[str, Any]], first_messages: list[str],
+                       envs: Sequence[Environment], *, num_samples: int, temperature: float, top_p: float,
+                       do_sample: bool) -> Rollout:
+        """The rollout on :class:`~mmpo.vlm.vllm_engine.VLLMEngine` (text LMs): every turn of the running trajectories
+        is one vLLM call, each trajectory a request with its prompt and conversation so far as token ids (vLLM's
+        prefix cache holds the earlier turns' KV; within a call vLLM batches the requests continuously)."""
+        engine = self.engine
+        prompts = encode_prompts(engine.processor, prompt_rows, system_prompt=engine.system_prompt,
+                                 max_prompt_length=engine.max_prompt_length)
+        repeated = repeat_rows(prompts, num_samples)
+        starts = [ids[mask > 0].tolist() for ids, mask in zip(repeated["input_ids"], repeated["attention_mask"])]
+        trajectories = [_Trajectory() for _ in envs]
+        for trajectory, message in zip(trajectories, first_messages):
+            trajectory.transcript.append({"role": "user", "content": message})
+        active = list(range(len(trajectories)))
+        while active:
+            budgets = [min(self.max_tokens_per_turn, self.max_total_tokens - len(trajectories[i].tokens))
+                       for i in active]
+            drawn = engine.continue_token_ids([starts[i] + trajectories[i].tokens for i in active], budgets,
+                                              temperature=temperature, top_p=top_p, do_sample=do_sample)
+            for i, (tokens, log_probs) in zip(active, drawn):
+                self._add_turn(trajectories[i], tokens, log_probs)
+            self._step_environments(trajectories, envs)  # a text LM refuses image answers (encode_observation)
+            active = [i for i in active if not trajectories[i].done]
+        self.last_transcripts = [t.transcript for t in trajectories]
+        group_ids = torch.arange(len(prompt_rows)).repeat_interleave(num_samples)
+        return self._rollout([prompt_rows[i] for i in group_ids.tolist()], group_ids, repeated, trajectories)
+
+    # ------------------------------------------------------------------ continuous batching
+
+    def _generate_continuous(self, prompt_rows: list[dict[str, Any]], first_messages: list[str],
+                             envs: Sequence[Environment], *, num_samples: int, temperature: float, top_p: float,
+                             do_sample: bool) -> Rollout | None:
+        """The whole rollout with continuous batching across turns (the module docstring), or None (nothing drawn,
+        ``last_schedule`` says why) where the engine's lean loop does not cover the model."""
+        engine = self.engine
+        model = engine.model
+        if not engine.lean_decode:
+            self.last_schedule = "turns: lean_decode=False"
+            return None
+        if do_sample and temperature <= 0:
+            raise ValueError(f"temperature must be > 0 when sampling, got {temperature}")
+        prompts = encode_prompts(engine.processor, prompt_rows, system_prompt=engine.system_prompt,
+                                 max_prompt_length=engine.max_prompt_length)
+        if prompts["input_ids"].shape[1] < 2:
+            self.last_schedule = "turns: a one-token prompt"
+            return None
+        device = next(model.parameters()).device
+        inputs = {k: v.to(device) for k, v in model_inputs(prompts).items()}
+        special = dict(eos_token_id=engine.eos_token_id, pad_token_id=engine.pad_token_id, use_cache=True)
+        trajectories = [_Trajectory() for _ in envs]
+        for trajectory, message in zip(trajectories, first_messages):
+            trajectory.transcript.append({"role": "user", "content": message})
+        repeated = repeat_rows(prompts, num_samples)
+        was_training = model.training
+        model.eval()
+        try:
+            with full_weights(model), torch.no_grad():
+                # each prompt but its last token once through the model (images encoded once), as the engine does
+                prefilled = engine._prefill(inputs, num_samples, special, expand_cache=False)
+                blocker = lean_decode_blocker(model, prefilled, do_sample=True, max_new_tokens=1)
+                if blocker is not None:
+                    self.last_schedule = f"turns: {blocker}"
+                    return None
+                self.last_schedule = "continuous"
+                self._decode_continuous(prefilled, repeated, trajectories, envs, copies=num_samples,
+                                        temperature=temperature, top_p=top_p, do_sample=do_sample)
+        finally:
+            model.train(was_training)
+        self.last_transcripts = [t.transcript for t in trajectories]
+        group_ids = torch.arange(len(prompt_rows)).repeat_interleave(num_samples)
+        return self._rollout([prompt_rows[i] for i in group_ids.tolist()], group_ids, repeated, trajectories)
+
+    def _decode_continuous(self, prefilled: Mapping[str, Any], prompts: Mapping[str, Any],
+                           trajectories: list[_Trajectory], envs: Sequence[Environment], *, copies: int,
+                           temperature: float, top_p: float, do_sample: bool) -> None:
+        """Decode every trajectory to its end, one token per running trajectory per step (see the module docstring).
+
+        ``prefilled``: :meth:`HFGenerateEngine._prefill`'s output (a cache of each prompt but its last token, one row
+        per prompt, ``copies`` trajectories per prompt; Qwen-VL's ``rope_deltas`` per trajectory). A step first runs
+        the trajectories starting a turn (their last turn's final token and the environment's answer, images
+        included, right-padded to the longest) through one forward over just their cache rows, then feeds every
+        running trajectory one token (its last sampled one, or its new turn's header's last token); each row's keys
+        go to its own next cache positions (:class:`_RowCache`), and the next token is drawn as HF ``_sample`` draws:
+        vision tokens suppressed (and the turn end before the generation config's ``min_new_tokens`` in a turn), then
+        temperature and top-p, then ``multinomial`` (argmax when greedy), the log-prob taken from the distribution
+        drawn from."""
+        engine = self.engine
+        model = engine.model
+        text = getattr(model.model, "language_model", model.model)
+        multimodal = text is not model.model
+        backbone = model.model
+        device = prefilled["input_ids"].device
+        eos, pad = engine.eos_token_id, engine.pad_token_id
+        forbidden = set(engine.forbidden_ids)
+        attention = prefilled["attention_mask"]
+        banned = torch.zeros(model.lm_head.weight.shape[0], dtype=torch.bool, device=device)
+        banned[engine.suppressed_token_ids() or []] = True
+        banned_early = banned.clone()
+        banned_early[eos] = True
+        min_new_tokens = model.generation_config.min_new_tokens or 0
+        warpers = [TemperatureLogitsWarper(temperature)] if do_sample and temperature != 1.0 else []
+        warpers += [TopPLogitsWarper(top_p)] if do_sample and top_p < 1.0 else []
+        first_limit = min(self.max_tokens_per_turn, self.max_total_tokens)
+        with torch.inference_mode():
+            cache = _RowCache(prefilled["cache"], attention[:, :-1].bool(), copies=copies,
+                              extra=first_limit + 1)
+        # per running row: its trajectory, the tokens it feeds next (and their images), its real tokens in the cache,
+        # its RoPE offset (Qwen-VL), the current turn's tokens and log-probs, and the turn's token limit
+        rows = list(range(len(trajectories)))
+        feed = [[int(token)] for token in prefilled["input_ids"][:, -1].tolist()]
+        feed_images: list[list[tuple[torch.Tensor, torch.Tensor]]] = [[] for _ in rows]
+        counts = [int(c) for c in attention[:, :-1].sum(-1).tolist()]
+        deltas = [int(d) for d in backbone.rope_deltas.reshape(-1).tolist()] if multimodal else [0] * len(rows)
+        turn_ids: list[list[int]] = [[] for _ in rows]
+        turn_log_probs: list[list[float]] = [[] for _ in rows]
+        limits = [first_limit] * len(rows)
+        while rows:
+            # trajectories starting a turn: the environment's answer (all but the new turn's header's last token) onto
+            # their own cache rows first, in one forward over just those rows, so the step below stays one token wide
+            starting = [row for row, tokens in enumerate(feed) if len(tokens) > 1]
+            if starting:
+                chunks = [feed[row][:-1] for row in starting]
+                width = max(len(chunk) for chunk in chunks)
+                ids = torch.tensor([chunk + [pad] * (width - len(chunk)) for chunk in chunks], dtype=torch.long)
+                places = torch.tensor([[counts[row] + deltas[row] + k for k in range(width)] for row in starting],
+                                      dtype=torch.long)
+                if multimodal:
+                    places = places.unsqueeze(0).repeat(3, 1, 1)
+                    for index, row in enumerate(starting):
+                        if feed_images[row]:
+                            i = rows[row]
+                            position, delta = _multimodal_positions(backbone, engine.processor, prompts, i,
+                                                                    trajectories[i], len(feed[row]))
+                            places[:, index, :len(chunks[index])] = position[:, :-1]
+                            deltas[row] = int(delta.reshape(-1)[0])
+                with torch.inference_mode():
+                    ids = ids.to(device)
+                    hidden = _embed_chunk(model, ids, [image for row in starting for image in feed_images[row]])
+                    rope = text.rotary_emb(hidden, places.to(device))
+                    mask = cache.begin(width, starting)
+                    for layer in text.layers:
+                        hidden = layer(hidden, attention_mask=mask, position_embeddings=rope, position_ids=None,
+                                       cache=cache, use_cache=True)
+                    cache.advance([len(chunk) for chunk in chunks], starting)
+                for row, chunk in zip(starting, chunks):
+                    counts[row] += len(chunk)
+                    feed[row], feed_images[row] = feed[row][-1:], []
+                self.last_prefill_tokens += sum(len(chunk) for chunk in chunks)
+            # one token per running trajectory
+            ids = torch.tensor(feed, dtype=torch.long)
+            places = torch.tensor([[c + d] for c, d in zip(counts, deltas)], dtype=torch.long)
+            if multimodal:
+                places = places.unsqueeze(0).expand(3, -1, -1)
+            early = [len(turn) < min_new_tokens for turn in turn_ids]
+            with torch.inference_mode():
+                ids = ids.to(device)
+                hidden = text.embed_tokens(ids)
+                rope = text.rotary_emb(hidden, places.to(device))
+                mask = cache.begin(1)
+                for layer in text.layers:
+                    hidden = layer(hidden, attention_mask=mask, position_embeddings=rope, position_ids=None,
+                                   cache=cache, use_cache=True)
+                scores = model.lm_head(text.norm(hidden)[:, -1]).float()
+                cache.advance([1] * len(rows))
+                if any(early):
+                    scores = scores.masked_fill(torch.where(torch.tensor(early, device=device)[:, None],
+                                                            banned_early, banned), -math.inf)
+                else:
+                    scores = scores.masked_fill(banned, -math.inf)
+                for warper in warpers:
+                    scores = warper(ids, scores)
+                if do_sample:
+                    tokens = torch.multinomial(torch.softmax(scores, dim=-1), num_samples=1).squeeze(1)
+                else:
+                    tokens = torch.argmax(scores, dim=-1)
+                log_probs = torch.log_softmax(scores, dim=-1).gather(-1, tokens[:, None]).squeeze(-1)
+            ended = []
+            for row, (token, log_prob) in enumerate(zip(tokens.tolist(), log_probs.tolist())):
+                counts[row] += 1
+                if token not in forbidden:  # never drawn while suppressed; should one be, it cuts the turn
+                    turn_ids[row].append(token)
+                    turn_log_probs[row].append(log_prob)
+                if token in forbidden or token == eos or len(turn_ids[row]) >= limits[row]:
+                    trajectory = trajectories[rows[row]]
+                    self._add_turn(trajectory, turn_ids[row], turn_log_probs[row])
+                    trajectory.pending = turn_ids[row][-1:]
+                    ended.append(row)
+                else:
+                    feed[row] = [token]
+            if not ended:
+                continue
+            self._step_environments(trajectories, envs)
+            keep = []
+            for row in range(len(rows)):
+                trajectory = trajectories[rows[row]]
+                if row in ended:
+                    if trajectory.done:
+                        continue
+                    feed[row], feed_images[row] = trajectory.pending, trajectory.pending_images
+                    trajectory.pending, trajectory.pending_images = [], []
+                    turn_ids[row], turn_log_probs[row] = [], []
+                    limits[row] = min(self.max_tokens_per_turn, self.max_total_tokens - len(trajectory.tokens))
+                keep.append(row)
+            if len(keep) < len(rows):
+                with torch.inference_mode():
+                    cache.select(keep)
+                rows, feed, feed_images, counts, deltas, turn_ids, turn_log_probs, limits = (
+                    [values[row] for row in keep] for values in (rows, feed, feed_images, counts, deltas, turn_ids,
+                                                                 turn_log_probs, limits))
+
     # ------------------------------------------------------------------ result
 
     def _rollout(self, rows: list[Mapping[str, Any]], group_ids: torch.Tensor, prompts: Mapping[str, Any],
@@ -430,6 +689,41 @@ def _with_tool_images(contexts: Mapping[str, Any], images: Sequence[Sequence[tup
     out = append_row_images(contexts, images)
     out["mm_token_type_ids"] = image_token_types(out["input_ids"], processor).to(out["mm_token_type_ids"])
     return out
+
+
+def _multimodal_positions(backbone: Any, processor: Any, prompts: Mapping[str, Any], prompt_row: int,
+                          trajectory: _Trajectory, count: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Qwen-VL's 3-D RoPE positions (3, ``count``) of the last ``count`` tokens of ``trajectory`` (prompt row
+    ``prompt_row`` of ``prompts``, then its tokens; images included), and the RoPE offset of what follows them:
+    ``get_rope_index`` over the row's real sequence, as the training forward computes them."""
+    from mmpo.vlm.processing import image_token_types, row_image_counts
+
+    ids, attention = prompts["input_ids"], prompts["attention_mask"]
+    grid = prompts.get("image_grid_thw")
+    counts = row_image_counts(prompts).tolist() if grid is not None and len(grid) else [0] * ids.shape[0]
+    first = sum(counts[:prompt_row])
+    sequence = torch.cat([ids[prompt_row][attention[prompt_row] > 0].cpu(),
+                          torch.tensor(trajectory.tokens, dtype=torch.long)])
+    grids = [grid[j].cpu() for j in range(first, first + counts[prompt_row])] if counts[prompt_row] else []
+    grids += [thw.reshape(3).cpu() for _, thw in trajectory.images]
+    types = image_token_types(sequence[None], processor)
+    position, delta = backbone.get_rope_index(sequence[None], mm_token_type_ids=types,
+                                              image_grid_thw=torch.stack(grids) if grids else None)
+    return position[:, 0, len(sequence) - count:], delta
+
+
+def _embed_chunk(model: Any, ids: torch.Tensor, images: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+    """The text decoder's input embeddings of ``ids`` (rows, width), each image placeholder replaced by its image's
+    features (``images`` in the order of the placeholders, row by row)."""
+    text = getattr(model.model, "language_model", model.model)
+    hidden = text.embed_tokens(ids)
+    if images:
+        pixels = torch.cat([p for p, _ in images]).to(ids.device, model.model.visual.dtype)
+        grids = torch.stack([thw.reshape(3) for _, thw in images]).to(ids.device)
+        features = torch.cat(model.model.get_image_features(pixels, grids, return_dict=True).pooler_output)
+        placeholders = (ids == int(model.config.image_token_id)).unsqueeze(-1).expand_as(hidden)
+        hidden = hidden.masked_scatter(placeholders, features.to(hidden.dtype))
+    return hidden
 
 
 class _KeptCache:
@@ -480,22 +774,11 @@ class _KeptCache:
         if not hasattr(backbone, "get_rope_index"):
             counts = self.valid.sum(-1).tolist()
             return [torch.arange(int(c), int(c) + len(trajectories[i].pending)) for c, i in zip(counts, active)], None
-        from mmpo.vlm.processing import image_token_types, row_image_counts
-
-        ids, attention = prompts["input_ids"], prompts["attention_mask"]
-        grid = prompts.get("image_grid_thw")
-        counts = row_image_counts(prompts).tolist() if grid is not None and len(grid) else [0] * ids.shape[0]
-        first_image = [sum(counts[:i]) for i in range(len(counts))]
         out, deltas = [], []
         for i in active:
-            trajectory = trajectories[i]
-            sequence = torch.cat([ids[i][attention[i] > 0].cpu(), torch.tensor(trajectory.tokens, dtype=torch.long)])
-            grids = [grid[j].cpu() for j in range(first_image[i], first_image[i] + counts[i])] if counts[i] else []
-            grids += [thw.reshape(3).cpu() for _, thw in trajectory.images]
-            types = image_token_types(sequence[None], processor)
-            position, delta = backbone.get_rope_index(sequence[None], mm_token_type_ids=types,
-                                                      image_grid_thw=torch.stack(grids) if grids else None)
-            out.append(position[:, 0, len(sequence) - len(trajectory.pending):])
+            position, delta = _multimodal_positions(backbone, processor, prompts, i, trajectories[i],
+                                                    len(trajectories[i].pending))
+            out.append(position)
             deltas.append(delta.reshape(1))
         return out, torch.stack(deltas)
 
@@ -518,14 +801,7 @@ class _KeptCache:
                     chunk_valid[row, width - len(chunk):] = 1
                     place[..., row, width - len(chunk):] = positions[row][..., :len(chunk)].to(device)
             text = getattr(model.model, "language_model", model.model)
-            hidden = text.embed_tokens(ids)
-            images = [image for i in active for image in trajectories[i].pending_images]
-            if images:
-                pixels = torch.cat([p for p, _ in images]).to(device, model.model.visual.dtype)
-                grids = torch.stack([thw.reshape(3) for _, thw in images]).to(device)
-                features = torch.cat(model.model.get_image_features(pixels, grids, return_dict=True).pooler_output)
-                placeholders = (ids == int(model.config.image_token_id)).unsqueeze(-1).expand_as(hidden)
-                hidden = hidden.masked_scatter(placeholders, features.to(hidden.dtype))
+            hidden = _embed_chunk(model, ids, [image for i in active for image in trajectories[i].pending_images])
             rope = text.rotary_emb(hidden, place)
             self.cache.reserve(width)
             seen = torch.cat([self.valid, chunk_valid], 1).bool()
@@ -555,3 +831,102 @@ class _KeptCache:
         self.valid = torch.cat([self.valid, decoded], 1)
         if self.valid.shape[1] != self.cache.length:
             raise RuntimeError(f"kept cache holds {self.cache.length} positions, expected {self.valid.shape[1]}")
+
+
+class _RowCache:
+    """The KV cache of continuously batched trajectories: one row each, every row appended to at its own length.
+
+    A step's chunk (rows, width) is right-padded: row ``r``'s real tokens are its first ``w_r`` columns, written to its
+    positions ``lengths[r] .. lengths[r] + w_r - 1``; the pad columns land after them, are never attended by a real
+    token, and are overwritten by the row's next step. ``valid`` (rows, capacity) marks each row's real positions (its
+    prompt without the left padding, then every token it fed), so a row's cache has no holes past its prompt however
+    the rows' turns interleave. Only ``update`` is used by the decoder layers (as :class:`_GrowingKVCache`)."""
+
+    def __init__(self, cache: Any, prompt_valid: torch.Tensor, *, copies: int, extra: int) -> None:
+        """``cache``: each prompt but its last token, one row per prompt, each to become ``copies`` rows;
+        ``prompt_valid`` (rows, length): the real positions of every row (the prompts' attention masks, repeated)."""
+        self.keys: list[torch.Tensor] = []
+        self.values: list[torch.Tensor] = []
+        length = prompt_valid.shape[1]
+        for layer in cache.layers:
+            for source, buffers in ((layer.keys, self.keys), (layer.values, self.values)):
+                rows, heads, _, dim = source.shape
+                # zeros, never garbage: a masked position's value still enters attention's weighted sum (times 0)
+                buffer = source.new_zeros((rows * copies, heads, length + extra, dim))
+                buffer[:, :, :length].unflatten(0, (rows, copies)).copy_(source[:, :, :length].unsqueeze(1))
+                buffers.append(buffer)
+        device = self.keys[0].device
+        self.valid = torch.zeros(prompt_valid.shape[0], length + extra, dtype=torch.bool, device=device)
+        self.valid[:, :length] = prompt_valid
+        self.lengths = torch.full((self.valid.shape[0],), length, dtype=torch.long, device=device)
+        self.end = length  # the longest row's length
+        self._write: torch.Tensor | None = None
+        self._subset: torch.Tensor | None = None
+
+    def begin(self, width: int, rows: Sequence[int] | None = None) -> torch.Tensor:
+        """Room for a chunk of ``width`` columns of ``rows`` (default: all, in order; else a forward over just those
+        rows); returns its attention mask (rows, 1, width, keys): a real column of row ``r`` sees the row's real
+        positions and its own chunk up to itself."""
+        need = self.end + width
+        if self.valid.shape[1] < need:
+            grow = max(need, 2 * self.valid.shape[1])
+            for buffers in (self.keys, self.values):
+                for index, buffer in enumerate(buffers):
+                    grown = buffer.new_zeros((*buffer.shape[:2], grow, buffer.shape[3]))
+                    grown[:, :, :self.end] = buffer[:, :, :self.end]
+                    buffers[index] = grown
+            valid = self.valid.new_zeros((self.valid.shape[0], grow))
+            valid[:, :self.end] = self.valid[:, :self.end]
+            self.valid = valid
+        device = self.valid.device
+        columns = torch.arange(width, device=device)
+        if rows is None:
+            self._subset = None
+            index = torch.arange(self.valid.shape[0], device=device)
+            lengths, valid = self.lengths, self.valid
+        else:
+            index = self._subset = torch.as_tensor(list(rows), dtype=torch.long, device=device)
+            lengths, valid = self.lengths[index], self.valid[index]
+            need = int(lengths.max()) + width
+        self._write = lengths[:, None] + columns  # (rows, width)
+        self._rows = index[:, None]
+        self._stop = need
+        if width == 1 and rows is None:  # a decode step: each row's new position is real; it sees those
+            self.valid[self._rows, self._write] = True
+            return self.valid[:, None, None, :need]
+        relative = torch.arange(need, device=device)[None, :] - lengths[:, None]  # (rows, keys)
+        own = (relative[:, None, :] >= 0) & (relative[:, None, :] <= columns[None, :, None])
+        return (valid[:, None, :need] | own).unsqueeze(1)
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any,
+               **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        self.keys[layer_idx][self._rows, :, self._write] = key_states.transpose(1, 2)
+        self.values[layer_idx][self._rows, :, self._write] = value_states.transpose(1, 2)
+        keys, values = self.keys[layer_idx][:, :, :self._stop], self.values[layer_idx][:, :, :self._stop]
+        if self._subset is not None:
+            keys, values = keys.index_select(0, self._subset), values.index_select(0, self._subset)
+        return keys, values
+
+    def advance(self, widths: Sequence[int], rows: Sequence[int] | None = None) -> None:
+        """The chunk's real columns (``widths[k]`` of its ``k``-th row) are in the cache now."""
+        if self._write.shape[1] == 1 and rows is None:  # a decode step (``begin`` marked its positions)
+            self.lengths = self.lengths + 1
+            self.end += 1
+            return
+        columns = torch.arange(self._write.shape[1], device=self.valid.device)
+        widths = torch.tensor(widths, device=self.valid.device)
+        self.valid[self._rows, self._write] |= columns[None, :] < widths[:, None]
+        if rows is None:
+            self.lengths = self.lengths + widths
+        else:
+            self.lengths = self.lengths.index_add(0, self._rows[:, 0], widths)
+        self.end = int(self.lengths.max())
+
+    def select(self, rows: Sequence[int]) -> None:
+        """Keep only ``rows`` (in that order), e.g. the trajectories still running."""
+        index = torch.as_tensor(list(rows), dtype=torch.long, device=self.valid.device)
+        self.keys = [buffer.index_select(0, index) for buffer in self.keys]
+        self.values = [buffer.index_select(0, index) for buffer in self.values]
+        self.valid = self.valid.index_select(0, index)
+        self.lengths = self.lengths.index_select(0, index)
+        self.end = int(self.lengths.max()) if len(index) else 0

@@ -216,6 +216,49 @@ class VLLMEngine:
         return prompts
 
     @torch.no_grad()
+    def continue_token_ids(self, contexts: Sequence[Sequence[int]], max_tokens: Sequence[int], *,
+                           temperature: float = 1.0, top_p: float = 1.0, do_sample: bool = True
+                           ) -> list[tuple[list[int], list[float]]]:
+        """One turn for each of ``contexts`` (a text LM's token ids: prompt and conversation so far, each a request
+        of its own with ``max_tokens[i]`` new tokens at most): the tokens drawn, through the first turn-end token,
+        and their log-probs (the sampled distribution's, as :meth:`generate`'s). vLLM's prefix cache keeps the KV
+        of a context's earlier turns, so only its new tokens are prefilled. Sampling seeds: one per request from
+        torch's global RNG."""
+        from vllm import SamplingParams
+
+        if not self.text_only:
+            raise ValueError("VLLMEngine: multi-turn rollouts run on text LMs here (a VLM's conversation with "
+                             "images goes to rollout_engine: hf)")
+        if do_sample and temperature <= 0:
+            raise ValueError(f"temperature must be > 0 when sampling, got {temperature}")
+        longest = max(len(c) + m for c, m in zip(contexts, max_tokens))
+        if longest > self.max_model_len:
+            raise ValueError(f"a conversation of {longest} tokens > the vLLM engine's max_model_len "
+                             f"{self.max_model_len}: raise vllm_max_model_len")
+        self._ensure_current()
+        seeds = torch.randint(0, 2**31 - 1, (len(contexts),)).tolist()
+        common = dict(n=1, stop_token_ids=[self.eos_token_id], ignore_eos=True, allowed_token_ids=self._allowed,
+                      logprobs=0, skip_special_tokens=True, detokenize=False)
+        params = [SamplingParams(temperature=temperature, top_p=top_p, top_k=0, seed=int(seed), max_tokens=int(m),
+                                 **common) if do_sample else SamplingParams(temperature=0.0, max_tokens=int(m), **common)
+                  for seed, m in zip(seeds, max_tokens)]
+        outputs = self.llm.generate([{"prompt_token_ids": list(map(int, c))} for c in contexts], params,
+                                    use_tqdm=False)
+        out = []
+        for output in outputs:
+            completion = output.outputs[0]
+            tokens = list(completion.token_ids)
+            log_probs = [step[token].logprob for step, token in zip(completion.logprobs, tokens)]
+            if self.eos_token_id in tokens:
+                end = tokens.index(self.eos_token_id) + 1
+                tokens, log_probs = tokens[:end], log_probs[:end]
+            cut = next((k for k, token in enumerate(tokens) if token in self.forbidden_ids), None)
+            if cut is not None:  # never drawn (not allowed); should one be, it cuts the turn, as the HF engine does
+                tokens, log_probs = tokens[:cut], log_probs[:cut]
+            out.append((tokens, log_probs))
+        return out
+
+    @torch.no_grad()
     def generate(
         self,
         rows: Sequence[Mapping[str, Any]],

@@ -1,4 +1,5 @@
-"""Multi-turn rollouts keep the KV cache across turns: each later turn prefills only its new tokens (the last turn's
+"""The turn-synchronous schedule (``schedule="turns"``; the default continuous batching: test_continuous_batching.py).
+Multi-turn rollouts keep the KV cache across turns: each later turn prefills only its new tokens (the last turn's
 final token and the environment's answer) onto the kept cache and decodes with the engine's lean loop. From the same
 RNG state the kept-cache rollout draws exactly the tokens the re-prefilling one draws, with the same log-probs, on a
 tiny Qwen3 (text answers) and a tiny Qwen2.5-VL (image answers: 3-D RoPE positions of the new vision tokens), while
@@ -43,7 +44,7 @@ def case(request, tmp_path_factory):
 def _run(case, keep_cache, seed=0):
     model, processor, rows, environment = case
     engine = MultiTurnEngine(HFGenerateEngine(model, processor), max_turns=3, max_total_tokens=300,
-                             max_tokens_per_turn=24, keep_cache=keep_cache)
+                             max_tokens_per_turn=24, keep_cache=keep_cache, schedule="turns")
     torch.manual_seed(seed)
     return engine.generate(rows, [environment() for _ in range(6)], num_samples=3), engine
 
@@ -73,7 +74,7 @@ def test_kept_cache_draws_the_same_tokens_and_log_probs_as_re_prefilling(case, s
 def test_greedy_rollouts_re_prefill(case):
     model, processor, rows, environment = case
     engine = MultiTurnEngine(HFGenerateEngine(model, processor), max_turns=3, max_total_tokens=300,
-                             max_tokens_per_turn=24)
+                             max_tokens_per_turn=24, schedule="turns")
     rollout = engine.generate(rows, [environment() for _ in range(2)], num_samples=1, do_sample=False)
     if max(rollout.extras["turns"].tolist()) > 1:
         assert engine.last_prefill_tokens > 0 and engine.engine.last_decode == "greedy"

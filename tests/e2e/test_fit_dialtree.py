@@ -6,6 +6,8 @@ from __future__ import annotations
 import csv
 from pathlib import Path
 
+from agent_envs_support import agent_fit_args
+
 from mmpo.cli import main
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs" / "agent"
@@ -16,15 +18,8 @@ def test_dialtree_tiny_trains_two_steps(tmp_path):
     assert main(["build-tiny", "--kind", "text", "--out", str(base), "--vocab-size", "400", "--hidden-size", "32",
             "--intermediate-size", "64", "--num-layers", "1"]) == 0
     logs = tmp_path / "logs"
-    args = ["fit", "-c", str(CONFIGS / "dialtree_tiny.yaml"), f"--trainer.default_root_dir={logs}",
-            f"--trainer.logger.init_args.save_dir={logs}",
-            f"--trainer.callbacks.init_args.dirpath={tmp_path / 'ckpt'}",
-            "--trainer.callbacks.init_args.every_n_train_steps=2", "--trainer.max_steps=2",
-            "--trainer.val_check_interval=2", "--trainer.limit_val_batches=1", "--trainer.log_every_n_steps=1",
-            "--trainer.enable_progress_bar=false", "--data.init_args.train_size=8", "--data.init_args.val_size=2",
-            "--data.init_args.batch_size=2", f"--model.init_args.model_path={base}",
-            f"--model.init_args.output_dir={tmp_path / 'out'}", "--model.init_args.sampling.max_new_tokens=8",
-            "--model.init_args.dialtree.max_total_tokens=48"]
+    args = agent_fit_args(CONFIGS / "dialtree_tiny.yaml", base, tmp_path, "--model.init_args.sampling.max_new_tokens=8",
+                          "--model.init_args.dialtree.max_total_tokens=48")
     assert main(args) == 0
     (path,) = logs.glob("**/metrics.csv")
     logged: dict[str, str] = {}
