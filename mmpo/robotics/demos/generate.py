@@ -92,7 +92,7 @@ def generate_demos(
     """Scripted-expert demos of a registered robosuite task in robomimic's HDF5 layout.
 
     Args:
-        task: a task in ``mmpo.robotics.envs.TASKS`` whose entry has an ``expert`` ("lift", "can"
+        task: a task in ``mmpo.robotics.envs.TASKS`` whose entry has an ``expert`` ("lift", "can", "square"
             or one added with ``register_task``).
         num_demos: demos to write (successful ones unless ``keep_failures``).
         out_path: the .hdf5 file; normaliser stats go to ``<out_path>.stats.json``.

@@ -115,6 +115,10 @@ register_task(TaskSpec("lift", "robosuite", "Lift", ROBOMIMIC_LOW_DIM_KEYS, 300,
 # Can object = Can_pos, Can_quat, Can_to_robot0_eef_pos, Can_to_robot0_eef_quat: 23-D.
 register_task(TaskSpec("can", "robosuite", "PickPlaceCan", ROBOMIMIC_LOW_DIM_KEYS, 300, 23, 7,
                        expert="mmpo.robotics.demos.experts:CanExpert"))
+# robomimic Square = robosuite NutAssemblySquare (one square nut, placed on the square peg). Object = SquareNut_pos,
+# SquareNut_quat, SquareNut_to_robot0_eef_pos, SquareNut_to_robot0_eef_quat: 23-D. robomimic / DPPO: 400-step episodes.
+register_task(TaskSpec("square", "robosuite", "NutAssemblySquare", ROBOMIMIC_LOW_DIM_KEYS, 400, 23, 7,
+                       expert="mmpo.robotics.demos.experts:SquareExpert"))
 # gymnasium's own flat 11-D observation; DPPO's Gym runs use max 1000 steps. No scripted expert.
 register_task(TaskSpec("hopper", "gymnasium", "Hopper-v5", ("observation",), 1000, 11, 3))
 
