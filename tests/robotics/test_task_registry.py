@@ -25,8 +25,8 @@ def extra_task():
 def test_builtin_entries_carry_their_experts():
     stl = [f"stl_{body}{k}{suffix}" for body in ("pointmass", "reacher") for k in (2, 3, 4)
            for suffix in ("", "_robustness")]  # TGPO's and its flat baseline's (no expert)
-    assert sorted(TASKS) == sorted(["can", "hopper", "lift", "square", *stl, "stl_pointmass2_tight"])
-    assert expert_tasks() == ["can", "lift", "square"]
+    assert sorted(TASKS) == sorted(["can", "hopper", "lift", "lift_img", "square", *stl, "stl_pointmass2_tight"])
+    assert expert_tasks() == ["can", "lift", "lift_img", "square"]
     lift = get_task("lift").make_expert(noise=0.2, rng=np.random.default_rng(0))
     assert type(lift) is LiftExpert and lift.noise == 0.2
     assert type(make_expert("can")) is CanExpert and type(make_expert("square")) is SquareExpert
@@ -53,7 +53,7 @@ def test_register_task_is_all_a_new_task_needs(extra_task):
 def test_demos_cli_offers_only_tasks_with_experts(capsys):
     with pytest.raises(SystemExit):
         _demos_parser().parse_args(["--task", "hopper", "--num-demos", "1", "--out", "x.hdf5"])
-    assert "--task {can,lift,square}" in capsys.readouterr().err
+    assert "--task {can,lift,lift_img,square}" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize(
