@@ -317,6 +317,17 @@ def test_dsrl_na_stores_chunks_distills_and_keeps_the_base_frozen(flow_bc_checkp
                                                                       noise=[noise.view(4, 2, 1)]).actions)
     assert all(torch.equal(v, base[k]) for k, v in module.policy.state_dict().items())
     assert any(not torch.equal(v, noise_critic[k]) for k, v in module.noise_critic.state_dict().items())
+    # the warm-up plays w ~ N(0, I) unclipped through the frozen chain and stores the chunk (ajwagen/dsrl utils.py
+    # collect_rollouts: the clip to [-m, m] is dsrl_sac's only)
+    fresh = _na_module(flow_bc_checkpoint)
+    assert fresh.warming_up()
+    obs = torch.rand(64, 2) - 0.5
+    fresh._generator.manual_seed(7)
+    chunks, stored, _ = fresh.act(obs)
+    noise = torch.randn((64, 2), generator=torch.Generator().manual_seed(7))
+    assert noise.abs().max() > 1.5  # some draws beyond [-1, 1] and beyond dsrl_sac's 1.5
+    assert torch.equal(chunks, fresh.steer(obs, noise)) and torch.equal(stored, chunks.reshape(64, 2))
+    assert not torch.equal(chunks, fresh.steer(obs, noise.clamp(-1.5, 1.5)))
     with pytest.raises(ValueError, match=r"dsrl.algorithm must be one of \['dsrl_sac', 'dsrl_na'\], got 'na'"):
         DSRLConfig(algorithm="na")
 
