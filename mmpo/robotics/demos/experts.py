@@ -231,7 +231,8 @@ class SquareExpert(ScriptedExpert):
     The nut lies at a random yaw; its handle is the box at (+0.054, 0, 0) in the nut frame (robosuite
     ``square-nut.xml``, ``handle_site``), 3.2 cm wide across the nut's y axis. While hovering above the handle
     the gripper turns (rotation action about world z) until its closing axis is the nut's y axis (modulo pi),
-    then descends and closes on the handle; it lifts above the peg (top at z = 0.95: ``pegs_arena.xml`` peg1,
+    then descends and closes on the handle (fingers closed on nothing while lifting: open and start again, up to
+    3 times); it lifts above the peg (top at z = 0.95: ``pegs_arena.xml`` peg1,
     0.85 + 0.1), moves so that the nut's centre (read from the observation, so the grasp offset is measured,
     not assumed) is above the peg, lowers until the nut is below robosuite's on-peg height (table + 5 cm),
     releases (the nut drops the last centimetres down the peg) and retreats up (success also needs the gripper > ~7 cm from the nut). The peg (1.6 cm half
@@ -240,10 +241,18 @@ class SquareExpert(ScriptedExpert):
 
     object_pos_key = "SquareNut_pos"
     handle_offset = 0.054
+    #: finger opening (robot0_gripper_qpos[0] - [1], metres) below which the fingers hold nothing: ~0.03 on the
+    #: 3.2 cm handle, ~0 when closed on air
+    closed_opening = 0.008
+    max_regrasps = 3
 
     def __init__(self, peg: np.ndarray | None = None, **kwargs) -> None:
         super().__init__(**kwargs)
         self.peg = None if peg is None else np.asarray(peg, dtype=np.float64)
+
+    def reset(self) -> None:
+        super().reset()
+        self.regrasps = 0
 
     def start_episode(self, env) -> None:
         """Reset, then read the square peg's position (``peg1``) from the robosuite env (``env.sim_env``)."""
@@ -295,6 +304,12 @@ class SquareExpert(ScriptedExpert):
         carry_z = self.peg[2] + 0.1 + c.carry_height  # peg top + clearance for the grasped nut
         offset = eef - nut  # where the eef sits relative to the nut's centre
         if self.phase == "lift":
+            opening = float(obs["robot0_gripper_qpos"][0] - obs["robot0_gripper_qpos"][1])
+            if self.phase_steps >= 6 and opening < self.closed_opening and self.regrasps < self.max_regrasps:
+                self.regrasps += 1  # the fingers closed on nothing (the handle is 3.2 cm): open, go back, retry
+                self._next("approach")
+                action[6] = GRIPPER_OPEN
+                return action
             action[:3] = move_towards(eef, np.array([eef[0], eef[1], carry_z]))
             if abs(carry_z - eef[2]) < 2 * c.reach_tolerance or self.phase_steps > c.max_phase_steps:
                 self._next("carry")
