@@ -59,6 +59,31 @@ def test_expert_aims_at_the_handle_and_turns_onto_it():
         expert.clean_action(obs)
 
 
+def test_expert_grasps_again_when_the_fingers_closed_on_nothing():
+    expert = SquareExpert(peg=np.array([0.23, 0.1, 0.85]))
+    nut = np.array([-0.1, 0.15, 0.83])
+    obs = {"robot0_eef_pos": nut + np.array([0.054, 0.0, 0.02]), "robot0_eef_quat": np.array([1.0, 0.0, 0.0, 0.0]),
+           "SquareNut_pos": nut, "SquareNut_quat": _yaw_quat(0.0), "robot0_gripper_qpos": np.array([0.015, -0.015])}
+    expert._next("lift")
+    for _ in range(8):  # holding the 3.2 cm handle (opening 0.03): it keeps lifting (z up, gripper closed)
+        action = expert.act(obs)
+    assert expert.phase == "lift" and action[2] == 1.0 and action[6] == 1.0
+    obs["robot0_gripper_qpos"] = np.array([0.001, -0.001])  # closed on air
+    for attempt in range(1, 4):
+        expert._next("lift")
+        for _ in range(6):  # the first 6 steps of a lift are left to the closing fingers
+            assert expert.phase == "lift"
+            expert.act(obs)
+        action = expert.act(obs)
+        assert expert.phase == "approach" and action[6] == -1.0 and expert.regrasps == attempt
+    expert._next("lift")  # after 3 retries it carries on
+    for _ in range(8):
+        expert.act(obs)
+    assert expert.phase == "lift" and expert.regrasps == 3
+    expert.reset()
+    assert expert.regrasps == 0
+
+
 def _run_dirs(root: Path) -> list[str]:
     return [
         "--trainer.default_root_dir", str(root),
