@@ -95,6 +95,7 @@ class ChunkDataModule(ResumableTrainData, pl.LightningDataModule):
             return
         from mmpo.robotics.data import ChunkDataset
         from mmpo.robotics.envs import Normalizer, stats_path_for
+        from mmpo.robotics.envs.tasks import ROBOMIMIC_LOW_DIM_KEYS
 
         if not Path(self.dataset_path).exists():
             raise FileNotFoundError(
@@ -109,8 +110,10 @@ class ChunkDataModule(ResumableTrainData, pl.LightningDataModule):
         if Path(self.normalizer_path) == stats_path_for(self.dataset_path):
             # the stats file beside the data must describe that data (not a previous dataset's)
             normalizer.check_belongs_to(self.dataset_path, self.normalizer_path)
+        # the stats name the observation keys of their task (a camera task's frame among them); older stats: low-dim
+        keys = normalizer.metadata.get("obs_keys") or ROBOMIMIC_LOW_DIM_KEYS
         dataset = ChunkDataset(self.dataset_path, horizon=self.horizon, normalizer=normalizer,
-                               on_nonfinite=self.on_nonfinite)
+                               on_nonfinite=self.on_nonfinite, obs_keys=tuple(keys))
         if len(dataset) == 0:
             raise ValueError(f"demo dataset {self.dataset_path!r} holds no chunks")
         num_val = int(round(len(dataset) * self.val_fraction))
@@ -161,6 +164,9 @@ class BCModule(NonFiniteGuardMixin, pl.LightningModule):
         max_consecutive_skips: optimizer steps with a non-finite loss or gradient norm are skipped (weights, EMA
             and optimizer state untouched, counted as perf/skipped_steps); this many in a row stop the run with
             NonFiniteTrainingError (mmpo.training.nonfinite).
+        image_encoder: a camera task's image encoder settings (``image_size`` = the task's, optional ``channels``,
+            ``feature_dim``; :class:`~mmpo.robotics.policy.networks.ImageEncoder`); None for state observations.
+            Diffusion policies only.
     """
 
     policy_class: type[torch.nn.Module] = DiffusionPolicy
@@ -192,6 +198,7 @@ class BCModule(NonFiniteGuardMixin, pl.LightningModule):
         export_safetensors: bool = True,
         seed: int = 0,
         max_consecutive_skips: int = DEFAULT_MAX_CONSECUTIVE_SKIPS,
+        image_encoder: dict[str, int] | None = None,
     ) -> None:
         super().__init__()
         self.save_hyperparameters()
@@ -202,6 +209,7 @@ class BCModule(NonFiniteGuardMixin, pl.LightningModule):
             obs_dim, action_dim, horizon, backbone=backbone, denoising_steps=denoising_steps,
             hidden_dims=list(hidden_dims or (512, 512, 512)), time_dim=time_dim, activation=activation,
             unet_channels=list(unet_channels or (64, 128)),
+            **({"image_encoder": dict(image_encoder)} if image_encoder else {}),
         )
         self.ema_policy = make_ema(self.policy, ema_decay)
 

@@ -279,13 +279,25 @@ class FPOConfig:
                  f"output_mode must be one of {FPO_OUTPUT_MODES}, got {self.output_mode!r}")
 
 
+DSRL_ALGORITHMS: tuple[str, ...] = ("dsrl_sac", "dsrl_na")
+
+
 @dataclass(frozen=True)
 class DSRLConfig:
     """DSRL's SAC in the latent-noise space of a frozen policy (ajwagen/dsrl ``cfg/robomimic/dsrl_lift.yaml``
-    ``train``, ``algorithm: dsrl_sac`` on stable-baselines3's SAC).
+    ``train``; ``algorithm: dsrl_sac`` on stable-baselines3's SAC, ``algorithm: dsrl_na`` on the ``DSRL`` class of
+    the authors' stable-baselines3 fork).
 
     Attributes:
-        action_magnitude: the latent noise w lies in [-m, m]^(Ta Da): w = m tanh(u) (``action_magnitude`` 1.5).
+        algorithm: ``dsrl_sac`` (noise-action: the critics see the noise w) or ``dsrl_na`` (noise-aliased: a critic
+            Q_A(s, a) on the executed action chunk learns by TD, a noise critic Q_W(s, w) is distilled from it on
+            w ~ N(0, I), and the actor climbs Q_W).
+        action_magnitude: dsrl_sac: the latent noise w lies in [-m, m]^(Ta Da): w = m tanh(u) (``action_magnitude``
+            1.5). Unused by dsrl_na, whose actor plays w = tanh(u) in the env's normalised action box [-1, 1]^(Ta Da)
+            (its SAC policy is built on the chunked env's action space; ``action_magnitude`` is read only by the
+            noise-action env wrapper).
+        noise_critic_grad_steps: dsrl_na: distillation steps of Q_W after every ``utd`` SAC steps, each on a fresh
+            batch (``noise_critic_grad_steps`` 10).
         gamma: SAC's discount per chunk step (``discount`` 0.99).
         tau: Polyak rate of the target critics (``tau`` 0.005), updated after every gradient step.
         utd: gradient steps per vector-env chunk step (``utd`` 30; ``train_freq`` 1).
@@ -295,8 +307,8 @@ class DSRLConfig:
         init_ent_coef: initial entropy coefficient alpha (stable-baselines3 ``ent_coef: auto``: 1.0).
         learn_ent_coef: tune alpha towards ``target_entropy`` (``ent_coef: -1`` = auto).
         target_entropy: the entropy target (``target_ent`` 0.0); None = -(Ta Da) (stable-baselines3's "auto").
-        warmup_chunk_steps: vector-env chunk steps that play w ~ N(0, I) clipped to [-m, m] before the actor acts
-            and before any update (``init_rollout_steps`` 1501).
+        warmup_chunk_steps: vector-env chunk steps that play w ~ N(0, I) (dsrl_sac: clipped to [-m, m]) before the
+            actor acts and before any update (``init_rollout_steps`` 1501).
         buffer_size: replay capacity in transitions (oldest overwritten).
         reward_offset: subtracted from every env step's reward (robomimic ``reward_offset`` 1); applied per chunk
             step as act_steps x offset.
@@ -304,7 +316,9 @@ class DSRLConfig:
             its K timesteps (``use_ddim: true``, ``ddim_steps: 8``); None: DDIM over all K. Flow policies: unused.
     """
 
+    algorithm: str = "dsrl_sac"
     action_magnitude: float = 1.5
+    noise_critic_grad_steps: int = 10
     gamma: float = 0.99
     tau: float = 0.005
     utd: int = 30
@@ -321,7 +335,11 @@ class DSRLConfig:
 
     def __post_init__(self) -> None:
         _require(self.ddim_steps is None or self.ddim_steps >= 1, f"ddim_steps must be >= 1 or None, got {self.ddim_steps}")
+        _require(self.algorithm in DSRL_ALGORITHMS,
+                 f"dsrl.algorithm must be one of {list(DSRL_ALGORITHMS)}, got {self.algorithm!r}")
         _require(self.action_magnitude > 0, f"action_magnitude must be > 0, got {self.action_magnitude}")
+        _require(self.noise_critic_grad_steps >= 1,
+                 f"noise_critic_grad_steps must be >= 1, got {self.noise_critic_grad_steps}")
         _require(0 <= self.gamma <= 1, f"gamma must be in [0, 1], got {self.gamma}")
         _require(0 < self.tau <= 1, f"tau must be in (0, 1], got {self.tau}")
         _require(self.utd >= 1, f"utd must be >= 1, got {self.utd}")

@@ -272,7 +272,8 @@ class DPPOModule(NonFiniteGuardMixin, pl.LightningModule):
         self.max_episode_steps = self.env.max_episode_steps or metadata.get("max_episode_steps")
         self.normalizer_path = self.env.normalizer_path or metadata.get("normalizer_path")
         self.policy: DiffusionPolicy = policy
-        self.critic = CriticMLP(policy.obs_dim, self.critic_config.hidden_dims or [256, 256, 256])
+        self.critic = CriticMLP(policy.obs_dim, self.critic_config.hidden_dims or [256, 256, 256],
+                                image_encoder=policy.policy_config.get("image_encoder"))
         self.register_buffer("clip_ranges", clip_schedule(chain_config.ft_steps, chain_config.clip_base,
                                                           chain_config.clip_final, chain_config.clip_rate),
                              persistent=False)

@@ -4,7 +4,11 @@ The BC policy's weights never change. Its deterministic sampler (a diffusion pol
 policy's Euler flow) maps the initial noise w to an action chunk, so the env seen through it takes w as its
 action: SAC learns pi(w | s), w = m tanh(u) in [-m, m]^(Ta Da), with n critics Q(s, w), their Polyak targets and a
 tuned entropy coefficient (ajwagen/dsrl ``algorithm: dsrl_sac``, which runs stable-baselines3's SAC through its
-``DiffusionPolicyEnvWrapper``). This is the noise-action variant; the noise-aliased one (``dsrl_na``) is not here.
+``DiffusionPolicyEnvWrapper``). ``dsrl.algorithm: dsrl_na`` is the noise-aliased variant (the ``DSRL`` class of
+the authors' stable-baselines3 fork, ``stable_baselines3/dsrl/dsrl.py``): the buffer holds the executed action chunk
+a = pi_base(s, w), a critic Q_A(s, a) learns by the same SAC backup with a' = pi_base(s', w'), a noise critic Q_W(s, w)
+is distilled from Q_A on fresh noise w ~ N(0, I) (0.5 sum_k MSE(Q_W,k(s, w), Q_A,k(s, pi_base(s, w)))), and the actor
+maximises Q_W; the actor's noise is w = tanh(u) in [-1, 1]^(Ta Da) (the chunked env's action box).
 
 The SAC update, step by step as stable-baselines3's ``SAC.train`` (DLR-RM/stable-baselines3
 ``stable_baselines3/sac/sac.py``), one optimizer each, through the shared update engine:
@@ -72,6 +76,12 @@ def critic_loss(q_values: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
 def actor_loss(log_prob: torch.Tensor, q_values: torch.Tensor, ent_coef: torch.Tensor | float) -> torch.Tensor:
     """mean_b (alpha log pi - min_k Q_k). log_prob (B,), q_values (B, n)."""
     return (ent_coef * log_prob - q_values.min(dim=1).values).mean()
+
+
+def noise_critic_loss(q_noise: torch.Tensor, q_action: torch.Tensor) -> torch.Tensor:
+    """DSRL-NA's distillation loss 0.5 sum_k mean_b (Q_W,k(s, w) - Q_A,k(s, pi_base(s, w)))^2, critic k onto critic k,
+    the action critic's values detached. q_noise, q_action (B, n)."""
+    return 0.5 * ((q_noise - q_action.detach()) ** 2).mean(dim=0).sum()
 
 
 def ent_coef_loss(log_ent_coef: torch.Tensor, log_prob: torch.Tensor, target_entropy: float) -> torch.Tensor:
@@ -224,7 +234,8 @@ def build_steered_policy(metadata: dict[str, Any], state_dict: dict[str, torch.T
 
 
 class DSRLModule(DPPOModule):
-    """DSRL (noise-action SAC) on a frozen BC diffusion or flow policy.
+    """DSRL (noise-action SAC, or the noise-aliased variant with ``dsrl.algorithm: dsrl_na``) on a frozen BC
+    diffusion or flow policy.
 
     Args:
         bc_checkpoint: a diffusion BC / DPPO or flow BC / ReinFlow / FPO checkpoint; its policy is frozen.
@@ -269,9 +280,14 @@ class DSRLModule(DPPOModule):
         settings, policy = self.dsrl, self.policy
         self.noise_dim = policy.horizon * policy.action_dim
         self.noise_actor = NoiseActor(policy.obs_dim, self.noise_dim, settings.hidden_dims, settings.layer_norm)
+        # dsrl_sac: Q(s, w); dsrl_na: Q_A(s, a) on the flattened chunk (Ta Da, the noise's size) and Q_W(s, w)
+        self.aliased = settings.algorithm == "dsrl_na"
+        self.noise_magnitude = 1.0 if self.aliased else settings.action_magnitude
         self.critic = QEnsemble(policy.obs_dim, self.noise_dim, settings.hidden_dims, settings.layer_norm,
                                 settings.n_critics)
         self.critic_target = copy.deepcopy(self.critic).requires_grad_(False)
+        self.noise_critic = QEnsemble(policy.obs_dim, self.noise_dim, settings.hidden_dims, settings.layer_norm,
+                                      settings.n_critics) if self.aliased else None
         self.log_ent_coef = nn.Parameter(torch.full((1,), math.log(settings.init_ent_coef)),
                                          requires_grad=settings.learn_ent_coef)
         self.target_entropy = float(-self.noise_dim if settings.target_entropy is None else settings.target_entropy)
@@ -302,12 +318,14 @@ class DSRLModule(DPPOModule):
                       torch.optim.Adam(self.critic.parameters(), lr=lr)]
         if self.dsrl.learn_ent_coef:
             optimizers.append(torch.optim.Adam([self.log_ent_coef], lr=lr))
+        if self.noise_critic is not None:  # last: dsrl_na's noise critic (its own SACPolicy's critic optimizer)
+            optimizers.append(torch.optim.Adam(self.noise_critic.parameters(), lr=lr))
         return optimizers
 
     # ------------------------------------------------------------------ acting through the frozen policy
     def steered(self) -> SteeredPolicy:
         """The frozen policy steered by the noise actor (built on call: it holds no weights of its own)."""
-        return SteeredPolicy(self.policy, self.noise_actor, self.dsrl.action_magnitude)
+        return SteeredPolicy(self.policy, self.noise_actor, self.noise_magnitude)
 
     def steer(self, obs: torch.Tensor, squashed: torch.Tensor) -> torch.Tensor:
         """:meth:`SteeredPolicy.steer` of this module's frozen policy."""
@@ -323,16 +341,19 @@ class DSRLModule(DPPOModule):
         return self.chunk_steps < self.dsrl.warmup_chunk_steps
 
     def act(self, obs: torch.Tensor, noise: list[torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Chunks (N, Ta, Da), the played squashed noise tanh(u) (N, Ta Da) (what the buffer stores) and zeros (N, 1).
-        During the warm-up w ~ N(0, I) clipped to [-m, m] (ajwagen/dsrl ``collect_rollouts``), stored as w / m."""
+        """Chunks (N, Ta, Da), what the buffer stores (N, Ta Da) and zeros (N, 1). dsrl_sac stores the played squashed
+        noise tanh(u); during its warm-up w ~ N(0, I) clipped to [-m, m], stored as w / m. dsrl_na stores the chunk
+        itself; its warm-up noise is N(0, I) unclipped (ajwagen/dsrl ``utils.py`` ``collect_rollouts``)."""
         generator = self._sampling_generator()
         magnitude = self.dsrl.action_magnitude
         if self.warming_up():
             draw = torch.randn((obs.shape[0], self.noise_dim), generator=generator, device=obs.device)
-            squashed = draw.clamp(-magnitude, magnitude) / magnitude
+            squashed = draw if self.aliased else draw.clamp(-magnitude, magnitude) / magnitude
         else:
             squashed, _ = self.noise_actor.sample(obs, generator=generator)
-        return self.steer(obs, squashed), squashed, torch.zeros(obs.shape[0], 1, device=obs.device)
+        chunks = self.steer(obs, squashed)
+        stored = chunks.reshape(obs.shape[0], -1) if self.aliased else squashed
+        return chunks, stored, torch.zeros(obs.shape[0], 1, device=obs.device)
 
     def collect_rollout(self) -> Rollout:
         rollout = super().collect_rollout()
@@ -368,6 +389,8 @@ class DSRLModule(DPPOModule):
             ent_coef = self.log_ent_coef.detach().exp()
         with torch.no_grad():
             next_actions, next_log_prob = self.noise_actor.sample(next_obs, generator=generator)
+            if self.aliased:  # Q_A's backup on the frozen policy's chunk for the next noise
+                next_actions = self.steer(next_obs, next_actions).reshape(next_obs.shape[0], -1)
             target = critic_target(batch["rewards"], batch["terminated"], self.critic_target(next_obs, next_actions),
                                    next_log_prob, ent_coef, self.dsrl.gamma)
 
@@ -378,8 +401,10 @@ class DSRLModule(DPPOModule):
         metrics.update({k: v for k, v in self.update_engine.optimizer_step([None], q_loss, stepped=[critic_opt]).metrics.items()
                         if k != "policy/grad_norm"})
 
+        actor_critic = self.noise_critic if self.aliased else self.critic  # dsrl_na: the distilled Q_W(s, w)
+
         def pi_loss(_: None) -> MicroLoss:
-            loss = actor_loss(log_prob, self.critic(obs, actions_pi), ent_coef)
+            loss = actor_loss(log_prob, actor_critic(obs, actions_pi), ent_coef)
             return MicroLoss(loss, {"losses/actor": float(loss.detach())})
 
         metrics.update(self.update_engine.optimizer_step([None], pi_loss, stepped=[actor_opt]).metrics)
@@ -389,22 +414,44 @@ class DSRLModule(DPPOModule):
         metrics["policy/log_prob"] = float(log_prob.detach().mean())
         return metrics
 
+    def distill_step(self, batch: dict[str, torch.Tensor]) -> dict[str, float]:
+        """dsrl_na: one step of the noise critic towards the action critic on w ~ N(0, I) (unclipped) and the frozen
+        policy's chunk for it (``DSRL.update_noise_critic``)."""
+        obs = batch["obs"]
+        with torch.no_grad():
+            noise = torch.randn((obs.shape[0], self.noise_dim), generator=self._sampling_generator(), device=obs.device)
+            q_action = self.critic(obs, self.steer(obs, noise).reshape(obs.shape[0], -1))
+
+        def loss_fn(_: None) -> MicroLoss:
+            loss = noise_critic_loss(self.noise_critic(obs, noise), q_action)
+            return MicroLoss(loss, {"losses/noise_critic": float(loss.detach())})
+
+        metrics = self.update_engine.optimizer_step([None], loss_fn, stepped=[self.optimizers()[-1]]).metrics
+        return {k: v for k, v in metrics.items() if k != "policy/grad_norm"}
+
     def ppo_update(self, rollout: Rollout, train_actor: bool) -> dict[str, float]:
-        """``utd`` SAC steps per chunk step of the rollout; none after a warm-up rollout (the official code starts
-        training once its random-noise steps are in the buffer, after the actor's first step)."""
+        """``utd`` SAC steps per chunk step of the rollout (dsrl_na: each ``utd`` followed by
+        ``noise_critic_grad_steps`` distillation steps, the official ``train`` call per env step); none after a warm-up
+        rollout (the official code starts training once its random-noise steps are in the buffer, after the actor's
+        first step)."""
         played_warmup = self.chunk_steps - self.env.n_steps < self.dsrl.warmup_chunk_steps  # the rollout just played
         if played_warmup or self.buffer.size < 1:
             return {"perf/buffer_size": float(self.buffer.size), "perf/gradient_steps": float(self.gradient_steps)}
         self.noise_actor.train()
         history = []
-        for _ in range(self.dsrl.utd * self.env.n_steps):
-            batch = {k: v.to(self.device) for k, v in self.buffer.sample(self.optim.minibatch_size).items()}
-            history.append(self.sac_step(batch))
+        for _ in range(self.env.n_steps):
+            for _ in range(self.dsrl.utd):
+                history.append(self.sac_step(self._batch()))
+            for _ in range(self.dsrl.noise_critic_grad_steps if self.aliased else 0):
+                history.append(self.distill_step(self._batch()))
         self.noise_actor.eval()
         keys = dict.fromkeys(key for step in history for key in step)
         metrics = {key: float(np.mean([step[key] for step in history if key in step])) for key in keys}
         metrics.update({"perf/buffer_size": float(self.buffer.size), "perf/gradient_steps": float(self.gradient_steps)})
         return metrics
+
+    def _batch(self) -> dict[str, torch.Tensor]:
+        return {k: v.to(self.device) for k, v in self.buffer.sample(self.optim.minibatch_size).items()}
 
     # ------------------------------------------------------------------ evaluation and checkpoints
     def evaluate(self, num_episodes: int | None = None) -> dict[str, float]:
@@ -420,7 +467,7 @@ class DSRLModule(DPPOModule):
         return {**super().robotics_metadata(), "kind": self.kind, "ft_steps": self.policy.ft_steps,
                 "flow_finetune": getattr(self.policy, "finetune_config", None),
                 "dsrl": {"hidden_dims": list(settings.hidden_dims), "layer_norm": settings.layer_norm,
-                         "action_magnitude": settings.action_magnitude}}
+                         "action_magnitude": self.noise_magnitude, "algorithm": settings.algorithm}}
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         super().on_save_checkpoint(checkpoint)

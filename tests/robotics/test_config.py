@@ -191,7 +191,7 @@ def _print_config(capsys, *argv: str) -> dict:
     return yaml.safe_load(capsys.readouterr().out)["model"]["init_args"]
 
 
-@pytest.mark.parametrize("name", ["dppo_lift.yaml", "dppo_can.yaml", "gaussian_ppo_lift.yaml"])
+@pytest.mark.parametrize("name", ["dppo_lift.yaml", "dppo_can.yaml", "dppo_square.yaml", "gaussian_ppo_lift.yaml"])
 def test_the_shipped_configs_parse_to_their_yaml_values_and_the_module_defaults(name, capsys):
     written = yaml.safe_load((CONFIGS / name).read_text())["model"]["init_args"]
     parsed = _print_config(capsys, "-c", str(CONFIGS / name))
@@ -201,7 +201,7 @@ def test_the_shipped_configs_parse_to_their_yaml_values_and_the_module_defaults(
     assert (parsed["optim"]["lr"], parsed["optim"]["mu"], parsed["critic"]["lr"]) == (1e-4, 10, 1e-3)
     # the fields a config leaves out take the module's defaults, not OptimConfig's (max_grad_norm 1.0)
     assert parsed["optim"]["max_grad_norm"] == 0.0 and parsed["env"]["max_worker_restarts"] == 3
-    assert parsed["optim"]["minibatch_size"] == (150 if name.startswith("gaussian") else 1500)
+    assert parsed["optim"]["minibatch_size"] == {"gaussian_ppo_lift.yaml": 150, "dppo_square.yaml": 2000}.get(name, 1500)
 
 
 def test_a_command_line_override_sets_one_field_and_keeps_the_others(capsys):

@@ -103,7 +103,7 @@ def test_render_and_camera_observation(monkeypatch):
 
 
 def test_bad_arguments_are_named():
-    with pytest.raises(ValueError, match="unknown task 'stack'; valid tasks: \\['can', 'hopper', 'lift', 'stl_pointmass2'"):
+    with pytest.raises(ValueError, match="unknown task 'stack'; valid tasks: \\['can', 'hopper', 'lift', 'lift_img', 'square', 'stl_pointmass2'"):
         make_env("stack")
     with pytest.raises(ValueError, match="only supported for robosuite tasks"):
         make_env("hopper", camera="agentview")

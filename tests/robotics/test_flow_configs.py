@@ -99,6 +99,9 @@ def lift_flow_bc(tmp_path_factory) -> Path:
     ("fpo_lift.yaml", ["--model.init_args.optim.minibatch_size", "3"]),
     ("dsrl_lift.yaml", ["--model.init_args.dsrl.hidden_dims", "[16]", "--model.init_args.dsrl.utd", "1",
                         "--model.init_args.dsrl.warmup_chunk_steps", "3", "--model.init_args.optim.minibatch_size", "4"]),
+    ("dsrl_na_lift.yaml", ["--model.init_args.dsrl.hidden_dims", "[16]", "--model.init_args.dsrl.utd", "1",
+                           "--model.init_args.dsrl.noise_critic_grad_steps", "2",
+                           "--model.init_args.dsrl.warmup_chunk_steps", "3", "--model.init_args.optim.minibatch_size", "4"]),
 ])
 def test_lift_configs_train_two_iterations_on_robosuite_lift(lift_flow_bc, tmp_path, config, extra):
     """Each config on its own task (robosuite Lift, in-process) from the flow BC checkpoint: 2 iterations."""
@@ -112,3 +115,5 @@ def test_lift_configs_train_two_iterations_on_robosuite_lift(lift_flow_bc, tmp_p
     assert checkpoint["dppo_state"]["iteration"] == 2 and checkpoint["robotics"]["task"] == "lift"
     assert checkpoint["dppo_state"]["env_steps"] == 2 * 2 * 3 * 4  # iterations x envs x chunk steps x act_steps
     assert checkpoint["global_step"] > 0
+    if config == "dsrl_na_lift.yaml":  # iteration 1: 3 chunk steps x (1 SAC step x 3 optimizers + 2 distillation steps)
+        assert checkpoint["global_step"] == 3 * (3 + 2)

@@ -122,7 +122,7 @@ def test_rollout_cli_rejects_bad_input(tmp_path, capsys):
     assert "does not exist" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("name", ["bc_lift", "dppo_lift", "bc_can", "dppo_can"])
+@pytest.mark.parametrize("name", ["bc_lift", "dppo_lift", "bc_can", "dppo_can", "bc_square", "dppo_square"])
 def test_configs_parse(name, capsys):
     with pytest.raises(SystemExit) as exit_info:
         main(["fit", "-c", str(CONFIGS / f"{name}.yaml"), "--print_config"])

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from mmpo.robotics.cli import _demos_parser
-from mmpo.robotics.demos import CanExpert, LiftExpert, make_expert
+from mmpo.robotics.demos import CanExpert, LiftExpert, SquareExpert, make_expert
 from mmpo.robotics.envs import OBS_KEYS, TASKS, TaskSpec, expert_tasks, get_task, register_task
 from mmpo.robotics.rollout_cli import _parser as rollout_parser
 
@@ -25,14 +25,18 @@ def extra_task():
 def test_builtin_entries_carry_their_experts():
     stl = [f"stl_{body}{k}{suffix}" for body in ("pointmass", "reacher") for k in (2, 3, 4)
            for suffix in ("", "_robustness")]  # TGPO's and its flat baseline's (no expert)
-    assert sorted(TASKS) == sorted(["can", "hopper", "lift", *stl, "stl_pointmass2_tight"])
-    assert expert_tasks() == ["can", "lift"]
+    assert sorted(TASKS) == sorted(["can", "hopper", "lift", "lift_img", "square", *stl, "stl_pointmass2_tight"])
+    assert expert_tasks() == ["can", "lift", "lift_img", "square"]
     lift = get_task("lift").make_expert(noise=0.2, rng=np.random.default_rng(0))
     assert type(lift) is LiftExpert and lift.noise == 0.2
-    assert type(make_expert("can")) is CanExpert
+    assert type(make_expert("can")) is CanExpert and type(make_expert("square")) is SquareExpert
     with pytest.raises(ValueError, match="'hopper' has no scripted expert"):
         get_task("hopper").make_expert()
     assert (get_task("lift").obs_dim, get_task("can").obs_dim, get_task("lift").max_episode_steps) == (19, 23, 300)
+    # robomimic Square: NutAssemblySquare, 23-D state (DPPO cfg/robomimic/finetune/square: obs_dim 23), 400 steps
+    square = get_task("square")
+    assert (square.sim_name, square.obs_dim, square.action_dim, square.max_episode_steps) == (
+        "NutAssemblySquare", 23, 7, 400)
 
 
 def test_register_task_is_all_a_new_task_needs(extra_task):
@@ -49,7 +53,7 @@ def test_register_task_is_all_a_new_task_needs(extra_task):
 def test_demos_cli_offers_only_tasks_with_experts(capsys):
     with pytest.raises(SystemExit):
         _demos_parser().parse_args(["--task", "hopper", "--num-demos", "1", "--out", "x.hdf5"])
-    assert "--task {can,lift}" in capsys.readouterr().err
+    assert "--task {can,lift,lift_img,square}" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize(

@@ -1,6 +1,13 @@
-"""Scripted experts for robosuite Lift / Can and robomimic-format demo files."""
+"""Scripted experts for robosuite Lift / Can / Square and robomimic-format demo files."""
 
-from mmpo.robotics.demos.experts import CanExpert, ExpertConfig, LiftExpert, ScriptedExpert, make_expert
+from mmpo.robotics.demos.experts import (
+    CanExpert,
+    ExpertConfig,
+    LiftExpert,
+    ScriptedExpert,
+    SquareExpert,
+    make_expert,
+)
 from mmpo.robotics.demos.generate import generate_demos, robomimic_env_args
 from mmpo.robotics.demos.hdf5_writer import RobomimicHDF5Writer
 
@@ -10,6 +17,7 @@ __all__ = [
     "LiftExpert",
     "RobomimicHDF5Writer",
     "ScriptedExpert",
+    "SquareExpert",
     "generate_demos",
     "make_expert",
     "robomimic_env_args",

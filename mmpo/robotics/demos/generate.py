@@ -92,7 +92,7 @@ def generate_demos(
     """Scripted-expert demos of a registered robosuite task in robomimic's HDF5 layout.
 
     Args:
-        task: a task in ``mmpo.robotics.envs.TASKS`` whose entry has an ``expert`` ("lift", "can"
+        task: a task in ``mmpo.robotics.envs.TASKS`` whose entry has an ``expert`` ("lift", "can", "square"
             or one added with ``register_task``).
         num_demos: demos to write (successful ones unless ``keep_failures``).
         out_path: the .hdf5 file; normaliser stats go to ``<out_path>.stats.json``.
@@ -181,6 +181,8 @@ def _generate_into(task: str, spec: Any, num_demos: int, data_path: Path, stats_
         np.concatenate(flat_obs), np.concatenate(all_actions), obs_keys=list(spec.obs_keys), task=spec.name,
         **{DATA_HASH_KEY: file_sha256(data_path)},
     )
+    if spec.image_dims:  # pixels keep their fixed range: [0, 255] -> [-1, 1] (DPPO: x / 255 - 0.5, half that scale)
+        normalizer.obs_min[-spec.image_dims:], normalizer.obs_max[-spec.image_dims:] = 0.0, 255.0
     normalizer.save(stats_path)
     return {
         "num_demos": len(lengths),

@@ -22,7 +22,7 @@ def make_env(
     """Build one environment: ``[SeedFirstReset](TimeLimit(SimulatorFaultWrapper(task env)))``.
 
     Args:
-        task: "lift", "can" (robosuite, robomimic setup) or "hopper" (gymnasium Hopper-v5).
+        task: "lift", "can", "square" (robosuite, robomimic setup) or "hopper" (gymnasium Hopper-v5).
         seed: seeds the first ``reset()`` (object placement / initial state); later resets
             continue the same random stream. Pass ``seed`` to ``reset`` to re-seed.
         max_episode_steps: time limit in env steps (default: the task's, 300 for lift/can,

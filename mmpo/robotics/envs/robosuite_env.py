@@ -56,14 +56,22 @@ def flatten_obs(obs: dict[str, np.ndarray], keys: tuple[str, ...], dtype=np.floa
 
 
 def robomimic_obs_dict(obs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-    """robosuite obs -> the low-dim keys robomimic stores (robot0_* and ``object``)."""
+    """robosuite obs -> the keys robomimic stores: the low-dim robot0_* and ``object`` (float64), and camera frames
+    ``<camera>_image`` (present only when robosuite renders cameras) as upright (H, W, 3) uint8."""
     out = {}
     for key, value in obs.items():
         if key == "object-state":
             out["object"] = np.asarray(value, dtype=np.float64)
-        elif key.startswith("robot0_") and not key.endswith("proprio-state") and not key.endswith("_image"):
+        elif key.endswith("_image"):
+            out[key] = upright(value)
+        elif key.startswith("robot0_") and not key.endswith("proprio-state"):
             out[key] = np.asarray(value, dtype=np.float64)
     return out
+
+
+def upright(frame: np.ndarray) -> np.ndarray:
+    """robosuite renders upside down (OpenGL's origin is bottom-left): the frame flipped vertically, uint8."""
+    return np.ascontiguousarray(np.asarray(frame, dtype=np.uint8)[::-1])
 
 
 class RobosuiteGymEnv(gym.Env):
@@ -128,12 +136,13 @@ class RobosuiteGymEnv(gym.Env):
     # --- helpers -----------------------------------------------------------------
     def _convert(self, raw: dict[str, np.ndarray]):
         self.last_raw_obs = raw
-        state = flatten_obs(raw, self.task_spec.obs_keys)
+        spec = self.task_spec
+        if spec.camera is not None:  # a camera task: its upright frame is part of the flat observation
+            raw = {**raw, f"{spec.camera}_image": upright(raw[f"{spec.camera}_image"])}
+        state = flatten_obs(raw, spec.obs_keys)
         if self.camera is None:
             return state
-        # robosuite renders upside down (OpenGL origin is bottom-left).
-        image = np.ascontiguousarray(raw[f"{self.camera}_image"][::-1])
-        return {"state": state, "image": image}
+        return {"state": state, "image": upright(raw[f"{self.camera}_image"])}
 
     def get_sim_state(self) -> np.ndarray:
         """Flattened MuJoCo state (time, qpos, qvel) — what robomimic stores as ``states``."""

@@ -39,6 +39,10 @@ class TaskSpec:
             used); None for a task without one. The object it returns has
             ``start_episode(env)`` (called after each ``env.reset()`` with the unwrapped env) and
             ``act(raw_obs) -> action`` (see ``mmpo.robotics.demos.experts.ScriptedExpert``).
+        camera: robosuite camera whose (image_size, image_size, 3) uint8 frame, upright, is the LAST observation
+            key ``f"{camera}_image"``, flattened in (H, W, C) order into the flat float observation (pixel values
+            0-255; the demo stats fix their range to [0, 255]); None for a state-only task.
+        image_size: side of that frame (0 without a camera).
     """
 
     name: str
@@ -50,6 +54,13 @@ class TaskSpec:
     action_dim: int
     extra_env_kwargs: dict[str, Any] = field(default_factory=dict)
     expert: Callable[..., Any] | str | None = None
+    camera: str | None = None
+    image_size: int = 0
+
+    @property
+    def image_dims(self) -> int:
+        """How many trailing observation dimensions are pixels (3 image_size^2; 0 without a camera)."""
+        return 3 * self.image_size * self.image_size if self.camera else 0
 
     def make_expert(self, *, noise: float = 0.0, rng: Any = None) -> Any:
         """A fresh scripted expert for this task; ``ValueError`` when the task has none."""
@@ -84,6 +95,10 @@ def register_task(spec: TaskSpec, *, replace: bool = False) -> TaskSpec:
     for attr in ("max_episode_steps", "obs_dim", "action_dim"):
         if int(getattr(spec, attr)) < 1:
             raise ValueError(f"task {spec.name!r}: {attr} must be >= 1, got {getattr(spec, attr)}")
+    if spec.camera is not None and (spec.image_size < 1 or spec.obs_keys[-1] != f"{spec.camera}_image"
+                                    or spec.obs_dim <= spec.image_dims):
+        raise ValueError(f"task {spec.name!r}: a camera task needs image_size >= 1, its last obs key "
+                         f"{spec.camera}_image and obs_dim > 3 image_size^2")
     if spec.name in TASKS and not replace:
         raise ValueError(f"task {spec.name!r} is already registered; pass replace=True to redefine it")
     TASKS[spec.name] = spec
@@ -115,6 +130,19 @@ register_task(TaskSpec("lift", "robosuite", "Lift", ROBOMIMIC_LOW_DIM_KEYS, 300,
 # Can object = Can_pos, Can_quat, Can_to_robot0_eef_pos, Can_to_robot0_eef_quat: 23-D.
 register_task(TaskSpec("can", "robosuite", "PickPlaceCan", ROBOMIMIC_LOW_DIM_KEYS, 300, 23, 7,
                        expert="mmpo.robotics.demos.experts:CanExpert"))
+# robomimic Square = robosuite NutAssemblySquare (one square nut, placed on the square peg). Object = SquareNut_pos,
+# SquareNut_quat, SquareNut_to_robot0_eef_pos, SquareNut_to_robot0_eef_quat: 23-D. robomimic / DPPO: 400-step episodes.
+register_task(TaskSpec("square", "robosuite", "NutAssemblySquare", ROBOMIMIC_LOW_DIM_KEYS, 400, 23, 7,
+                       expert="mmpo.robotics.demos.experts:SquareExpert"))
+# Pixel Lift (DPPO's cfg/robomimic/*/lift/*_img.yaml: the wrist camera robot0_eye_in_hand + the 9-D proprio
+# robot0_eef_pos, robot0_eef_quat, robot0_gripper_qpos; DPPO renders 96 x 96, here 32 x 32 so CPU runs stay
+# practical): obs = [proprio (9); image 32 x 32 x 3 flattened (H, W, C)] = 3081-D. The Lift expert reads the cube
+# from the simulator's object state (not in the observation).
+LIFT_IMAGE_SIZE = 32
+register_task(TaskSpec("lift_img", "robosuite", "Lift",
+                       ("robot0_eef_pos", "robot0_eef_quat", "robot0_gripper_qpos", "robot0_eye_in_hand_image"),
+                       300, 9 + 3 * LIFT_IMAGE_SIZE ** 2, 7, expert="mmpo.robotics.demos.experts:LiftExpert",
+                       camera="robot0_eye_in_hand", image_size=LIFT_IMAGE_SIZE))
 # gymnasium's own flat 11-D observation; DPPO's Gym runs use max 1000 steps. No scripted expert.
 register_task(TaskSpec("hopper", "gymnasium", "Hopper-v5", ("observation",), 1000, 11, 3))
 
@@ -143,7 +171,12 @@ def osc_pose_controller_config() -> dict[str, Any]:
 def robosuite_env_kwargs(
     spec: TaskSpec, *, max_episode_steps: int, render: bool, camera: str | None, image_size: int
 ) -> dict[str, Any]:
-    """The kwargs passed to ``robosuite.make`` (also recorded as robomimic ``env_kwargs``)."""
+    """The kwargs passed to ``robosuite.make`` (also recorded as robomimic ``env_kwargs``). A camera task renders
+    its own camera at its own size (``spec.camera``, ``spec.image_size``) besides any ``camera`` asked for."""
+    if spec.camera is not None:
+        if camera is not None and camera != spec.camera:
+            raise ValueError(f"task {spec.name!r} observes camera {spec.camera!r}; camera={camera!r} cannot be added")
+        camera, image_size = spec.camera, spec.image_size
     kwargs: dict[str, Any] = {
         "robots": ["Panda"],
         "controller_configs": osc_pose_controller_config(),

@@ -99,7 +99,7 @@ def make_vector_env(
     """``num_envs`` chunk envs; env i is seeded with ``seed + i``.
 
     Args:
-        task: "lift", "can" or "hopper".
+        task: "lift", "can", "square" or "hopper".
         num_envs: number of parallel envs (one subprocess each when ``asynchronous``).
         seed: base seed.
         act_steps: simulator steps per chunk step.

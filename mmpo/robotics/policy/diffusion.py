@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from mmpo.robotics.policy.networks import MLPDenoiser, UNetDenoiser
+from mmpo.robotics.policy.networks import EncodedDenoiser, ImageEncoder, MLPDenoiser, UNetDenoiser
 from mmpo.robotics.policy.schedule import DenoisingSchedule
 
 BACKBONES = ("mlp", "unet")
@@ -46,6 +46,9 @@ class DiffusionPolicy(nn.Module):
         ddim_steps: DDIM chain length (sampler="ddim").
         hidden_dims, time_dim, activation: residual-MLP sizes (DPPO lift/can: [512]*3, 16, mish).
         unet_channels: UNet channel levels (DPPO: 64, 128).
+        image_encoder: for a camera task's observation [proprio; image flattened (H, W, C)]: the
+            :class:`~mmpo.robotics.policy.networks.ImageEncoder` settings (``image_size``, optional ``channels``,
+            ``feature_dim``); the backbone is conditioned on its features. None: state observations.
     """
 
     def __init__(
@@ -62,6 +65,7 @@ class DiffusionPolicy(nn.Module):
         time_dim: int = 16,
         activation: str = "mish",
         unet_channels: list[int] | tuple[int, ...] = (64, 128),
+        image_encoder: dict[str, int] | None = None,
     ) -> None:
         super().__init__()
         for name, value in (("obs_dim", obs_dim), ("action_dim", action_dim), ("horizon", horizon)):
@@ -75,13 +79,19 @@ class DiffusionPolicy(nn.Module):
             hidden_dims=list(hidden_dims), time_dim=time_dim, activation=activation,
             unet_channels=list(unet_channels),
         )
+        if image_encoder:
+            self.policy_config["image_encoder"] = dict(image_encoder)
         self.obs_dim, self.action_dim, self.horizon = obs_dim, action_dim, horizon
+        encoder = ImageEncoder(obs_dim, **image_encoder) if image_encoder else None
+        cond_dim = encoder.out_dim if encoder is not None else obs_dim
         if backbone == "mlp":
             self.network: nn.Module = MLPDenoiser(
-                obs_dim, action_dim, horizon, hidden_dims=hidden_dims, time_dim=time_dim, activation=activation
+                cond_dim, action_dim, horizon, hidden_dims=hidden_dims, time_dim=time_dim, activation=activation
             )
         else:
-            self.network = UNetDenoiser(obs_dim, action_dim, horizon, channels=unet_channels)
+            self.network = UNetDenoiser(cond_dim, action_dim, horizon, channels=unet_channels)
+        if encoder is not None:
+            self.network = EncodedDenoiser(encoder, self.network)
         self.schedule = DenoisingSchedule(denoising_steps, sampler=sampler, ddim_steps=ddim_steps)
         self.ft_network: nn.Module | None = None
         self.ft_steps = 0

@@ -134,12 +134,57 @@ class UNetDenoiser(nn.Module):
         return self.unet(sample, timesteps).sample.transpose(1, 2)
 
 
-class CriticMLP(nn.Module):
-    """V(s): DPPO's ``CriticObs`` (residual MLP, Mish, [256, 256, 256]). Shapes: (B, obs_dim) -> (B,)."""
+class ImageEncoder(nn.Module):
+    """Features of a flat observation [proprio (P); image (S, S, 3) flattened (H, W, C), normalised to [-1, 1]].
 
-    def __init__(self, obs_dim: int, hidden_dims: list[int] | tuple[int, ...] = (256, 256, 256), activation: str = "mish") -> None:
+    The image goes through DPPO's patch embedding ``embed2`` (``model/common/vit.py``: Conv2d(3, C, 8, stride 4),
+    ReLU, Conv2d(C, C, 3, stride 2)), then ReLU and one Linear from the flattened patch grid to ``feature_dim``
+    (in place of DPPO's 1-layer ViT and ``SpatialEmb``); the output is [proprio; features] (P + feature_dim).
+    Shapes: (B, P + 3 S^2) -> (B, P + feature_dim).
+    """
+
+    def __init__(self, obs_dim: int, image_size: int, *, channels: int = 32, feature_dim: int = 64) -> None:
         super().__init__()
-        self.body = ResidualMLP(obs_dim, hidden_dims, 1, activation)
+        self.image_size = int(image_size)
+        self.proprio_dim = int(obs_dim) - 3 * self.image_size ** 2
+        if self.proprio_dim < 0 or self.image_size < 11:
+            raise ValueError(f"an image encoder needs image_size >= 11 and obs_dim >= 3 image_size^2, got "
+                             f"image_size {image_size}, obs_dim {obs_dim}")
+        self.patches = nn.Sequential(nn.Conv2d(3, channels, 8, stride=4), nn.ReLU(),
+                                     nn.Conv2d(channels, channels, 3, stride=2), nn.ReLU())
+        grid = ((self.image_size - 8) // 4 + 1 - 3) // 2 + 1
+        self.project = nn.Linear(channels * grid * grid, feature_dim)
+        self.out_dim = self.proprio_dim + feature_dim
 
     def forward(self, obs: torch.Tensor) -> torch.Tensor:
-        return self.body(obs).squeeze(-1)
+        size = self.image_size
+        proprio, pixels = obs[:, : self.proprio_dim], obs[:, self.proprio_dim:]
+        image = pixels.reshape(obs.shape[0], size, size, 3).permute(0, 3, 1, 2)
+        return torch.cat([proprio, self.project(self.patches(image).flatten(1))], dim=-1)
+
+
+class EncodedDenoiser(nn.Module):
+    """A denoiser (or velocity network) whose state input is ``encoder(obs)``: an image policy's network (the encoder
+    is trained and fine-tuned with it, as DPPO's ``VisionDiffusionMLP``). Same call as the denoiser."""
+
+    def __init__(self, encoder: ImageEncoder, denoiser: nn.Module) -> None:
+        super().__init__()
+        self.encoder, self.denoiser = encoder, denoiser
+
+    def forward(self, x: torch.Tensor, timesteps: torch.Tensor, obs: torch.Tensor) -> torch.Tensor:
+        return self.denoiser(x, timesteps, self.encoder(obs))
+
+
+class CriticMLP(nn.Module):
+    """V(s): DPPO's ``CriticObs`` (residual MLP, Mish, [256, 256, 256]). Shapes: (B, obs_dim) -> (B,).
+    ``image_encoder`` (the policy's settings): the critic encodes the image with its own :class:`ImageEncoder`
+    (DPPO's ``ViTCritic`` has its own encoder too)."""
+
+    def __init__(self, obs_dim: int, hidden_dims: list[int] | tuple[int, ...] = (256, 256, 256), activation: str = "mish",
+                 image_encoder: dict | None = None) -> None:
+        super().__init__()
+        self.encoder = ImageEncoder(obs_dim, **image_encoder) if image_encoder else None
+        self.body = ResidualMLP(self.encoder.out_dim if self.encoder else obs_dim, hidden_dims, 1, activation)
+
+    def forward(self, obs: torch.Tensor) -> torch.Tensor:
+        return self.body(self.encoder(obs) if self.encoder is not None else obs).squeeze(-1)
