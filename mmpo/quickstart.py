@@ -24,7 +24,9 @@ Why the abstaining teacher: at this scale (a 0.8M-parameter model seeing a 56 px
 the tiny VLM barely perceives the images, and GRPO from a plain SFT start does not show a gain over
 5 seeds (bench/RESULTS.md "quickstart-verdict"). What RL adds to imitation is shown instead where it
 is unambiguous: the SFT model copies the teacher's abstentions, GRPO is rewarded only for correct
-answers and learns to attempt those questions. ``--abstain-share 0`` runs the plain teacher.
+answers and learns to attempt those questions. ``--abstain-share 0`` runs the plain teacher. ``--kind text`` runs
+the same stages and teacher on a tiny Qwen3 text LM and the text task ``inventory`` (bench/RESULTS.md
+"text-quickstart-teacher"; docs/llm.md).
 
 The default budget takes about 3 minutes on 2 idle CPU cores (bench/RESULTS.md "Quickstart"; up to
 ~10 minutes when the cores are busy); ``--tiny`` is a seconds-long smoke run (it checks the plumbing,
