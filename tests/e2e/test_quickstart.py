@@ -106,7 +106,28 @@ def test_quickstart_text_kind_trains_a_tiny_text_lm_on_the_text_tasks(tmp_path):
     assert mmpo_main(["quickstart", "--kind", "text", "--tiny", "--out", str(out), "--no-progress"]) == 0
     summary = json.loads((out / "quickstart.json").read_text())
     assert summary["config"]["kind"] == "text"
-    assert summary["config"]["tasks"] == list(TEXT_QUICKSTART_TASKS[:len(QuickstartConfig.tiny().tasks)])
+    assert summary["config"]["tasks"] == list(TEXT_QUICKSTART_TASKS) == ["inventory"]
+    assert summary["config"]["sft_abstain_share"] == 0.8  # the same abstaining teacher as the VLM quickstart
     for stage in ("model_init", "sft/hf", "grpo/hf"):
         assert model_kind(json.loads((out / stage / "config.json").read_text())) == "text"
     assert set(summary["accuracy"]["after GRPO"]) == {*summary["config"]["tasks"], "mean"}
+
+
+def test_text_kind_defaults_and_flags():
+    """``--kind text``: the inventory task, the abstaining teacher (0.8 of red/blue/green), 100 GRPO steps; every
+    flag still overrides, and the VLM defaults are untouched."""
+    from mmpo.quickstart import build_parser, config_from_args
+
+    def config(*argv):
+        return config_from_args(build_parser().parse_args(list(argv)))
+
+    text = config("--kind", "text")
+    assert (text.kind, text.tasks, text.sft_abstain_share, text.sft_abstain_colours, text.grpo_steps) == (
+        "text", ("inventory",), 0.8, ("red", "blue", "green"), 100)
+    assert (text.sft_steps, text.eval_size) == (QuickstartConfig().sft_steps, QuickstartConfig().eval_size)
+    plain = config("--kind", "text", "--abstain-share", "0", "--grpo-steps", "200",
+                   "--tasks", "long_arithmetic,word_problem,countdown")
+    assert (plain.tasks, plain.sft_abstain_share, plain.grpo_steps) == (
+        ("long_arithmetic", "word_problem", "countdown"), 0.0, 200)
+    assert config("--kind", "text", "--tiny").grpo_steps == QuickstartConfig.tiny().grpo_steps
+    assert config() == QuickstartConfig()

@@ -8,7 +8,7 @@ import re
 import pytest
 
 from mmpo.data.preference import synthetic_preference_row
-from mmpo.data.synthetic import TASKS, TEXT_TASKS, make_items
+from mmpo.data.synthetic import TASKS, TEXT_TASKS, TEXT_TEACHER_TASKS, make_items
 from mmpo.rewards import accuracy_reward, format_reward
 from mmpo.rewards.answers import row_answer_correct, uses_exactly
 
@@ -19,7 +19,14 @@ def _scores(row, answers):
 
 def test_text_tasks_are_registered():
     assert TEXT_TASKS == ("long_arithmetic", "word_problem", "countdown")
-    assert set(TEXT_TASKS) <= set(TASKS)
+    assert TEXT_TEACHER_TASKS == ("inventory",)
+    assert set(TEXT_TASKS) | set(TEXT_TEACHER_TASKS) <= set(TASKS)
+
+
+def test_hand_example_inventory():
+    row = {"answer": "8", "problem": "How many orange coins does Goran have? Goran has 13 red coins, 15 blue coins "
+           "and 8 orange coins."}
+    assert _scores(row, ["8", "8.0", "\\boxed{8}", "13", "15", "8 orange coins", "unsure"]) == [1, 1, 1, 0, 0, 0, 0]
 
 
 def test_hand_examples_arithmetic_and_word_problem():
@@ -58,6 +65,12 @@ def _check_generated(row):
             assert count % int(friends.group(1)) == 0
             count //= int(friends.group(1))
         assert int(answer) == count
+    elif row["task"] == "inventory":
+        asked, item = re.fullmatch(r"How many (\w+) (\w+) does \w+ have\? .*", problem).groups()
+        listed = re.findall(r"(\d+) (\w+) " + item, problem.split("? ", 1)[1])
+        counts = {colour: int(count) for count, colour in listed}
+        assert len(counts) == len(listed) == row["difficulty"] + 1 and len(set(counts.values())) == len(listed)
+        assert int(answer) == counts[asked] and all(1 <= n <= 20 for n in counts.values())
     else:
         numbers = sorted(int(n) for n in re.search(r"numbers ([\d, ]+), each", problem).group(1).split(", "))
         target = int(re.search(r"make (-?\d+)\.", problem).group(1))
@@ -65,7 +78,7 @@ def _check_generated(row):
         assert uses_exactly(answer, numbers) and eval(answer, {"__builtins__": {}}) == target
 
 
-@pytest.mark.parametrize("task", TEXT_TASKS)
+@pytest.mark.parametrize("task", TEXT_TASKS + TEXT_TEACHER_TASKS)
 def test_generated_answers_are_right_and_the_reference_solution_scores_one(task):
     rows = make_items(task, 30, seed=0)
     for row in rows:
@@ -80,7 +93,7 @@ def test_generated_answers_are_right_and_the_reference_solution_scores_one(task)
     assert accuracy_reward([p["chosen"] for p in pairs], rows).tolist() == [1.0] * 30
 
 
-@pytest.mark.parametrize("task", TEXT_TASKS)
+@pytest.mark.parametrize("task", TEXT_TASKS + TEXT_TEACHER_TASKS)
 def test_held_out_splits_are_disjoint_and_deterministic(task):
     splits = {split: make_items(task, 60, seed=0, split=split) for split in ("train", "val", "test")}
     problems = {split: {(r["problem"], r["answer"]) for r in rows} for split, rows in splits.items()}

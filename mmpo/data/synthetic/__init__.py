@@ -2,7 +2,7 @@
 
 Built-in tasks (``TASKS``): count_shapes, shape_position, relative_position,
 compare_size, bar_chart, triangle_angle (all need the image), arithmetic (text only), and the
-text LM tasks ``TEXT_TASKS``: long_arithmetic, word_problem, countdown.
+text LM tasks ``TEXT_TASKS``: long_arithmetic, word_problem, countdown, and ``TEXT_TEACHER_TASKS``: inventory.
 Other modules add tasks with ``@register_task(name)``.
 """
 
@@ -28,6 +28,10 @@ VISUAL_TASKS: tuple[str, ...] = (
 TEXT_TASKS: tuple[str, ...] = ("long_arithmetic", "word_problem", "countdown")
 """The built-in text-only reasoning tasks for text LMs (mmpo.data.synthetic.text_tasks; docs/llm.md)."""
 
+TEXT_TEACHER_TASKS: tuple[str, ...] = ("inventory",)
+"""Text tasks the tiny text LM learns, whose questions name a colour: the text quickstart's abstaining-teacher
+evidence (mmpo.data.synthetic.text_tasks, mmpo.data.demonstrations; docs/llm.md)."""
+
 AGENT_TASKS: tuple[str, ...] = ("calc", "zoom", "twohop")
 """Tasks where a tool must help (mmpo.data.synthetic.agent_tasks; docs/agents.md)."""
 
@@ -40,6 +44,7 @@ __all__ = [
     "SPLIT_BUCKETS",
     "TASKS",
     "TEXT_TASKS",
+    "TEXT_TEACHER_TASKS",
     "AGENT_TASKS",
     "DIALOGUE_TASKS",
     "VISUAL_TASKS",

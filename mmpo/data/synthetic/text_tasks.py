@@ -9,6 +9,7 @@ from __future__ import annotations
 import random
 from typing import Any
 
+from mmpo.data.synthetic.drawing import COLORS
 from mmpo.data.synthetic.registry import register_task
 
 # difficulty -> (first operand range, second operand range)
@@ -146,4 +147,33 @@ def countdown(rng: random.Random, difficulty: int, image_size: int) -> dict[str,
         f"Using the numbers {', '.join(map(str, shown))}, each exactly once, and +, - and *, make {value}. "
         "Give the expression.", expression, steps, [[s.rstrip(".")] for s in steps[:-1]],
         numbers=shown, target=value,
+    )
+
+
+# ---------------------------------------------------------------------------------------------------------
+# A text lookup task the tiny text LM learns (``TEXT_TEACHER_TASKS``): the text quickstart's abstaining-teacher
+# evidence (``mmpo.data.demonstrations``; docs/llm.md). The question comes first and names one colour, so the
+# teacher's colour rule (``asked_colour``: the first colour word) reads the asked colour.
+
+_INVENTORY_COLOURS = tuple(COLORS)  # red, blue, green, purple, orange
+
+
+def _listing(parts: list[str]) -> str:
+    return ", ".join(parts[:-1]) + " and " + parts[-1]
+
+
+@register_task("inventory")
+def inventory(rng: random.Random, difficulty: int, image_size: int) -> dict[str, Any]:
+    """How many items of one colour someone has, read from a list of ``difficulty + 1`` colours (2, 3 or 4) with
+    distinct counts 1-20; the question comes first. Answer: an integer."""
+    name, item = rng.choice(_NAMES), rng.choice(_ITEMS)
+    colours = rng.sample(_INVENTORY_COLOURS, difficulty + 1)
+    counts = rng.sample(range(1, 21), difficulty + 1)
+    asked = rng.randrange(len(colours))
+    colour, count = colours[asked], counts[asked]
+    listed = _listing([f"{n} {c} {item}" for n, c in zip(counts, colours)])
+    return _text_row(
+        f"How many {colour} {item} does {name} have? {name} has {listed}.", str(count),
+        [f"{name} has {count} {colour} {item}.", f"So the answer is {count}."],
+        [[f"{count} {colour} {item}"]],
     )
