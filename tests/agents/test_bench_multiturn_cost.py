@@ -81,9 +81,13 @@ def _rollout(bench, path, *, side, mode, **settings):
     model = bench.prepare_model(model, side=side, mode=mode, eos_bias=settings.pop("eos_bias", 3.0),
                                 turns=settings["turns"], turn_length=settings.pop("turn_length", 0))
     run = bench.make_rollout(model, processor, side=side, mode=mode, prompts=2, samples=3, **settings)
+    forwards = [0]  # decoder forwards, counted as the bench counts them (on the first decoder layer)
+    model.model.layers[0].register_forward_hook(lambda *_: forwards.__setitem__(0, forwards[0] + 1))
     torch.manual_seed(0)
     with torch.no_grad():
-        return run(), model.generation_config.eos_token_id
+        result = run()
+    result.extras["decoder_forwards"] = forwards[0]
+    return result, model.generation_config.eos_token_id
 
 
 def test_matched_mode_gives_each_single_turn_completion_its_trajectorys_model_tokens(tiny_lm):
@@ -95,6 +99,10 @@ def test_matched_mode_gives_each_single_turn_completion_its_trajectorys_model_to
                          single_lengths=lengths)
     assert bench.trajectory_tokens(single) == lengths
     assert single.completion_ids.shape[1] == max(lengths)  # the same longest trajectory, so as many decode steps
+    # the prompts' prefill, then one step per token of the longest (continuous batching: the multi side too, plus
+    # one answer prefill per step where turns end)
+    assert single.extras["decoder_forwards"] == 1 + max(lengths)
+    assert multi.extras["decoder_forwards"] > 1 + max(lengths)
     for row, length in enumerate(lengths):  # the end-of-turn token exactly at each row's budget, nowhere before
         ids = single.completion_ids[row, :length].tolist()
         assert ids[-1] == eos and eos not in ids[:-1]
@@ -110,3 +118,5 @@ def test_fixed_mode_gives_every_turn_l_tokens_and_every_single_completion_turns_
     single, _ = _rollout(bench, tiny_lm, side="single", mode="fixed", turns=3, tokens_per_turn=24, turn_length=5)
     assert bench.trajectory_tokens(single) == [15] * 6
     assert [row.tolist().index(eos) for row in single.completion_ids] == [14] * 6
+    # every turn ends at the same step: 1 prompt prefill + 15 steps + 2 answer prefills against 1 + 15
+    assert (multi.extras["decoder_forwards"], single.extras["decoder_forwards"]) == (18, 16)
