@@ -74,9 +74,13 @@ from mmpo.vlm.rollout import (HFGenerateEngine, Rollout, _SampledLogProbRecorder
 _TURN_SENTINEL = "\u2063MMPO_TURN\u2063"
 
 
-def _observation_text(processor: Any, messages: Sequence[Mapping[str, Any]]) -> str:
-    tokenizer = processor.tokenizer
-    end_text = tokenizer.convert_ids_to_tokens(_turn_end_id(processor))
+def _turn_end_text(processor: Any) -> str:
+    """The turn-end token's text (``<|im_end|>`` for Qwen); the lookup copies the tokenizer's vocabulary."""
+    return processor.tokenizer.convert_ids_to_tokens(_turn_end_id(processor))
+
+
+def _observation_text(processor: Any, messages: Sequence[Mapping[str, Any]], end_text: str | None = None) -> str:
+    end_text = _turn_end_text(processor) if end_text is None else end_text
     base = [{"role": "user", "content": "q"}, {"role": "assistant", "content": _TURN_SENTINEL}]
     text = processor.apply_chat_template([*base, *[dict(m) for m in messages]], tokenize=False,
                                          add_generation_prompt=True)
@@ -104,15 +108,18 @@ def observation_token_ids(processor: Any, messages: Sequence[Mapping[str, Any]])
     return encode_observation(processor, messages)[0]
 
 
-def encode_observation(processor: Any, messages: Sequence[Mapping[str, Any]]
+def encode_observation(processor: Any, messages: Sequence[Mapping[str, Any]], *, end_text: str | None = None
                        ) -> tuple[list[int], list[tuple[torch.Tensor, torch.Tensor]]]:
     """An environment answer -> its tokens and its images as ``[(pixel_values (patches, D), grid (3,))]``.
 
     Text: :func:`observation_token_ids`' tokens. Images (a VLM's tool answer, e.g. a zoomed crop) are resized
     as prompt images are (qwen-vl-utils within the processor's pixel budget) and their placeholders expanded
     by the processor to one ``<|image_pad|>`` per merged patch: in the context as vision tokens, out of the loss
-    like every environment token. A text-only LM's processor refuses images (ValueError)."""
-    suffix = _observation_text(processor, messages)
+    like every environment token. A text-only LM's processor refuses images (ValueError).
+
+    ``end_text``: the turn-end token's text (:func:`_turn_end_text`, looked up when None); a caller encoding several
+    answers looks it up once (the lookup copies the tokenizer's vocabulary, about as long as rendering the answer)."""
+    suffix = _observation_text(processor, messages, end_text)
     images = observation_images(messages)
     if not images:
         return list(processor.tokenizer(suffix, add_special_tokens=False)["input_ids"]), []
@@ -317,6 +324,7 @@ class MultiTurnEngine:
         if not waiting:
             return
         messages = [trajectories[i].last_message for i in waiting]
+        end_text = _turn_end_text(self.engine.processor)  # once per call, not per answer
         if all(isinstance(envs[i], ToolEnvironment) for i in waiting):
             results = ToolEnvironment.step_batch([envs[i] for i in waiting], messages)
         else:
@@ -329,7 +337,7 @@ class MultiTurnEngine:
             if result.done or not result.observation or trajectory.turns >= self.max_turns:
                 trajectory.done = True  # the environment is done, or no model turn would follow its answer
                 continue
-            ids, images = encode_observation(self.engine.processor, result.observation)
+            ids, images = encode_observation(self.engine.processor, result.observation, end_text=end_text)
             trajectory.transcript += [{"role": str(m["role"]), "content": _transcript_content(m["content"])}
                                       for m in result.observation]
             if len(trajectory.tokens) + len(ids) >= self.max_total_tokens:
