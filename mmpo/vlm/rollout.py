@@ -434,7 +434,6 @@ class HFGenerateEngine:
         return sequences[:, :length], log_probs
 
 
-
 # the text decoders whose layer step :func:`decode_layer_step` computes with the layer's own modules and HF's ops
 _DIRECT_LAYER_PARTS = {
     "Qwen3DecoderLayer": ("Qwen3Attention", "Qwen3MLP", "Qwen3RMSNorm"),
