@@ -185,6 +185,73 @@ def test_lean_loop_samples_hf_generates_tokens_and_log_probs_match(text, tmp_pat
     assert mask.any()
 
 
+
+@pytest.mark.parametrize("architecture", ["qwen3", "qwen2", "llama"])
+@pytest.mark.parametrize("padded", [True, False], ids=["mask", "no-mask"])
+def test_direct_decode_layer_step_equals_the_hf_layer_to_the_bit(text, tmp_path, architecture, padded):
+    """The lean loop's direct layer step (HF's ops without the module wrappers) against the HF layer's own call
+    on the same decode step: the same hidden states and cache entries, bit for bit, with a padding mask (GQA
+    packed) and without one (sdpa's own GQA); a training-mode layer or one with a hook is left to HF's call."""
+    from mmpo.vlm.rollout import _GrowingKVCache, decode_layer_step, direct_decode_layer
+    from transformers import DynamicCache
+
+    model, _ = load_vlm(_save_text_lm(tmp_path / architecture, architecture, text[1].tokenizer))
+    model.eval()
+    backbone, rows, width = model.model, 4, 5
+    generator = torch.Generator().manual_seed(3)
+    prompt = torch.randint(3, 40, (rows, width), generator=generator)
+    attention = torch.ones(rows, width, dtype=torch.long)
+    if padded:
+        attention[:2, :2] = 0
+    results = []
+    for direct in (False, True):
+        with torch.no_grad():
+            cache = DynamicCache(config=model.config)
+            backbone(input_ids=prompt, attention_mask=attention, cache=cache, use_cache=True)
+            grown = _GrowingKVCache(cache, 2)
+            hidden = backbone.embed_tokens(torch.randint(3, 40, (rows, 1), generator=torch.Generator().manual_seed(4)))
+            rope = backbone.rotary_emb(hidden, attention.sum(-1, keepdim=True))
+            mask = None
+            if padded:
+                mask = torch.ones(rows, 1, 1, width + 1, dtype=torch.bool)
+                mask[:, 0, 0, :width] = attention.bool()
+            for layer in backbone.layers:
+                assert direct_decode_layer(layer)
+                hidden = (decode_layer_step(layer, hidden, mask, rope, grown) if direct else
+                          layer(hidden, attention_mask=mask, position_embeddings=rope, position_ids=None, cache=grown,
+                                use_cache=True))
+        results.append((hidden, [k[:, :, : width + 1].clone() for k in grown.keys + grown.values]))
+    (hf, hf_cache), (ours, our_cache) = results
+    assert torch.equal(hf, ours)
+    assert all(torch.equal(a, b) for a, b in zip(hf_cache, our_cache))
+    layer = backbone.layers[0]
+    layer.train()
+    assert not direct_decode_layer(layer)
+    layer.eval()
+    handle = layer.mlp.register_forward_hook(lambda *args: None)
+    assert not direct_decode_layer(layer)
+    handle.remove()
+    assert direct_decode_layer(layer)
+
+
+def test_lean_loop_takes_the_direct_layer_step_and_samples_hf_generates_tokens(text, monkeypatch):
+    """The tiny Qwen3's rollout goes through the direct layer step (every layer, every step) and still samples
+    HF generate's tokens: one prompt (no padding mask) and three left-padded ones."""
+    from mmpo.vlm import rollout as rollout_module
+
+    model, processor = text
+    calls = []
+    step = rollout_module.decode_layer_step
+    monkeypatch.setattr(rollout_module, "decode_layer_step", lambda *args: calls.append(1) or step(*args))
+    for rows in (_rows()[:1], _rows()):
+        out = []
+        for lean in (True, False):
+            engine = HFGenerateEngine(model, processor, lean_decode=lean)
+            torch.manual_seed(0)
+            out.append(engine.generate(rows, num_samples=3, max_new_tokens=6).completion_ids)
+        assert torch.equal(out[0], out[1])
+    assert len(calls) == 2 * 6 * len(model.model.layers)  # two rollouts (no EOS here before 6 tokens) x 6 steps
+
 def test_lean_loop_blockers_for_text_lms(text):
     model, processor = text
     inputs = {"input_ids": torch.ones(1, 3, dtype=torch.long)}
