@@ -15,6 +15,7 @@ from mmpo.data.synthetic import make_items
 from mmpo.tools.lookup import city_of, population_of
 
 bench = load_bench("bench_matpo_dialtree")
+original_corpus = bench.tokenizer_corpus
 
 
 def test_twohop_roles_and_traces():
@@ -70,7 +71,7 @@ def test_rl_arms_differ_only_in_algorithm_and_group_size():
     matpo_config, matpo = bench.rl_arguments("twohop", "matpo", settings)
     assert (single_config, matpo_config) == ("calc_grpo_tiny.yaml", "matpo_tiny.yaml")
     shared = {"--data.init_args.batch_size=2", "--model.init_args.agent.max_total_tokens=99",
-              "--model.init_args.sampling.max_new_tokens=48", "--model.init_args.optim.lr=0.0001"}
+              "--model.init_args.sampling.max_new_tokens=48", "--model.init_args.optim.lr=0.0003"}
     assert shared <= set(single) and shared <= set(matpo)
     assert "--model.init_args.sampling.num_generations=8" in single
     assert "--model.init_args.sampling.num_generations=4" in matpo
@@ -129,3 +130,31 @@ def test_report_contrasts_are_paired_by_item_over_seeds(tmp_path):
     broken = [_seed(0, [1, 1, 0], [1, 0, 0, 0])]
     with pytest.raises(ValueError, match="different item counts"):
         bench.contrast_row(broken, "dialtree", "flat", "success_greedy")
+
+
+def test_lock_seed_end_to_end_and_resumable(tmp_path, monkeypatch):
+    """One lock seed with tiny budgets: SFT, both RL arms through ``mmpo fit``, the evaluations on the same goals,
+    the stored results; a second call runs nothing."""
+    monkeypatch.setattr(bench, "MODEL_SIZE", dict(vocab_size=400, hidden_size=32, intermediate_size=64, num_layers=1))
+    monkeypatch.setattr(bench, "RL_OVERRIDES", ["--data.init_args.train_size=8"])
+    monkeypatch.setattr(bench, "tokenizer_corpus", lambda: original_corpus(20))
+    settings = bench.parse_settings("lock", ["sft_steps=2", "sft_rows=12", "sft_batch=4", "rl_steps=1", "questions=2",
+                                             "max_new_tokens=8", "eval_size=3", "samples=2"])
+    results = bench.run_seed("lock", 0, tmp_path, settings)
+    assert set(results["eval"]) == {"sft", "flat", "dialtree"}
+    for entry in results["eval"].values():
+        assert len(entry["success_sampled"]) == len(entry["valid_greedy"]) == 3
+        assert entry["ids"] == results["eval"]["sft"]["ids"]  # the same held-out goals for every checkpoint
+        assert entry["success_rate_sampled"] == pytest.approx(sum(entry["success_sampled"]) / 3)
+    assert results["training"]["flat"]["trajectories"] == 3.0  # flat_g dialogues per goal
+    assert results["training"]["dialtree"]["target_queries"] <= 9.0
+    stored = json.loads((tmp_path / "lock" / "s0" / "results.json").read_text())
+    assert stored == json.loads(json.dumps(results))
+
+    def no_more_work(*args, **kwargs):
+        raise AssertionError("a finished stage ran again")
+
+    for name in ("train_sft", "_fit", "evaluate_lock"):
+        monkeypatch.setattr(bench, name, no_more_work)
+    assert bench.run_seed("lock", 0, tmp_path, settings)["eval"] == results["eval"]
+
