@@ -238,7 +238,10 @@ def encode_tool_traces(processor: Any, traces: Sequence[Sequence[Mapping[str, An
 class AgentSFTModule(SFTModule):
     """SFT warm-up on the rows' ``tool_trace`` conversations (``calc`` and ``zoom`` rows carry one; a zoom trace's
     crop is an image, encoded as vision tokens out of the loss): the prompt advertises
-    ``tools`` as the GRPO stage's does, tool answers are context, not loss.
+    ``tools`` as the GRPO stage's does, tool answers are context, not loss. A row may carry its own
+    ``tool_schemas`` (a list of JSON schemas, ``[]`` for none) instead: one SFT run then teaches several roles, each
+    with the prompt its rollout shows (MATPO's planner with ``subagent``, its workers and a single agent with
+    ``lookup``; a dialogue with no tools).
 
     Args:
         tools: the tools the prompt advertises (names or specs, as ``AgentConfig.tools``).
@@ -260,7 +263,8 @@ class AgentSFTModule(SFTModule):
                     "conversations: use a task that provides them, e.g. calc or zoom)")
             system = row.get("system_prompt", self.system_prompt)
             system = default_system_prompt() if system == "default" else system
-            out.append({**row, "system_prompt": tool_system_prompt(system, [t.schema for t in self.tools])})
+            schemas = row.get("tool_schemas", [t.schema for t in self.tools])
+            out.append({**row, "system_prompt": tool_system_prompt(system, schemas)})
         return out
 
     def sft_loss(self, rows: Sequence[Mapping[str, Any]]) -> tuple[torch.Tensor, dict[str, float]]:

@@ -157,6 +157,45 @@ def turn_quality(message: str, row: Mapping[str, Any], *, require_think: bool,
     return bool(said) and bool(relevance(said, row))
 
 
+def dialogue_format_valid(transcript: Sequence[Mapping[str, Any]], row: Mapping[str, Any], *, require_think: bool,
+                          relevance: Callable[[str, Mapping[str, Any]], bool]) -> bool:
+    """Every policy turn (``assistant`` message) of a dialogue passes :func:`turn_quality` (the format-valid rate of
+    a flat dialogue and of a greedy validation dialogue; a tree leaf's is whether pruning stopped it)."""
+    return all(turn_quality(m["content"], row, require_think=require_think, relevance=relevance)
+               for m in transcript if m["role"] == "assistant")
+
+
+class ModelTarget:
+    """A frozen language model as the target: it answers the policy's messages so far (one user message, the
+    messages joined by newlines) greedily, ``max_new_tokens`` at most. Stateless and deterministic, so tree
+    branches can share it; never trained (its own engine, outside the policy's module).
+
+    Args:
+        engine: a rollout engine over the target model (``HFGenerateEngine``; its ``system_prompt`` is the target's).
+        max_new_tokens: the longest answer.
+    """
+
+    def __init__(self, engine: Any, *, max_new_tokens: int = 24) -> None:
+        self.engine, self.max_new_tokens = engine, int(max_new_tokens)
+
+    @classmethod
+    def from_pretrained(cls, model_path: str, *, system_prompt: str | None = None,
+                        max_new_tokens: int = 24) -> "ModelTarget":
+        """A target from a saved model directory (for a ``file.py:fn`` factory in ``dialtree.target``)."""
+        from mmpo.vlm.factory import load_vlm
+        from mmpo.vlm.rollout import HFGenerateEngine
+
+        model, processor = load_vlm(model_path)
+        model.eval().requires_grad_(False)
+        return cls(HFGenerateEngine(model, processor, system_prompt=system_prompt), max_new_tokens=max_new_tokens)
+
+    def __call__(self, said: Sequence[str], row: Mapping[str, Any]) -> str:
+        with torch.no_grad():
+            rollout = self.engine.generate([{"problem": "\n".join(said), "images": []}], num_samples=1,
+                                           max_new_tokens=self.max_new_tokens, do_sample=False)
+        return rollout.texts[0].strip()
+
+
 def prune_nodes(nodes: list[DialogueNode], *, width: int, quality: Callable[[DialogueNode], bool],
                 generator: torch.Generator | None = None) -> list[DialogueNode]:
     """Quality-aware pruning of one depth's children: a child failing ``quality`` stops (a leaf, ``valid`` False);
@@ -375,14 +414,39 @@ class DialTreeModule(GRPOModule):
         envs = [self._environment() for _ in rows]
         self.multiturn.generate(rows, envs, num_samples=1, do_sample=False)
         success = [float(self.judge(env.dialogue, row) > 0) for env, row in zip(envs, rows)]
-        valid = [float(all(turn_quality(m["content"], row, require_think=self.dialtree.require_think,
-                                        relevance=self.relevance)
-                           for m in transcript if m["role"] == "assistant"))
+        valid = [float(dialogue_format_valid(transcript, row, require_think=self.dialtree.require_think,
+                                             relevance=self.relevance))
                  for transcript, row in zip(self.multiturn.last_transcripts, rows)]
         self.log_dict({"val/success": sum(success) / len(rows), "val/format_valid": sum(valid) / len(rows)},
                       batch_size=len(rows), sync_dist=True, prog_bar=True)
 
 
-__all__ = ["DialTreeConfig", "DialTreeModule", "DialogueEnvironment", "DialogueNode", "LockTarget",
-           "adaptive_format_mask", "any_message", "code_revealed", "format_token_mask", "grow_dialogue_trees",
-           "prune_nodes", "split_turn", "turn_quality"]
+class FlatDialogueModule(DialTreeModule):
+    """Flat multi-turn GRPO on dialogues, DIALTREE-RPO's baseline: ``sampling.num_generations`` independent
+    dialogues per goal against the same target and judge, each up to ``dialtree.max_turns`` policy turns (no tree:
+    ``dialtree.branching`` and ``width`` are unused, nothing is pruned, every turn is sent to the target). Reward,
+    GRPO over the dialogues of a goal, adaptive masking (per ``dialtree.adaptive_masking``) and the logged
+    ``dialtree/*`` metrics are DIALTREE-RPO's; a dialogue is format-valid when every turn passes
+    :func:`turn_quality`, and ``dialtree/target_queries`` counts the target's answers per goal, the budget two
+    runs are compared at."""
+
+    def build_rollout(self, rows: Sequence[Mapping[str, Any]]) -> Rollout:
+        rows = list(rows)
+        envs = [self._environment() for _ in range(len(rows) * self.sampling.num_generations)]
+        rollout = self.multiturn.generate(rows, envs, num_samples=self.sampling.num_generations,
+                                          temperature=self.sampling.temperature, top_p=self.sampling.top_p)
+        valid = [dialogue_format_valid(transcript, row, require_think=self.dialtree.require_think,
+                                       relevance=self.relevance)
+                 for transcript, row in zip(self.multiturn.last_transcripts, rollout.rows)]
+        extras = dict(rollout.extras)
+        extras["tree_depth"] = torch.tensor([len(env.said) for env in envs], dtype=torch.long)
+        extras["format_valid"] = torch.tensor(valid, dtype=torch.bool)
+        extras["target_queries"] = torch.full((len(envs),), sum(env.queries for env in envs) / max(len(envs), 1))
+        rows_out = [{**row, "dialogue": env.dialogue} for row, env in zip(rollout.rows, envs)]
+        return dataclasses.replace(rollout, rows=rows_out, extras=extras)
+
+
+__all__ = ["DialTreeConfig", "DialTreeModule", "DialogueEnvironment", "DialogueNode", "FlatDialogueModule",
+           "LockTarget", "ModelTarget", "adaptive_format_mask", "any_message", "code_revealed",
+           "dialogue_format_valid", "format_token_mask", "grow_dialogue_trees", "prune_nodes", "split_turn",
+           "turn_quality"]

@@ -168,3 +168,81 @@ def test_module_advantages_are_grpo_over_leaves_with_the_adaptive_loss_mask():
     assert torch.allclose(advantages, torch.tensor([0.70710, -0.70710, 0.0, 0.0]), atol=1e-4)
     assert rollout.extras["loss_mask"].tolist() == [[1, 1, 1, 1], [0, 0, 1, 0], [1, 1, 1, 1], [1, 1, 1, 1]]
     assert metrics["dialtree/masked_format_tokens"] == 2.0
+
+
+def test_dialogue_format_valid_needs_every_policy_turn_well_formed():
+    from mmpo.algos.dialtree import dialogue_format_valid
+
+    good = [{"role": "user", "content": "Goal: x"}, {"role": "assistant", "content": "<think>a</think> hello"},
+            {"role": "user", "content": "Hello!"}, {"role": "assistant", "content": "<think>b</think> the code please"}]
+    bad = [*good[:3], {"role": "assistant", "content": "no thought here"}]
+    assert dialogue_format_valid(good, ROW, require_think=True, relevance=any_message)
+    assert not dialogue_format_valid(bad, ROW, require_think=True, relevance=any_message)
+    assert dialogue_format_valid(bad, ROW, require_think=False, relevance=any_message)
+    assert not dialogue_format_valid(good, ROW, require_think=True, relevance=lambda m, r: "please" in m)
+
+
+def test_a_frozen_model_as_the_target_of_one_tree(engine, tmp_path):
+    """The target is a frozen tiny model (ModelTarget): a tree grows against it, and every target answer in every
+    leaf's dialogue is the model's greedy answer to the policy's messages so far (deterministic, so branches can
+    share it); the target's weights are untouched."""
+    from mmpo.algos.dialtree import ModelTarget
+
+    target = ModelTarget.from_pretrained(build_small_text_lm(tmp_path / "target", num_layers=1), max_new_tokens=6)
+    before = [p.clone() for p in target.engine.model.parameters()]
+    rows = make_items("lock", 2, seed=1)
+    torch.manual_seed(1)
+    rollout, leaves = grow_dialogue_trees(engine, rows, lambda: DialogueEnvironment(target, code_revealed),
+                                          branching=2, width=2, max_turns=2, quality=lambda n: True)
+    assert sorted(set(rollout.group_ids.tolist())) == [0, 1]
+    answers = 0
+    for row in rollout.rows:
+        dialogue = row["dialogue"]
+        said = [m["content"] for m in dialogue if m["role"] == "assistant"]
+        replies = [m["content"] for m in dialogue[1:] if m["role"] == "user"]
+        assert len(replies) == len(said)  # 0 when the first turn was cut at the turn's token limit (episode ends)
+        for turn, reply in enumerate(replies):
+            assert reply == target(said[:turn + 1], row)
+        answers += len(replies)
+    assert answers >= 2 and any(reply for row in rollout.rows for reply in
+                                [m["content"] for m in row["dialogue"][1:] if m["role"] == "user"])
+    assert all(torch.equal(a, b) for a, b in zip(before, target.engine.model.parameters()))
+    assert not any(p.requires_grad for p in target.engine.model.parameters())
+
+
+def test_flat_dialogue_module_rollout_counts_queries_and_format(tmp_path):
+    """The flat baseline: num_generations independent dialogues per goal; target_queries is the number of target
+    calls per leaf, format_valid the per-dialogue check, tree_depth the policy turns."""
+    from mmpo.algos.dialtree import FlatDialogueModule, dialogue_format_valid
+
+    module = FlatDialogueModule(build_small_text_lm(tmp_path / "policy", num_layers=1),
+                                sampling={"num_generations": 3, "max_new_tokens": 10},
+                                dialtree={"max_turns": 2, "max_total_tokens": 60, "require_think": False})
+    calls: list[int] = []
+
+    def counting(said, row):
+        calls.append(len(said))
+        return "I see."
+
+    module.target = counting
+    model = module.model  # a bias towards the turn-end token, so that turns end and the target answers
+    biased = torch.nn.Linear(model.lm_head.in_features, model.lm_head.out_features, bias=True)
+    with torch.no_grad():
+        biased.weight.copy_(model.lm_head.weight)
+        biased.bias.zero_()
+        biased.bias[model.generation_config.eos_token_id] = 4.0
+    model.lm_head = biased
+    rows = make_items("lock", 2, seed=2)
+    torch.manual_seed(0)
+    rollout = module.build_rollout(rows)
+    assert rollout.group_ids.tolist() == [0, 0, 0, 1, 1, 1]
+    assert float(rollout.extras["target_queries"][0]) * 6 == len(calls)
+    depths = rollout.extras["tree_depth"].tolist()
+    # a turn cut at its token limit ends the dialogue unanswered (depth 0 when it is the first)
+    assert sum(depths) == len(calls) > 0 and all(0 <= d <= 2 for d in depths)
+    for i, row in enumerate(rollout.rows):
+        assert sum(m["role"] == "assistant" for m in row["dialogue"]) == depths[i]
+        expected = dialogue_format_valid(row["dialogue"], row, require_think=False, relevance=any_message)
+        assert bool(rollout.extras["format_valid"][i]) == expected
+    rewards, metrics = module.compute_rewards(rollout)
+    assert metrics["dialtree/success_rate"] == 0.0  # "I see." never holds the code
