@@ -19,6 +19,7 @@ from mmpo.data.synthetic.registry import (
 
 # Importing the task modules registers the built-in tasks.
 from mmpo.data.synthetic import shapes_tasks, chart_tasks, geometry_tasks, text_tasks, agent_tasks, dialogue_tasks  # noqa: E402,F401
+from mmpo.data.synthetic import strategy_tasks  # noqa: E402,F401
 
 VISUAL_TASKS: tuple[str, ...] = (
     "count_shapes", "shape_position", "relative_position", "compare_size", "bar_chart", "triangle_angle",
