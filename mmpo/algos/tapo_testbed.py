@@ -5,10 +5,12 @@
 - **Weak start** (:func:`build_weak_start`): a tiny Qwen3 text LM fine-tuned here on a fixed skill: every
   reasoning action of TAPO's set carries one procedure (:data:`ACTION_PROCEDURES`: ``SA`` the largest, ``DC`` the
   smallest, ``OST`` the last, ``SRR`` the second, ``CoT`` the first value). With a thought template in its
-  prompt it applies the procedure of the template's first action with probability ``follow`` (else it copies the
-  first value); without one it copies the first value, except with probability ``explore`` where it applies a
-  procedure drawn uniformly (:func:`weak_start_procedure`). Its training data never pairs a family with a
-  procedure, and the first value is never an answer, so unguided it is rarely right and whole groups are wrong.
+  prompt it is trained to apply the procedure of the template's first action (with probability ``follow``, 1 by
+  default; else it copies the first value); without one it copies the first value, except with probability
+  ``explore`` (0.15) where it applies a procedure drawn uniformly (:func:`weak_start_procedure`). Its training data
+  never pairs a family with a procedure, and the first value is never an answer, so unguided it is rarely right
+  and whole groups are wrong. After the default 600 steps it has learnt the skill only in part: with its family's
+  action first, about half of its answers are right (bench/RESULTS.md, "TAPO testbed").
 - **What TAPO must find**: which action helps which family. ``mmpo tapo-library`` (the tree search over the
   actions, scored by this policy's reward) has to discover it, and retrieval must map a problem to its family's
   template by the complexity feature (the count of numbers = the family). Nothing here assigns templates.
@@ -36,10 +38,11 @@ TASK = "strategy_mix"
 
 
 def answer_text(value: int) -> str:
-    return f"<answer>{value}</answer>"
+    """The answer with a space before the digit, so it is the same token as in the problem (``Ġ7``)."""
+    return f"<answer> {value}</answer>"
 
 
-def weak_start_procedure(actions: Sequence[str] | None, rng: random.Random, *, follow: float = 0.8,
+def weak_start_procedure(actions: Sequence[str] | None, rng: random.Random, *, follow: float = 1.0,
                          explore: float = 0.15) -> str:
     """The procedure the weak start is trained to apply: with a template (``actions``), the first action's with
     probability ``follow``, else ``first``; without one, ``first``, except with probability ``explore`` a
@@ -60,7 +63,7 @@ def random_template(rng: random.Random, max_depth: int = 3) -> tuple[str, ...]:
     return node
 
 
-def sft_example(rng: random.Random, *, guided_share: float = 0.5, follow: float = 0.8,
+def sft_example(rng: random.Random, *, guided_share: float = 0.6, follow: float = 1.0,
                 explore: float = 0.15) -> tuple[dict[str, Any], str]:
     """One (row, target) of the weak start's data: a random family's values, with a random template in the
     prompt with probability ``guided_share``; the target applies :func:`weak_start_procedure`."""
@@ -85,9 +88,9 @@ def tokenizer_corpus() -> list[str]:
     return texts
 
 
-def build_weak_start(out: str | Path, *, seed: int = 0, steps: int = 400, batch_size: int = 32, lr: float = 5e-3,
-                     hidden_size: int = 64, num_layers: int = 2, follow: float = 0.8, explore: float = 0.15,
-                     log_every: int = 100) -> Path:
+def build_weak_start(out: str | Path, *, seed: int = 0, steps: int = 600, batch_size: int = 32, lr: float = 2e-3,
+                     hidden_size: int = 64, num_layers: int = 2, guided_share: float = 0.6, follow: float = 1.0,
+                     explore: float = 0.15, log_every: int = 100) -> Path:
     """Build the tiny text LM under ``out/base`` and fine-tune it (``steps`` AdamW steps of ``batch_size``
     :func:`sft_example` pairs, seeded by ``seed``) into ``out/weak_start``, which is returned. Prompts use the
     default system prompt, as ``mmpo fit`` and ``mmpo tapo-library`` do."""
@@ -103,7 +106,7 @@ def build_weak_start(out: str | Path, *, seed: int = 0, steps: int = 400, batch_
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
     model.train()
     for step in range(steps):
-        pairs = [sft_example(rng, follow=follow, explore=explore) for _ in range(batch_size)]
+        pairs = [sft_example(rng, guided_share=guided_share, follow=follow, explore=explore) for _ in range(batch_size)]
         prompts = encode_prompts(processor, [row for row, _ in pairs])
         ids, mask = encode_completions(processor, [target for _, target in pairs])
         input_ids = torch.cat([prompts["input_ids"], ids], 1)

@@ -65,7 +65,7 @@ def test_reward_is_the_shared_accuracy():
     row = {"problem": "Values: 3 5 9 2. Find the key value.", "answer": "9"}
     texts = ["<answer>9</answer>", "<answer>3</answer>", "9", "<think>x</think><answer>9</answer>", "<answer></answer>"]
     assert accuracy_reward(texts, [row] * 5).tolist() == [1.0, 0.0, 0.0, 1.0, 0.0]
-    assert answer_text(7) == "<answer>7</answer>"
+    assert answer_text(7) == "<answer> 7</answer>"
 
 
 class _Draws(random.Random):
@@ -83,8 +83,9 @@ class _Draws(random.Random):
 
 
 def test_weak_start_procedure_by_hand():
-    assert weak_start_procedure(("DC", "SA"), _Draws(0.79)) == "smallest"  # < follow 0.8: the first action's
-    assert weak_start_procedure(("DC", "SA"), _Draws(0.81)) == "first"
+    assert weak_start_procedure(("DC", "SA"), _Draws(0.99)) == "smallest"  # < follow 1 (default): the first action's
+    assert weak_start_procedure(("DC", "SA"), _Draws(0.79), follow=0.8) == "smallest"
+    assert weak_start_procedure(("DC", "SA"), _Draws(0.81), follow=0.8) == "first"
     assert weak_start_procedure(("OST",), _Draws(0.5), follow=0.4) == "first"
     assert weak_start_procedure(None, _Draws(0.14)) == "smallest"  # < explore 0.15: uniform (choice: last one)
     assert weak_start_procedure(None, _Draws(0.16)) == "first"
@@ -97,7 +98,7 @@ def test_weak_start_data_frequencies():
     unguided = Counter(weak_start_procedure(None, rng) for _ in range(20_000))
     assert unguided["first"] / 20_000 == pytest.approx(0.85 + 0.15 / 5, abs=0.01)
     assert unguided["largest"] / 20_000 == pytest.approx(0.03, abs=0.005)
-    guided = Counter(weak_start_procedure(("SA", "OST"), rng) for _ in range(20_000))
+    guided = Counter(weak_start_procedure(("SA", "OST"), rng, follow=0.8) for _ in range(20_000))
     assert set(guided) == {"largest", "first"} and guided["largest"] / 20_000 == pytest.approx(0.8, abs=0.01)
     lengths = Counter()
     for _ in range(600):

@@ -22,7 +22,7 @@ def test_tapo_testbed_configs_train_two_steps(tmp_path, monkeypatch):
     testbed = tmp_path / "runs" / "tapo_testbed"
     build_weak_start(testbed, steps=2, hidden_size=32, log_every=0)
     assert main(["tapo-library", "--model", str(testbed / "weak_start"), "--tasks", "strategy_mix", "--size", "3",
-                 "--samples", "2", "--max-depth", "1", "--beam", "1", "--max-new-tokens", "6",
+                 "--samples", "2", "--max-depth", "1", "--beam", "1", "--max-new-tokens", "10",
                  "--out", str(testbed / "library.json")]) == 0
     library = json.loads((testbed / "library.json").read_text())
     assert sorted(t["complexity"] for t in library["templates"]) == [4, 5, 6]  # the 3 seed problems: one per family
@@ -30,7 +30,7 @@ def test_tapo_testbed_configs_train_two_steps(tmp_path, monkeypatch):
         config = REPO / "configs" / "llm" / f"tapo_testbed{'' if name == 'tapo' else '_grpo'}_tiny.yaml"
         assert main(["fit", "-c", str(config), "--trainer.max_steps=2", "--trainer.enable_progress_bar=false",
                      "--data.init_args.batch_size=2", "--data.init_args.train_size=8",
-                     "--model.init_args.sampling.num_generations=3", "--model.init_args.sampling.max_new_tokens=6"]) == 0
+                     "--model.init_args.sampling.num_generations=3", "--model.init_args.sampling.max_new_tokens=10"]) == 0
         assert (testbed / name / "config.json").is_file()  # the HF export
         (metrics,) = (testbed / f"{name}_logs").glob("**/metrics.csv")
         logged = [row for row in csv.DictReader(metrics.open()) if row.get("tapo/all_wrong_group_frac")]

@@ -2,7 +2,7 @@
 
 Built-in tasks (``TASKS``): count_shapes, shape_position, relative_position,
 compare_size, bar_chart, triangle_angle (all need the image), arithmetic (text only), and the
-text LM tasks ``TEXT_TASKS``: long_arithmetic, word_problem, countdown.
+text LM tasks ``TEXT_TASKS``: long_arithmetic, word_problem, countdown, and strategy_mix (the TAPO testbed).
 Other modules add tasks with ``@register_task(name)``.
 """
 
