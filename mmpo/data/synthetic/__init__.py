@@ -32,6 +32,9 @@ TEXT_TASKS: tuple[str, ...] = ("long_arithmetic", "word_problem", "countdown")
 AGENT_TASKS: tuple[str, ...] = ("calc", "zoom", "twohop")
 """Tasks where a tool must help (mmpo.data.synthetic.agent_tasks; docs/agents.md)."""
 
+TESTBED_TASKS: tuple[str, ...] = ("strategy_mix",)
+"""Text tasks built for one method's testbed (strategy_mix: TAPO, mmpo.data.synthetic.strategy_tasks)."""
+
 DIALOGUE_TASKS: tuple[str, ...] = ("lock",)
 """Multi-turn dialogue tasks against a scripted target (mmpo.data.synthetic.dialogue_tasks; docs/dialtree_rpo.md)."""
 
@@ -43,6 +46,7 @@ __all__ = [
     "TEXT_TASKS",
     "AGENT_TASKS",
     "DIALOGUE_TASKS",
+    "TESTBED_TASKS",
     "VISUAL_TASKS",
     "corpus",
     "get_task",
