@@ -95,8 +95,17 @@ def start_stage(out: Path, args: argparse.Namespace) -> dict:
 
 
 def all_wrong_fractions(metrics_csv: Path) -> list[float]:
-    rows = [row for row in csv.DictReader(metrics_csv.open()) if row.get("tapo/all_wrong_group_frac")]
-    return [float(row["tapo/all_wrong_group_frac"]) for row in rows]
+    return logged(metrics_csv, "tapo/all_wrong_group_frac")
+
+
+def logged(metrics_csv: Path, key: str) -> list[float]:
+    """The per-step values of ``key`` in a run's metrics.csv (steps that logged it)."""
+    return [float(row[key]) for row in csv.DictReader(metrics_csv.open()) if row.get(key)]
+
+
+#: training-curve metrics reported first -> last fifth (the TAPO ones for TAPO only)
+CURVES = ("rewards/total/mean", "tapo/guided_reward_mean", "tapo/unguided_reward_mean",
+          "tapo/unguided_all_wrong_group_frac")
 
 
 def seed_stage(out: Path, algo: str, seed: int, args: argparse.Namespace) -> dict:
@@ -128,6 +137,20 @@ def fifth(values: list[float], last: bool) -> float:
     return sum(part) / len(part)
 
 
+def curves(out: Path, runs: dict[str, list[dict]]) -> dict:
+    """Per algorithm and curve metric, the first and last fifth of the steps, mean over seeds."""
+    found: dict = {}
+    for algo, results in runs.items():
+        for key in CURVES:
+            series = [logged(next((out / TESTBED / f"{algo}_s{r['seed']}_logs").glob("**/metrics.csv")), key)
+                      for r in results]
+            if all(series):
+                found.setdefault(algo, {})[key] = {
+                    "first": sum(fifth(v, False) for v in series) / len(series),
+                    "last": sum(fifth(v, True) for v in series) / len(series)}
+    return found
+
+
 def summarize(start: dict, runs: dict[str, list[dict]]) -> dict:
     from mmpo.eval.stats import paired_difference, seed_t_interval
 
@@ -155,6 +178,9 @@ def summarize(start: dict, runs: dict[str, list[dict]]) -> dict:
     diff = [t - g for t, g in zip(frac["tapo"]["all"], frac["grpo"]["all"])]
     summary["all_wrong"] = {**frac, "tapo_minus_grpo_all": {"estimate": mean(diff), "per_seed": diff,
                                                             "seed_t": seed_t_interval(diff)}}
+    last = [t - g for t, g in zip(frac["tapo"]["last"], frac["grpo"]["last"])]
+    summary["all_wrong"]["tapo_minus_grpo_last"] = {"estimate": mean(last), "per_seed": last,
+                                                    "seed_t": seed_t_interval(last)}
     return summary
 
 
@@ -188,7 +214,11 @@ def table(summary: dict) -> str:
     lines.append("- all-wrong groups first -> last fifth: " + "; ".join(
         f"{a} {sum(aw[a]['first']) / len(aw[a]['first']):.3f} -> {sum(aw[a]['last']) / len(aw[a]['last']):.3f}"
         for a in ALGOS) + f"; TAPO - GRPO over all steps {aw['tapo_minus_grpo_all']['estimate']:+.3f}, seed-t "
-        f"{format_interval(aw['tapo_minus_grpo_all']['seed_t'])}")
+        f"{format_interval(aw['tapo_minus_grpo_all']['seed_t'])}, in the last fifth "
+        f"{aw['tapo_minus_grpo_last']['estimate']:+.3f}, seed-t {format_interval(aw['tapo_minus_grpo_last']['seed_t'])}")
+    for algo, found in summary.get("curves", {}).items():
+        lines.append(f"- {algo} training, first -> last fifth: " + "; ".join(
+            f"{key} {v['first']:.3f} -> {v['last']:.3f}" for key, v in found.items()))
     start = summary["start"]
     lines.append(f"- start: unguided greedy {start['unguided']['greedy']:.3f}, sampled {start['unguided']['sampled']:.3f}; "
                  f"guided by the retrieved template greedy {start['guided']['greedy']:.3f}, sampled "
@@ -227,6 +257,7 @@ def main() -> None:
     if args.no_report or not all(runs[a] for a in ALGOS):
         return
     summary = summarize(start, runs)
+    summary["curves"] = curves(out, runs)
     atomic_write_json(out / "summary.json", summary)
     print(table(summary))
 
