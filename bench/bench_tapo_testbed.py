@@ -79,7 +79,7 @@ def start_stage(out: Path, args: argparse.Namespace) -> dict:
         return json.loads(done.read_text())
     started = time.time()
     if not (testbed / "weak_start" / "config.json").exists():
-        build_weak_start(testbed, seed=0, steps=args.sft_steps)
+        build_weak_start(testbed, seed=0, steps=args.sft_steps, explore=args.explore)
     library_path = testbed / "library.json"
     if not library_path.exists():
         run([sys.executable, "-m", "mmpo.cli", "tapo-library", "--model", str(testbed / "weak_start"),
@@ -234,6 +234,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=150, help="RL steps per run")
     parser.add_argument("--lr", type=float, default=2e-4)
     parser.add_argument("--sft-steps", type=int, default=600, help="weak-start fine-tuning steps")
+    parser.add_argument("--explore", type=float, default=0.15,
+                        help="the weak start's unguided share of uniformly drawn procedures (build_weak_start)")
     parser.add_argument("--seed-problems", type=int, default=12, help="training-split seed problems for the library")
     parser.add_argument("--search-samples", type=int, default=4, help="completions per scored node")
     parser.add_argument("--heldout", type=int, default=150, help="test-split items (families cycle)")
