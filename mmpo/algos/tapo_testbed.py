@@ -10,7 +10,7 @@
   ``explore`` (0.15) where it applies a procedure drawn uniformly (:func:`weak_start_procedure`). Its training data
   never pairs a family with a procedure, and the first value is never an answer, so unguided it is rarely right
   and whole groups are wrong. After the default 600 steps it has learnt the skill only in part: with its family's
-  action first, about half of its answers are right (bench/RESULTS.md, "TAPO testbed").
+  action as the template, 0.2-0.6 of its sampled answers are right (bench/RESULTS.md, "TAPO testbed").
 - **What TAPO must find**: which action helps which family. ``mmpo tapo-library`` (the tree search over the
   actions, scored by this policy's reward) has to discover it, and retrieval must map a problem to its family's
   template by the complexity feature (the count of numbers = the family). Nothing here assigns templates.
