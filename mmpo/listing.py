@@ -124,7 +124,7 @@ def rewards() -> list[Entry]:
 
 
 def benchmarks() -> list[Entry]:
-    from mmpo.data.synthetic import TEXT_TASKS, TEXT_TEACHER_TASKS
+    from mmpo.data.synthetic import TESTBED_TASKS, TEXT_TASKS, TEXT_TEACHER_TASKS
     from mmpo.data.synthetic.registry import get_task
     from mmpo.eval.registry import (BENCHMARKS, FILE_PREFIX, LOCAL_BENCHMARKS, SYNTH_PREFIX,
                                     available_benchmarks)
@@ -141,7 +141,7 @@ def benchmarks() -> list[Entry]:
             text = "[text] every synthetic text-LM task (long arithmetic, word problems, countdown)"
         elif name.startswith(SYNTH_PREFIX):
             task = name[len(SYNTH_PREFIX):]
-            kind = "text" if task in (*TEXT_TASKS, *TEXT_TEACHER_TASKS) else "vlm"
+            kind = "text" if task in (*TEXT_TASKS, *TEXT_TEACHER_TASKS, *TESTBED_TASKS) else "vlm"
             text = f"[{kind}] synthetic: {first_sentence(get_task(task).__doc__)}"
         elif name.startswith(FILE_PREFIX):
             text = "rows from a local JSONL file"

@@ -278,12 +278,13 @@ def default_corpus() -> list[str]:
     Imported lazily: ``mmpo.data`` is only needed when no corpus is passed.
     """
     from mmpo.data import SYSTEM_PROMPT
-    from mmpo.data.synthetic import AGENT_TASKS, DIALOGUE_TASKS, TASKS, TEXT_TASKS, TEXT_TEACHER_TASKS, corpus
+    from mmpo.data.synthetic import (AGENT_TASKS, DIALOGUE_TASKS, TASKS, TESTBED_TASKS, TEXT_TASKS, TEXT_TEACHER_TASKS,
+                                     corpus)
 
-    # the text-LM, tool and dialogue tasks run on the text LM (default_text_corpus) or have their own images
+    # the text-LM, tool, dialogue and testbed tasks run on the text LM (default_text_corpus) or have their own images
     # (zoom); leaving them out keeps the tiny VLM's tokenizer, and so every recorded tiny-VLM run, as it was
     # before they existed
-    later = {*TEXT_TASKS, *TEXT_TEACHER_TASKS, *AGENT_TASKS, *DIALOGUE_TASKS}
+    later = {*TEXT_TASKS, *TEXT_TEACHER_TASKS, *AGENT_TASKS, *DIALOGUE_TASKS, *TESTBED_TASKS}
     return [SYSTEM_PROMPT, *corpus([task for task in TASKS if task not in later])]
 
 

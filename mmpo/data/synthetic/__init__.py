@@ -2,7 +2,8 @@
 
 Built-in tasks (``TASKS``): count_shapes, shape_position, relative_position,
 compare_size, bar_chart, triangle_angle (all need the image), arithmetic (text only), and the
-text LM tasks ``TEXT_TASKS``: long_arithmetic, word_problem, countdown, and ``TEXT_TEACHER_TASKS``: inventory.
+text LM tasks ``TEXT_TASKS``: long_arithmetic, word_problem, countdown, ``TEXT_TEACHER_TASKS``: inventory, and
+``TESTBED_TASKS``: strategy_mix (the TAPO testbed).
 Other modules add tasks with ``@register_task(name)``.
 """
 
@@ -19,6 +20,7 @@ from mmpo.data.synthetic.registry import (
 
 # Importing the task modules registers the built-in tasks.
 from mmpo.data.synthetic import shapes_tasks, chart_tasks, geometry_tasks, text_tasks, agent_tasks, dialogue_tasks  # noqa: E402,F401
+from mmpo.data.synthetic import strategy_tasks  # noqa: E402,F401
 
 VISUAL_TASKS: tuple[str, ...] = (
     "count_shapes", "shape_position", "relative_position", "compare_size", "bar_chart", "triangle_angle",
@@ -35,6 +37,9 @@ evidence (mmpo.data.synthetic.text_tasks, mmpo.data.demonstrations; docs/llm.md)
 AGENT_TASKS: tuple[str, ...] = ("calc", "zoom", "twohop")
 """Tasks where a tool must help (mmpo.data.synthetic.agent_tasks; docs/agents.md)."""
 
+TESTBED_TASKS: tuple[str, ...] = ("strategy_mix",)
+"""Text tasks built for one method's testbed (strategy_mix: TAPO, mmpo.data.synthetic.strategy_tasks)."""
+
 DIALOGUE_TASKS: tuple[str, ...] = ("lock",)
 """Multi-turn dialogue tasks against a scripted target (mmpo.data.synthetic.dialogue_tasks; docs/dialtree_rpo.md)."""
 
@@ -47,6 +52,7 @@ __all__ = [
     "TEXT_TEACHER_TASKS",
     "AGENT_TASKS",
     "DIALOGUE_TASKS",
+    "TESTBED_TASKS",
     "VISUAL_TASKS",
     "corpus",
     "get_task",
