@@ -81,3 +81,24 @@ def test_summary_intervals_and_paired_differences(tmp_path, capsys):
     assert (tmp_path / "s.png").exists()
     with pytest.raises(SystemExit, match="exists"):
         bench.summarise([path], tmp_path / "s")
+
+
+def test_reacher_diagnosis_ik_by_hand_and_the_scripted_paths():
+    from mmpo.robotics.envs.make import make_env
+
+    diag = load_bench("diagnose_tgpo_reacher")
+    # stretched along x: both joints 0; |p|^2 = l1^2 + l2^2 puts the elbow at 90 deg and the shoulder at 0
+    assert np.allclose(diag.ik(np.array([0.21, 0.0]), 1.0), [0.0, 0.0], atol=1e-6)  # arccos near 1
+    assert np.allclose(diag.ik(np.array([0.1, 0.11]), 1.0), [0.0, np.pi / 2])
+    assert np.allclose(diag.ik(np.array([0.1, -0.11]), -1.0), [0.0, -np.pi / 2])
+    results = {}
+    for task in ("stl_reacher2", "stl_reacher2_inner"):
+        env = make_env(task, seed=0).unwrapped
+        results[task] = {path: diag.episode(env, path, seed=0) for path in ("arc", "chord")}
+        env.close()
+    # the direct (arc) path runs through stl_reacher2's obstacle and clears the inner one; the chord the reverse
+    (rho, entered, _), (chord_rho, chord_entered, _) = results["stl_reacher2"]["arc"], results["stl_reacher2"]["chord"]
+    assert rho < 0 and entered and 0 < chord_rho < 0.01 and not chord_entered
+    (rho, entered, _), (chord_rho, chord_entered, _) = (results["stl_reacher2_inner"]["arc"],
+                                                        results["stl_reacher2_inner"]["chord"])
+    assert rho > 0.03 and not entered and chord_rho < 0 and chord_entered
