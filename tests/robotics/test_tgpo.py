@@ -223,11 +223,11 @@ def test_mmpo_fit_both_configs_and_tgpo_resumes_exactly(tmp_path):
     from mmpo.cli import main
 
     reacher = ["--model.init_args.num_iterations", "2", "--model.init_args.env.num_envs", "2",
-               "--model.init_args.optim.minibatch_size", "90", "--model.init_args.evaluation.every", "1",
+               "--model.init_args.optim.minibatch_size", "60", "--model.init_args.evaluation.every", "1",
                "--model.init_args.evaluation.episodes", "2"]
     main(_cli_args("tgpo_reacher.yaml", tmp_path / "reacher", *reacher))
     ckpt = torch.load(tmp_path / "reacher" / "checkpoints" / "last.ckpt", weights_only=True)
-    # 2 iterations x 2 minibatches (2 envs x 90 steps / 90) x 2 optimizers
+    # 2 iterations x 2 minibatches (2 envs x 60 steps / 60) x 2 optimizers
     assert ckpt["global_step"] == 8 and ckpt["dppo_state"]["iteration"] == 2
     assert ckpt["robotics"]["kind"] == "tgpo" and ckpt["tgpo_state"]["proposed"] == 4
 
