@@ -102,3 +102,27 @@ def test_reacher_diagnosis_ik_by_hand_and_the_scripted_paths():
     (rho, entered, _), (chord_rho, chord_entered, _) = (results["stl_reacher2_inner"]["arc"],
                                                         results["stl_reacher2_inner"]["chord"])
     assert rho > 0.03 and not entered and chord_rho < 0 and chord_entered
+
+
+def test_reacher_ablation_registers_the_chosen_task():
+    import gymnasium as gym
+
+    from mmpo.robotics.envs.make import make_env
+    from mmpo.robotics.envs.tasks import OBS_KEYS, TASKS
+
+    ablate = load_bench("ablate_tgpo_reacher")
+    task = ablate.register("reacherabltest", "inner", 2.0)
+    names = (task, task + "_robustness")
+    try:
+        assert task == "stl_reacherabltest2"
+        for name, mode in zip(names, ("stage", "robustness")):
+            env = make_env(name, seed=0).unwrapped
+            obstacle = env.formula.children[1].child.child
+            assert (env.distance_scale, env.reward_mode, env.horizon) == (2.0, mode, 60)
+            assert np.allclose(obstacle.center, [0.07 * np.cos(np.deg2rad(105)), 0.07 * np.sin(np.deg2rad(105))])
+            env.close()
+    finally:  # leave the registries as they were (tests/robotics/test_task_registry.py lists every task)
+        for name in names:
+            TASKS.pop(name, None), OBS_KEYS.pop(name, None)
+        for env_id in ("MmpoAblationreacherabltest-v0", "MmpoAblationreacherabltest_robustness-v0"):
+            gym.registry.pop(env_id, None)
