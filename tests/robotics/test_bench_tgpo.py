@@ -81,3 +81,48 @@ def test_summary_intervals_and_paired_differences(tmp_path, capsys):
     assert (tmp_path / "s.png").exists()
     with pytest.raises(SystemExit, match="exists"):
         bench.summarise([path], tmp_path / "s")
+
+
+def test_reacher_diagnosis_ik_by_hand_and_the_scripted_paths():
+    from mmpo.robotics.envs.make import make_env
+
+    diag = load_bench("diagnose_tgpo_reacher")
+    # stretched along x: both joints 0; |p|^2 = l1^2 + l2^2 puts the elbow at 90 deg and the shoulder at 0
+    assert np.allclose(diag.ik(np.array([0.21, 0.0]), 1.0), [0.0, 0.0], atol=1e-6)  # arccos near 1
+    assert np.allclose(diag.ik(np.array([0.1, 0.11]), 1.0), [0.0, np.pi / 2])
+    assert np.allclose(diag.ik(np.array([0.1, -0.11]), -1.0), [0.0, -np.pi / 2])
+    results = {}
+    for task in ("stl_reacher2", "stl_reacher2_inner"):
+        env = make_env(task, seed=0).unwrapped
+        results[task] = {path: diag.episode(env, path, seed=0) for path in ("arc", "chord")}
+        env.close()
+    # the direct (arc) path runs through stl_reacher2's obstacle and clears the inner one; the chord the reverse
+    (rho, entered, _), (chord_rho, chord_entered, _) = results["stl_reacher2"]["arc"], results["stl_reacher2"]["chord"]
+    assert rho < 0 and entered and 0 < chord_rho < 0.01 and not chord_entered
+    (rho, entered, _), (chord_rho, chord_entered, _) = (results["stl_reacher2_inner"]["arc"],
+                                                        results["stl_reacher2_inner"]["chord"])
+    assert rho > 0.03 and not entered and chord_rho < 0 and chord_entered
+
+
+def test_reacher_ablation_registers_the_chosen_task():
+    import gymnasium as gym
+
+    from mmpo.robotics.envs.make import make_env
+    from mmpo.robotics.envs.tasks import OBS_KEYS, TASKS
+
+    ablate = load_bench("ablate_tgpo_reacher")
+    task = ablate.register("reacherabltest", "inner", 2.0)
+    names = (task, task + "_robustness")
+    try:
+        assert task == "stl_reacherabltest2"
+        for name, mode in zip(names, ("stage", "robustness")):
+            env = make_env(name, seed=0).unwrapped
+            obstacle = env.formula.children[1].child.child
+            assert (env.distance_scale, env.reward_mode, env.horizon) == (2.0, mode, 60)
+            assert np.allclose(obstacle.center, [0.07 * np.cos(np.deg2rad(105)), 0.07 * np.sin(np.deg2rad(105))])
+            env.close()
+    finally:  # leave the registries as they were (tests/robotics/test_task_registry.py lists every task)
+        for name in names:
+            TASKS.pop(name, None), OBS_KEYS.pop(name, None)
+        for env_id in ("MmpoAblationreacherabltest-v0", "MmpoAblationreacherabltest_robustness-v0"):
+            gym.registry.pop(env_id, None)

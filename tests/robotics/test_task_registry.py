@@ -25,6 +25,7 @@ def extra_task():
 def test_builtin_entries_carry_their_experts():
     stl = [f"stl_{body}{k}{suffix}" for body in ("pointmass", "reacher") for k in (2, 3, 4)
            for suffix in ("", "_robustness")]  # TGPO's and its flat baseline's (no expert)
+    stl += [f"stl_reacher{k}_inner{suffix}" for k in (2, 3, 4) for suffix in ("", "_robustness")]
     assert sorted(TASKS) == sorted(["can", "hopper", "lift", "lift_img", "square", *stl, "stl_pointmass2_tight"])
     assert expert_tasks() == ["can", "lift", "lift_img", "square"]
     lift = get_task("lift").make_expert(noise=0.2, rng=np.random.default_rng(0))

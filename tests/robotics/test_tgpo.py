@@ -96,6 +96,58 @@ def test_reacher_env_is_the_mujoco_arm():
     env.close()
 
 
+def _polar(r, degrees):
+    return [r * np.cos(np.deg2rad(degrees)), r * np.sin(np.deg2rad(degrees))] + [0.0] * 6
+
+
+@pytest.mark.parametrize("obstacle, via, expected", [
+    # fingertip at r 0.16 on g1's ray (g1 margin 0.04 - 0.01) for t <= 10, then 5 steps at the midpoint of a path,
+    # then on g2 (margin 0.04) from t = 16: F[0,30](g1 and F[5,30] g2) holds with 0.03 at t = 10 (g2 at 16..40)
+    ("inner", "arc", 0.03),  # arc midpoint (r 0.15, 105 deg) is 0.08 from the inner obstacle: 0.08 - 0.04 > 0.03
+    ("inner", "chord", 0.15 * np.cos(np.pi / 4) - 0.07 - 0.04),  # chord midpoint r 0.15 cos 45 deg: -0.0039
+    ("arc", "arc", -0.04),  # the arc midpoint is the arc obstacle's centre
+    ("arc", "chord", (0.15 - 0.15 * np.cos(np.pi / 4)) - 0.04),  # +0.0039: the chord just clears the obstacle
+])
+def test_reacher_obstacle_placements_by_hand(obstacle, via, expected):
+    from mmpo.robotics.envs.stl_envs import reacher_spec
+
+    mid = _polar(0.15, 105.0) if via == "arc" else _polar(0.15 * np.cos(np.pi / 4), 105.0)
+    traj = [_polar(0.16, 60.0)] * 11 + [mid] * 5 + [_polar(0.15, 150.0)] * 45
+    rho = reacher_spec(2, obstacle)(torch.tensor([traj], dtype=torch.float64))
+    assert rho.shape == (1,) and float(rho[0]) == pytest.approx(expected, abs=1e-9)
+    with pytest.raises(ValueError, match="obstacle must be one of"):
+        reacher_spec(2, "centre")
+
+
+def test_reacher_inner_task_scales_the_robustness_terms_not_the_bonuses():
+    from mmpo.robotics.envs.stl_envs import STLReacherEnv
+
+    plain = STLReacherEnv(2, obstacle="inner")  # distance_scale 1
+    scaled = make_env("stl_reacher2_inner", seed=0).unwrapped  # the registered task: distance_scale 5
+    flat = make_env("stl_reacher2_inner_robustness", seed=0).unwrapped
+    assert (scaled.distance_scale, flat.distance_scale, scaled.horizon) == (5.0, 5.0, 60)
+    assert scaled.formula == plain.formula == flat.formula
+    rng = np.random.default_rng(0)
+    actions = rng.uniform(-1, 1, (60, 2))
+    runs = []
+    for env in (plain, scaled, flat):
+        env.reset(seed=3)
+        runs.append([env.step(a)[1:] for a in actions])
+    (r1, r5, rf) = ([step[0] for step in run] for run in runs)
+    tau = plain.tgpo_tau.tolist()  # the midpoint allocation (15, 32) on both
+    met = [bool(plain.decomposition.subgoals[k].reach(torch.tensor(plain._traj[t]).view(1, 1, -1))[0] > 0)
+           for k, t in enumerate(tau)]
+    bonus = np.zeros(60)
+    bonus[[t - 1 for t in tau]] = met  # rewards[i] is the step reaching t = i + 1
+    assert np.allclose(np.array(r5) - bonus, 5 * (np.array(r1) - bonus), atol=1e-9)
+    rho = runs[2][-1][3]["stl_robustness"]
+    assert rf[:-1] == [0.0] * 59 and rf[-1] == pytest.approx(5 * rho) and not runs[2][-1][3]["success"]
+    with pytest.raises(ValueError, match="distance_scale must be > 0"):
+        STLReacherEnv(2, distance_scale=0.0)
+    for env in (plain, scaled, flat):
+        env.close()
+
+
 def _module(tmp_path=None, **overrides):
     settings = {**TINY, "env": {"task": "stl_pointmass2", "num_envs": 4, "n_steps": 40, "act_steps": 1,
                                 "asynchronous": False}, **overrides}
@@ -171,11 +223,11 @@ def test_mmpo_fit_both_configs_and_tgpo_resumes_exactly(tmp_path):
     from mmpo.cli import main
 
     reacher = ["--model.init_args.num_iterations", "2", "--model.init_args.env.num_envs", "2",
-               "--model.init_args.optim.minibatch_size", "90", "--model.init_args.evaluation.every", "1",
+               "--model.init_args.optim.minibatch_size", "60", "--model.init_args.evaluation.every", "1",
                "--model.init_args.evaluation.episodes", "2"]
     main(_cli_args("tgpo_reacher.yaml", tmp_path / "reacher", *reacher))
     ckpt = torch.load(tmp_path / "reacher" / "checkpoints" / "last.ckpt", weights_only=True)
-    # 2 iterations x 2 minibatches (2 envs x 90 steps / 90) x 2 optimizers
+    # 2 iterations x 2 minibatches (2 envs x 60 steps / 60) x 2 optimizers
     assert ckpt["global_step"] == 8 and ckpt["dppo_state"]["iteration"] == 2
     assert ckpt["robotics"]["kind"] == "tgpo" and ckpt["tgpo_state"]["proposed"] == 4
 

@@ -55,15 +55,25 @@ def pointmass_spec(num_subgoals: int, windows: str = "standard") -> Formula:
     return nested_reach_spec(goals, InBall((0.0, 0.1), 0.25), *POINTMASS_WINDOWS[windows])
 
 
-def reacher_spec(num_subgoals: int) -> Formula:
+#: where the Reacher task's obstacle ball sits (angle in degrees, distance from the arm's base): "arc" on the
+#: goals' circle halfway between the first two goals, so the arm's direct path between them (the elbow held, the
+#: shoulder turning) runs through it; "inner" at the same angle but inside the circle, off that arc and across the
+#: straight (chord) path between the two goals, so some short paths avoid it and some do not
+REACHER_OBSTACLES = {"arc": (105.0, 0.15), "inner": (105.0, 0.07)}
+
+
+def reacher_spec(num_subgoals: int, obstacle: str = "arc") -> Formula:
     """Reacher fingertip (reach 0.21): visit 2-4 balls (r 0.04) on the circle of radius 0.15 in order, avoiding an
-    obstacle ball (r 0.04) between the first two."""
+    obstacle ball (r 0.04) between the first two, placed by ``REACHER_OBSTACLES[obstacle]``."""
     _check_subgoals(num_subgoals)
+    if obstacle not in REACHER_OBSTACLES:
+        raise ValueError(f"obstacle must be one of {sorted(REACHER_OBSTACLES)}, got {obstacle!r}")
     angles = np.deg2rad([60.0, 150.0, 240.0, 330.0][:num_subgoals])
     goals = [InBall((0.15 * float(np.cos(a)), 0.15 * float(np.sin(a))), 0.04) for a in angles]
-    mid = np.deg2rad(105.0)
-    obstacle = InBall((0.15 * float(np.cos(mid)), 0.15 * float(np.sin(mid))), 0.04)
-    return nested_reach_spec(goals, obstacle, (0, 30), (5, 30))
+    degrees, distance = REACHER_OBSTACLES[obstacle]
+    mid = np.deg2rad(degrees)
+    center = (distance * float(np.cos(mid)), distance * float(np.sin(mid)))
+    return nested_reach_spec(goals, InBall(center, 0.04), (0, 30), (5, 30))
 
 
 def _check_subgoals(num_subgoals: int) -> None:
@@ -80,9 +90,11 @@ class STLEnv(gym.Env, ABC):
     action_dim: int
 
     def __init__(self, spec: Formula, *, bonus: float = 1.0, invariant_weight: float = 1.0,
-                 success_bonus: float = 1.0, reward: str = "stage") -> None:
+                 success_bonus: float = 1.0, reward: str = "stage", distance_scale: float = 1.0) -> None:
         if reward not in REWARD_MODES:
             raise ValueError(f"reward must be one of {REWARD_MODES}, got {reward!r}")
+        if not distance_scale > 0:
+            raise ValueError(f"distance_scale must be > 0, got {distance_scale}")
         self.reward_mode = reward
         self.formula = spec
         self.decomposition = decompose(spec)
@@ -90,6 +102,10 @@ class STLEnv(gym.Env, ABC):
         self.horizon = max(self.decomposition.horizon(), spec.horizon())
         self.bonus, self.invariant_weight = float(bonus), float(invariant_weight)
         self.success_bonus = float(success_bonus)
+        #: multiplies the robustness-valued reward terms (the stage reward's progress, shortfall at a subgoal's time
+        #: and invariant violation; the flat baseline's terminal robustness), not the bonuses: the arm's distances
+        #: are ~5x smaller than the point mass's
+        self.distance_scale = float(distance_scale)
         obs_dim = self.state_dim + 1 + (self.num_subgoals + 1) + self.num_subgoals
         self.observation_space = gym.spaces.Box(-np.inf, np.inf, (obs_dim,), np.float32)
         self.action_space = gym.spaces.Box(-1.0, 1.0, (self.action_dim,), np.float32)
@@ -134,10 +150,12 @@ class STLEnv(gym.Env, ABC):
             rho = float(self.formula(torch.as_tensor(np.stack(self._traj)).unsqueeze(0))[0])
             info.update(stl_robustness=rho, success=rho > 0)
         if self.reward_mode == "robustness":
-            return self._obs(), info["stl_robustness"] if done else 0.0, False, done, info
+            return self._obs(), self.distance_scale * info["stl_robustness"] if done else 0.0, False, done, info
+        # scale * stage_reward(bonus / scale) = scale * (robustness terms) + bonus * 1[subgoal met at its time]
+        scale = self.distance_scale
         reward = stage_reward(self.decomposition, torch.as_tensor(prev).view(1, -1), torch.as_tensor(state).view(1, -1),
-                              self._t, self._tau, bonus=self.bonus, invariant_weight=self.invariant_weight)
-        return self._obs(), float(reward[0]) + (self.success_bonus if info["success"] else 0.0), False, done, info
+                              self._t, self._tau, bonus=self.bonus / scale, invariant_weight=self.invariant_weight)
+        return self._obs(), scale * float(reward[0]) + (self.success_bonus if info["success"] else 0.0), False, done, info
 
 
 class STLPointMassEnv(STLEnv):
@@ -161,9 +179,9 @@ class STLReacherEnv(STLEnv):
 
     state_dim, action_dim = 8, 2
 
-    def __init__(self, num_subgoals: int = 2, **kwargs: Any) -> None:
+    def __init__(self, num_subgoals: int = 2, obstacle: str = "arc", **kwargs: Any) -> None:
         self._arm = gym.make("Reacher-v5", max_episode_steps=None, disable_env_checker=True).unwrapped
-        super().__init__(reacher_spec(num_subgoals), **kwargs)
+        super().__init__(reacher_spec(num_subgoals, obstacle), **kwargs)
 
     def _arm_state(self) -> np.ndarray:
         arm = self._arm

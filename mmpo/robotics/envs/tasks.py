@@ -218,6 +218,17 @@ def _register_stl_tasks() -> None:
                                  kwargs={"num_subgoals": k, "reward": reward})
                 register_task(TaskSpec(f"stl_{name}{k}{suffix}", "gymnasium", env_id, ("observation",),
                                        steps_per_goal * k, state_dim + 2 * k + 2, 2), replace=True)
+    # the arm with its obstacle inside the goals' circle (off the direct arc between the first two goals, across
+    # their chord) and the robustness-valued reward terms scaled by 5 (the arm's distances are ~5x the point mass's
+    # smaller): stl_reacher{K}'s obstacle lies on the arm's direct path and its penalty is ~0.04 a step (RESULTS.md)
+    for k in STL_SUBGOALS:
+        for suffix, reward in (("", "stage"), ("_robustness", "robustness")):
+            env_id = f"MmpoSTLReacher{k}Inner{'Robustness' if suffix else ''}-v0"
+            if env_id not in gym.registry:
+                gym.register(env_id, entry_point="mmpo.robotics.envs.stl_envs:STLReacherEnv",
+                             kwargs={"num_subgoals": k, "reward": reward, "obstacle": "inner", "distance_scale": 5.0})
+            register_task(TaskSpec(f"stl_reacher{k}_inner{suffix}", "gymnasium", env_id, ("observation",), 30 * k,
+                                   8 + 2 * k + 2, 2), replace=True)
     # the point mass with tight windows (F[0,10](g1 and F[0,10](g2)), H = 20): most allocations are too early,
     # the setting where the allocation search matters (the MH vs uniform ablation, bench/RESULTS.md)
     if "MmpoSTLPointMass2Tight-v0" not in gym.registry:
