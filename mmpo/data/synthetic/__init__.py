@@ -28,7 +28,7 @@ VISUAL_TASKS: tuple[str, ...] = (
 TEXT_TASKS: tuple[str, ...] = ("long_arithmetic", "word_problem", "countdown")
 """The built-in text-only reasoning tasks for text LMs (mmpo.data.synthetic.text_tasks; docs/llm.md)."""
 
-AGENT_TASKS: tuple[str, ...] = ("calc", "zoom", "twohop")
+AGENT_TASKS: tuple[str, ...] = ("calc", "zoom", "twohop", "codebook")
 """Tasks where a tool must help (mmpo.data.synthetic.agent_tasks; docs/agents.md)."""
 
 DIALOGUE_TASKS: tuple[str, ...] = ("lock",)
