@@ -18,11 +18,13 @@ from mmpo.tools.parsing import HermesToolCallParser, ToolCall
 
 
 def test_codes_are_the_hash_by_hand():
-    # sha256("codebook:bam")[:8] = 237d84ddf1339167, sha256("codebook:dit")[:8] = 79fd72d9b0b84bd7 (hashlib, by hand)
-    assert int("237d84ddf1339167", 16) % 90 + 10 == 43 and int("79fd72d9b0b84bd7", 16) % 90 + 10 == 45
-    assert code_of("bam") == 43 and codebook("bam") == "43"
-    assert codebook(" dit ") == "45"  # the key is stripped
-    assert all(10 <= code_of(codebook_key(random.Random(i), 2)) <= 99 for i in range(50))
+    # sha256("codebook:b7k")[:8] = c53dde735a42c262, sha256("codebook:q0z")[:8] = 2019cb321469e5a1 (hashlib)
+    n, m = int("c53dde735a42c262", 16), int("2019cb321469e5a1", 16)
+    assert (n // 10 % 26, n % 10) == (3, 8) and (m // 10 % 26, m % 10) == (18, 5)  # D8, S5
+    assert code_of("b7k") == "D8" and codebook("b7k") == "D8"
+    assert codebook(" q0z ") == "S5"  # the key is stripped
+    codes = {code_of(codebook_key(random.Random(i))) for i in range(200)}
+    assert all(len(c) == 2 and c[0].isupper() and c[1].isdigit() for c in codes) and len(codes) > 100
     with pytest.raises(ValueError, match="key must not be empty"):
         codebook("  ")
 
@@ -35,20 +37,19 @@ def test_codebook_is_a_builtin_tool_with_a_one_string_schema():
     assert function["parameters"]["properties"]["key"]["type"] == "string"
 
 
-def test_keys_by_difficulty():
+def test_keys_are_letter_digit_letter():
     rng = random.Random(3)
-    assert [codebook_key(rng, s) for s in (1, 2, 3)] == ["gup", "firos", "rarazok"]  # consonant (vowel consonant)*
+    assert [codebook_key(rng) for _ in range(3)] == ["h9r", "e5t", "p9c"]
 
 
 def test_rows_carry_the_trace_that_solves_them():
     rows = make_items("codebook", 6, seed=0, split="test")
-    assert [len(row["problem"].split('"')[1]) for row in rows] == [3, 5, 7, 3, 5, 7]  # difficulty 1, 2, 3, ...
-    first = rows[0]
-    assert first["problem"] == 'What is the code of "dit"?' and first["answer"] == "45"
-    call, response, answer = first["tool_trace"]
-    assert HermesToolCallParser().parse(call["content"]) == [ToolCall("codebook", {"key": "dit"})]
-    assert response == {"role": "tool", "content": "45"}
-    assert answer["content"] == "<think>I read the code.</think><answer>45</answer>"
+    assert [(row["problem"], row["answer"]) for row in rows[:3]] == [
+        ('What is the code of "n6m"?', "Y9"), ('What is the code of "a3z"?', "J8"), ('What is the code of "k2i"?', "C4")]
+    call, response, answer = rows[0]["tool_trace"]
+    assert HermesToolCallParser().parse(call["content"]) == [ToolCall("codebook", {"key": "n6m"})]
+    assert response == {"role": "tool", "content": "Y9"}
+    assert answer["content"] == "<think>I read the code.</think><answer>Y9</answer>"
     for row in rows:
         (parsed,) = HermesToolCallParser().parse(row["tool_trace"][0]["content"])
         assert codebook(**parsed.arguments) == row["tool_trace"][1]["content"] == row["answer"]
@@ -62,14 +63,17 @@ def test_splits_hold_disjoint_keys():
     assert len(test) > 50 and not train & test
 
 
-def test_the_key_pretokenises_alike_in_the_prompt_and_the_call():
-    """Byte-level BPE (the tiny text LM's pre-tokenizer) merges only inside a pre-token: the key is the same
-    pre-token after the prompt's quote and after the call's quote, so it becomes the same tokens in both."""
+def test_keys_and_codes_pretokenise_into_single_characters():
+    """Byte-level BPE (the tiny text LM's pre-tokenizer) merges only inside a pre-token: alternating letters and
+    digits make every character of a key or code its own pre-token, so its own token, in the prompt, the call,
+    the tool answer and the final answer alike."""
     from tokenizers import pre_tokenizers
 
     split = pre_tokenizers.ByteLevel(add_prefix_space=False).pre_tokenize_str
     row = make_items("codebook", 1, seed=0, split="test")[0]
     prompt = [piece for piece, _ in split(row["problem"])]
     call = [piece for piece, _ in split(row["tool_trace"][0]["content"])]
-    assert prompt[-3:] == ['Ġ"', "dit", '"?'] and "dit" in call
-    assert "45" in [piece for piece, _ in split(row["tool_trace"][2]["content"])]
+    assert prompt[-5:] == ['Ġ"', "n", "6", "m", '"?']
+    assert call[call.index("key") + 3:call.index("key") + 6] == ["n", "6", "m"]
+    answer = [piece for piece, _ in split(row["tool_trace"][2]["content"])]
+    assert answer[answer.index(">", answer.index("answer")) + 1:][:3] == ["Y", "9", "</"]

@@ -161,18 +161,16 @@ def twohop(rng: random.Random, difficulty: int, image_size: int) -> dict[str, An
     }
 
 
-_CODEBOOK_CONSONANTS = "bdfgklmnprstvz"
-_CODEBOOK_VOWELS = "aeiou"
+def codebook_key(rng: random.Random) -> str:
+    """A key: a lower-case letter, a digit, a lower-case letter (``b7k``: 6 760 keys)."""
+    from mmpo.tools.codebook import DIGITS
 
-
-def codebook_key(rng: random.Random, syllables: int) -> str:
-    """A pronounceable key of ``syllables`` consonant-vowel pairs and a final consonant (``bam``, ``tiruk``)."""
-    pairs = "".join(rng.choice(_CODEBOOK_CONSONANTS) + rng.choice(_CODEBOOK_VOWELS) for _ in range(syllables))
-    return pairs + rng.choice(_CODEBOOK_CONSONANTS)
+    letters = "abcdefghijklmnopqrstuvwxyz"
+    return rng.choice(letters) + rng.choice(DIGITS) + rng.choice(letters)
 
 
 def codebook_trace(key: str, value: str) -> list[dict[str, str]]:
-    """The tool-use conversation after the prompt: look the key up, answer the tool's value."""
+    """The tool-use conversation after the prompt: look the key up, answer the tool's code."""
     call = json.dumps({"name": "codebook", "arguments": {"key": key}})
     return [
         {"role": "assistant", "content": f"<tool_call>\n{call}\n</tool_call>"},
@@ -183,13 +181,14 @@ def codebook_trace(key: str, value: str) -> list[dict[str, str]]:
 
 @register_task("codebook")
 def codebook(rng: random.Random, difficulty: int, image_size: int) -> dict[str, Any]:
-    """The code of a random key (``mmpo.tools.codebook``: a hash, so only the tool knows it); difficulty 1..3:
-    keys of 1..3 syllables (14 * 5 * 14 = 980 one-syllable keys). The row is a function of the key, so the
-    registry's content-hash splits hold disjoint keys: a held-out key's code cannot be memorised in training."""
+    """The code of a random key (``mmpo.tools.codebook``: a hash, so only the tool knows it). Every difficulty
+    gives the same kind of item (keys and codes of fixed length: the test is whether the model uses the tool).
+    The row is a function of the key, so the registry's content-hash splits hold disjoint keys: a held-out key's
+    code cannot be memorised in training."""
     from mmpo.tools.codebook import code_of
 
-    key = codebook_key(rng, difficulty)
-    value = str(code_of(key))
+    key = codebook_key(rng)
+    value = code_of(key)
     return {
         "images": [], "problem": f'What is the code of "{key}"?', "answer": value,
         "steps": [f'The codebook gives the code of "{key}".', f"It is {value}.", f"So the answer is {value}."],
