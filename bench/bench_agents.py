@@ -2,10 +2,12 @@
 
 Per task and seed, from one tiny model built with that seed:
 
-1. SFT: ``configs/agent/<task>_sft_tiny.yaml`` for ``--sft-steps`` steps (calc: the tiny Qwen3 text LM;
-   zoom: the tiny Qwen2.5-VL).
+1. SFT: ``configs/agent/<task>_sft_tiny.yaml`` for ``--sft-steps`` steps (calc, codebook: the tiny Qwen3 text LM;
+   zoom: the tiny Qwen2.5-VL). codebook's tiny LM has its tokenizer trained with the tool-use texts as well
+   (``mmpo.vlm.factory.tool_task_corpus``: a trace in 305 tokens instead of 700).
 2. RL from that SFT start, ``--rl-steps`` steps each, same seed: GRPO (``configs/agent/<task>_grpo_tiny.yaml``)
-   and, on calc, ARPO (``configs/agent/arpo_tiny.yaml``) at the same rollout budget (8 trajectories per prompt).
+   and, on calc and codebook, ARPO (``configs/agent/arpo_tiny.yaml``, ``codebook_arpo_tiny.yaml``) at the same
+   rollout budget (8 trajectories per prompt).
 3. Held-out evaluation of the SFT start and of each RL result, greedy, on ``--eval-size`` test-split items
    (disjoint from training by content hash; the same items for every checkpoint and seed), twice: with the task's
    tool (multi-turn, ``mmpo eval --tools``) and without tools (one turn).
@@ -44,6 +46,9 @@ CONFIGS = Path(__file__).resolve().parents[1] / "configs" / "agent"
 TASKS = {
     "calc": dict(kind="text", tools=["calculator"], max_new_tokens=96, algos={"grpo": "calc_grpo_tiny.yaml", "arpo": "arpo_tiny.yaml"},
                  sft="calc_sft_tiny.yaml"),
+    "codebook": dict(kind="text", tools=["codebook"], max_new_tokens=48,
+                     algos={"grpo": "codebook_grpo_tiny.yaml", "arpo": "codebook_arpo_tiny.yaml"},
+                     sft="codebook_sft_tiny.yaml", tool_tokenizer=True),
     "zoom": dict(kind="vlm", tools=["image_zoom_in_tool"], max_new_tokens=128, algos={"grpo": "zoom_grpo_tiny.yaml"},
                  sft="zoom_sft_tiny.yaml"),
 }
@@ -100,7 +105,7 @@ def run_seed(task: str, seed: int, out: Path, *, sft_steps: int, rl_steps: int, 
              max_new_tokens: int | None = None, algos: Sequence[str] | None = None) -> dict[str, Any]:
     """SFT, RL and the evaluations of one task and seed; returns (and stores) the seed's results.
     ``max_new_tokens``: tokens per model turn in RL and evaluation (None: the task's, as its configs)."""
-    from mmpo.vlm.factory import build_tiny_text_lm, build_tiny_vlm
+    from mmpo.vlm.factory import build_tiny_text_lm, build_tiny_vlm, tool_task_corpus
 
     spec = TASKS[task]
     max_new_tokens = max_new_tokens or spec["max_new_tokens"]
@@ -112,7 +117,8 @@ def run_seed(task: str, seed: int, out: Path, *, sft_steps: int, rl_steps: int, 
     base = root / "base"
     if not (base / "config.json").exists():
         builder = build_tiny_text_lm if spec["kind"] == "text" else build_tiny_vlm
-        builder(base, seed=seed, **MODEL_SIZE[spec["kind"]])
+        corpus = {"corpus": tool_task_corpus(task, spec["tools"])} if spec.get("tool_tokenizer") else {}
+        builder(base, seed=seed, **MODEL_SIZE[spec["kind"]], **corpus)
     checkpoints = {"sft": root / "sft"}
     if not (checkpoints["sft"] / "config.json").exists():
         _fit(spec["sft"], root / "sft_run", base, checkpoints["sft"], sft_steps, seed,

@@ -77,3 +77,25 @@ def test_keys_and_codes_pretokenise_into_single_characters():
     assert call[call.index("key") + 3:call.index("key") + 6] == ["n", "6", "m"]
     answer = [piece for piece, _ in split(row["tool_trace"][2]["content"])]
     assert answer[answer.index(">", answer.index("answer")) + 1:][:3] == ["Y", "9", "</"]
+
+
+def test_tool_task_corpus_holds_the_tool_prompt_and_traces():
+    from mmpo.data import SYSTEM_PROMPT
+    from mmpo.tools.functions import tool_system_prompt
+    from mmpo.vlm.factory import (QWEN_TEXT_CHAT_TEMPLATE, QWEN_TEXT_SPECIAL_TOKENS, TOOL_PROMPT_REPEATS,
+                                  _train_tokenizer, default_text_corpus, tool_task_corpus)
+
+    texts = tool_task_corpus("codebook", ["codebook"], n=20)
+    system = tool_system_prompt(SYSTEM_PROMPT, [load_tools(["codebook"])[0].schema])
+    default = default_text_corpus()
+    assert texts[:len(default)] == default and texts.count(system) == TOOL_PROMPT_REPEATS
+    rows = make_items("codebook", 20, seed=0, split="train")
+    assert texts[len(default) + TOOL_PROMPT_REPEATS:][:20] == [row["problem"] for row in rows]
+    assert len(texts) == len(default) + TOOL_PROMPT_REPEATS + 20 + 3 * 20  # call, tool answer, final answer
+    tokenizer = _train_tokenizer(texts, 1024, special_tokens=QWEN_TEXT_SPECIAL_TOKENS,
+                                 chat_template=QWEN_TEXT_CHAT_TEMPLATE)
+    call = rows[0]["tool_trace"][0]["content"]
+    key = rows[0]["problem"].split('"')[1]
+    pieces = tokenizer.tokenize(call)
+    assert "codebook" in pieces and "arguments" in pieces  # whole words once the traces are in the corpus
+    assert pieces[pieces.index("key") + 3:pieces.index("key") + 6] == list(key)  # one token per key character
