@@ -32,6 +32,7 @@ import argparse
 import csv
 import json
 import os
+import shutil
 import sys
 from pathlib import Path
 from typing import Any, Sequence
@@ -102,9 +103,12 @@ def _training_tool_calls(run: Path) -> float | None:
 
 
 def run_seed(task: str, seed: int, out: Path, *, sft_steps: int, rl_steps: int, eval_size: int,
-             max_new_tokens: int | None = None, algos: Sequence[str] | None = None) -> dict[str, Any]:
+             max_new_tokens: int | None = None, algos: Sequence[str] | None = None,
+             sft_start: Path | None = None) -> dict[str, Any]:
     """SFT, RL and the evaluations of one task and seed; returns (and stores) the seed's results.
-    ``max_new_tokens``: tokens per model turn in RL and evaluation (None: the task's, as its configs)."""
+    ``max_new_tokens``: tokens per model turn in RL and evaluation (None: the task's, as its configs).
+    ``sft_start``: an SFT checkpoint to start RL from instead of this seed's own SFT (copied into the seed's
+    directory and recorded; every seed then shares it, and only the RL seed varies)."""
     from mmpo.vlm.factory import build_tiny_text_lm, build_tiny_vlm, tool_task_corpus
 
     spec = TASKS[task]
@@ -113,9 +117,13 @@ def run_seed(task: str, seed: int, out: Path, *, sft_steps: int, rl_steps: int, 
     path = root / "results.json"
     results: dict[str, Any] = json.loads(path.read_text()) if path.exists() else {
         "task": task, "seed": seed, "sft_steps": sft_steps, "rl_steps": rl_steps, "eval_size": eval_size,
-        "eval": {}, "training_tool_calls": {}}
+        "eval": {}, "training_tool_calls": {}, "rl_overrides": list(RL_OVERRIDES)}
     base = root / "base"
-    if not (base / "config.json").exists():
+    if sft_start is not None:
+        if not (root / "sft" / "config.json").exists():
+            shutil.copytree(sft_start, root / "sft")
+        results["sft_start"], results["sft_steps"] = str(sft_start), None
+    elif not (base / "config.json").exists():
         builder = build_tiny_text_lm if spec["kind"] == "text" else build_tiny_vlm
         corpus = {"corpus": tool_task_corpus(task, spec["tools"])} if spec.get("tool_tokenizer") else {}
         builder(base, seed=seed, **MODEL_SIZE[spec["kind"]], **corpus)
@@ -159,7 +167,9 @@ def report(out: Path) -> str:
         if not seeds:
             continue
         first = seeds[0]
-        lines += [f"## {task}", "", f"Seeds: {[s['seed'] for s in seeds]}; SFT {first['sft_steps']} steps, RL "
+        start = (f"one shared SFT start ({first['sft_start']})" if first.get("sft_start")
+                 else f"SFT {first['sft_steps']} steps")
+        lines += [f"## {task}", "", f"Seeds: {[s['seed'] for s in seeds]}; {start}, RL "
                   f"{first['rl_steps']} steps; {first['eval_size']} held-out items, greedy.", "",
                   "| checkpoint | accuracy (mean ± sd over seeds) | tool-call rate | tool calls / answer | "
                   "turns / answer | training tool calls / trajectory |", "| --- | --- | --- | --- | --- | --- |"]
@@ -200,14 +210,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     run.add_argument("--max-new-tokens", type=int, default=None,
                      help="tokens per model turn, training and eval (default: the task's configs': calc 96, zoom 128)")
     run.add_argument("--algos", nargs="+", default=None, help="RL algorithms (default: all of the task's)")
+    run.add_argument("--rl-lr", type=float, default=None, help="RL learning rate (default: the RL configs', 1e-4)")
+    run.add_argument("--sft-start", type=Path, default=None,
+                     help="an SFT checkpoint every seed starts RL from (default: each seed's own SFT)")
     run.add_argument("--out", type=Path, required=True)
     rep = sub.add_parser("report", help="tables over the finished seeds -> OUT/report.md")
     rep.add_argument("--out", type=Path, required=True)
     args = parser.parse_args(argv)
     if args.stage == "run":
+        if args.rl_lr is not None:
+            RL_OVERRIDES.append(f"--model.init_args.optim.lr={args.rl_lr}")
         for seed in args.seeds:
             run_seed(args.task, seed, args.out, sft_steps=args.sft_steps, rl_steps=args.rl_steps,
-                     eval_size=args.eval_size, max_new_tokens=args.max_new_tokens, algos=args.algos)
+                     eval_size=args.eval_size, max_new_tokens=args.max_new_tokens, algos=args.algos,
+                     sft_start=args.sft_start)
     print(report(args.out))
     return 0
 
