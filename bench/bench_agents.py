@@ -2,10 +2,12 @@
 
 Per task and seed, from one tiny model built with that seed:
 
-1. SFT: ``configs/agent/<task>_sft_tiny.yaml`` for ``--sft-steps`` steps (calc: the tiny Qwen3 text LM;
-   zoom: the tiny Qwen2.5-VL).
+1. SFT: ``configs/agent/<task>_sft_tiny.yaml`` for ``--sft-steps`` steps (calc, codebook: the tiny Qwen3 text LM;
+   zoom: the tiny Qwen2.5-VL). codebook's tiny LM has its tokenizer trained with the tool-use texts as well
+   (``mmpo.vlm.factory.tool_task_corpus``: a trace in 305 tokens instead of 700).
 2. RL from that SFT start, ``--rl-steps`` steps each, same seed: GRPO (``configs/agent/<task>_grpo_tiny.yaml``)
-   and, on calc, ARPO (``configs/agent/arpo_tiny.yaml``) at the same rollout budget (8 trajectories per prompt).
+   and, on calc and codebook, ARPO (``configs/agent/arpo_tiny.yaml``, ``codebook_arpo_tiny.yaml``) at the same
+   rollout budget (8 trajectories per prompt).
 3. Held-out evaluation of the SFT start and of each RL result, greedy, on ``--eval-size`` test-split items
    (disjoint from training by content hash; the same items for every checkpoint and seed), twice: with the task's
    tool (multi-turn, ``mmpo eval --tools``) and without tools (one turn).
@@ -30,6 +32,7 @@ import argparse
 import csv
 import json
 import os
+import shutil
 import sys
 from pathlib import Path
 from typing import Any, Sequence
@@ -44,6 +47,9 @@ CONFIGS = Path(__file__).resolve().parents[1] / "configs" / "agent"
 TASKS = {
     "calc": dict(kind="text", tools=["calculator"], max_new_tokens=96, algos={"grpo": "calc_grpo_tiny.yaml", "arpo": "arpo_tiny.yaml"},
                  sft="calc_sft_tiny.yaml"),
+    "codebook": dict(kind="text", tools=["codebook"], max_new_tokens=48,
+                     algos={"grpo": "codebook_grpo_tiny.yaml", "arpo": "codebook_arpo_tiny.yaml"},
+                     sft="codebook_sft_tiny.yaml", tool_tokenizer=True),
     "zoom": dict(kind="vlm", tools=["image_zoom_in_tool"], max_new_tokens=128, algos={"grpo": "zoom_grpo_tiny.yaml"},
                  sft="zoom_sft_tiny.yaml"),
 }
@@ -97,10 +103,13 @@ def _training_tool_calls(run: Path) -> float | None:
 
 
 def run_seed(task: str, seed: int, out: Path, *, sft_steps: int, rl_steps: int, eval_size: int,
-             max_new_tokens: int | None = None, algos: Sequence[str] | None = None) -> dict[str, Any]:
+             max_new_tokens: int | None = None, algos: Sequence[str] | None = None,
+             sft_start: Path | None = None) -> dict[str, Any]:
     """SFT, RL and the evaluations of one task and seed; returns (and stores) the seed's results.
-    ``max_new_tokens``: tokens per model turn in RL and evaluation (None: the task's, as its configs)."""
-    from mmpo.vlm.factory import build_tiny_text_lm, build_tiny_vlm
+    ``max_new_tokens``: tokens per model turn in RL and evaluation (None: the task's, as its configs).
+    ``sft_start``: an SFT checkpoint to start RL from instead of this seed's own SFT (copied into the seed's
+    directory and recorded; every seed then shares it, and only the RL seed varies)."""
+    from mmpo.vlm.factory import build_tiny_text_lm, build_tiny_vlm, tool_task_corpus
 
     spec = TASKS[task]
     max_new_tokens = max_new_tokens or spec["max_new_tokens"]
@@ -108,11 +117,16 @@ def run_seed(task: str, seed: int, out: Path, *, sft_steps: int, rl_steps: int, 
     path = root / "results.json"
     results: dict[str, Any] = json.loads(path.read_text()) if path.exists() else {
         "task": task, "seed": seed, "sft_steps": sft_steps, "rl_steps": rl_steps, "eval_size": eval_size,
-        "eval": {}, "training_tool_calls": {}}
+        "eval": {}, "training_tool_calls": {}, "rl_overrides": list(RL_OVERRIDES)}
     base = root / "base"
-    if not (base / "config.json").exists():
+    if sft_start is not None:
+        if not (root / "sft" / "config.json").exists():
+            shutil.copytree(sft_start, root / "sft")
+        results["sft_start"], results["sft_steps"] = str(sft_start), None
+    elif not (base / "config.json").exists():
         builder = build_tiny_text_lm if spec["kind"] == "text" else build_tiny_vlm
-        builder(base, seed=seed, **MODEL_SIZE[spec["kind"]])
+        corpus = {"corpus": tool_task_corpus(task, spec["tools"])} if spec.get("tool_tokenizer") else {}
+        builder(base, seed=seed, **MODEL_SIZE[spec["kind"]], **corpus)
     checkpoints = {"sft": root / "sft"}
     if not (checkpoints["sft"] / "config.json").exists():
         _fit(spec["sft"], root / "sft_run", base, checkpoints["sft"], sft_steps, seed,
@@ -153,7 +167,9 @@ def report(out: Path) -> str:
         if not seeds:
             continue
         first = seeds[0]
-        lines += [f"## {task}", "", f"Seeds: {[s['seed'] for s in seeds]}; SFT {first['sft_steps']} steps, RL "
+        start = (f"one shared SFT start ({first['sft_start']})" if first.get("sft_start")
+                 else f"SFT {first['sft_steps']} steps")
+        lines += [f"## {task}", "", f"Seeds: {[s['seed'] for s in seeds]}; {start}, RL "
                   f"{first['rl_steps']} steps; {first['eval_size']} held-out items, greedy.", "",
                   "| checkpoint | accuracy (mean ± sd over seeds) | tool-call rate | tool calls / answer | "
                   "turns / answer | training tool calls / trajectory |", "| --- | --- | --- | --- | --- | --- |"]
@@ -194,14 +210,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     run.add_argument("--max-new-tokens", type=int, default=None,
                      help="tokens per model turn, training and eval (default: the task's configs': calc 96, zoom 128)")
     run.add_argument("--algos", nargs="+", default=None, help="RL algorithms (default: all of the task's)")
+    run.add_argument("--rl-lr", type=float, default=None, help="RL learning rate (default: the RL configs', 1e-4)")
+    run.add_argument("--sft-start", type=Path, default=None,
+                     help="an SFT checkpoint every seed starts RL from (default: each seed's own SFT)")
     run.add_argument("--out", type=Path, required=True)
     rep = sub.add_parser("report", help="tables over the finished seeds -> OUT/report.md")
     rep.add_argument("--out", type=Path, required=True)
     args = parser.parse_args(argv)
     if args.stage == "run":
+        if args.rl_lr is not None:
+            RL_OVERRIDES.append(f"--model.init_args.optim.lr={args.rl_lr}")
         for seed in args.seeds:
             run_seed(args.task, seed, args.out, sft_steps=args.sft_steps, rl_steps=args.rl_steps,
-                     eval_size=args.eval_size, max_new_tokens=args.max_new_tokens, algos=args.algos)
+                     eval_size=args.eval_size, max_new_tokens=args.max_new_tokens, algos=args.algos,
+                     sft_start=args.sft_start)
     print(report(args.out))
     return 0
 

@@ -37,8 +37,9 @@ class AgentConfig:
     """Tools and multi-turn limits (``model.init_args.agent`` in YAML).
 
     Attributes:
-        tools: built-in names (``calculator``, ``python``, ``image_zoom_in_tool``) or ``path/file.py:fn`` /
-            ``module:fn``; checked (imported, JSON schema built from type hints and docstring) before the model loads.
+        tools: built-in names (``calculator``, ``python``, ``image_zoom_in_tool``, ``codebook``) or
+            ``path/file.py:fn`` / ``module:fn``; checked (imported, JSON schema built from type hints and
+            docstring) before the model loads.
         parser: tool-call format: ``hermes`` (Qwen's ``<tool_call>{...}</tool_call>``) or ``file.py:factory``.
         max_turns: model turns per trajectory (``sampling.max_new_tokens`` bounds each turn).
         max_total_tokens: completion tokens per trajectory, model and tool tokens together.

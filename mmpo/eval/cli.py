@@ -72,7 +72,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--prompt-style", choices=["think-answer", "steps"], default="think-answer",
                         help="system prompt of the answer format the model was trained on (steps = StepGRPO)")
     parser.add_argument("--tools", default=None,
-                        help="evaluate with tools, comma-separated (calculator, python, image_zoom_in_tool, "
+                        help="evaluate with tools, comma-separated (calculator, python, image_zoom_in_tool, codebook, "
                         "path/file.py:fn): multi-turn answers; reports the tool-call rate, tool calls and turns per "
                         "answer, and each answer's conversation in predictions/*.jsonl (docs/agents.md)")
     parser.add_argument("--max-turns", type=int, default=3, help="with --tools: model turns per answer")

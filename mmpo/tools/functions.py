@@ -4,7 +4,7 @@ A tool is a function with type hints and a Google-style docstring (a summary lin
 section describing every parameter); its JSON schema, which the chat template shows the model, comes
 from the signature through ``transformers.utils.get_json_schema``. A config names a tool as
 
-- a built-in name (:data:`BUILTIN_TOOLS`: ``calculator``, ``python``, ``image_zoom_in_tool``), or
+- a built-in name (:data:`BUILTIN_TOOLS`: ``calculator``, ``python``, ``image_zoom_in_tool``, ``codebook``), or
 - ``path/to/file.py:function`` / ``package.module:function`` (the same loader as user reward functions,
   :mod:`mmpo.plugins`).
 
@@ -27,6 +27,7 @@ BUILTIN_TOOLS: dict[str, str] = {
     "calculator": "mmpo.tools.calculator:calculator",
     "python": "mmpo.tools.python_exec:python",
     "image_zoom_in_tool": "mmpo.tools.image_zoom:image_zoom_in_tool",
+    "codebook": "mmpo.tools.codebook:codebook",
 }
 """Built-in tool name -> its ``module:function`` spec."""
 

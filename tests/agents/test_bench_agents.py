@@ -39,3 +39,38 @@ def test_bench_agents_one_seed_end_to_end(tmp_path, monkeypatch):
     text = bench.report(tmp_path)
     assert "| grpo/with_tools - grpo/without_tools |" in text and "| grpo/with_tools - sft/with_tools |" in text
     assert "| sft/with_tools |" in text and (tmp_path / "report.md").read_text() == text
+
+
+def test_bench_agents_codebook_from_a_shared_sft_start(tmp_path, monkeypatch):
+    """--sft-start: every seed copies one SFT checkpoint and trains RL from it (no SFT fit), recorded in the results;
+    --rl-lr reaches the RL fit as an override."""
+    from mmpo.vlm.factory import build_tiny_text_lm, tool_task_corpus
+
+    bench = load_bench("bench_agents")
+    start = build_tiny_text_lm(tmp_path / "start", vocab_size=400, hidden_size=32, intermediate_size=64, num_layers=1,
+                               corpus=tool_task_corpus("codebook", ["codebook"], n=20))
+    monkeypatch.setattr(bench, "RL_OVERRIDES", [
+        "--data.init_args.train_size=8", "--data.init_args.batch_size=2", "--model.init_args.sampling.num_generations=2",
+        "--model.init_args.agent.max_total_tokens=40"])
+    monkeypatch.setattr(bench, "TOOL_LIMITS", dict(max_turns=2, max_total_tokens=40))
+    fits = []
+    real_fit = bench._fit
+
+    def recording_fit(config, run, model_path, output, steps, seed, extra):
+        fits.append((config, model_path, list(extra)))
+        return real_fit(config, run, model_path, output, steps, seed, extra)
+
+    monkeypatch.setattr(bench, "_fit", recording_fit)
+    out = tmp_path / "out"
+    assert bench.main(["run", "--task", "codebook", "--seeds", "3", "--sft-steps", "2", "--rl-steps", "1",
+                       "--eval-size", "2", "--max-new-tokens", "8", "--algos", "grpo", "--rl-lr", "0.002",
+                       "--sft-start", str(start), "--out", str(out)]) == 0
+    (config, model_path, extra), = fits  # no SFT fit: only GRPO, from the copied start
+    assert config == "codebook_grpo_tiny.yaml" and model_path == out / "codebook" / "s3" / "sft"
+    assert "--model.init_args.optim.lr=0.002" in extra and "--model.init_args.seed=3" in extra
+    results = json.loads((out / "codebook" / "s3" / "results.json").read_text())
+    assert results["sft_start"] == str(start) and results["sft_steps"] is None
+    assert "--model.init_args.optim.lr=0.002" in results["rl_overrides"]
+    assert (model_path / "config.json").read_text() == (start / "config.json").read_text()
+    assert set(results["eval"]) == {"sft/with_tools", "sft/without_tools", "grpo/with_tools", "grpo/without_tools"}
+    assert f"one shared SFT start ({start})" in (out / "report.md").read_text()

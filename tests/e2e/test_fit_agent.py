@@ -112,3 +112,31 @@ def test_arpo_two_steps_through_mmpo_fit(tmp_path):
         assert groups == [0, 0, 0, 0, 1, 1, 1, 1]
     checkpoint = torch.load(tmp_path / "arpo" / "ckpt" / "last.ckpt", weights_only=False)
     assert set(checkpoint["arpo_branching"]) == {"rng", "initial_entropy"}
+
+
+def test_codebook_sft_grpo_and_arpo_two_steps_each(tmp_path):
+    """configs/agent/codebook_{sft,grpo,arpo}_tiny.yaml, 2 steps each through ``mmpo fit``: SFT on the codebook
+    traces, then GRPO and ARPO with the sandboxed codebook tool from that start."""
+    base = tmp_path / "text_base"
+    assert main(["build-tiny", "--kind", "text", "--out", str(base), "--vocab-size", "400", "--hidden-size", "32",
+                 "--intermediate-size", "64", "--num-layers", "1"]) == 0
+    sft_out = tmp_path / "codebook_sft"
+    assert main(["fit", "-c", str(CONFIGS / "codebook_sft_tiny.yaml"), *_common(tmp_path, "sft"),
+                 f"--model.init_args.model_path={base}", f"--model.init_args.output_dir={sft_out}",
+                 "--model.init_args.val_max_new_tokens=8"]) == 0
+    model, _ = load_vlm(base)
+    trained, _ = load_vlm(sft_out)
+    assert any(not torch.equal(a, b) for a, b in zip(trained.parameters(), model.parameters()))
+    logged = _logged(tmp_path / "sft")
+    assert {"losses/sft", "val/accuracy", "val/tool_calls"} <= set(logged)
+    assert 0 < float(logged["losses/sft"]) < 20
+    for name, extra in (("grpo", []), ("arpo", ["--model.init_args.arpo.initial_rollouts=1"])):
+        assert main(["fit", "-c", str(CONFIGS / f"codebook_{name}_tiny.yaml"), *_common(tmp_path, name),
+                     f"--model.init_args.model_path={sft_out}", f"--model.init_args.output_dir={tmp_path / name}_out",
+                     "--model.init_args.sampling.num_generations=2", "--model.init_args.sampling.max_new_tokens=8",
+                     "--model.init_args.agent.max_total_tokens=40", *extra]) == 0
+        logged = _logged(tmp_path / name)
+        assert {"agent/turns_mean", "agent/tool_calls_mean", "losses/policy", "val/accuracy"} <= set(logged)
+        records = [json.loads(line) for line in (tmp_path / name / "rollouts.jsonl").read_text().splitlines()]
+        assert len(records) == 2 * 2 * 2 and {record["step"] for record in records} == {0, 1}
+        assert all(record["messages"][0]["content"].startswith("What is the code of") for record in records)

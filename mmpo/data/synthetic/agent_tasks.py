@@ -1,6 +1,6 @@
 """Tasks where a tool must help: ``calc``, arithmetic a tiny model cannot do in its head; ``zoom``, a detail
 too small to read at a VLM's input resolution; ``twohop``, two lookups whose answers are padded with distractors
-(MATPO's testbed, docs/matpo.md).
+(MATPO's testbed, docs/matpo.md); ``codebook``, the code of a key that only the tool knows.
 
 ``calc``: ``Compute 4821 * 37 - 1290.`` (difficulty 1: a 3-digit times a 2-digit number plus a 3-digit one;
 2: 4-digit x 2-digit +/- 4-digit; 3: 4-digit x 3-digit +/- 5-digit). The answer is an integer (the
@@ -158,4 +158,40 @@ def twohop(rng: random.Random, difficulty: int, image_size: int) -> dict[str, An
         "steps": [f"{person} lives in {city}.", f"{city} has {value} inhabitants.", f"So the answer is {value}."],
         "key_steps": [[city], [value]], "needs_image": False, "image_description": "There is no image.",
         "rationale": "I look the person up, then the city.", "tool_trace": lookup_trace(person),
+    }
+
+
+def codebook_key(rng: random.Random) -> str:
+    """A key: a lower-case letter, a digit, a lower-case letter (``b7k``: 6 760 keys)."""
+    from mmpo.tools.codebook import DIGITS
+
+    letters = "abcdefghijklmnopqrstuvwxyz"
+    return rng.choice(letters) + rng.choice(DIGITS) + rng.choice(letters)
+
+
+def codebook_trace(key: str, value: str) -> list[dict[str, str]]:
+    """The tool-use conversation after the prompt: look the key up, answer the tool's code."""
+    call = json.dumps({"name": "codebook", "arguments": {"key": key}})
+    return [
+        {"role": "assistant", "content": f"<tool_call>\n{call}\n</tool_call>"},
+        {"role": "tool", "content": value},
+        {"role": "assistant", "content": f"<think>I read the code.</think><answer>{value}</answer>"},
+    ]
+
+
+@register_task("codebook")
+def codebook(rng: random.Random, difficulty: int, image_size: int) -> dict[str, Any]:
+    """The code of a random key (``mmpo.tools.codebook``: a hash, so only the tool knows it). Every difficulty
+    gives the same kind of item (keys and codes of fixed length: the test is whether the model uses the tool).
+    The row is a function of the key, so the registry's content-hash splits hold disjoint keys: a held-out key's
+    code cannot be memorised in training."""
+    from mmpo.tools.codebook import code_of
+
+    key = codebook_key(rng)
+    value = code_of(key)
+    return {
+        "images": [], "problem": f'What is the code of "{key}"?', "answer": value,
+        "steps": [f'The codebook gives the code of "{key}".', f"It is {value}.", f"So the answer is {value}."],
+        "key_steps": [[value]], "needs_image": False, "image_description": "There is no image.",
+        "rationale": "I look the key up in the codebook.", "tool_trace": codebook_trace(key, value),
     }
