@@ -94,6 +94,7 @@ def build_weak_start(out: str | Path, *, seed: int = 0, steps: int = 600, batch_
     """Build the tiny text LM under ``out/base`` and fine-tune it (``steps`` AdamW steps of ``batch_size``
     :func:`sft_example` pairs, seeded by ``seed``) into ``out/weak_start``, which is returned. Prompts use the
     default system prompt, as ``mmpo fit`` and ``mmpo tapo-library`` do."""
+    from mmpo.training.optim import make_adamw
     from mmpo.vlm.factory import build_tiny_text_lm, load_vlm
     from mmpo.vlm.processing import encode_completions, encode_prompts
 
@@ -103,7 +104,7 @@ def build_weak_start(out: str | Path, *, seed: int = 0, steps: int = 600, batch_
     model, processor = load_vlm(out / "base")
     rng = random.Random(seed)
     torch.manual_seed(seed)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
+    optimizer = make_adamw(model.parameters(), lr=lr, weight_decay=0.01)  # torch AdamW's default decay
     model.train()
     for step in range(steps):
         pairs = [sft_example(rng, guided_share=guided_share, follow=follow, explore=explore) for _ in range(batch_size)]

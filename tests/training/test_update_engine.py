@@ -173,9 +173,10 @@ def test_one_clip_site_and_one_optimizer_step_site_for_policy_updates():
                     step.append(where)
     assert [c.split(":")[0] for c in clip] == ["mmpo/training/update.py"]
     # the engine's optimizer steps (and the guard's automatic-optimisation closure); the TAROT testbed also fits
-    # its own style / topic encoders and its attacker classifier (supervised tools of a benchmark, not a policy)
+    # its own style / topic encoders and its attacker classifier, and the TAPO testbed fine-tunes its weak start
+    # (supervised tools of a benchmark, not a policy update)
     assert {s.split(":")[0] for s in step} == {"mmpo/training/update.py", "mmpo/training/nonfinite.py",
-                                               "mmpo/rewards/tarot_testbed.py"}
+                                               "mmpo/rewards/tarot_testbed.py", "mmpo/algos/tapo_testbed.py"}
 
 
 def test_every_family_builds_its_optimizer_in_one_place():
