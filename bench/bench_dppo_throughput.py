@@ -143,14 +143,22 @@ class RawOnAllCores:
             process.join(timeout=10)
 
 
-def collection_steps_per_s(module, update_seconds: float = 0.0) -> float:
+def timed_collection(module, update_seconds: float = 0.0, cpu_s=time.process_time) -> dict[str, float]:
+    """One ``module.collect_rollout()``: its env steps, wall seconds and ``cpu_s()`` seconds (this process by default;
+    bench_finetuner_throughput.py passes the CPU of this process and its env workers)."""
     if module.env.prefetch_reset:  # as in training: the reset runs in the workers during the PPO update
         module.start_reset(module.iteration)
         time.sleep(update_seconds)
     before = module.train_tracker.env_steps
-    start = time.perf_counter()
+    start, cpu_start = time.perf_counter(), cpu_s()
     module.collect_rollout()
-    return (module.train_tracker.env_steps - before) / (time.perf_counter() - start)
+    wall, cpu = time.perf_counter() - start, cpu_s() - cpu_start
+    return {"env_steps": float(module.train_tracker.env_steps - before), "wall_s": wall, "cpu_s": cpu}
+
+
+def collection_steps_per_s(module, update_seconds: float = 0.0) -> float:
+    timed = timed_collection(module, update_seconds)
+    return timed["env_steps"] / timed["wall_s"]
 
 
 def make_module(checkpoint: Path, name: str, args: argparse.Namespace):
