@@ -86,6 +86,17 @@ class ScriptedExpert(ABC):
             action = action + self.rng.normal(0.0, self.noise, size=action.shape)
         return np.clip(action, -1.0, 1.0)
 
+    def _release_then_retreat(self, action: np.ndarray, eef: np.ndarray, carry_z: float) -> np.ndarray:
+        """The last two phases: open the gripper for ``release_steps``, then move straight up to ``carry_z``."""
+        if self.phase == "release":
+            action[6] = GRIPPER_OPEN
+            if self.phase_steps >= self.config.release_steps:
+                self._next("retreat")
+            return action
+        action[:3] = move_towards(eef, np.array([eef[0], eef[1], carry_z]))
+        action[6] = GRIPPER_OPEN
+        return action
+
     def _grasp_phases(self, eef: np.ndarray, obj: np.ndarray) -> np.ndarray | None:
         """approach -> descend -> close; returns an action, or None once grasped."""
         c = self.config
@@ -186,15 +197,8 @@ class CanExpert(ScriptedExpert):
             if abs(target[2] - eef[2]) < 2 * c.reach_tolerance or self.phase_steps > c.max_phase_steps:
                 self._next("release")
             return action
-        if self.phase == "release":
-            action[6] = GRIPPER_OPEN
-            if self.phase_steps >= c.release_steps:
-                self._next("retreat")
-            return action
-        # retreat: move up so the gripper is > 4.2 cm from the can (robosuite's success check)
-        action[:3] = move_towards(eef, np.array([eef[0], eef[1], carry_z]))
-        action[6] = GRIPPER_OPEN
-        return action
+        # release, then retreat: move up so the gripper is > 4.2 cm from the can (robosuite's success check)
+        return self._release_then_retreat(action, eef, carry_z)
 
 
 def make_expert(task: str, *, noise: float = 0.0, rng: np.random.Generator | None = None) -> ScriptedExpert:
@@ -327,11 +331,4 @@ class SquareExpert(ScriptedExpert):
             if nut[2] < self.peg[2] + 0.045 or self.phase_steps > c.max_phase_steps:
                 self._next("release")
             return action
-        if self.phase == "release":
-            action[6] = GRIPPER_OPEN
-            if self.phase_steps >= c.release_steps:
-                self._next("retreat")
-            return action
-        action[:3] = move_towards(eef, np.array([eef[0], eef[1], carry_z]))
-        action[6] = GRIPPER_OPEN
-        return action
+        return self._release_then_retreat(action, eef, carry_z)
