@@ -35,18 +35,25 @@ def _logged(log_dir: Path) -> dict[str, str]:
     return logged
 
 
-def test_calc_sft_then_grpo_with_the_calculator(tmp_path):
+def _tiny_base_then_sft(tmp_path: Path, task: str) -> Path:
+    """Build the tiny text LM, train ``configs/agent/{task}_sft_tiny.yaml`` 2 steps from it (logs under
+    ``tmp_path / "sft"``), check that the weights moved and the SFT metrics were logged; returns the SFT output."""
     base = tmp_path / "text_base"
     assert main(["build-tiny", "--kind", "text", "--out", str(base), "--vocab-size", "400", "--hidden-size", "32",
                  "--intermediate-size", "64", "--num-layers", "1"]) == 0
-    sft_out = tmp_path / "calc_sft"
-    assert main(["fit", "-c", str(CONFIGS / "calc_sft_tiny.yaml"), *_common(tmp_path, "sft"),
+    sft_out = tmp_path / f"{task}_sft"
+    assert main(["fit", "-c", str(CONFIGS / f"{task}_sft_tiny.yaml"), *_common(tmp_path, "sft"),
                  f"--model.init_args.model_path={base}", f"--model.init_args.output_dir={sft_out}",
                  "--model.init_args.val_max_new_tokens=8"]) == 0
     model, _ = load_vlm(base)
     trained, _ = load_vlm(sft_out)
     assert any(not torch.equal(a, b) for a, b in zip(trained.parameters(), model.parameters()))
     assert {"losses/sft", "val/accuracy", "val/tool_calls"} <= set(_logged(tmp_path / "sft"))
+    return sft_out
+
+
+def test_calc_sft_then_grpo_with_the_calculator(tmp_path):
+    sft_out = _tiny_base_then_sft(tmp_path, "calc")
 
     grpo_out = tmp_path / "calc_grpo"
     assert main(["fit", "-c", str(CONFIGS / "calc_grpo_tiny.yaml"), *_common(tmp_path, "grpo"),
@@ -117,18 +124,8 @@ def test_arpo_two_steps_through_mmpo_fit(tmp_path):
 def test_codebook_sft_grpo_and_arpo_two_steps_each(tmp_path):
     """configs/agent/codebook_{sft,grpo,arpo}_tiny.yaml, 2 steps each through ``mmpo fit``: SFT on the codebook
     traces, then GRPO and ARPO with the sandboxed codebook tool from that start."""
-    base = tmp_path / "text_base"
-    assert main(["build-tiny", "--kind", "text", "--out", str(base), "--vocab-size", "400", "--hidden-size", "32",
-                 "--intermediate-size", "64", "--num-layers", "1"]) == 0
-    sft_out = tmp_path / "codebook_sft"
-    assert main(["fit", "-c", str(CONFIGS / "codebook_sft_tiny.yaml"), *_common(tmp_path, "sft"),
-                 f"--model.init_args.model_path={base}", f"--model.init_args.output_dir={sft_out}",
-                 "--model.init_args.val_max_new_tokens=8"]) == 0
-    model, _ = load_vlm(base)
-    trained, _ = load_vlm(sft_out)
-    assert any(not torch.equal(a, b) for a, b in zip(trained.parameters(), model.parameters()))
+    sft_out = _tiny_base_then_sft(tmp_path, "codebook")
     logged = _logged(tmp_path / "sft")
-    assert {"losses/sft", "val/accuracy", "val/tool_calls"} <= set(logged)
     assert 0 < float(logged["losses/sft"]) < 20
     for name, extra in (("grpo", []), ("arpo", ["--model.init_args.arpo.initial_rollouts=1"])):
         assert main(["fit", "-c", str(CONFIGS / f"codebook_{name}_tiny.yaml"), *_common(tmp_path, name),
