@@ -170,6 +170,17 @@ class _JudgeServer:
                     server.requests.append(body)
                     server.in_flight += 1
                     server.max_in_flight = max(server.max_in_flight, server.in_flight)
+                done = False
+
+                def release() -> None:
+                    # before the reply goes out: a client thread that gets its reply may send its next request
+                    # before this handler thread runs again, which must not count as one more in flight
+                    nonlocal done
+                    if not done:
+                        done = True
+                        with lock:
+                            server.in_flight -= 1
+
                 try:
                     content = body["messages"][-1]["content"]
                     text = content if isinstance(content, str) else content[-1]["text"]
@@ -180,6 +191,7 @@ class _JudgeServer:
                     time.sleep(0.05)
                     if "SLOW" in answer:
                         time.sleep(2.0)
+                    release()
                     if "FAIL" in answer or ("FLAKY" in answer and first):
                         self.send_response(500 if "FAIL" in answer else 503)
                         self.end_headers()
@@ -194,8 +206,7 @@ class _JudgeServer:
                 except BrokenPipeError:  # the client gave up (its timeout) before the SLOW reply
                     pass
                 finally:
-                    with lock:
-                        server.in_flight -= 1
+                    release()
 
         self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
