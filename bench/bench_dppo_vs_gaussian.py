@@ -233,8 +233,10 @@ class CurveRecorder(pl.Callback):
 
     def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx) -> None:
         m = {key: float(value) for key, value in module.last_metrics.items()}
+        # wall seconds since the RL phase began (a --continue-from run counts the source's), for curves in wall time
+        m["perf/rl_wall_s"] = time.perf_counter() - self.record["_rl_start"]
         self.record["curve"].append(m)
-        self.record["rl_seconds_so_far"] = time.perf_counter() - self.record["_rl_start"]
+        self.record["rl_seconds_so_far"] = m["perf/rl_wall_s"]
         atomic_write_json(self.path, {k: v for k, v in self.record.items() if not k.startswith("_")})
         print(f"  {self.record['method']} s{self.record['seed']} itr {len(self.record['curve'])}: env steps "
               f"{m['perf/env_steps_total']:.0f} train success {m.get('charts/success_rate', float('nan')):.3f} "
@@ -515,9 +517,11 @@ def paired_table(records: list[dict], methods: list[str],
     return seeds, table
 
 
-def aggregate(records: list[dict], n_boot: int = 10_000) -> dict:
+def aggregate(records: list[dict], n_boot: int = 10_000, methods: tuple[str, ...] = METHODS) -> dict:
+    """Per method of ``methods`` (default this bench's; bench/bench_flow_robomimic.py passes its own) the paired
+    BC -> fine-tuned gain; the DPPO - Gaussian contrasts when both ran."""
     task = records_task(records)
-    methods = [m for m in METHODS if any(r["method"] == m and r.get("status") == "done" for r in records)]
+    methods = [m for m in methods if any(r["method"] == m and r.get("status") == "done" for r in records)]
     result: dict = {"task": task, "methods": {}, "contrasts": {}}
     for method in methods:
         seeds, table = paired_table(records, [method])
@@ -551,7 +555,7 @@ def aggregate(records: list[dict], n_boot: int = 10_000) -> dict:
                                                   n_boot=n_boot),
                 "after_minus_mid": summarize_contrast(mid_table, {f"{method}/after": 1.0, f"{method}/mid": -1.0},
                                                       n_boot=n_boot)}
-    if set(METHODS) <= set(methods):
+    if set(METHODS) <= set(methods):  # dppo and gaussian
         seeds, table = paired_table(records, list(METHODS))
         if table:
             result["contrasts"]["dppo_gain_minus_gaussian_gain"] = {"seeds": seeds, **summarize_contrast(

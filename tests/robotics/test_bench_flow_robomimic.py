@@ -1,0 +1,172 @@
+"""bench/bench_flow_robomimic.py (issue 44): options, the per-method budget in env steps, the modules each method
+builds from its config, the task queue shared by two workers, and the pooled aggregate with pairwise contrasts."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from bench_support import load_bench
+
+
+@pytest.fixture(scope="module")
+def bench():
+    return load_bench("bench_flow_robomimic")
+
+
+def test_options_and_budget_in_env_steps(bench):
+    args = bench.parse_args(["--env-steps", "3000", "--max-minutes", "6"])
+    assert (args.task, args.noise, args.max_episode_steps, args.n_steps, args.num_envs) == ("lift", 0.5, 150, 38, 4)
+    assert args.methods == ["dppo", "reinflow", "fpo", "dsrl"] and args.eval_episodes == 100
+    # the shared options the bench pipeline reads (fit_rl's wall cap) follow the new names
+    assert (args.dppo_env_steps, args.dppo_max_minutes, args.env_steps, args.max_minutes) == (3000, 6.0, 3000, 6.0)
+    # 4 envs x one 150-step episode (38 chunk steps of 4 actions stop at the time limit): 600 env steps per iteration
+    assert bench.plan(args) == {"iterations": 5, "env_steps_per_iteration": 600, "env_steps": 3000,
+                                "chunk_steps_per_env": 190}
+    # a budget between iterations rounds up to whole iterations
+    assert bench.plan(bench.parse_args(["--env-steps", "3001"]))["iterations"] == 6
+    # episodes longer than a rollout: n_steps x 4 per env
+    short = bench.parse_args(["--env-steps", "1000", "--n-steps", "10", "--num-envs", "2"])
+    assert bench.plan(short) == {"iterations": 13, "env_steps_per_iteration": 80, "env_steps": 1040,
+                                 "chunk_steps_per_env": 130}
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--dsrl-utd", "0"])
+
+
+def test_each_method_builds_its_config_with_the_bench_budget(bench):
+    args = bench.parse_args(["--env-steps", "3000", "--dsrl-hidden", "64", "64", "--dsrl-utd", "5",
+                             "--dsrl-warmup-iterations", "2", "--sync-envs"])
+    paths = {}
+    for method in bench.METHODS:
+        class_path, settings = bench.module_settings(method, Path("bc.ckpt"), args, seed=3)
+        paths[method] = class_path
+        assert settings["bc_checkpoint"] == "bc.ckpt" and settings["num_iterations"] == 5 and settings["seed"] == 3
+        assert settings["evaluation"]["every"] == 0
+        env = settings["env"]
+        assert (env["num_envs"], env["n_steps"], env["max_episode_steps"], env["asynchronous"]) == (4, 38, 150, False)
+        assert env["reset_at_iteration"] is True  # the config's, kept
+        assert "bc_checkpoint" not in bench.settings_record(settings)
+    assert paths == {"dppo": "mmpo.robotics.dppo.DPPOModule", "reinflow": "mmpo.robotics.reinflow.ReinFlowModule",
+                     "fpo": "mmpo.robotics.fpo.FPOModule", "dsrl": "mmpo.robotics.dsrl.DSRLModule"}
+    _, reinflow = bench.module_settings("reinflow", Path("bc.ckpt"), args, seed=0)
+    assert reinflow["optim"]["lr"] == 2e-5 and reinflow["reinflow"]["clip"] == 0.01  # reinflow_lift.yaml's
+    _, fpo = bench.module_settings("fpo", Path("bc.ckpt"), args, seed=0)
+    assert fpo["fpo"]["mc_samples"] == 8 and fpo["optim"]["lr"] == 1e-4
+    _, dsrl = bench.module_settings("dsrl", Path("bc.ckpt"), args, seed=0)
+    # the CPU changes (widths, utd, warm-up as whole iterations of 38 chunk steps), a buffer of the whole run
+    # (5 iterations x 38 chunk steps x 4 envs), the rest dsrl_lift.yaml's
+    assert {k: dsrl["dsrl"][k] for k in ("hidden_dims", "utd", "warmup_chunk_steps", "buffer_size", "action_magnitude",
+                                         "tau", "reward_offset")} == {
+        "hidden_dims": [64, 64], "utd": 5, "warmup_chunk_steps": 76, "buffer_size": 760, "action_magnitude": 1.5,
+        "tau": 0.005, "reward_offset": 1.0}
+    assert bench.FAMILY == {"dppo": "diffusion", "reinflow": "flow", "fpo": "flow", "dsrl": "flow"}
+    assert bench.eval_sampler("dppo", args) == "args" and bench.eval_sampler("diffusion", args) == "args"
+    assert bench.eval_sampler("dsrl", args) is None and bench.eval_sampler("flow", args) is None
+
+
+def test_tasks_are_seed_major_and_wait_for_their_bc(bench, tmp_path):
+    args = bench.parse_args(["--seeds", "0", "1", "--methods", "fpo", "dppo"])
+    assert bench.tasks(args) == [("bc", "diffusion", 0), ("bc", "flow", 0), ("rl", "fpo", 0), ("rl", "dppo", 0),
+                                 ("bc", "diffusion", 1), ("bc", "flow", 1), ("rl", "fpo", 1), ("rl", "dppo", 1)]
+    only_flow = bench.parse_args(["--seeds", "0", "--methods", "reinflow"])
+    assert bench.tasks(only_flow) == [("bc", "flow", 0), ("rl", "reinflow", 0)]
+
+    def write(task, status):
+        path = bench.task_record_path(task, tmp_path)
+        path.write_text(json.dumps({"status": status}))
+
+    all_tasks = bench.tasks(args)
+    # the first task is claimed; a second worker (another pid holds the claim) gets the next one
+    task, pending = bench.next_task(all_tasks, tmp_path)
+    assert task == ("bc", "diffusion", 0) and pending
+    holder = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        (tmp_path / "claims" / "bc_diffusion_0.lock").write_text(str(holder.pid))
+        assert bench.next_task(all_tasks, tmp_path)[0] == ("bc", "flow", 0)
+        (tmp_path / "claims" / "bc_flow_0.lock").write_text(str(holder.pid))
+        # fpo s0 and dppo s0 wait for their BCs (held by the other worker): seed 1's first BC is next
+        assert bench.next_task(all_tasks, tmp_path)[0] == ("bc", "diffusion", 1)
+    finally:
+        holder.kill()
+        holder.wait()
+    # the holder died: its claim is taken over
+    assert bench.next_task(all_tasks, tmp_path)[0] == ("bc", "diffusion", 0)
+    for task in all_tasks:
+        bench.release(tmp_path, task)
+    write(("bc", "flow", 0), "done")
+    write(("bc", "diffusion", 0), "failed")  # dppo s0 can never run: dropped, not waited on
+    write(("rl", "fpo", 0), "done")  # finished: skipped
+    assert bench.next_task(all_tasks, tmp_path)[0] == ("bc", "diffusion", 1)
+    for task in all_tasks[4:]:
+        write(task, "done")
+    assert bench.next_task(all_tasks, tmp_path) == (None, False)  # nothing pending: the worker returns
+    write(("rl", "fpo", 1), "rl")  # a killed run's record is not finished: run again
+    assert bench.next_task(all_tasks, tmp_path) == (("rl", "fpo", 1), True)
+
+
+def _episodes(successes):
+    return [{"env": i % 2, "ordinal": i // 2, "success": s} for i, s in enumerate(successes)]
+
+
+def _record(method, seed, before, after, **extra):
+    return {"seed": seed, "method": method, "task": "lift", "status": "done", "env_steps": 600.0, "rl_iterations": 1,
+            "rl_seconds": 10.0, "bc_seconds": 1.0, "rollout_env_steps_per_s": 60.0, "faults": 0.0,
+            "rl_settings": {"num_iterations": 1}, "plan": {"env_steps": 600}, "cap_bound": False,
+            "before_episodes": _episodes(before), "after_episodes": _episodes(after),
+            "before": {"success_rate": float(np.mean(before)), "episodes": len(before)},
+            "after": {"success_rate": float(np.mean(after)), "episodes": len(after)},
+            "curve": [{"perf/env_steps_total": 600.0, "perf/rl_wall_s": 10.0, "charts/success_rate": 0.5}], **extra}
+
+
+def test_aggregate_gains_and_pairwise_contrasts(bench, tmp_path):
+    flow_bc = [1, 0, 0, 0]
+    records = [_record("dppo", 0, [0, 0, 1, 1], [1, 1, 1, 1]),  # gain +0.50
+               _record("reinflow", 0, flow_bc, [1, 1, 0, 0]),  # +0.25
+               _record("fpo", 0, flow_bc, [0, 0, 0, 0]),  # -0.25
+               _record("dsrl", 0, flow_bc, [1, 1, 1, 0], cap_bound=True),  # +0.50
+               {"seed": 1, "method": "fpo", "task": "lift", "status": "rl", "curve": []}]
+    result = bench.aggregate(records, n_boot=200)
+    gains = {m: v["gain"]["estimate"] for m, v in result["methods"].items()}
+    assert gains == pytest.approx({"dppo": 0.5, "reinflow": 0.25, "fpo": -0.25, "dsrl": 0.5})
+    assert result["methods"]["dsrl"]["cap_bound"] == [True] and result["methods"]["fpo"]["cap_bound"] == [False]
+    contrasts = {name: c["estimate"] for name, c in result["contrasts"].items()}
+    assert contrasts == pytest.approx({
+        "dppo_gain_minus_reinflow_gain": 0.25, "dppo_gain_minus_fpo_gain": 0.75, "dppo_gain_minus_dsrl_gain": 0.0,
+        "reinflow_gain_minus_fpo_gain": 0.5, "reinflow_gain_minus_dsrl_gain": -0.25, "fpo_gain_minus_dsrl_gain": -0.75})
+    assert [u["method"] for u in result["unfinished"]] == ["fpo"]
+    text = bench.markdown(result)
+    assert "| DPPO (diffusion) | 0 | 4 | 0.50 | 1.00 | 0.500 -> 1.000 | **+0.500** |" in text
+    assert "| fpo_gain_minus_dsrl_gain | 0 | | per seed -0.75 |" in text and "| yes |" in text
+    plot = tmp_path / "curves.png"
+    bench.plot(records, plot)
+    assert plot.stat().st_size > 10_000
+
+
+def test_the_existing_bench_keeps_its_contrasts_and_records_wall_time():
+    vs = load_bench("bench_dppo_vs_gaussian")
+    record = _record("dppo", 0, [0, 0, 1, 1], [1, 1, 1, 1])
+    gaussian = _record("gaussian", 0, [0, 0, 1, 1], [0, 0, 1, 1])
+    result = vs.aggregate([record, gaussian], n_boot=100)
+    assert result["contrasts"]["dppo_gain_minus_gaussian_gain"]["estimate"] == pytest.approx(0.5)
+    # only the methods asked for
+    assert list(vs.aggregate([record, gaussian], n_boot=100, methods=("gaussian",))["methods"]) == ["gaussian"]
+
+    class Module:
+        last_metrics = {"perf/env_steps_total": 600.0, "perf/env_steps_per_s": 50.0}
+
+    path = Path(os.devnull)
+    state = {"method": "dppo", "seed": 0, "curve": [], "_rl_start": 0.0}
+    recorder = vs.CurveRecorder(state, path)
+    recorder.path = None
+    vs.atomic_write_json, saved = (lambda *a, **k: None), vs.atomic_write_json
+    try:
+        recorder.on_train_batch_end(None, Module(), None, None, 0)
+    finally:
+        vs.atomic_write_json = saved
+    assert state["curve"][0]["perf/rl_wall_s"] > 0 and state["rl_seconds_so_far"] == state["curve"][0]["perf/rl_wall_s"]
