@@ -170,3 +170,33 @@ def test_the_existing_bench_keeps_its_contrasts_and_records_wall_time():
     finally:
         vs.atomic_write_json = saved
     assert state["curve"][0]["perf/rl_wall_s"] > 0 and state["rl_seconds_so_far"] == state["curve"][0]["perf/rl_wall_s"]
+
+
+def test_a_tiny_lift_run_end_to_end_then_resumes_without_rerunning(bench, tmp_path, monkeypatch):
+    """Both BCs, the four fine-tunings (one 8-step iteration each) and the paired evaluations on the real Lift
+    simulator with tiny networks and random Lift-shaped demos; a second run finds every record done."""
+    from reliability.test_resume_robotics import write_tiny_demos
+
+    demos = write_tiny_demos(tmp_path / "lift.hdf5")
+    monkeypatch.chdir(tmp_path)
+    argv = ["--out-dir", "out", "--demos", str(demos), "--seeds", "0", "--bc-epochs", "1", "--hidden", "16",
+            "--eval-episodes", "2", "--num-envs", "1", "--n-steps", "2", "--max-episode-steps", "8",
+            "--env-steps", "8", "--sync-envs", "--dsrl-hidden", "16", "--dsrl-utd", "1",
+            "--dsrl-warmup-iterations", "0", "--poll-seconds", "0.1"]
+    assert bench.main(argv) == 0
+    out = tmp_path / "out"
+    records = {m: json.loads((out / f"seed0_{m}.json").read_text()) for m in bench.METHODS}
+    flow_bc = json.loads((out / "bc_flow_seed0.json").read_text())
+    for method, record in records.items():
+        assert record["status"] == "done" and record["env_steps"] == 8.0 and record["rl_iterations"] == 1
+        assert record["cap_bound"] is False and record["plan"]["env_steps"] == 8
+        # the BC's evaluation is every method's "before"; "after" meets the same episodes
+        keys = sorted((e["env"], e["ordinal"]) for e in record["after_episodes"])
+        assert keys == sorted((e["env"], e["ordinal"]) for e in record["before_episodes"]) == [(0, 0), (0, 1)]
+        assert record["curve"][0]["perf/rl_wall_s"] > 0
+    assert records["dsrl"]["before_episodes"] == flow_bc["before_episodes"]
+    assert records["dsrl"]["rl_settings"]["dsrl"]["hidden_dims"] == [16]
+    stamps = {m: r["finished"] for m, r in records.items()}
+    assert bench.main(argv) == 0  # resumed: nothing left to run
+    assert {m: json.loads((out / f"seed0_{m}.json").read_text())["finished"] for m in bench.METHODS} == stamps
+    assert not list((out / "claims").iterdir())
