@@ -121,3 +121,39 @@ def test_tool_call_contrasts_by_hand():
     assert header.startswith("| contrast |") and rule.startswith("| --- |")
     missing = bench.tool_call_contrasts([{"eval": seed(0)["eval"]}])
     assert missing[4] == "| arpo - grpo: tool calls per trajectory (training, paired by step) | n/a | n/a | n/a | 0 | n/a |"
+
+
+def test_bench_agents_codebook_pair_records_calls_per_item_and_per_step(tmp_path, monkeypatch):
+    """codebook_pair, GRPO and ARPO from a shared start (1 step each): the evaluation with the tool stores each
+    item's tool calls (their mean is the summary's calls per answer) under the task's own turn budget, every RL run
+    its per-step curves, and the report the ARPO - GRPO tool-call rows."""
+    from mmpo.vlm.factory import build_tiny_text_lm, tool_task_corpus
+
+    bench = load_bench("bench_agents")
+    start = build_tiny_text_lm(tmp_path / "start", vocab_size=400, hidden_size=32, intermediate_size=64, num_layers=1,
+                               corpus=tool_task_corpus("codebook_pair", ["codebook"], n=20))
+    monkeypatch.setattr(bench, "RL_OVERRIDES", [
+        "--data.init_args.train_size=8", "--data.init_args.batch_size=2", "--model.init_args.sampling.num_generations=2",
+        "--model.init_args.agent.max_total_tokens=40"])
+    limits = []
+    real_tool_use = __import__("mmpo.eval.harness", fromlist=["ToolUse"]).ToolUse
+
+    def recording_tool_use(tools, **kwargs):
+        limits.append(kwargs)
+        return real_tool_use(tools, **{**kwargs, "max_total_tokens": 40})
+
+    monkeypatch.setattr("mmpo.eval.harness.ToolUse", recording_tool_use)
+    results = bench.run_seed("codebook_pair", 0, tmp_path / "out", sft_steps=2, rl_steps=1, eval_size=2,
+                             max_new_tokens=8, sft_start=start)
+    assert limits and all(kwargs == {"max_turns": 5, "max_total_tokens": 448} for kwargs in limits)
+    for name in ("sft", "grpo", "arpo"):
+        entry = results["eval"][f"{name}/with_tools"]
+        assert len(entry["tool_calls"]) == 2 and sum(entry["tool_calls"]) / 2 == entry["tool_calls_per_answer"]
+        assert "tool_calls" not in results["eval"][f"{name}/without_tools"]
+    for algo in ("grpo", "arpo"):
+        curves = results["training"][algo]
+        assert all(len(values) == 1 for values in curves.values())
+        assert curves["tool_calls_per_trajectory"][0] == results["training_tool_calls"][algo]
+    text = bench.report(tmp_path / "out")
+    assert "| arpo - grpo: tool calls per item (eval, paired by item) | " in text
+    assert "training tool calls executed / step" in text
