@@ -15,12 +15,16 @@ Per task and seed, from one tiny model built with that seed:
 Contrasts reported over the seeds, paired by item (``mmpo.eval.stats.paired_difference``: hierarchical bootstrap over
 seeds and items, and a Student-t interval over the seed means): RL with tools - RL without tools; RL with tools - SFT
 with tools; ARPO - GRPO (with tools); plus the tool-call rate, tool calls and turns per answer at evaluation and the
-tool calls per trajectory during training (``agent/tool_calls_mean``).
+tool calls per trajectory during training (``agent/tool_calls_mean``). On a task with ARPO, also ARPO - GRPO in
+tool calls per item at evaluation (paired by item) and, paired by step, in tool calls per trained trajectory, tool calls
+the sandbox executed per step (an ARPO branch's shared prefix counted once: the paper's tool-call budget) and batch
+accuracy (``codebook_pair``: the codes of two keys, so the number of calls is the model's choice).
 
 Stages (each resumable: finished work is skipped)::
 
     python bench/bench_agents.py run --task calc --seeds 0 1 2 3 4 --out runs/bench_agents
     python bench/bench_agents.py run --task zoom --seeds 0 1 2 3 4 --out runs/bench_agents
+    python bench/bench_agents.py run --task codebook_pair --seeds 0 1 2 3 4 --sft-start SFT_DIR --out runs/bench_agents
     python bench/bench_agents.py report --out runs/bench_agents      # -> OUT/report.md
 
 Each seed's results go atomically to ``OUT/<task>/s<seed>/results.json``.
@@ -50,6 +54,9 @@ TASKS = {
     "codebook": dict(kind="text", tools=["codebook"], max_new_tokens=48,
                      algos={"grpo": "codebook_grpo_tiny.yaml", "arpo": "codebook_arpo_tiny.yaml"},
                      sft="codebook_sft_tiny.yaml", tool_tokenizer=True),
+    "codebook_pair": dict(kind="text", tools=["codebook"], max_new_tokens=48,
+                          algos={"grpo": "codebook_pair_grpo_tiny.yaml", "arpo": "codebook_pair_arpo_tiny.yaml"},
+                          sft="codebook_pair_sft_tiny.yaml", tool_tokenizer=True),
     "zoom": dict(kind="vlm", tools=["image_zoom_in_tool"], max_new_tokens=128, algos={"grpo": "zoom_grpo_tiny.yaml"},
                  sft="zoom_sft_tiny.yaml"),
 }
@@ -57,6 +64,9 @@ MODEL_SIZE: dict[str, dict[str, int]] = {"text": {}, "vlm": {}}
 """Sizes passed to the tiny builders (empty: their defaults, the sizes ``mmpo build-tiny`` writes)."""
 EVAL_SEED = 1234
 TOOL_LIMITS = dict(max_turns=3, max_total_tokens=320)
+"""Turn and token budgets of the evaluation with tools (a task in :data:`TASK_TOOL_LIMITS` has its own)."""
+TASK_TOOL_LIMITS: dict[str, dict[str, int]] = {"codebook_pair": dict(max_turns=5, max_total_tokens=448)}
+"""codebook_pair: the budgets of its RL configs (two calls, a redundant one and one more)."""
 SFT_OVERRIDES: list[str] = []
 RL_OVERRIDES: list[str] = []
 """Extra ``mmpo fit`` overrides of every SFT / RL run (the smoke test shrinks the budgets with them)."""
@@ -78,7 +88,7 @@ def _evaluate(checkpoint: Path, task: str, tools: Sequence[str] | None, eval_siz
               out: Path) -> dict[str, Any]:
     from mmpo.eval.harness import ToolUse, evaluate_checkpoint
 
-    tool_use = ToolUse(tuple(tools), **TOOL_LIMITS) if tools else None
+    tool_use = ToolUse(tuple(tools), **TASK_TOOL_LIMITS.get(task, TOOL_LIMITS)) if tools else None
     results = evaluate_checkpoint(checkpoint, [f"synth/{task}"], synth_size=eval_size, synth_seed=EVAL_SEED,
                                   max_new_tokens=max_new_tokens, out_dir=out, progress=False, device="cpu",
                                   tool_use=tool_use)
@@ -89,17 +99,37 @@ def _evaluate(checkpoint: Path, task: str, tools: Sequence[str] | None, eval_siz
     for key in ("tool_call_rate", "tool_calls_per_answer", "turns_per_answer"):
         if key in metrics:
             summary[key] = metrics[key]
+    if tools:
+        summary["tool_calls"] = [float(record["tool_calls"][0]) for record in records]
     return summary
 
 
 def _training_tool_calls(run: Path) -> float | None:
     """Mean of the logged ``agent/tool_calls_mean`` over the RL steps (tool calls per trajectory)."""
-    values = []
-    for path in run.glob("**/metrics.csv"):
-        with path.open() as handle:
-            values += [float(row["agent/tool_calls_mean"]) for row in csv.DictReader(handle)
-                       if row.get("agent/tool_calls_mean")]
+    values = _training_curves(run)["tool_calls_per_trajectory"]
     return sum(values) / len(values) if values else None
+
+
+def _training_curves(run: Path) -> dict[str, list[float]]:
+    """Per RL step, from the run's ``metrics.csv``: ``tool_calls_per_trajectory`` (``agent/tool_calls_mean``: the
+    calls in each trained trajectory, a branch's inherited ones included), ``executed_tool_calls`` (the sum of every
+    ``tools/<name>/calls``: the calls the sandbox ran in the step, so an ARPO branch's shared prefix counts once, and
+    unparseable calls count under ``invalid``), ``turns_per_trajectory`` and ``batch_accuracy``
+    (``rewards/accuracy/mean``, sampled at the training temperature); steps in order."""
+    curves: dict[str, list[float]] = {"tool_calls_per_trajectory": [], "executed_tool_calls": [],
+                                      "turns_per_trajectory": [], "batch_accuracy": []}
+    for path in sorted(run.glob("**/metrics.csv")):
+        with path.open() as handle:
+            for row in csv.DictReader(handle):
+                if not row.get("agent/tool_calls_mean"):
+                    continue
+                curves["tool_calls_per_trajectory"].append(float(row["agent/tool_calls_mean"]))
+                curves["executed_tool_calls"].append(sum(float(value) for key, value in row.items()
+                                                         if key.startswith("tools/") and key.endswith("/calls")
+                                                         and value))
+                curves["turns_per_trajectory"].append(float(row.get("agent/turns_mean") or "nan"))
+                curves["batch_accuracy"].append(float(row.get("rewards/accuracy/mean") or "nan"))
+    return curves
 
 
 def run_seed(task: str, seed: int, out: Path, *, sft_steps: int, rl_steps: int, eval_size: int,
@@ -139,6 +169,7 @@ def run_seed(task: str, seed: int, out: Path, *, sft_steps: int, rl_steps: int, 
             _fit(spec["algos"][algo], root / f"{algo}_run", checkpoints["sft"], checkpoints[algo], rl_steps, seed,
                  [f"--model.init_args.sampling.max_new_tokens={max_new_tokens}", *seeds, *RL_OVERRIDES])
         results["training_tool_calls"][algo] = _training_tool_calls(root / f"{algo}_run")
+        results.setdefault("training", {})[algo] = _training_curves(root / f"{algo}_run")
     for name, checkpoint in checkpoints.items():
         for mode, tools in (("with_tools", spec["tools"]), ("without_tools", None)):
             key = f"{name}/{mode}"
@@ -159,6 +190,46 @@ def _contrast(seeds: list[dict[str, Any]], a: str, b: str) -> str:
             f"{format_interval(result['seed_t'])} | {len(pairs)} |")
 
 
+def _paired_lists(seeds: list[dict[str, Any]], a: list[list[float]] | None, b: list[list[float]] | None,
+                  label: str) -> str:
+    if not a or not b:
+        return f"| {label} | n/a | n/a | n/a | 0 | n/a |"
+    length = [min(len(x), len(y)) for x, y in zip(a, b)]
+    result = paired_difference([x[:n] for x, n in zip(a, length)], [y[:n] for y, n in zip(b, length)])
+    means = [sum(x[:n]) / n for x, n in zip(a, length)], [sum(y[:n]) / n for y, n in zip(b, length)]
+    ratio = sum(means[0]) / sum(means[1]) if sum(means[1]) else float("nan")
+    return (f"| {label} | {result['estimate']:+.3f} | {format_interval(result['bootstrap'])} | "
+            f"{format_interval(result['seed_t'])} | {len(a)} | {ratio:.2f} |")
+
+
+def tool_call_contrasts(seeds: list[dict[str, Any]], a: str = "arpo", b: str = "grpo") -> list[str]:
+    """Markdown rows of ``a`` - ``b`` in tool use and accuracy: at evaluation paired by item (tool calls per
+    item, accuracy), in training paired by step (the two runs of a seed see the same prompts at each step: same
+    data seed): tool calls per trajectory, tool calls executed per step, batch accuracy. Last column: the ratio of
+    the two means."""
+    both = [s for s in seeds if f"{a}/with_tools" in s["eval"] and f"{b}/with_tools" in s["eval"]]
+
+    def evaluation(algo: str, field: str) -> list[list[float]] | None:
+        values = [s["eval"][f"{algo}/with_tools"].get(field) for s in both]
+        return None if any(v is None for v in values) else values
+
+    def training(algo: str, field: str) -> list[list[float]] | None:
+        values = [s.get("training", {}).get(algo, {}).get(field) for s in both]
+        return None if not values or any(not v for v in values) else values
+
+    rows = ["| contrast | estimate | 95% bootstrap | 95% seed-t | seeds | ratio of means |",
+            "| --- | --- | --- | --- | --- | --- |"]
+    for label, source, field in (("tool calls per item (eval, paired by item)", evaluation, "tool_calls"),
+                                 ("accuracy with the tool (eval, paired by item)", evaluation, "correct"),
+                                 ("tool calls per trajectory (training, paired by step)", training,
+                                  "tool_calls_per_trajectory"),
+                                 ("tool calls executed per step (training, paired by step)", training,
+                                  "executed_tool_calls"),
+                                 ("batch accuracy (training, paired by step)", training, "batch_accuracy")):
+        rows.append(_paired_lists(both, source(a, field), source(b, field), f"{a} - {b}: {label}"))
+    return rows
+
+
 def report(out: Path) -> str:
     """Markdown tables over every finished seed of every task; written to ``OUT/report.md``."""
     lines = ["# Tool use: SFT start vs RL, with and without tools (bench/bench_agents.py)", ""]
@@ -172,7 +243,8 @@ def report(out: Path) -> str:
         lines += [f"## {task}", "", f"Seeds: {[s['seed'] for s in seeds]}; {start}, RL "
                   f"{first['rl_steps']} steps; {first['eval_size']} held-out items, greedy.", "",
                   "| checkpoint | accuracy (mean ± sd over seeds) | tool-call rate | tool calls / answer | "
-                  "turns / answer | training tool calls / trajectory |", "| --- | --- | --- | --- | --- | --- |"]
+                  "turns / answer | training tool calls / trajectory | training tool calls executed / step |",
+                  "| --- | --- | --- | --- | --- | --- | --- |"]
         keys = sorted({key for s in seeds for key in s["eval"]})
         for key in keys:
             rows = [s["eval"][key] for s in seeds if key in s["eval"]]
@@ -183,8 +255,12 @@ def report(out: Path) -> str:
                 values = [row[name] for row in rows if name in row]
                 return mean_std(values) if values else "-"
 
+            executed = [sum(curve) / len(curve) for s in seeds
+                        if (curve := s.get("training", {}).get(algo, {}).get("executed_tool_calls"))]
+            with_tools = key.endswith("with_tools")
             lines.append(f"| {key} | {stat('accuracy')} | {stat('tool_call_rate')} | {stat('tool_calls_per_answer')} | "
-                         f"{stat('turns_per_answer')} | {mean_std(training) if training and key.endswith('with_tools') else '-'} |")
+                         f"{stat('turns_per_answer')} | {mean_std(training) if training and with_tools else '-'} | "
+                         f"{mean_std(executed) if executed and with_tools else '-'} |")
         lines += ["", "| contrast (paired by item) | estimate | 95% bootstrap | 95% seed-t | seeds |",
                   "| --- | --- | --- | --- | --- |"]
         for algo in spec["algos"]:
@@ -192,6 +268,7 @@ def report(out: Path) -> str:
             lines.append(_contrast(seeds, f"{algo}/with_tools", "sft/with_tools"))
         if "arpo" in spec["algos"]:
             lines.append(_contrast(seeds, "arpo/with_tools", "grpo/with_tools"))
+            lines += ["", *tool_call_contrasts(seeds)]
         lines.append("")
     text = "\n".join(lines)
     atomic_write_text(out / "report.md", text)

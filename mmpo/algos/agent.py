@@ -246,16 +246,20 @@ class AgentSFTModule(SFTModule):
 
     Args:
         tools: the tools the prompt advertises (names or specs, as ``AgentConfig.tools``).
+        val_max_turns: model turns of the greedy validation rollout (its token budget:
+            (``val_max_turns`` + 1) x ``val_max_new_tokens``).
         **kwargs: every ``SFTModule`` setting.
     """
 
-    def __init__(self, model_path: str, tools: list[str] | None = None, **kwargs: Any) -> None:
+    def __init__(self, model_path: str, tools: list[str] | None = None, val_max_turns: int = 3,
+                 **kwargs: Any) -> None:
         super().__init__(model_path, **kwargs)
         self.tools: list[Tool] = load_tools(self.hparams.tools or ["calculator"], "tools")
 
     def _validate_settings(self) -> None:
         super()._validate_settings()
         load_tools(self.hparams.tools or ["calculator"], "tools")
+        require(self.hparams.val_max_turns >= 1, f"val_max_turns must be >= 1, got {self.hparams.val_max_turns}")
 
     def _prompt_rows(self, rows: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
         out = []
@@ -290,7 +294,9 @@ class AgentSFTModule(SFTModule):
         if not hasattr(self, "_val_sandbox"):
             self._val_sandbox = ToolSandbox(SandboxLimits(timeout_s=10.0))
         per_turn = int(self.hparams.val_max_new_tokens)
-        engine = MultiTurnEngine(self.engine, max_turns=3, max_total_tokens=4 * per_turn, max_tokens_per_turn=per_turn)
+        turns = int(self.hparams.val_max_turns)
+        engine = MultiTurnEngine(self.engine, max_turns=turns, max_total_tokens=(turns + 1) * per_turn,
+                                 max_tokens_per_turn=per_turn)
         envs = [ToolEnvironment(self.tools, self._val_sandbox) for _ in rows]
         metrics = agent_validation_metrics(engine, envs, rows, timeout_s=self.hparams.reward_timeout_s)
         metrics["val/loss"] = float(loss)

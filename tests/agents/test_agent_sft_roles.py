@@ -20,3 +20,10 @@ def test_rows_may_carry_their_own_tool_schemas():
     assert out[1]["system_prompt"] == tool_system_prompt("SYS", [SUBAGENT_SCHEMA])
     assert '"subagent"' in out[1]["system_prompt"] and '"lookup"' not in out[1]["system_prompt"]
     assert out[2]["system_prompt"] == "WORKER"  # no tools: the system prompt unchanged
+
+
+def test_val_max_turns_below_one_fails_before_the_model_loads():
+    import pytest
+
+    with pytest.raises(ValueError, match=r"^val_max_turns must be >= 1, got 0$"):
+        AgentSFTModule("does/not/exist", tools=["codebook"], val_max_turns=0)

@@ -74,3 +74,86 @@ def test_bench_agents_codebook_from_a_shared_sft_start(tmp_path, monkeypatch):
     assert (model_path / "config.json").read_text() == (start / "config.json").read_text()
     assert set(results["eval"]) == {"sft/with_tools", "sft/without_tools", "grpo/with_tools", "grpo/without_tools"}
     assert f"one shared SFT start ({start})" in (out / "report.md").read_text()
+
+
+def test_training_curves_read_per_step_calls_from_the_metrics(tmp_path):
+    """``_training_curves``: per trained step, the trajectory means and the executed calls (every
+    ``tools/<name>/calls``, unparseable ``invalid`` ones included, errors not added again); rows without agent
+    metrics are skipped."""
+    bench = load_bench("bench_agents")
+    run = tmp_path / "run" / "lightning_logs" / "version_0"
+    run.mkdir(parents=True)
+    (run / "metrics.csv").write_text(
+        "step,agent/tool_calls_mean,agent/turns_mean,rewards/accuracy/mean,tools/codebook/calls,tools/codebook/errors,"
+        "tools/invalid/calls,val/accuracy\n"
+        "0,2.5,3.5,0.25,70,3,10,\n"
+        "1,2.0,3.0,0.5,60,0,,\n"
+        "1,,,,,,,0.75\n")
+    curves = bench._training_curves(tmp_path / "run")
+    assert curves == {"tool_calls_per_trajectory": [2.5, 2.0], "executed_tool_calls": [80.0, 60.0],
+                      "turns_per_trajectory": [3.5, 3.0], "batch_accuracy": [0.25, 0.5]}
+    assert bench._training_tool_calls(tmp_path / "run") == 2.25
+
+
+def test_tool_call_contrasts_by_hand():
+    """ARPO - GRPO rows: eval calls paired by item, training values paired by step. Three seeds whose per-seed
+    mean differences are 1, 0, 0.5: estimate 0.5, seed-t 0.5 -+ t(0.975, 2) * 0.5 / sqrt(3) = 0.5 -+ 4.303 * 0.2887
+    = [-0.742, +1.742]; ratio of means (3 + 2 + 2.5) / (2 + 2 + 2) = 1.25."""
+    bench = load_bench("bench_agents")
+    arpo, grpo = [[3.0, 3.0], [2.0, 2.0], [3.0, 2.0]], [[2.0, 2.0]] * 3
+
+    def seed(i):
+        return {"eval": {"arpo/with_tools": {"tool_calls": arpo[i], "correct": [1.0, 0.0]},
+                         "grpo/with_tools": {"tool_calls": grpo[i], "correct": [1.0, 1.0]}},
+                "training": {"arpo": {"tool_calls_per_trajectory": arpo[i], "executed_tool_calls": [40.0, 40.0, 9.0],
+                                      "batch_accuracy": [0.5, 0.5]},
+                             "grpo": {"tool_calls_per_trajectory": grpo[i], "executed_tool_calls": [80.0, 80.0],
+                                      "batch_accuracy": [0.5, 0.5]}}}
+
+    header, rule, calls, accuracy, per_trajectory, executed, batch = bench.tool_call_contrasts([seed(i) for i in range(3)])
+    assert calls == ("| arpo - grpo: tool calls per item (eval, paired by item) | +0.500 | "
+                     f"{calls.split(' | ')[2]} | [-0.742, +1.742] | 3 | 1.25 |")
+    assert per_trajectory.split(" | ")[1:] == calls.split(" | ")[1:]
+    assert accuracy.split(" | ")[1] == "-0.500" and accuracy.endswith("| 3 | 0.50 |")
+    # executed calls: only the steps both runs have (the third ARPO step is cut), 40 - 80 on every step
+    assert executed.split(" | ")[1:4] == ["-40.000", "[-40.000, -40.000]", "[-40.000, -40.000]"]
+    assert executed.endswith("| 0.50 |") and batch.split(" | ")[1] == "+0.000"
+    assert header.startswith("| contrast |") and rule.startswith("| --- |")
+    missing = bench.tool_call_contrasts([{"eval": seed(0)["eval"]}])
+    assert missing[4] == "| arpo - grpo: tool calls per trajectory (training, paired by step) | n/a | n/a | n/a | 0 | n/a |"
+
+
+def test_bench_agents_codebook_pair_records_calls_per_item_and_per_step(tmp_path, monkeypatch):
+    """codebook_pair, GRPO and ARPO from a shared start (1 step each): the evaluation with the tool stores each
+    item's tool calls (their mean is the summary's calls per answer) under the task's own turn budget, every RL run
+    its per-step curves, and the report the ARPO - GRPO tool-call rows."""
+    from mmpo.vlm.factory import build_tiny_text_lm, tool_task_corpus
+
+    bench = load_bench("bench_agents")
+    start = build_tiny_text_lm(tmp_path / "start", vocab_size=400, hidden_size=32, intermediate_size=64, num_layers=1,
+                               corpus=tool_task_corpus("codebook_pair", ["codebook"], n=20))
+    monkeypatch.setattr(bench, "RL_OVERRIDES", [
+        "--data.init_args.train_size=8", "--data.init_args.batch_size=2", "--model.init_args.sampling.num_generations=2",
+        "--model.init_args.agent.max_total_tokens=40"])
+    limits = []
+    real_tool_use = __import__("mmpo.eval.harness", fromlist=["ToolUse"]).ToolUse
+
+    def recording_tool_use(tools, **kwargs):
+        limits.append(kwargs)
+        return real_tool_use(tools, **{**kwargs, "max_total_tokens": 40})
+
+    monkeypatch.setattr("mmpo.eval.harness.ToolUse", recording_tool_use)
+    results = bench.run_seed("codebook_pair", 0, tmp_path / "out", sft_steps=2, rl_steps=1, eval_size=2,
+                             max_new_tokens=8, sft_start=start)
+    assert limits and all(kwargs == {"max_turns": 5, "max_total_tokens": 448} for kwargs in limits)
+    for name in ("sft", "grpo", "arpo"):
+        entry = results["eval"][f"{name}/with_tools"]
+        assert len(entry["tool_calls"]) == 2 and sum(entry["tool_calls"]) / 2 == entry["tool_calls_per_answer"]
+        assert "tool_calls" not in results["eval"][f"{name}/without_tools"]
+    for algo in ("grpo", "arpo"):
+        curves = results["training"][algo]
+        assert all(len(values) == 1 for values in curves.values())
+        assert curves["tool_calls_per_trajectory"][0] == results["training_tool_calls"][algo]
+    text = bench.report(tmp_path / "out")
+    assert "| arpo - grpo: tool calls per item (eval, paired by item) | " in text
+    assert "training tool calls executed / step" in text

@@ -8,6 +8,7 @@ import csv
 import json
 from pathlib import Path
 
+import pytest
 import torch
 
 from mmpo.cli import main
@@ -121,14 +122,16 @@ def test_arpo_two_steps_through_mmpo_fit(tmp_path):
     assert set(checkpoint["arpo_branching"]) == {"rng", "initial_entropy"}
 
 
-def test_codebook_sft_grpo_and_arpo_two_steps_each(tmp_path):
-    """configs/agent/codebook_{sft,grpo,arpo}_tiny.yaml, 2 steps each through ``mmpo fit``: SFT on the codebook
-    traces, then GRPO and ARPO with the sandboxed codebook tool from that start."""
-    sft_out = _tiny_base_then_sft(tmp_path, "codebook")
+@pytest.mark.parametrize(("task", "prompt"), [("codebook", "What is the code of"),
+                                              ("codebook_pair", "Join the codes of")])
+def test_codebook_sft_grpo_and_arpo_two_steps_each(tmp_path, task, prompt):
+    """configs/agent/{codebook,codebook_pair}_{sft,grpo,arpo}_tiny.yaml, 2 steps each through ``mmpo fit``: SFT on
+    the task's traces, then GRPO and ARPO with the sandboxed codebook tool from that start."""
+    sft_out = _tiny_base_then_sft(tmp_path, task)
     logged = _logged(tmp_path / "sft")
     assert 0 < float(logged["losses/sft"]) < 20
     for name, extra in (("grpo", []), ("arpo", ["--model.init_args.arpo.initial_rollouts=1"])):
-        assert main(["fit", "-c", str(CONFIGS / f"codebook_{name}_tiny.yaml"), *_common(tmp_path, name),
+        assert main(["fit", "-c", str(CONFIGS / f"{task}_{name}_tiny.yaml"), *_common(tmp_path, name),
                      f"--model.init_args.model_path={sft_out}", f"--model.init_args.output_dir={tmp_path / name}_out",
                      "--model.init_args.sampling.num_generations=2", "--model.init_args.sampling.max_new_tokens=8",
                      "--model.init_args.agent.max_total_tokens=40", *extra]) == 0
@@ -136,4 +139,4 @@ def test_codebook_sft_grpo_and_arpo_two_steps_each(tmp_path):
         assert {"agent/turns_mean", "agent/tool_calls_mean", "losses/policy", "val/accuracy"} <= set(logged)
         records = [json.loads(line) for line in (tmp_path / name / "rollouts.jsonl").read_text().splitlines()]
         assert len(records) == 2 * 2 * 2 and {record["step"] for record in records} == {0, 1}
-        assert all(record["messages"][0]["content"].startswith("What is the code of") for record in records)
+        assert all(record["messages"][0]["content"].startswith(prompt) for record in records)

@@ -1,6 +1,7 @@
 """Tasks where a tool must help: ``calc``, arithmetic a tiny model cannot do in its head; ``zoom``, a detail
 too small to read at a VLM's input resolution; ``twohop``, two lookups whose answers are padded with distractors
-(MATPO's testbed, docs/matpo.md); ``codebook``, the code of a key that only the tool knows.
+(MATPO's testbed, docs/matpo.md); ``codebook``, the code of a key that only the tool knows; ``codebook_pair``, the
+codes of two keys (two calls or more: the number of calls is the model's choice).
 
 ``calc``: ``Compute 4821 * 37 - 1290.`` (difficulty 1: a 3-digit times a 2-digit number plus a 3-digit one;
 2: 4-digit x 2-digit +/- 4-digit; 3: 4-digit x 3-digit +/- 5-digit). The answer is an integer (the
@@ -19,9 +20,10 @@ read the number, answer.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import random
-from typing import Any
+from typing import Any, Sequence
 
 from mmpo.data.synthetic.drawing import COLORS, font
 from mmpo.data.synthetic.registry import register_task
@@ -194,4 +196,72 @@ def codebook(rng: random.Random, difficulty: int, image_size: int) -> dict[str, 
         "steps": [f'The codebook gives the code of "{key}".', f"It is {value}.", f"So the answer is {value}."],
         "key_steps": [[value]], "needs_image": False, "image_description": "There is no image.",
         "rationale": "I look the key up in the codebook.", "tool_trace": codebook_trace(key, value),
+    }
+
+
+CODEBOOK_PAIR_REPEAT = 0.5
+"""Share of ``codebook_pair`` traces that look one of the two keys up twice (a redundant call)."""
+
+
+def codebook_key_split(key: str) -> str:
+    """The split that owns ``key`` in ``codebook_pair``: its bucket sha256("codebook-split:" + key)[:8] mod 100,
+    read against the registry's ``SPLIT_BUCKETS`` (train 0-79, val 80-89, test 90-99)."""
+    from mmpo.data.synthetic.registry import SPLIT_BUCKETS
+
+    bucket = int.from_bytes(hashlib.sha256(("codebook-split:" + key).encode()).digest()[:8], "big") % 100
+    return next(split for split, buckets in SPLIT_BUCKETS.items() if bucket in buckets)
+
+
+def codebook_pair_trace(keys: Sequence[str], repeat: int | None = None) -> list[dict[str, str]]:
+    """The tool-use conversation after a ``codebook_pair`` prompt: one codebook call per turn, in the order of
+    ``keys``, the call of ``keys[repeat]`` made twice in a row when ``repeat`` is set (a redundant lookup), then the
+    codes joined as the answer."""
+    from mmpo.tools.codebook import code_of
+
+    order = list(keys)
+    if repeat is not None:
+        order.insert(repeat + 1, keys[repeat])
+    messages: list[dict[str, str]] = []
+    for key in order:
+        call = json.dumps({"name": "codebook", "arguments": {"key": key}})
+        messages += [{"role": "assistant", "content": f"<tool_call>\n{call}\n</tool_call>"},
+                     {"role": "tool", "content": code_of(key)}]
+    answer = "".join(code_of(key) for key in keys)
+    return [*messages, {"role": "assistant", "content": f"<think>I read the codes.</think><answer>{answer}</answer>"}]
+
+
+_PAIR_ATTEMPTS = 100_000
+
+
+@register_task("codebook_pair")
+def codebook_pair(rng: random.Random, difficulty: int, image_size: int) -> dict[str, Any]:
+    """The codes of two different keys, joined (``D8S5`` for "b7k" and "q0z"): at least two codebook calls (one per
+    key, or one turn with both), as many more as the model chooses. ``tool_trace`` makes one call per turn and,
+    with probability :data:`CODEBOOK_PAIR_REPEAT`, repeats one of them (which one: a fair coin), so the SFT start
+    sometimes spends a redundant call that RL may drop. Held-out keys are never seen in training: both keys of a row
+    belong to one split (:func:`codebook_key_split`) and the row is only made when the registry's content hash puts
+    it in that split too, so train / val / test hold disjoint keys, not only disjoint pairs. Every difficulty gives
+    the same kind of item."""
+    from mmpo.data.synthetic.registry import SPLIT_BUCKETS, content_bucket
+    from mmpo.tools.codebook import code_of
+
+    first = codebook_key(rng)
+    split = codebook_key_split(first)
+    for _ in range(_PAIR_ATTEMPTS):
+        second = codebook_key(rng)
+        if second == first or codebook_key_split(second) != split:
+            continue
+        keys = (first, second)
+        problem, answer = f'Join the codes of "{first}" and "{second}".', code_of(first) + code_of(second)
+        if content_bucket({"problem": problem, "answer": answer, "images": []}) in SPLIT_BUCKETS[split]:
+            break
+    else:
+        raise RuntimeError(f"codebook_pair: no second key for {first!r} in {_PAIR_ATTEMPTS} draws")
+    repeat = rng.randrange(2) if rng.random() < CODEBOOK_PAIR_REPEAT else None
+    return {
+        "images": [], "problem": problem, "answer": answer,
+        "steps": [f'The codebook gives the code of "{first}": {code_of(first)}.',
+                  f'The codebook gives the code of "{second}": {code_of(second)}.', f"So the answer is {answer}."],
+        "key_steps": [[answer]], "needs_image": False, "image_description": "There is no image.",
+        "rationale": "I look both keys up in the codebook.", "tool_trace": codebook_pair_trace(keys, repeat),
     }
