@@ -49,6 +49,22 @@ class ZoomingEnvironment:
         return StepResult([{"role": "tool", "content": [{"type": "image", "image": crop}]}], info={"tool_calls": 1})
 
 
+class VariedCrops(ZoomingEnvironment):
+    """:class:`ZoomingEnvironment` whose crops differ between trajectories (``salt`` shifts and widens the box)."""
+
+    def __init__(self, salt: int) -> None:
+        super().__init__()
+        self.salt = salt
+
+    def step(self, assistant_message: str) -> StepResult:
+        self.steps += 1
+        if self.steps > 2:
+            return StepResult([], done=True)
+        crop = crop_region(self.images, [28 * self.salt, 0, 28 * self.salt + 112 * self.steps + 56 * (self.salt % 2),
+                                         112])
+        return StepResult([{"role": "tool", "content": [{"type": "image", "image": crop}]}], info={"tool_calls": 1})
+
+
 def agent_fit_args(config, base, tmp_path, *overrides: str) -> list[str]:
     """``mmpo fit`` arguments for 2 steps of an agent ``config`` from the model at ``base`` under ``tmp_path`` (logs in
     ``tmp_path / "logs"``): 8 training rows, 2 prompts a batch, one validation batch at step 2, a checkpoint at step 2

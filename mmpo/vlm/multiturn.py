@@ -123,22 +123,29 @@ def encode_observation(processor: Any, messages: Sequence[Mapping[str, Any]], *,
     images = observation_images(messages)
     if not images:
         return list(processor.tokenizer(suffix, add_special_tokens=False)["input_ids"]), []
-    from mmpo.vlm.factory import is_text_processor, pixel_budget
+    from mmpo.vlm.factory import is_text_processor
 
     if is_text_processor(processor):
         raise ValueError("the environment answered with an image, but the policy is a text-only LM; image tools "
                          "(e.g. image_zoom_in_tool) need a VLM")
-    from qwen_vl_utils import fetch_image
-
-    min_pixels, max_pixels = pixel_budget(processor)
-    patch = int(getattr(processor.image_processor, "patch_size", 14))
-    resized = [fetch_image({"image": image, "min_pixels": min_pixels, "max_pixels": max_pixels},
-                           image_patch_size=patch) for image in images]
-    encoded = processor(text=[suffix], images=resized, return_tensors="pt")
+    encoded = processor(text=[suffix], images=resized_images(processor, images), return_tensors="pt")
     grid = encoded["image_grid_thw"]
     sizes = grid.prod(-1).tolist()
     chunks = torch.split(encoded["pixel_values"], [int(n) for n in sizes], 0)
     return encoded["input_ids"][0].tolist(), [(chunk, thw) for chunk, thw in zip(chunks, grid)]
+
+
+def resized_images(processor: Any, images: Sequence[Any]) -> list[Any]:
+    """Environment-answer images resized as prompt images are (qwen-vl-utils ``fetch_image`` within the processor's
+    pixel budget): what the processor encodes (:func:`encode_observation`) and what the vLLM engine is handed."""
+    from qwen_vl_utils import fetch_image
+
+    from mmpo.vlm.factory import pixel_budget
+
+    min_pixels, max_pixels = pixel_budget(processor)
+    patch = int(getattr(processor.image_processor, "patch_size", 14))
+    return [fetch_image({"image": image, "min_pixels": min_pixels, "max_pixels": max_pixels}, image_patch_size=patch)
+            for image in images]
 
 
 def _transcript_content(content: Any) -> str:
@@ -173,6 +180,9 @@ class _Trajectory:
     transcript: list[dict[str, str]] = field(default_factory=list)
     images: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
     """The images of the environment's answers so far (``(pixel_values, grid)``), in context order."""
+    answer_images: list[Any] = field(default_factory=list)
+    """The same images as the environment gave them (PIL), in context order (the vLLM engine resizes and encodes
+    them itself)."""
     pending: list[int] = field(default_factory=list)
     """Tokens in the trajectory but not yet in the kept KV cache (the turn's last token, the environment's answer)."""
     pending_images: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
@@ -345,6 +355,7 @@ class MultiTurnEngine:
                 continue
             trajectory.add(ids, None, trained=False)
             trajectory.images += images
+            trajectory.answer_images += observation_images(result.observation) if images else []
             trajectory.pending += ids
             trajectory.pending_images += images
 
@@ -448,14 +459,21 @@ class MultiTurnEngine:
     def _generate_vllm(self, prompt_rows: list[dict[str, Any]], first_messages: list[str],
                        envs: Sequence[Environment], *, num_samples: int, temperature: float, top_p: float,
                        do_sample: bool) -> Rollout:
-        """The rollout on :class:`~mmpo.vlm.vllm_engine.VLLMEngine` (text LMs): every turn of the running trajectories
-        is one vLLM call, each trajectory a request with its prompt and conversation so far as token ids (vLLM's
-        prefix cache holds the earlier turns' KV; within a call vLLM batches the requests continuously)."""
+        """The rollout on :class:`~mmpo.vlm.vllm_engine.VLLMEngine`: every turn of the running trajectories is one
+        vLLM call, each trajectory a request with its prompt and conversation so far as token ids (vLLM's prefix
+        cache holds the earlier turns' KV; within a call vLLM batches the requests continuously). A VLM's request
+        carries its images too, the prompt's then the environment's answers', in the order of their placeholders
+        (vLLM's ``multi_modal_data``; the engine checks vLLM's expanded prompt equals the trajectory's tokens)."""
         engine = self.engine
         prompts = encode_prompts(engine.processor, prompt_rows, system_prompt=engine.system_prompt,
                                  max_prompt_length=engine.max_prompt_length)
         repeated = repeat_rows(prompts, num_samples)
         starts = [ids[mask > 0].tolist() for ids, mask in zip(repeated["input_ids"], repeated["attention_mask"])]
+        # a VLM's request images: its prompt's, then its environment answers' (each resized once, as
+        # encode_observation resized it for the trainer)
+        request_images = None if engine.text_only else [
+            list(images) for images in engine.prompt_images(prompt_rows) for _ in range(num_samples)]
+        prompt_counts = [] if request_images is None else [len(images) for images in request_images]
         trajectories = [_Trajectory() for _ in envs]
         for trajectory, message in zip(trajectories, first_messages):
             trajectory.transcript.append({"role": "user", "content": message})
@@ -463,8 +481,15 @@ class MultiTurnEngine:
         while active:
             budgets = [min(self.max_tokens_per_turn, self.max_total_tokens - len(trajectories[i].tokens))
                        for i in active]
+            images = None
+            if request_images is not None:
+                for i in active:
+                    new = trajectories[i].answer_images[len(request_images[i]) - prompt_counts[i]:]
+                    request_images[i] += resized_images(engine.processor, new)
+                images = [request_images[i] for i in active]
             drawn = engine.continue_token_ids([starts[i] + trajectories[i].tokens for i in active], budgets,
-                                              temperature=temperature, top_p=top_p, do_sample=do_sample)
+                                              images=images, temperature=temperature, top_p=top_p,
+                                              do_sample=do_sample)
             for i, (tokens, log_probs) in zip(active, drawn):
                 self._add_turn(trajectories[i], tokens, log_probs)
             self._step_environments(trajectories, envs)  # a text LM refuses image answers (encode_observation)
