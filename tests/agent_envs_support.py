@@ -77,3 +77,39 @@ def agent_fit_args(config, base, tmp_path, *overrides: str) -> list[str]:
             "--trainer.enable_progress_bar=false", "--data.init_args.train_size=8", "--data.init_args.val_size=2",
             "--data.init_args.batch_size=2", f"--model.init_args.model_path={base}",
             f"--model.init_args.output_dir={tmp_path / 'out'}", *overrides]
+
+
+def trainer_segment_entropies(model, rollout, *, temperature: float, vocab_size: int, top_k: int = 10,
+                              window: int = 20) -> list[list[float]]:
+    """ARPO's entropy of every model turn of every trajectory (:func:`mmpo.algos.arpo.top_logprob_entropy`) from the
+    training forward over prompt + conversation: at each of a turn's first ``window`` positions the top ``top_k``
+    log-probs of softmax(logits / temperature) and the sampled token's (a text LM: nothing is suppressed)."""
+    import torch
+
+    from mmpo.algos.arpo import top_logprob_entropy
+    from mmpo.vlm.logprobs import completion_hidden_states
+    from mmpo.vlm.rollout import completion_attention_mask
+
+    attention = completion_attention_mask(rollout)
+    with torch.no_grad():
+        hidden = completion_hidden_states(model, rollout.prompt_inputs, rollout.completion_ids, attention)
+        log_probs = torch.log_softmax(model.get_output_embeddings()(hidden).float() / temperature, -1)
+    out = []
+    for i in range(len(rollout.completion_ids)):
+        trained = (rollout.completion_mask[i] * attention[i]).tolist()
+        turns, start = [], None
+        for position, flag in enumerate(trained + [0]):
+            if flag and start is None:
+                start = position
+            elif not flag and start is not None:
+                top = []
+                for t in range(start, min(position, start + window)):
+                    values, indices = log_probs[i, t].topk(top_k)
+                    entry = dict(zip(indices.tolist(), values.tolist()))
+                    token = int(rollout.completion_ids[i, t])
+                    entry.setdefault(token, float(log_probs[i, t, token]))
+                    top.append(entry)
+                turns.append(top_logprob_entropy(top, window=window, vocab_size=vocab_size))
+                start = None
+        out.append(turns)
+    return out

@@ -460,43 +460,55 @@ class MultiTurnEngine:
                        envs: Sequence[Environment], *, num_samples: int, temperature: float, top_p: float,
                        do_sample: bool) -> Rollout:
         """The rollout on :class:`~mmpo.vlm.vllm_engine.VLLMEngine`: every turn of the running trajectories is one
-        vLLM call, each trajectory a request with its prompt and conversation so far as token ids (vLLM's prefix
-        cache holds the earlier turns' KV; within a call vLLM batches the requests continuously). A VLM's request
-        carries its images too, the prompt's then the environment's answers', in the order of their placeholders
-        (vLLM's ``multi_modal_data``; the engine checks vLLM's expanded prompt equals the trajectory's tokens)."""
-        engine = self.engine
-        prompts = encode_prompts(engine.processor, prompt_rows, system_prompt=engine.system_prompt,
-                                 max_prompt_length=engine.max_prompt_length)
-        repeated = repeat_rows(prompts, num_samples)
-        starts = [ids[mask > 0].tolist() for ids, mask in zip(repeated["input_ids"], repeated["attention_mask"])]
-        # a VLM's request images: its prompt's, then its environment answers' (each resized once, as
-        # encode_observation resized it for the trainer)
-        request_images = None if engine.text_only else [
-            list(images) for images in engine.prompt_images(prompt_rows) for _ in range(num_samples)]
-        prompt_counts = [] if request_images is None else [len(images) for images in request_images]
+        vLLM call (:meth:`_vllm_turn`)."""
+        prompts, starts, prompt_images = self.vllm_prompts(prompt_rows)
+        owners = [i // num_samples for i in range(len(envs))]
         trajectories = [_Trajectory() for _ in envs]
         for trajectory, message in zip(trajectories, first_messages):
             trajectory.transcript.append({"role": "user", "content": message})
         active = list(range(len(trajectories)))
         while active:
-            budgets = [min(self.max_tokens_per_turn, self.max_total_tokens - len(trajectories[i].tokens))
-                       for i in active]
-            images = None
-            if request_images is not None:
-                for i in active:
-                    new = trajectories[i].answer_images[len(request_images[i]) - prompt_counts[i]:]
-                    request_images[i] += resized_images(engine.processor, new)
-                images = [request_images[i] for i in active]
-            drawn = engine.continue_token_ids([starts[i] + trajectories[i].tokens for i in active], budgets,
-                                              images=images, temperature=temperature, top_p=top_p,
-                                              do_sample=do_sample)
-            for i, (tokens, log_probs) in zip(active, drawn):
-                self._add_turn(trajectories[i], tokens, log_probs)
+            self._vllm_turn(trajectories, active, [starts[owners[i]] for i in active],
+                            None if prompt_images is None else [prompt_images[owners[i]] for i in active],
+                            temperature=temperature, top_p=top_p, do_sample=do_sample)
             self._step_environments(trajectories, envs)  # a text LM refuses image answers (encode_observation)
             active = [i for i in active if not trajectories[i].done]
         self.last_transcripts = [t.transcript for t in trajectories]
         group_ids = torch.arange(len(prompt_rows)).repeat_interleave(num_samples)
-        return self._rollout([prompt_rows[i] for i in group_ids.tolist()], group_ids, repeated, trajectories)
+        return self._rollout([prompt_rows[i] for i in group_ids.tolist()], group_ids, repeat_rows(prompts, num_samples),
+                             trajectories)
+
+    def vllm_prompts(self, prompt_rows: Sequence[Mapping[str, Any]]
+                     ) -> tuple[Mapping[str, Any], list[list[int]], list[list[Any]] | None]:
+        """The trainer's prompt batch of ``prompt_rows`` (:func:`encode_prompts`), each prompt's token ids, and (a VLM)
+        each prompt's images as the vLLM engine takes them (None for a text LM)."""
+        engine = self.engine
+        prompts = encode_prompts(engine.processor, prompt_rows, system_prompt=engine.system_prompt,
+                                 max_prompt_length=engine.max_prompt_length)
+        starts = [ids[mask > 0].tolist() for ids, mask in zip(prompts["input_ids"], prompts["attention_mask"])]
+        return prompts, starts, None if engine.text_only else engine.prompt_images(prompt_rows)
+
+    def _vllm_turn(self, trajectories: list[_Trajectory], active: list[int], starts: Sequence[Sequence[int]],
+                   prompt_images: Sequence[Sequence[Any]] | None, *, temperature: float, top_p: float,
+                   do_sample: bool, top_logprobs: int = 0) -> list[Any]:
+        """One model turn of each trajectory in ``active`` on the vLLM engine (its prompt ``starts[k]``, a VLM's prompt
+        images ``prompt_images[k]``), as one vLLM call: each trajectory is a request whose prompt is its prompt and
+        conversation so far as token ids (vLLM's prefix cache holds the earlier turns' KV; within the call vLLM
+        batches the requests continuously), a VLM's with its images, the prompt's then the environment answers'
+        (resized as :func:`encode_observation` resized them), in the order of their placeholders. Each request ends
+        at its turn-end token or its budget (``min(max_tokens_per_turn, max_total_tokens - tokens so far)``). Returns
+        the engine's :class:`~mmpo.vlm.vllm_engine.TurnSample` per trajectory (``top_logprobs``: its top log-probs)."""
+        engine = self.engine
+        budgets = [min(self.max_tokens_per_turn, self.max_total_tokens - len(trajectories[i].tokens)) for i in active]
+        images = None if prompt_images is None else [
+            [*prompt_images[k], *resized_images(engine.processor, trajectories[i].answer_images)]
+            for k, i in enumerate(active)]
+        samples = engine.continue_token_ids([[*starts[k], *trajectories[i].tokens] for k, i in enumerate(active)],
+                                            budgets, images=images, temperature=temperature, top_p=top_p,
+                                            do_sample=do_sample, top_logprobs=top_logprobs)
+        for i, sample in zip(active, samples):
+            self._add_turn(trajectories[i], sample.tokens, sample.log_probs)
+        return samples
 
     # ------------------------------------------------------------------ continuous batching
 

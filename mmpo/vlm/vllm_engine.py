@@ -27,7 +27,7 @@ from __future__ import annotations
 import os
 import random
 from contextlib import contextmanager
-from typing import Any, Iterator, Mapping, Sequence
+from typing import Any, Iterator, Mapping, NamedTuple, Sequence
 
 import torch
 
@@ -42,6 +42,17 @@ CPU_ENVIRONMENT = {
     "VLLM_CPU_OMP_THREADS_BIND": "nobind",
 }
 COLOCATE_ENVIRONMENT = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+
+
+class TurnSample(NamedTuple):
+    """One model turn drawn by :meth:`VLLMEngine.continue_token_ids`."""
+
+    tokens: list[int]
+    """The tokens drawn, through the first turn-end token."""
+    log_probs: list[float]
+    """Their log-probs under the distribution they were drawn from."""
+    top: list[dict[int, float]]
+    """Per position, ``{token: log-prob}`` of the most likely tokens and the sampled one (empty unless asked)."""
 
 
 def vllm_available() -> bool:
@@ -246,7 +257,7 @@ class VLLMEngine:
     @torch.no_grad()
     def continue_token_ids(self, contexts: Sequence[Sequence[int]], max_tokens: Sequence[int], *,
                            images: Sequence[Sequence[Any]] | None = None, temperature: float = 1.0,
-                           top_p: float = 1.0, do_sample: bool = True) -> list[tuple[list[int], list[float]]]:
+                           top_p: float = 1.0, do_sample: bool = True, top_logprobs: int = 0) -> list[TurnSample]:
         """One turn for each of ``contexts`` (token ids as the trainer holds them: prompt and conversation so far,
         each a request of its own with ``max_tokens[i]`` new tokens at most): the tokens drawn, through the first
         turn-end token, and their log-probs (the sampled distribution's, as :meth:`generate`'s). vLLM's prefix cache
@@ -256,7 +267,11 @@ class VLLMEngine:
         A VLM's ``images[i]``: context ``i``'s images (resized PIL images: the prompt's, then the tool answers'), in
         the order of their placeholders; each run of image placeholder tokens goes to vLLM as one placeholder
         (:meth:`_collapsed`) with the images as ``multi_modal_data``, and vLLM's expanded prompt is checked equal to
-        the context, token for token."""
+        the context, token for token.
+
+        ``top_logprobs`` > 0: each position's ``top_logprobs`` most likely tokens under the sampled distribution and
+        the sampled token's, ``{token: log-prob}`` (vLLM's ``logprobs=k``), in :attr:`TurnSample.top` (ARPO's entropy
+        probe)."""
         from vllm import SamplingParams
 
         if self.text_only and images is not None and any(images):
@@ -283,7 +298,7 @@ class VLLMEngine:
         self._ensure_current()
         seeds = torch.randint(0, 2**31 - 1, (len(contexts),)).tolist()
         common = dict(n=1, stop_token_ids=[self.eos_token_id], ignore_eos=True, allowed_token_ids=self._allowed,
-                      logprobs=0, skip_special_tokens=True, detokenize=False)
+                      logprobs=int(top_logprobs), skip_special_tokens=True, detokenize=False)
         params = [SamplingParams(temperature=temperature, top_p=top_p, top_k=0, seed=int(seed), max_tokens=int(m),
                                  **common) if do_sample else SamplingParams(temperature=0.0, max_tokens=int(m), **common)
                   for seed, m in zip(seeds, max_tokens)]
@@ -296,13 +311,15 @@ class VLLMEngine:
             completion = output.outputs[0]
             tokens = list(completion.token_ids)
             log_probs = [step[token].logprob for step, token in zip(completion.logprobs, tokens)]
+            end = len(tokens)
             if self.eos_token_id in tokens:
                 end = tokens.index(self.eos_token_id) + 1
-                tokens, log_probs = tokens[:end], log_probs[:end]
-            cut = next((k for k, token in enumerate(tokens) if token in self.forbidden_ids), None)
+            cut = next((k for k, token in enumerate(tokens[:end]) if token in self.forbidden_ids), None)
             if cut is not None:  # never drawn (not allowed); should one be, it cuts the turn, as the HF engine does
-                tokens, log_probs = tokens[:cut], log_probs[:cut]
-            out.append((tokens, log_probs))
+                end = cut
+            top = [{int(token): float(entry.logprob) for token, entry in step.items()}
+                   for step in completion.logprobs[:end]] if top_logprobs else []
+            out.append(TurnSample(tokens[:end], log_probs[:end], top))
         return out
 
     @torch.no_grad()
