@@ -358,8 +358,6 @@ class ARPOModule(CheckpointedState, AgentGRPOModule):
     ``arpo/entropy_delta_mean`` (H_now - H_init of the trajectories that reached a branching decision).
     """
 
-    multi_turn_engines = ("hf", "vllm")
-
     config_groups = (*AgentGRPOModule.config_groups, "arpo")
     checkpointed_state = (("arpo_branching", "multiturn"),)
 
