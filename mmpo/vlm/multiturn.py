@@ -50,6 +50,12 @@ shorter answer, are holes its attention mask hides; each token keeps the positio
 lean loop does not apply (greedy decoding, models it does not cover) or ``keep_cache=False``, each later turn
 re-prefills the whole conversation so far (``model.generate`` on the left-padded contexts). Both draw the same
 tokens with the same log-probs from the same RNG state (tests/agents/test_kv_cache.py).
+
+On the vLLM engine (:class:`~mmpo.vlm.vllm_engine.VLLMEngine`, ``last_schedule == "vllm"``): every turn of the running
+trajectories is one vLLM call (:meth:`MultiTurnEngine._vllm_turn`), each trajectory a request with its prompt and
+conversation so far as token ids and, for a VLM, its images (the prompt's, then the environment answers', resized as
+:func:`encode_observation` resizes them); vLLM's prefix cache holds the earlier turns' KV. Greedy decoding gives the HF
+engine's tokens (tests/llm/test_vllm_multiturn.py, tests/vlm/test_vllm_multiturn.py).
 """
 
 from __future__ import annotations
