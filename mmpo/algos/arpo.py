@@ -242,6 +242,7 @@ class ARPOEngine(MultiTurnEngine):
         if len(envs) != len(rows) * num_samples:
             raise ValueError(f"{len(envs)} environments for {len(rows)} rows x {num_samples} samples")
         s, n = self.settings, num_samples
+        self.last_prefill_tokens = 0
         trajectories: list[_Trajectory] = []
         owners: list[int] = []
         environments: list[Any] = []

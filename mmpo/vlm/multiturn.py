@@ -54,8 +54,8 @@ tokens with the same log-probs from the same RNG state (tests/agents/test_kv_cac
 On the vLLM engine (:class:`~mmpo.vlm.vllm_engine.VLLMEngine`, ``last_schedule == "vllm"``): every turn of the running
 trajectories is one vLLM call (:meth:`MultiTurnEngine._vllm_turn`), each trajectory a request with its prompt and
 conversation so far as token ids and, for a VLM, its images (the prompt's, then the environment answers', resized as
-:func:`encode_observation` resizes them); vLLM's prefix cache holds the earlier turns' KV. Greedy decoding gives the HF
-engine's tokens (tests/llm/test_vllm_multiturn.py, tests/vlm/test_vllm_multiturn.py).
+:func:`encode_observation` resizes them); vLLM's prefix cache holds the earlier turns' KV (whole blocks). Greedy
+decoding gives the HF engine's tokens (tests/llm/test_vllm_multiturn.py, tests/vlm/test_vllm_multiturn.py).
 """
 
 from __future__ import annotations
@@ -231,7 +231,8 @@ class MultiTurnEngine:
         continuous schedule was asked for but the lean loop does not cover the model or its generation config)."""
         self.last_prefill_tokens = 0
         """Context tokens the later turns of the last :meth:`generate` ran through the model before decoding (with
-        the kept cache: each turn's new tokens only; re-prefilling: each turn's whole conversation)."""
+        the kept cache: each turn's new tokens only; re-prefilling: each turn's whole conversation; on vLLM: each
+        turn's context but the whole KV blocks its prefix cache served)."""
         self.max_turns = max_turns
         self.max_total_tokens = max_total_tokens
         self.max_tokens_per_turn = max_tokens_per_turn
@@ -512,7 +513,9 @@ class MultiTurnEngine:
         samples = engine.continue_token_ids([[*starts[k], *trajectories[i].tokens] for k, i in enumerate(active)],
                                             budgets, images=images, temperature=temperature, top_p=top_p,
                                             do_sample=do_sample, top_logprobs=top_logprobs)
-        for i, sample in zip(active, samples):
+        for k, (i, sample) in enumerate(zip(active, samples)):
+            if trajectories[i].turns:  # a later turn: the context vLLM did not serve from its prefix cache
+                self.last_prefill_tokens += len(starts[k]) + len(trajectories[i].tokens) - sample.cached_tokens
             self._add_turn(trajectories[i], sample.tokens, sample.log_probs)
         return samples
 

@@ -53,6 +53,9 @@ class TurnSample(NamedTuple):
     """Their log-probs under the distribution they were drawn from."""
     top: list[dict[int, float]]
     """Per position, ``{token: log-prob}`` of the most likely tokens and the sampled one (empty unless asked)."""
+    cached_tokens: int = 0
+    """Context tokens whose KV vLLM's prefix cache served (whole KV blocks: 128 tokens on the CPU backend); the rest
+    of the context was prefilled."""
 
 
 def vllm_available() -> bool:
@@ -261,8 +264,8 @@ class VLLMEngine:
         """One turn for each of ``contexts`` (token ids as the trainer holds them: prompt and conversation so far,
         each a request of its own with ``max_tokens[i]`` new tokens at most): the tokens drawn, through the first
         turn-end token, and their log-probs (the sampled distribution's, as :meth:`generate`'s). vLLM's prefix cache
-        keeps the KV of a context's earlier turns, so only its new tokens are prefilled. Sampling seeds: one per
-        request from torch's global RNG.
+        keeps the KV of a context's earlier turns (whole KV blocks), so only the rest is prefilled
+        (:attr:`TurnSample.cached_tokens`). Sampling seeds: one per request from torch's global RNG.
 
         A VLM's ``images[i]``: context ``i``'s images (resized PIL images: the prompt's, then the tool answers'), in
         the order of their placeholders; each run of image placeholder tokens goes to vLLM as one placeholder
@@ -319,7 +322,7 @@ class VLLMEngine:
                 end = cut
             top = [{int(token): float(entry.logprob) for token, entry in step.items()}
                    for step in completion.logprobs[:end]] if top_logprobs else []
-            out.append(TurnSample(tokens[:end], log_probs[:end], top))
+            out.append(TurnSample(tokens[:end], log_probs[:end], top, int(output.num_cached_tokens or 0)))
         return out
 
     @torch.no_grad()
