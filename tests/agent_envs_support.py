@@ -80,10 +80,11 @@ def agent_fit_args(config, base, tmp_path, *overrides: str) -> list[str]:
 
 
 def trainer_segment_entropies(model, rollout, *, temperature: float, vocab_size: int, top_k: int = 10,
-                              window: int = 20) -> list[list[float]]:
+                              window: int = 20, suppressed=()) -> list[list[float]]:
     """ARPO's entropy of every model turn of every trajectory (:func:`mmpo.algos.arpo.top_logprob_entropy`) from the
     training forward over prompt + conversation: at each of a turn's first ``window`` positions the top ``top_k``
-    log-probs of softmax(logits / temperature) and the sampled token's (a text LM: nothing is suppressed)."""
+    log-probs of softmax(logits / temperature) with the ``suppressed`` ids (a VLM's vision tokens) at -inf, and the
+    sampled token's."""
     import torch
 
     from mmpo.algos.arpo import top_logprob_entropy
@@ -93,7 +94,9 @@ def trainer_segment_entropies(model, rollout, *, temperature: float, vocab_size:
     attention = completion_attention_mask(rollout)
     with torch.no_grad():
         hidden = completion_hidden_states(model, rollout.prompt_inputs, rollout.completion_ids, attention)
-        log_probs = torch.log_softmax(model.get_output_embeddings()(hidden).float() / temperature, -1)
+        logits = model.get_output_embeddings()(hidden).float() / temperature
+        logits[..., list(suppressed)] = float("-inf")
+        log_probs = torch.log_softmax(logits, -1)
     out = []
     for i in range(len(rollout.completion_ids)):
         trained = (rollout.completion_mask[i] * attention[i]).tolist()

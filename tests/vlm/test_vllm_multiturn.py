@@ -1,7 +1,8 @@
 """Multi-turn rollouts of a VLM on the vLLM engine (``MultiTurnEngine`` over :class:`~mmpo.vlm.vllm_engine.VLLMEngine`,
 a tiny Qwen2.5-VL whose tool answers are images): greedy decoding gives the HF engine's tokens, every one, with the same
 masks, images, turn and tool counts and log-probs; sampled trajectories score like the trainer's forward over the whole
-conversation (tool images included); tool errors and token budgets end and count turns as on the HF engine.
+conversation (tool images included); tool errors and token budgets end and count turns as on the HF engine; ARPO
+branches image conversations.
 
 These tests need vLLM: they run in the vLLM venv (scripts/install_vllm_cpu.sh, docs/vllm.md):
 
@@ -18,9 +19,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from agent_envs_support import VariedCrops, agent_fit_args
+from agent_envs_support import VariedCrops, agent_fit_args, trainer_segment_entropies
 from tiny_vlm_support import build_small_vlm
 
+from mmpo.algos.arpo import ARPOConfig, ARPOEngine
 from mmpo.data.synthetic import make_items
 from mmpo.tools.env import ToolEnvironment, ToolStats
 from mmpo.tools.functions import load_tools
@@ -209,6 +211,38 @@ def test_the_zoom_tool_errors_and_budgets_run_as_on_the_hf_engine(engines, max_t
         assert sum("not valid JSON" in e for e in errors) == 2
     finally:
         sandbox.shutdown()
+
+
+def test_arpo_branches_image_conversations_on_vllm(engines):
+    """ARPO on a VLM whose tool answers are crops, on vLLM: every fork carries its source's tokens and images; the
+    sampled log-probs and the segment entropies the branching read (vLLM's top-10 log-probs, vision tokens masked)
+    equal the trainer's forward over the conversations with their tool images."""
+    model, processor, vllm = engines
+    engine = ARPOEngine(vllm, ARPOConfig(initial_rollouts=1, beam_size=2, branch_probability=1.0), max_turns=3,
+                        max_total_tokens=160, max_tokens_per_turn=24)
+    temperature = 0.3
+    torch.manual_seed(0)
+    rollout = engine.generate(make_items("zoom", 2, seed=1), [VariedCrops(salt) for salt in range(8)], num_samples=4,
+                              temperature=temperature)
+    assert rollout.group_ids.tolist() == [0, 0, 0, 0, 1, 1, 1, 1]
+    assert engine.last_stats["arpo/forks"] >= 2  # branches of conversations that hold a crop
+    images = rollout.prompt_inputs["tool_image_counts"]
+    assert int(images.sum()) >= 4
+    attention = completion_attention_mask(rollout)
+    with torch.no_grad():
+        hidden = completion_hidden_states(model, rollout.prompt_inputs, rollout.completion_ids, attention)
+        logits = model.get_output_embeddings()(hidden).float() / temperature
+        logits[..., vision_token_ids(processor)] = float("-inf")
+        expected = torch.log_softmax(logits, -1).gather(-1, rollout.completion_ids.unsqueeze(-1)).squeeze(-1)
+    trained = rollout.completion_mask.bool()
+    torch.testing.assert_close(rollout.extras["engine_log_probs"][trained], expected[trained],
+                               atol=LOG_PROB_TOLERANCE, rtol=0)
+    entropies = trainer_segment_entropies(model, rollout, temperature=temperature,
+                                          vocab_size=len(processor.tokenizer.get_vocab()),
+                                          suppressed=vision_token_ids(processor))
+    assert [len(e) for e in engine.last_entropies] == [len(e) for e in entropies]
+    for mine, theirs in zip(engine.last_entropies, entropies):
+        assert mine == pytest.approx(theirs, abs=LOG_PROB_TOLERANCE)
 
 
 def test_more_images_than_the_engine_takes_per_prompt_are_refused(engines):
