@@ -293,7 +293,6 @@ class ARPOEngine(MultiTurnEngine):
                 current = dict(zip(active, probe.segment_entropies(drawn, sampled, vocab_size)))
             for i, value in current.items():
                 entropies[i].append(value)
-            for i, value in current.items():
                 initial.setdefault(i, value)
             self._step_environments(trajectories, environments)
             still = [i for i in active if not trajectories[i].done]
