@@ -49,6 +49,22 @@ class ZoomingEnvironment:
         return StepResult([{"role": "tool", "content": [{"type": "image", "image": crop}]}], info={"tool_calls": 1})
 
 
+class VariedCrops(ZoomingEnvironment):
+    """:class:`ZoomingEnvironment` whose crops differ between trajectories (``salt`` shifts and widens the box)."""
+
+    def __init__(self, salt: int) -> None:
+        super().__init__()
+        self.salt = salt
+
+    def step(self, assistant_message: str) -> StepResult:
+        self.steps += 1
+        if self.steps > 2:
+            return StepResult([], done=True)
+        crop = crop_region(self.images, [28 * self.salt, 0, 28 * self.salt + 112 * self.steps + 56 * (self.salt % 2),
+                                         112])
+        return StepResult([{"role": "tool", "content": [{"type": "image", "image": crop}]}], info={"tool_calls": 1})
+
+
 def agent_fit_args(config, base, tmp_path, *overrides: str) -> list[str]:
     """``mmpo fit`` arguments for 2 steps of an agent ``config`` from the model at ``base`` under ``tmp_path`` (logs in
     ``tmp_path / "logs"``): 8 training rows, 2 prompts a batch, one validation batch at step 2, a checkpoint at step 2
@@ -61,3 +77,42 @@ def agent_fit_args(config, base, tmp_path, *overrides: str) -> list[str]:
             "--trainer.enable_progress_bar=false", "--data.init_args.train_size=8", "--data.init_args.val_size=2",
             "--data.init_args.batch_size=2", f"--model.init_args.model_path={base}",
             f"--model.init_args.output_dir={tmp_path / 'out'}", *overrides]
+
+
+def trainer_segment_entropies(model, rollout, *, temperature: float, vocab_size: int, top_k: int = 10,
+                              window: int = 20, suppressed=()) -> list[list[float]]:
+    """ARPO's entropy of every model turn of every trajectory (:func:`mmpo.algos.arpo.top_logprob_entropy`) from the
+    training forward over prompt + conversation: at each of a turn's first ``window`` positions the top ``top_k``
+    log-probs of softmax(logits / temperature) with the ``suppressed`` ids (a VLM's vision tokens) at -inf, and the
+    sampled token's."""
+    import torch
+
+    from mmpo.algos.arpo import top_logprob_entropy
+    from mmpo.vlm.logprobs import completion_hidden_states
+    from mmpo.vlm.rollout import completion_attention_mask
+
+    attention = completion_attention_mask(rollout)
+    with torch.no_grad():
+        hidden = completion_hidden_states(model, rollout.prompt_inputs, rollout.completion_ids, attention)
+        logits = model.get_output_embeddings()(hidden).float() / temperature
+        logits[..., list(suppressed)] = float("-inf")
+        log_probs = torch.log_softmax(logits, -1)
+    out = []
+    for i in range(len(rollout.completion_ids)):
+        trained = (rollout.completion_mask[i] * attention[i]).tolist()
+        turns, start = [], None
+        for position, flag in enumerate(trained + [0]):
+            if flag and start is None:
+                start = position
+            elif not flag and start is not None:
+                top = []
+                for t in range(start, min(position, start + window)):
+                    values, indices = log_probs[i, t].topk(top_k)
+                    entry = dict(zip(indices.tolist(), values.tolist()))
+                    token = int(rollout.completion_ids[i, t])
+                    entry.setdefault(token, float(log_probs[i, t, token]))
+                    top.append(entry)
+                turns.append(top_logprob_entropy(top, window=window, vocab_size=vocab_size))
+                start = None
+        out.append(turns)
+    return out

@@ -21,7 +21,8 @@ sys.path.insert(0, str(Path(__file__).parent))
 torch.set_num_threads(1)
 
 
-VLLM_TEST_FILES = ("tests/vlm/test_vllm_engine.py", "tests/llm/test_vllm_text_engine.py")
+VLLM_TEST_FILES = ("tests/vlm/test_vllm_engine.py", "tests/vlm/test_vllm_multiturn.py", "tests/llm/test_vllm_text_engine.py",
+                   "tests/llm/test_vllm_multiturn.py", "tests/llm/test_vllm_arpo.py", "tests/llm/test_vllm_matpo.py")
 
 
 def pytest_report_header(config):

@@ -96,7 +96,8 @@ class AgentGRPOModule(GRPOModule):
 
     config_groups = (*GRPOModule.config_groups, "agent")
     multi_turn_engines: tuple[str, ...] = ("hf", "vllm")
-    """The rollout engines this module's multi-turn rollouts run on (vLLM: text LMs, docs/vllm.md)."""
+    """The rollout engines this module's multi-turn rollouts run on (vLLM: text LMs and VLMs, ARPO's branching and
+    MATPO's planners and workers included; docs/vllm.md)."""
 
     def __init__(self, model_path: str, agent: AgentConfig = AgentConfig(), **kwargs: Any) -> None:
         self.agent = as_config(agent, AgentConfig())

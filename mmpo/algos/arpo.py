@@ -57,6 +57,15 @@ def pooled_entropy(log_probs: Sequence[float]) -> float:
     return -sum(math.exp(value) * value for value in log_probs if math.isfinite(value))
 
 
+def top_logprob_entropy(top: Sequence[Mapping[int, float]], *, window: int, vocab_size: int) -> float:
+    """A segment's entropy from its positions' top log-probs (``top[t]``: ``{token: log-prob}``, vLLM's ``logprobs=k``
+    dictionary: the k most likely tokens and the sampled one): :func:`pooled_entropy` of every value of the first
+    ``window`` positions, pooled into one list, over ln ``vocab_size`` (0 for no position); the official entropy
+    block of ``generate_sequences``. Example: one position {a: ln 0.5, b: ln 0.25}, |V| = 4 -> ln 2 / ln 4 = 0.5."""
+    pooled = [value for step in top[:window] for value in step.values()]
+    return pooled_entropy(pooled) / math.log(vocab_size) if pooled else 0.0
+
+
 def branch_probability(entropy_delta: float, *, alpha: float, beta: float) -> float:
     """P(fork) = clip(alpha + beta * dH, 0, 1): what the official test ``clip(u - beta dH, 0, 1) <= alpha`` draws."""
     return min(1.0, max(0.0, alpha + beta * entropy_delta))
@@ -183,23 +192,29 @@ class _EntropyProbe(_SampledLogProbRecorder):
 
     def segment_entropies(self, drawn: Sequence[Sequence[int]], log_probs: Sequence[Sequence[float]],
                           vocab_size: int) -> list[float]:
-        """Per row: :func:`pooled_entropy` of its first ``window`` positions' top-k log-probs (and the sampled
-        token's when not among them), over ln ``vocab_size``."""
+        """Per row: :func:`top_logprob_entropy` of its first ``window`` positions' top-k log-probs (and the sampled
+        token's when not among them), the dictionaries vLLM's ``logprobs=k`` returns."""
         out = []
         for row, (tokens, sampled) in enumerate(zip(drawn, log_probs)):
-            pooled: list[float] = []
+            top = []
             for step in range(min(self.window, len(tokens), len(self.top))):
                 values, indices = self.top[step]
-                pooled += values[row].tolist()
-                if tokens[step] not in indices[row].tolist():
-                    pooled.append(float(sampled[step]))
-            out.append(pooled_entropy(pooled) / math.log(vocab_size) if pooled else 0.0)
+                entry = dict(zip(indices[row].tolist(), values[row].tolist()))
+                entry.setdefault(tokens[step], float(sampled[step]))
+                top.append(entry)
+            out.append(top_logprob_entropy(top, window=self.window, vocab_size=vocab_size))
         return out
 
 
 class ARPOEngine(MultiTurnEngine):
     """Multi-turn rollouts with ARPO's entropy-based branching (the module docstring); greedy decoding and one
-    sample per prompt go to :class:`MultiTurnEngine` unchanged."""
+    sample per prompt go to :class:`MultiTurnEngine` unchanged.
+
+    On the HF engine each round is one turn-synchronous HF turn (re-prefilled, no kept cache) whose entropy probe reads
+    the distribution the sampler draws from; on the vLLM engine each round is one vLLM call (one request per active
+    trajectory, on vLLM's prefix cache, :meth:`MultiTurnEngine._vllm_turn`) with ``logprobs=entropy_top_k``, whose
+    returned top log-probs give the entropy, as in the official code. ``last_entropies``: the segment entropies of
+    each trajectory of the last rollout, one per model turn (a branch's start with its source's)."""
 
     def __init__(self, engine: Any, settings: ARPOConfig, **limits: int) -> None:
         super().__init__(engine, **limits)
@@ -207,6 +222,7 @@ class ARPOEngine(MultiTurnEngine):
         self.rng = random.Random(settings.seed)
         self.persistent_initial_entropy: dict[int, float] = {}
         self.last_stats: dict[str, float] = {}
+        self.last_entropies: list[list[float]] = []
 
     def state_dict(self) -> dict[str, Any]:
         """The branching draws' RNG state and the persistent initial entropies (checkpointed with the run)."""
@@ -226,15 +242,21 @@ class ARPOEngine(MultiTurnEngine):
         if len(envs) != len(rows) * num_samples:
             raise ValueError(f"{len(envs)} environments for {len(rows)} rows x {num_samples} samples")
         s, n = self.settings, num_samples
+        self.last_prefill_tokens = 0
         trajectories: list[_Trajectory] = []
         owners: list[int] = []
         environments: list[Any] = []
         counts = [0] * len(rows)
         forked = []
+        entropies: list[list[float]] = []
         first_messages = [envs[p * n].reset(row) for p, row in enumerate(rows)]
-        prompts = encode_prompts(self.engine.processor,
-                                 self.tool_prompt_rows(rows, first_messages, [envs[p * n].tools for p in range(len(rows))]),
-                                 system_prompt=self.engine.system_prompt, max_prompt_length=self.engine.max_prompt_length)
+        prompt_rows = self.tool_prompt_rows(rows, first_messages, [envs[p * n].tools for p in range(len(rows))])
+        on_vllm = getattr(self.engine, "continue_token_ids", None) is not None
+        if on_vllm:
+            prompts, starts, prompt_images = self.vllm_prompts(prompt_rows)
+        else:
+            prompts = encode_prompts(self.engine.processor, prompt_rows, system_prompt=self.engine.system_prompt,
+                                     max_prompt_length=self.engine.max_prompt_length)
 
         def start(prompt: int) -> int:
             env = envs[prompt * n + counts[prompt]]
@@ -245,6 +267,7 @@ class ARPOEngine(MultiTurnEngine):
             owners.append(prompt)
             environments.append(env)
             forked.append(False)
+            entropies.append([])
             counts[prompt] += 1
             return len(trajectories) - 1
 
@@ -254,12 +277,22 @@ class ARPOEngine(MultiTurnEngine):
         forks = topups = 0
         deltas: list[float] = []
         while active:
-            probe = _EntropyProbe(s.entropy_top_k, s.entropy_window)
-            drawn = self._next_turn(trajectories, active, prompts, prompt_rows=owners, recorder=probe,
-                                    temperature=temperature, top_p=top_p, do_sample=True)
-            sampled = [trajectories[i].log_probs[len(trajectories[i].log_probs) - len(d):] for i, d in zip(active, drawn)]
-            current = dict(zip(active, probe.segment_entropies(drawn, sampled, vocab_size)))
+            if on_vllm:
+                samples = self._vllm_turn(trajectories, active, [starts[owners[i]] for i in active],
+                                          None if prompt_images is None else [prompt_images[owners[i]] for i in active],
+                                          temperature=temperature, top_p=top_p, do_sample=True,
+                                          top_logprobs=s.entropy_top_k)
+                current = {i: top_logprob_entropy(sample.top, window=s.entropy_window, vocab_size=vocab_size)
+                           for i, sample in zip(active, samples)}
+            else:
+                probe = _EntropyProbe(s.entropy_top_k, s.entropy_window)
+                drawn = self._next_turn(trajectories, active, prompts, prompt_rows=owners, recorder=probe,
+                                        temperature=temperature, top_p=top_p, do_sample=True)
+                sampled = [trajectories[i].log_probs[len(trajectories[i].log_probs) - len(d):]
+                           for i, d in zip(active, drawn)]
+                current = dict(zip(active, probe.segment_entropies(drawn, sampled, vocab_size)))
             for i, value in current.items():
+                entropies[i].append(value)
                 initial.setdefault(i, value)
             self._step_environments(trajectories, environments)
             still = [i for i in active if not trajectories[i].done]
@@ -275,6 +308,7 @@ class ARPOEngine(MultiTurnEngine):
                 owners.append(prompt)
                 environments.append(_fork_environment(environments[source]))
                 forked.append(True)
+                entropies.append(list(entropies[source]))
                 new.append(len(trajectories) - 1)
                 forks += 1
             for prompt in range(len(rows)):  # one new global trajectory per round for a prompt with none active
@@ -287,6 +321,7 @@ class ARPOEngine(MultiTurnEngine):
             mine = [i for i, owner in enumerate(owners) if owner == prompt][:n]
             chosen += mine + [mine[-1]] * (n - len(mine))
         self.last_transcripts = [trajectories[i].transcript for i in chosen]
+        self.last_entropies = [list(entropies[i]) for i in chosen]
         self.last_stats = {"arpo/forks": float(forks), "arpo/topups": float(topups),
                            "arpo/forked_frac": sum(forked[i] for i in chosen) / len(chosen),
                            "arpo/entropy_delta_mean": sum(deltas) / len(deltas) if deltas else 0.0}
@@ -300,7 +335,8 @@ def _clone(trajectory: _Trajectory) -> _Trajectory:
                        log_probs=list(trajectory.log_probs), turns=trajectory.turns, tool_calls=trajectory.tool_calls,
                        env_reward=trajectory.env_reward, last_message=trajectory.last_message, done=trajectory.done,
                        awaiting_environment=trajectory.awaiting_environment,
-                       transcript=[dict(m) for m in trajectory.transcript], images=list(trajectory.images))
+                       transcript=[dict(m) for m in trajectory.transcript], images=list(trajectory.images),
+                       answer_images=list(trajectory.answer_images))
 
 
 def _fork_environment(env: Any) -> Any:
@@ -321,8 +357,6 @@ class ARPOModule(CheckpointedState, AgentGRPOModule):
     branching and by topping up), ``arpo/forked_frac`` (share of the trained trajectories that are branches),
     ``arpo/entropy_delta_mean`` (H_now - H_init of the trajectories that reached a branching decision).
     """
-
-    multi_turn_engines = ("hf",)  # branching rollouts fork trajectories between HF turns
 
     config_groups = (*AgentGRPOModule.config_groups, "arpo")
     checkpointed_state = (("arpo_branching", "multiturn"),)
@@ -351,4 +385,4 @@ class ARPOModule(CheckpointedState, AgentGRPOModule):
 
 
 __all__ = ["ARPOConfig", "ARPOEngine", "ARPOModule", "branch_decisions", "branch_probability", "pooled_entropy",
-           "shared_prefix_advantages"]
+           "shared_prefix_advantages", "top_logprob_entropy"]

@@ -177,8 +177,6 @@ class MATPOModule(AgentGRPOModule):
     ``matpo/worker_tokens_mean`` (trained tokens per worker rollout), ``tools/subagent/calls``.
     """
 
-    multi_turn_engines = ("hf",)  # planner and worker rollouts are tested on the HF engine only
-
     config_groups = (*AgentGRPOModule.config_groups, "matpo")
 
     def __init__(self, model_path: str, matpo: MATPOConfig = MATPOConfig(), **kwargs: Any) -> None:

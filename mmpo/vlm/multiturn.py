@@ -50,6 +50,12 @@ shorter answer, are holes its attention mask hides; each token keeps the positio
 lean loop does not apply (greedy decoding, models it does not cover) or ``keep_cache=False``, each later turn
 re-prefills the whole conversation so far (``model.generate`` on the left-padded contexts). Both draw the same
 tokens with the same log-probs from the same RNG state (tests/agents/test_kv_cache.py).
+
+On the vLLM engine (:class:`~mmpo.vlm.vllm_engine.VLLMEngine`, ``last_schedule == "vllm"``): every turn of the running
+trajectories is one vLLM call (:meth:`MultiTurnEngine._vllm_turn`), each trajectory a request with its prompt and
+conversation so far as token ids and, for a VLM, its images (the prompt's, then the environment answers', resized as
+:func:`encode_observation` resizes them); vLLM's prefix cache holds the earlier turns' KV (whole blocks). Greedy
+decoding gives the HF engine's tokens (tests/llm/test_vllm_multiturn.py, tests/vlm/test_vllm_multiturn.py).
 """
 
 from __future__ import annotations
@@ -123,22 +129,29 @@ def encode_observation(processor: Any, messages: Sequence[Mapping[str, Any]], *,
     images = observation_images(messages)
     if not images:
         return list(processor.tokenizer(suffix, add_special_tokens=False)["input_ids"]), []
-    from mmpo.vlm.factory import is_text_processor, pixel_budget
+    from mmpo.vlm.factory import is_text_processor
 
     if is_text_processor(processor):
         raise ValueError("the environment answered with an image, but the policy is a text-only LM; image tools "
                          "(e.g. image_zoom_in_tool) need a VLM")
-    from qwen_vl_utils import fetch_image
-
-    min_pixels, max_pixels = pixel_budget(processor)
-    patch = int(getattr(processor.image_processor, "patch_size", 14))
-    resized = [fetch_image({"image": image, "min_pixels": min_pixels, "max_pixels": max_pixels},
-                           image_patch_size=patch) for image in images]
-    encoded = processor(text=[suffix], images=resized, return_tensors="pt")
+    encoded = processor(text=[suffix], images=resized_images(processor, images), return_tensors="pt")
     grid = encoded["image_grid_thw"]
     sizes = grid.prod(-1).tolist()
     chunks = torch.split(encoded["pixel_values"], [int(n) for n in sizes], 0)
     return encoded["input_ids"][0].tolist(), [(chunk, thw) for chunk, thw in zip(chunks, grid)]
+
+
+def resized_images(processor: Any, images: Sequence[Any]) -> list[Any]:
+    """Environment-answer images resized as prompt images are (qwen-vl-utils ``fetch_image`` within the processor's
+    pixel budget): what the processor encodes (:func:`encode_observation`) and what the vLLM engine is handed."""
+    from qwen_vl_utils import fetch_image
+
+    from mmpo.vlm.factory import pixel_budget
+
+    min_pixels, max_pixels = pixel_budget(processor)
+    patch = int(getattr(processor.image_processor, "patch_size", 14))
+    return [fetch_image({"image": image, "min_pixels": min_pixels, "max_pixels": max_pixels}, image_patch_size=patch)
+            for image in images]
 
 
 def _transcript_content(content: Any) -> str:
@@ -173,6 +186,9 @@ class _Trajectory:
     transcript: list[dict[str, str]] = field(default_factory=list)
     images: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
     """The images of the environment's answers so far (``(pixel_values, grid)``), in context order."""
+    answer_images: list[Any] = field(default_factory=list)
+    """The same images as the environment gave them (PIL), in context order (the vLLM engine resizes and encodes
+    them itself)."""
     pending: list[int] = field(default_factory=list)
     """Tokens in the trajectory but not yet in the kept KV cache (the turn's last token, the environment's answer)."""
     pending_images: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
@@ -215,7 +231,8 @@ class MultiTurnEngine:
         continuous schedule was asked for but the lean loop does not cover the model or its generation config)."""
         self.last_prefill_tokens = 0
         """Context tokens the later turns of the last :meth:`generate` ran through the model before decoding (with
-        the kept cache: each turn's new tokens only; re-prefilling: each turn's whole conversation)."""
+        the kept cache: each turn's new tokens only; re-prefilling: each turn's whole conversation; on vLLM: each
+        turn's context but the whole KV blocks its prefix cache served)."""
         self.max_turns = max_turns
         self.max_total_tokens = max_total_tokens
         self.max_tokens_per_turn = max_tokens_per_turn
@@ -345,6 +362,7 @@ class MultiTurnEngine:
                 continue
             trajectory.add(ids, None, trained=False)
             trajectory.images += images
+            trajectory.answer_images += observation_images(result.observation) if images else []
             trajectory.pending += ids
             trajectory.pending_images += images
 
@@ -448,30 +466,58 @@ class MultiTurnEngine:
     def _generate_vllm(self, prompt_rows: list[dict[str, Any]], first_messages: list[str],
                        envs: Sequence[Environment], *, num_samples: int, temperature: float, top_p: float,
                        do_sample: bool) -> Rollout:
-        """The rollout on :class:`~mmpo.vlm.vllm_engine.VLLMEngine` (text LMs): every turn of the running trajectories
-        is one vLLM call, each trajectory a request with its prompt and conversation so far as token ids (vLLM's
-        prefix cache holds the earlier turns' KV; within a call vLLM batches the requests continuously)."""
-        engine = self.engine
-        prompts = encode_prompts(engine.processor, prompt_rows, system_prompt=engine.system_prompt,
-                                 max_prompt_length=engine.max_prompt_length)
-        repeated = repeat_rows(prompts, num_samples)
-        starts = [ids[mask > 0].tolist() for ids, mask in zip(repeated["input_ids"], repeated["attention_mask"])]
+        """The rollout on :class:`~mmpo.vlm.vllm_engine.VLLMEngine`: every turn of the running trajectories is one
+        vLLM call (:meth:`_vllm_turn`)."""
+        prompts, starts, prompt_images = self.vllm_prompts(prompt_rows)
+        owners = [i // num_samples for i in range(len(envs))]
         trajectories = [_Trajectory() for _ in envs]
         for trajectory, message in zip(trajectories, first_messages):
             trajectory.transcript.append({"role": "user", "content": message})
         active = list(range(len(trajectories)))
         while active:
-            budgets = [min(self.max_tokens_per_turn, self.max_total_tokens - len(trajectories[i].tokens))
-                       for i in active]
-            drawn = engine.continue_token_ids([starts[i] + trajectories[i].tokens for i in active], budgets,
-                                              temperature=temperature, top_p=top_p, do_sample=do_sample)
-            for i, (tokens, log_probs) in zip(active, drawn):
-                self._add_turn(trajectories[i], tokens, log_probs)
+            self._vllm_turn(trajectories, active, [starts[owners[i]] for i in active],
+                            None if prompt_images is None else [prompt_images[owners[i]] for i in active],
+                            temperature=temperature, top_p=top_p, do_sample=do_sample)
             self._step_environments(trajectories, envs)  # a text LM refuses image answers (encode_observation)
             active = [i for i in active if not trajectories[i].done]
         self.last_transcripts = [t.transcript for t in trajectories]
         group_ids = torch.arange(len(prompt_rows)).repeat_interleave(num_samples)
-        return self._rollout([prompt_rows[i] for i in group_ids.tolist()], group_ids, repeated, trajectories)
+        return self._rollout([prompt_rows[i] for i in group_ids.tolist()], group_ids, repeat_rows(prompts, num_samples),
+                             trajectories)
+
+    def vllm_prompts(self, prompt_rows: Sequence[Mapping[str, Any]]
+                     ) -> tuple[Mapping[str, Any], list[list[int]], list[list[Any]] | None]:
+        """The trainer's prompt batch of ``prompt_rows`` (:func:`encode_prompts`), each prompt's token ids, and (a VLM)
+        each prompt's images as the vLLM engine takes them (None for a text LM)."""
+        engine = self.engine
+        prompts = encode_prompts(engine.processor, prompt_rows, system_prompt=engine.system_prompt,
+                                 max_prompt_length=engine.max_prompt_length)
+        starts = [ids[mask > 0].tolist() for ids, mask in zip(prompts["input_ids"], prompts["attention_mask"])]
+        return prompts, starts, None if engine.text_only else engine.prompt_images(prompt_rows)
+
+    def _vllm_turn(self, trajectories: list[_Trajectory], active: list[int], starts: Sequence[Sequence[int]],
+                   prompt_images: Sequence[Sequence[Any]] | None, *, temperature: float, top_p: float,
+                   do_sample: bool, top_logprobs: int = 0) -> list[Any]:
+        """One model turn of each trajectory in ``active`` on the vLLM engine (its prompt ``starts[k]``, a VLM's prompt
+        images ``prompt_images[k]``), as one vLLM call: each trajectory is a request whose prompt is its prompt and
+        conversation so far as token ids (vLLM's prefix cache holds the earlier turns' KV; within the call vLLM
+        batches the requests continuously), a VLM's with its images, the prompt's then the environment answers'
+        (resized as :func:`encode_observation` resized them), in the order of their placeholders. Each request ends
+        at its turn-end token or its budget (``min(max_tokens_per_turn, max_total_tokens - tokens so far)``). Returns
+        the engine's :class:`~mmpo.vlm.vllm_engine.TurnSample` per trajectory (``top_logprobs``: its top log-probs)."""
+        engine = self.engine
+        budgets = [min(self.max_tokens_per_turn, self.max_total_tokens - len(trajectories[i].tokens)) for i in active]
+        images = None if prompt_images is None else [
+            [*prompt_images[k], *resized_images(engine.processor, trajectories[i].answer_images)]
+            for k, i in enumerate(active)]
+        samples = engine.continue_token_ids([[*starts[k], *trajectories[i].tokens] for k, i in enumerate(active)],
+                                            budgets, images=images, temperature=temperature, top_p=top_p,
+                                            do_sample=do_sample, top_logprobs=top_logprobs)
+        for k, (i, sample) in enumerate(zip(active, samples)):
+            if trajectories[i].turns:  # a later turn: the context vLLM did not serve from its prefix cache
+                self.last_prefill_tokens += len(starts[k]) + len(trajectories[i].tokens) - sample.cached_tokens
+            self._add_turn(trajectories[i], sample.tokens, sample.log_probs)
+        return samples
 
     # ------------------------------------------------------------------ continuous batching
 

@@ -27,7 +27,7 @@ from __future__ import annotations
 import os
 import random
 from contextlib import contextmanager
-from typing import Any, Iterator, Mapping, Sequence
+from typing import Any, Iterator, Mapping, NamedTuple, Sequence
 
 import torch
 
@@ -42,6 +42,20 @@ CPU_ENVIRONMENT = {
     "VLLM_CPU_OMP_THREADS_BIND": "nobind",
 }
 COLOCATE_ENVIRONMENT = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+
+
+class TurnSample(NamedTuple):
+    """One model turn drawn by :meth:`VLLMEngine.continue_token_ids`."""
+
+    tokens: list[int]
+    """The tokens drawn, through the first turn-end token."""
+    log_probs: list[float]
+    """Their log-probs under the distribution they were drawn from."""
+    top: list[dict[int, float]]
+    """Per position, ``{token: log-prob}`` of the most likely tokens and the sampled one (empty unless asked)."""
+    cached_tokens: int = 0
+    """Context tokens whose KV vLLM's prefix cache served (whole KV blocks: 128 tokens on the CPU backend); the rest
+    of the context was prefilled."""
 
 
 def vllm_available() -> bool:
@@ -84,13 +98,15 @@ class VLLMEngine:
             call (vLLM's CPU backend cannot split a seeded prefill over steps: "CPU Generator does not use
             offset").
         gpu_memory_utilization: vLLM's share of the GPU (on a GPU; the trainer needs the rest).
+        max_images_per_prompt: a VLM's images per request at most (vLLM's ``limit_mm_per_prompt``): a multi-turn
+            request holds its prompt's images and every image the tools answered with so far.
         engine_kwargs: further ``vllm.LLM`` arguments.
     """
 
     def __init__(self, model: Any, processor: Any, *, model_path: str, system_prompt: str | None = "default",
                  max_prompt_length: int | None = None, dtype: str = "float32", max_model_len: int = 4096,
                  max_num_batched_tokens: int = 16384, gpu_memory_utilization: float = 0.3,
-                 engine_kwargs: Mapping[str, Any] | None = None) -> None:
+                 max_images_per_prompt: int = 8, engine_kwargs: Mapping[str, Any] | None = None) -> None:
         if max_num_batched_tokens < max_model_len:
             raise ValueError(f"max_num_batched_tokens ({max_num_batched_tokens}) must be >= max_model_len "
                              f"({max_model_len}): a prompt is prefilled in one scheduler step")
@@ -109,6 +125,7 @@ class VLLMEngine:
         self.eos_token_id = turn_end_token_id(tokenizer)
         self.pad_token_id = int(tokenizer.pad_token_id)
         self.forbidden_ids = vision_token_ids(processor)
+        self.max_images_per_prompt = max_images_per_prompt
         self.llm: Any = None
         self._synced_version: int | None = None
         self.num_syncs = 0  # weight pushes so far (tests and logs read it)
@@ -146,7 +163,7 @@ class VLLMEngine:
         multimodal: dict[str, Any] = {}
         if not self.text_only:  # the processor's pixel budget, so vLLM resizes images as the trainer does
             min_pixels, max_pixels = pixel_budget(self.processor)
-            multimodal = {"limit_mm_per_prompt": {"image": 8, "video": 0},
+            multimodal = {"limit_mm_per_prompt": {"image": self.max_images_per_prompt, "video": 0},
                           "mm_processor_kwargs": {"size": {"shortest_edge": min_pixels, "longest_edge": max_pixels}}}
         threads = torch.get_num_threads()  # vLLM lowers torch's thread count for serving: the trainer keeps its own
         with _rng_untouched():
@@ -198,64 +215,114 @@ class VLLMEngine:
                                          max_prompt_length=self.max_prompt_length)
             return [{"prompt_token_ids": ids[mask > 0].tolist()}
                     for ids, mask in zip(prompts["input_ids"], prompts["attention_mask"])]
-        from qwen_vl_utils import process_vision_info
-
-        system_prompt = default_system_prompt() if self.system_prompt == "default" else self.system_prompt
-        min_pixels, max_pixels = pixel_budget(self.processor)
-        patch_size = int(getattr(self.processor.image_processor, "patch_size", 14))
         prompts = []
-        for row in rows:
-            messages = build_messages(row, system_prompt=system_prompt, min_pixels=min_pixels, max_pixels=max_pixels)
+        for row, (messages, images) in zip(rows, self._messages_and_images(rows)):
             text = self.processor.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
             text += row.get("assistant_prefix") or ""
             prompt: dict[str, Any] = {"prompt": text}
-            images = process_vision_info([messages], image_patch_size=patch_size)[0]
             if images:
                 prompt["multi_modal_data"] = {"image": images}
             prompts.append(prompt)
         return prompts
 
+    def _messages_and_images(self, rows: Sequence[Mapping[str, Any]]) -> list[tuple[list[dict[str, Any]], list[Any]]]:
+        """Each row's chat messages (:func:`build_messages`) and its images resized as :func:`encode_prompts` resizes
+        them (qwen-vl-utils within the processor's pixel budget), in the order of their placeholders."""
+        from qwen_vl_utils import process_vision_info
+
+        system_prompt = default_system_prompt() if self.system_prompt == "default" else self.system_prompt
+        min_pixels, max_pixels = pixel_budget(self.processor)
+        patch_size = int(getattr(self.processor.image_processor, "patch_size", 14))
+        out = []
+        for row in rows:
+            messages = build_messages(row, system_prompt=system_prompt, min_pixels=min_pixels, max_pixels=max_pixels)
+            out.append((messages, process_vision_info([messages], image_patch_size=patch_size)[0] or []))
+        return out
+
+    def prompt_images(self, rows: Sequence[Mapping[str, Any]]) -> list[list[Any]]:
+        """A VLM's prompt images per row (resized, in placeholder order): the first images of a multi-turn request."""
+        return [images for _, images in self._messages_and_images(rows)]
+
+    def _collapsed(self, context: Sequence[int], images: Sequence[Any]) -> list[int]:
+        """A VLM's context as vLLM takes it: each image's run of ``<|image_pad|>`` tokens (one per merged patch, as
+        the trainer's processor expanded it) back to one placeholder, which vLLM's processor expands again from the
+        image it is handed. The number of runs must equal the number of images."""
+        pad = int(self.model.config.image_token_id)
+        out: list[int] = []
+        for token in context:
+            if not (token == pad and out and out[-1] == pad):
+                out.append(int(token))
+        runs = out.count(pad)
+        if runs != len(images):
+            raise ValueError(f"a context holds {runs} image placeholders but {len(images)} images were given")
+        return out
+
     @torch.no_grad()
     def continue_token_ids(self, contexts: Sequence[Sequence[int]], max_tokens: Sequence[int], *,
-                           temperature: float = 1.0, top_p: float = 1.0, do_sample: bool = True
-                           ) -> list[tuple[list[int], list[float]]]:
-        """One turn for each of ``contexts`` (a text LM's token ids: prompt and conversation so far, each a request
-        of its own with ``max_tokens[i]`` new tokens at most): the tokens drawn, through the first turn-end token,
-        and their log-probs (the sampled distribution's, as :meth:`generate`'s). vLLM's prefix cache keeps the KV
-        of a context's earlier turns, so only its new tokens are prefilled. Sampling seeds: one per request from
-        torch's global RNG."""
+                           images: Sequence[Sequence[Any]] | None = None, temperature: float = 1.0,
+                           top_p: float = 1.0, do_sample: bool = True, top_logprobs: int = 0) -> list[TurnSample]:
+        """One turn for each of ``contexts`` (token ids as the trainer holds them: prompt and conversation so far,
+        each a request of its own with ``max_tokens[i]`` new tokens at most): the tokens drawn, through the first
+        turn-end token, and their log-probs (the sampled distribution's, as :meth:`generate`'s). vLLM's prefix cache
+        keeps the KV of a context's earlier turns (whole KV blocks), so only the rest is prefilled
+        (:attr:`TurnSample.cached_tokens`). Sampling seeds: one per request from torch's global RNG.
+
+        A VLM's ``images[i]``: context ``i``'s images (resized PIL images: the prompt's, then the tool answers'), in
+        the order of their placeholders; each run of image placeholder tokens goes to vLLM as one placeholder
+        (:meth:`_collapsed`) with the images as ``multi_modal_data``, and vLLM's expanded prompt is checked equal to
+        the context, token for token.
+
+        ``top_logprobs`` > 0: each position's ``top_logprobs`` most likely tokens under the sampled distribution and
+        the sampled token's, ``{token: log-prob}`` (vLLM's ``logprobs=k``), in :attr:`TurnSample.top` (ARPO's entropy
+        probe)."""
         from vllm import SamplingParams
 
-        if not self.text_only:
-            raise ValueError("VLLMEngine: multi-turn rollouts run on text LMs here (a VLM's conversation with "
-                             "images goes to rollout_engine: hf)")
+        if self.text_only and images is not None and any(images):
+            raise ValueError("VLLMEngine: images given for a text-only LM's contexts")
+        if not self.text_only and (images is None or len(images) != len(contexts)):
+            raise ValueError("VLLMEngine: a VLM's multi-turn contexts need their images (one list per context)")
         if do_sample and temperature <= 0:
             raise ValueError(f"temperature must be > 0 when sampling, got {temperature}")
         longest = max(len(c) + m for c, m in zip(contexts, max_tokens))
         if longest > self.max_model_len:
             raise ValueError(f"a conversation of {longest} tokens > the vLLM engine's max_model_len "
                              f"{self.max_model_len}: raise vllm_max_model_len")
+        requests: list[dict[str, Any]] = []
+        for index, context in enumerate(contexts):
+            if self.text_only or not images[index]:
+                requests.append({"prompt_token_ids": self._collapsed(context, []) if not self.text_only
+                                 else list(map(int, context))})
+                continue
+            if len(images[index]) > self.max_images_per_prompt:
+                raise ValueError(f"a conversation holds {len(images[index])} images > the vLLM engine's "
+                                 f"{self.max_images_per_prompt} per prompt (fewer max_turns, or max_images_per_prompt)")
+            requests.append({"prompt_token_ids": self._collapsed(context, images[index]),
+                             "multi_modal_data": {"image": list(images[index])}})
         self._ensure_current()
         seeds = torch.randint(0, 2**31 - 1, (len(contexts),)).tolist()
         common = dict(n=1, stop_token_ids=[self.eos_token_id], ignore_eos=True, allowed_token_ids=self._allowed,
-                      logprobs=0, skip_special_tokens=True, detokenize=False)
+                      logprobs=int(top_logprobs), skip_special_tokens=True, detokenize=False)
         params = [SamplingParams(temperature=temperature, top_p=top_p, top_k=0, seed=int(seed), max_tokens=int(m),
                                  **common) if do_sample else SamplingParams(temperature=0.0, max_tokens=int(m), **common)
                   for seed, m in zip(seeds, max_tokens)]
-        outputs = self.llm.generate([{"prompt_token_ids": list(map(int, c))} for c in contexts], params,
-                                    use_tqdm=False)
+        outputs = self.llm.generate(requests, params, use_tqdm=False)
         out = []
-        for output in outputs:
+        for context, output in zip(contexts, outputs):
+            if list(output.prompt_token_ids) != list(map(int, context)):
+                raise RuntimeError(f"vLLM's expanded prompt differs from the trainer's context "
+                                   f"({len(output.prompt_token_ids)} vs {len(context)} tokens)")
             completion = output.outputs[0]
             tokens = list(completion.token_ids)
             log_probs = [step[token].logprob for step, token in zip(completion.logprobs, tokens)]
+            end = len(tokens)
             if self.eos_token_id in tokens:
                 end = tokens.index(self.eos_token_id) + 1
-                tokens, log_probs = tokens[:end], log_probs[:end]
-            cut = next((k for k, token in enumerate(tokens) if token in self.forbidden_ids), None)
+            cut = next((k for k, token in enumerate(tokens[:end]) if token in self.forbidden_ids), None)
             if cut is not None:  # never drawn (not allowed); should one be, it cuts the turn, as the HF engine does
-                tokens, log_probs = tokens[:cut], log_probs[:cut]
-            out.append((tokens, log_probs))
+                end = cut
+            top = [{int(token): float(entry.logprob) for token, entry in step.items()}
+                   for step in completion.logprobs[:end]] if top_logprobs else []
+            out.append(TurnSample(tokens[:end], log_probs[:end], top, int(output.num_cached_tokens or 0)))
         return out
 
     @torch.no_grad()

@@ -11,11 +11,11 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from agent_envs_support import ScriptedEnvironment
+from agent_envs_support import ScriptedEnvironment, trainer_segment_entropies
 from tiny_vlm_support import build_small_text_lm
 
 from mmpo.algos.arpo import (ARPOConfig, ARPOEngine, _EntropyProbe, branch_decisions, branch_probability,
-                             pooled_entropy, shared_prefix_advantages)
+                             pooled_entropy, shared_prefix_advantages, top_logprob_entropy)
 from mmpo.data.synthetic import make_items
 from mmpo.vlm.factory import load_vlm
 from mmpo.vlm.logprobs import completion_log_probs
@@ -135,6 +135,29 @@ def test_entropy_probe_equals_the_official_entropy_of_vllm_top10_logprobs(seed):
     assert mine[2] == 0.0 and mine[0] > 0
 
 
+def test_top_logprob_entropy_hand_value_and_the_official_segment_entropy():
+    """The entropy of vLLM's returned top log-probs (the vLLM engine's probe): a hand value, and the official entropy
+    block on logprobs=10 dictionaries (11 entries where the sampled token is not in the top 10) over 25, 7 and 1
+    positions (the window keeps the first 20)."""
+    # one position {a: ln 0.5, b: ln 0.25}, |V| = 4: (0.5 ln 2 + 0.25 ln 4) / ln 4 = ln 2 / ln 4 = 0.5
+    assert top_logprob_entropy([{3: math.log(0.5), 7: math.log(0.25)}], window=20, vocab_size=4) == pytest.approx(0.5)
+    assert top_logprob_entropy([], window=20, vocab_size=4) == 0.0
+    generator = torch.Generator().manual_seed(0)
+    for length in (25, 7, 1):
+        top = []
+        for _ in range(length):
+            full = torch.log_softmax(torch.randn(50, generator=generator) * 2.0, -1)
+            values, indices = full.topk(10)
+            entry = {int(i): float(v) for v, i in zip(values, indices)}
+            sampled = int(torch.randint(0, 50, (1,), generator=generator))
+            entry.setdefault(sampled, float(full[sampled]))
+            top.append(entry)
+        outputs = [{token: SimpleNamespace(logprob=value) for token, value in entry.items()} for entry in top]
+        official = official_segment_entropy(outputs, [0] * length, 50)
+        assert official > 0
+        assert top_logprob_entropy(top, window=20, vocab_size=50) == pytest.approx(official, rel=1e-12)
+
+
 @pytest.mark.parametrize("seed", range(6))
 def test_branch_decisions_equal_the_official_branching(seed):
     rng = random.Random(seed)
@@ -235,6 +258,13 @@ def test_always_forking_fills_the_budget_with_branches_that_copy_the_tool_answer
     trained = rollout.completion_mask.bool()
     torch.testing.assert_close(log_probs[trained], rollout.extras["engine_log_probs"][trained], atol=2e-4, rtol=0)
     assert len(engine.last_transcripts) == 8
+    # the entropies the branching read, one per model turn (a branch's first turns are its source's), are those of
+    # the training forward's top-10 log-probs
+    expected = trainer_segment_entropies(policy[0], rollout, temperature=1.0,
+                                         vocab_size=len(policy[1].tokenizer.get_vocab()))
+    assert [len(e) for e in engine.last_entropies] == [3] * 8
+    for mine, theirs in zip(engine.last_entropies, expected):
+        assert mine == pytest.approx(theirs, abs=1e-4)
 
 
 def test_never_forking_tops_up_with_global_trajectories(policy):

@@ -10,12 +10,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from agent_envs_support import ScriptedEnvironment, ZoomingEnvironment
+from agent_envs_support import ScriptedEnvironment, VariedCrops
 from tiny_vlm_support import build_small_text_lm, build_small_vlm
 
 from mmpo.data.synthetic import make_items
-from mmpo.tools.env import StepResult
-from mmpo.tools.image_zoom import crop_region
 from mmpo.vlm.factory import load_vlm
 from mmpo.vlm.logprobs import completion_log_probs
 from mmpo.vlm.multiturn import MultiTurnEngine, completion_attention_mask
@@ -63,27 +61,11 @@ class _VariedAnswers(ScriptedEnvironment):
         return result
 
 
-class _VariedCrops(ZoomingEnvironment):
-    """:class:`ZoomingEnvironment` whose crops differ between trajectories (``salt`` shifts and widens the box)."""
-
-    def __init__(self, salt: int) -> None:
-        super().__init__()
-        self.salt = salt
-
-    def step(self, assistant_message):
-        self.steps += 1
-        if self.steps > 2:
-            return StepResult([], done=True)
-        crop = crop_region(self.images, [28 * self.salt, 0, 28 * self.salt + 112 * self.steps + 56 * (self.salt % 2),
-                                         112])
-        return StepResult([{"role": "tool", "content": [{"type": "image", "image": crop}]}], info={"tool_calls": 1})
-
-
 CASES = {
     # name: (policy fixture, task, environment, max_tokens_per_turn, max_total_tokens)
     "text": ("text_lm", "long_arithmetic", _VariedAnswers, 24, 300),
     "text_cut": ("text_lm", "long_arithmetic", lambda salt: _VariedAnswers(salt, 10), 3, 40),  # budgets cut
-    "vlm_images": ("vlm", "zoom", _VariedCrops, 24, 300),
+    "vlm_images": ("vlm", "zoom", VariedCrops, 24, 300),
 }
 
 
