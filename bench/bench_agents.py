@@ -58,6 +58,11 @@ TASKS = {
                        algos={"grpo": "zoom_grpo_tiny.yaml"}, sft="zoom_sft_tiny.yaml", tool_tokenizer=True,
                        overrides=["--data.init_args.tasks=[zoom_digit]"],
                        rl_overrides=["--model.init_args.agent.max_total_tokens=160"]),
+    # the same, the question naming the red box's cell (the call copies it; the digit is still read from the crop)
+    "zoom_digit_at": dict(kind="vlm", tools=["image_zoom_in_tool"], max_new_tokens=64,
+                          algos={"grpo": "zoom_grpo_tiny.yaml"}, sft="zoom_sft_tiny.yaml", tool_tokenizer=True,
+                          overrides=["--data.init_args.tasks=[zoom_digit_at]"],
+                          rl_overrides=["--model.init_args.agent.max_total_tokens=160"]),
 }
 MODEL_SIZE: dict[str, dict[str, int]] = {"text": {}, "vlm": {}}
 """Sizes passed to the tiny builders (empty: their defaults, the sizes ``mmpo build-tiny`` writes)."""
@@ -181,7 +186,8 @@ def run_seed(task: str, seed: int, out: Path, *, sft_steps: int, rl_steps: int, 
     """SFT, RL and the evaluations of one task and seed; returns (and stores) the seed's results.
     ``max_new_tokens``: tokens per model turn in RL and evaluation (None: the task's, as its configs).
     ``sft_start``: an SFT checkpoint to start RL from instead of this seed's own SFT (copied into the seed's
-    directory and recorded; every seed then shares it, and only the RL seed varies)."""
+    directory and recorded; every seed then shares it, and only the RL seed varies; its evaluations, greedy on the
+    same items, are taken from a finished seed with the same start when there is one)."""
     from mmpo.vlm.factory import build_tiny_text_lm, build_tiny_vlm, tool_task_corpus
 
     spec = TASKS[task]
@@ -214,6 +220,13 @@ def run_seed(task: str, seed: int, out: Path, *, sft_steps: int, rl_steps: int, 
                  [f"--model.init_args.sampling.max_new_tokens={max_new_tokens}", *seeds, *spec.get("overrides", []),
                   *spec.get("rl_overrides", []), *RL_OVERRIDES])
         results["training_tool_calls"][algo] = _training_tool_calls(root / f"{algo}_run")
+    if sft_start is not None:  # a shared start's evaluations (greedy, the same items) are the same for every seed
+        for other in sorted((out / task).glob("s*/results.json")):
+            done = json.loads(other.read_text())
+            if done.get("sft_start") == str(sft_start) and done["eval_size"] == eval_size:
+                for key in ("sft/with_tools", "sft/without_tools"):
+                    if key in done["eval"] and key not in results["eval"]:
+                        results["eval"][key] = done["eval"][key]
     for name, checkpoint in checkpoints.items():
         for mode, tools in (("with_tools", spec["tools"]), ("without_tools", None)):
             key = f"{name}/{mode}"

@@ -74,6 +74,21 @@ def test_bench_agents_codebook_from_a_shared_sft_start(tmp_path, monkeypatch):
     assert (model_path / "config.json").read_text() == (start / "config.json").read_text()
     assert set(results["eval"]) == {"sft/with_tools", "sft/without_tools", "grpo/with_tools", "grpo/without_tools"}
     assert f"one shared SFT start ({start})" in (out / "report.md").read_text()
+    # a second seed from the same start: RL and its own evaluations only, the start's are the first seed's
+    evaluated = []
+    real_evaluate = bench._evaluate
+
+    def recording_evaluate(checkpoint, *args, **kwargs):
+        evaluated.append(checkpoint.name)
+        return real_evaluate(checkpoint, *args, **kwargs)
+
+    monkeypatch.setattr(bench, "_evaluate", recording_evaluate)
+    assert bench.main(["run", "--task", "codebook", "--seeds", "4", "--rl-steps", "1", "--eval-size", "2",
+                       "--max-new-tokens", "8", "--algos", "grpo", "--sft-start", str(start), "--out", str(out)]) == 0
+    assert evaluated == ["grpo", "grpo"]
+    second = json.loads((out / "codebook" / "s4" / "results.json").read_text())
+    assert {key: second["eval"][key] for key in ("sft/with_tools", "sft/without_tools")} == {
+        key: results["eval"][key] for key in ("sft/with_tools", "sft/without_tools")}
 
 
 def test_diagnose_scores_the_box_and_the_answer_on_their_own_tokens(tmp_path, monkeypatch):

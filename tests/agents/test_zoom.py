@@ -214,12 +214,15 @@ def _digit_cell(value: str, dx: int, dy: int) -> Image.Image:
     return image
 
 
-def test_zoom_digit_items():
-    rows = make_items("zoom_digit", 8, seed=0)
-    held_out = make_items("zoom_digit", 8, seed=0, split="test")
+@pytest.mark.parametrize("task", ["zoom_digit", "zoom_digit_at"])
+def test_zoom_digit_items(task):
+    rows = make_items(task, 8, seed=0)
+    held_out = make_items(task, 8, seed=0, split="test")
     assert all(a["images"][0].tobytes() != b["images"][0].tobytes() for a in rows for b in held_out)
     for row in rows:
-        assert row["problem"] == "The image is 448x448 pixels. What digit is written in the red box?"
+        bbox = json.loads(row["tool_trace"][0]["content"].split("\n")[1])["arguments"]["bbox_2d"]
+        where = f" The red box is in the cell [{', '.join(map(str, bbox))}]." if task == "zoom_digit_at" else ""
+        assert row["problem"] == f"The image is 448x448 pixels.{where} What digit is written in the red box?"
         assert row["images"][0].size == (448, 448) and row["answer"] in "0123456789" and len(row["answer"]) == 1
         call, tool, answer = row["tool_trace"]
         bbox = json.loads(call["content"].split("\n")[1])["arguments"]["bbox_2d"]

@@ -148,15 +148,7 @@ def draw_zoom_digit(draw: Any, value: str, x0: int, y0: int, image_size: int, dx
     draw.text((cx - (right - left) // 2 - left, cy - (bottom - top) // 2 - top), value, fill=(0, 0, 0), font=text_font)
 
 
-@register_task("zoom_digit")
-def zoom_digit(rng: random.Random, difficulty: int, image_size: int) -> dict[str, Any]:
-    """``zoom``'s image and red box, holding one digit (0-9); answer: the digit. Difficulty does not change it.
-
-    The digit (:data:`ZOOM_DIGIT_FONT`, a 7 x 9 pixel glyph) sits at 7/16 of the cell on each axis, moved by up to
-    :data:`ZOOM_DIGIT_JITTER` pixels (:func:`draw_zoom_digit`). At the tiny VLM's 112 x 112 view of the 448 x 448
-    image it is a blot of about 2 x 3 pixels whose look depends on its sub-pixel place as much as on the digit (a
-    nearest-neighbour reader with every other jittered rendering as a template reads 27% of them, chance is 10%);
-    the crop (the box's cell at full resolution) shows the glyph itself, up to a shift."""
+def _zoom_digit_item(rng: random.Random, image_size: int, *, located: bool) -> dict[str, Any]:
     from mmpo.tools.image_zoom import crop_region
 
     image, draw, side, x0, y0 = _zoom_canvas(rng, image_size)
@@ -165,9 +157,10 @@ def zoom_digit(rng: random.Random, difficulty: int, image_size: int) -> dict[str
     dx, dy = rng.randint(-ZOOM_DIGIT_JITTER, ZOOM_DIGIT_JITTER), rng.randint(-ZOOM_DIGIT_JITTER, ZOOM_DIGIT_JITTER)
     draw_zoom_digit(draw, value, x0, y0, image_size, dx, dy)
     bbox = [x0, y0, x0 + cell, y0 + cell]
+    where = f" The red box is in the cell [{bbox[0]}, {bbox[1]}, {bbox[2]}, {bbox[3]}]." if located else ""
     return {
         "images": [image], "answer": value,
-        "problem": f"The image is {side}x{side} pixels. What digit is written in the red box?",
+        "problem": f"The image is {side}x{side} pixels.{where} What digit is written in the red box?",
         "steps": [f"The red box is in the cell {bbox}.", f"Zoomed in, the box shows {value}.",
                   f"So the answer is {value}."],
         "key_steps": [[f"{value}"]], "needs_image": True,
@@ -175,6 +168,26 @@ def zoom_digit(rng: random.Random, difficulty: int, image_size: int) -> dict[str
         "rationale": "I zoom into the red box to read the digit.",
         "tool_trace": zoom_trace(bbox, crop_region([image], bbox), value),
     }
+
+
+@register_task("zoom_digit")
+def zoom_digit(rng: random.Random, difficulty: int, image_size: int) -> dict[str, Any]:
+    """``zoom``'s image and red box, holding one digit (0-9); answer: the digit. Difficulty does not change it.
+
+    The digit (:data:`ZOOM_DIGIT_FONT`, a 7 x 9 pixel glyph) sits at 7/16 of the cell on each axis, moved by up to
+    :data:`ZOOM_DIGIT_JITTER` pixels (:func:`draw_zoom_digit`). At the tiny VLM's 112 x 112 view of the 448 x 448
+    image it is a blot of about 3 x 4 pixels whose look depends on its sub-pixel place as much as on the digit (a
+    nearest-neighbour reader with every other jittered rendering as a template reads 0.2-0.35 of them, chance is
+    0.1); the crop (the box's cell at full resolution) shows the glyph itself, up to a shift."""
+    return _zoom_digit_item(rng, image_size, located=False)
+
+
+@register_task("zoom_digit_at")
+def zoom_digit_at(rng: random.Random, difficulty: int, image_size: int) -> dict[str, Any]:
+    """``zoom_digit`` whose question also names the red box's cell in the call's own form (``The red box is in the
+    cell [224, 112, 336, 224].``): the call copies the box from the question instead of finding the box in the
+    112 x 112 view (which the tiny VLM does not learn, docs/agents.md), and the digit is still read from the crop."""
+    return _zoom_digit_item(rng, image_size, located=True)
 
 
 _FIRST_NAMES = ("Ada", "Bram", "Cleo", "Dario", "Edda", "Femi", "Gus", "Hana", "Ivo", "Juno", "Kai", "Lena")
