@@ -262,7 +262,7 @@ def test_zoom_digit_is_unreadable_at_the_model_resolution_and_readable_in_the_cr
     np.fill_diagonal(distances, np.inf)
     labels = np.array([digit for digit, _ in renders])
     low_res_reading = float((labels[distances.argmin(1)] == labels).mean())
-    assert 0.2 < low_res_reading < 0.35, low_res_reading  # chance is 0.1
+    assert 0.2 < low_res_reading < 0.35, low_res_reading  # 0.276 (69 of 250) here; chance is 0.1
 
     def glyph(image: Image.Image) -> bytes:
         cell = np.asarray(image.crop((112, 112, 224, 224)).convert("L"))

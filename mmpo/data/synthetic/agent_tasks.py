@@ -176,8 +176,8 @@ def zoom_digit(rng: random.Random, difficulty: int, image_size: int) -> dict[str
 
     The digit (:data:`ZOOM_DIGIT_FONT`, a 7 x 9 pixel glyph) sits at 7/16 of the cell on each axis, moved by up to
     :data:`ZOOM_DIGIT_JITTER` pixels (:func:`draw_zoom_digit`). At the tiny VLM's 112 x 112 view of the 448 x 448
-    image it is a blot of about 3 x 4 pixels whose look depends on its sub-pixel place as much as on the digit (a
-    nearest-neighbour reader with every other jittered rendering as a template reads 0.2-0.35 of them, chance is
+    image it is a blot within 5 x 4 pixels (all jitters) whose look depends on its sub-pixel place as much as on the digit (a
+    nearest-neighbour reader with every other jittered rendering as a template reads 0.28 of them, chance is
     0.1); the crop (the box's cell at full resolution) shows the glyph itself, up to a shift."""
     return _zoom_digit_item(rng, image_size, located=False)
 
