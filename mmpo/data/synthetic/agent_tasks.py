@@ -139,8 +139,8 @@ ZOOM_DIGIT_JITTER = 2
 
 def draw_zoom_digit(draw: Any, value: str, x0: int, y0: int, image_size: int, dx: int, dy: int) -> None:
     """Draw ``zoom_digit``'s digit into the cell whose top-left corner is ``(x0, y0)``: centred at 7/16 of the cell
-    on each axis (the middle of the crop's fourth 14-pixel patch, inside the red box; so with the jitter the whole glyph stays in one
-    Qwen-VL patch of the crop), moved by ``(dx, dy)`` pixels."""
+    on each axis (the middle of the crop's fourth 14-pixel patch, inside the red box: with the jitter the whole
+    glyph stays in one Qwen-VL patch of the crop), moved by ``(dx, dy)`` pixels."""
     cell = ZOOM_SCALE * image_size // ZOOM_GRID
     text_font = font(ZOOM_DIGIT_FONT * image_size // 56)
     left, top, right, bottom = draw.textbbox((0, 0), value, font=text_font)
@@ -176,9 +176,9 @@ def zoom_digit(rng: random.Random, difficulty: int, image_size: int) -> dict[str
 
     The digit (:data:`ZOOM_DIGIT_FONT`, a 7 x 9 pixel glyph) sits at 7/16 of the cell on each axis, moved by up to
     :data:`ZOOM_DIGIT_JITTER` pixels (:func:`draw_zoom_digit`). At the tiny VLM's 112 x 112 view of the 448 x 448
-    image it is a blot within 5 x 4 pixels (all jitters) whose look depends on its sub-pixel place as much as on the digit (a
-    nearest-neighbour reader with every other jittered rendering as a template reads 0.28 of them, chance is
-    0.1); the crop (the box's cell at full resolution) shows the glyph itself, up to a shift."""
+    image it is a blot within 5 x 4 pixels (all jitters) whose look depends on its sub-pixel place as much as on
+    the digit (a nearest-neighbour reader with every other jittered rendering as a template reads 0.28 of them,
+    chance is 0.1); the crop (the box's cell at full resolution) shows the glyph itself, up to a shift."""
     return _zoom_digit_item(rng, image_size, located=False)
 
 
