@@ -133,9 +133,10 @@ def diagnose(checkpoint: Path, task: str, tools: Sequence[str], size: int, seed:
     """Which part of a tool-use trace a checkpoint gets right, teacher-forced on ``size`` held-out rows.
 
     Per part (``call_arguments``: the call's argument tokens; ``bbox_2d``: those of a zoom call's box, the
-    coordinates and the commas between them; ``answer``: the final answer's tokens, read after the gold tool answer): the mean negative log-likelihood per token and ``exact``, the share of
-    rows where every token of the part has probability > 0.5 under the gold prefix (then greedy decoding, given the
-    prefix, writes the part exactly). The prompt, tool prompt and token layout are those of ``AgentSFTModule``."""
+    coordinates and the commas between them; ``answer``: the final answer's tokens, read after the gold tool
+    answer): the mean negative log-likelihood per token and ``exact``, the share of rows where every token of the
+    part has probability > 0.5 under the gold prefix (then greedy decoding, given the prefix, writes the part
+    exactly). The prompt, tool prompt and token layout are those of ``AgentSFTModule``."""
     import torch
 
     from mmpo.algos.agent import encode_tool_traces

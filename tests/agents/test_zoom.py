@@ -235,7 +235,8 @@ def test_zoom_digit_items(task):
         red = [(x, y) for y in range(0, 448, 2) for x in range(0, 448, 2)
                if row["images"][0].getpixel((x, y)) == (220, 20, 20)]
         assert red and all(bbox[0] <= x < bbox[2] and bbox[1] <= y < bbox[3] for x, y in red)
-        assert answer["content"] == f"<think>The zoomed box shows {row['answer']}.</think><answer>{row['answer']}</answer>"
+        value = row["answer"]
+        assert answer["content"] == f"<think>The zoomed box shows {value}.</think><answer>{value}</answer>"
 
 
 def test_zoom_digit_is_unreadable_at_the_model_resolution_and_readable_in_the_crop():
