@@ -113,7 +113,7 @@ def _training_tool_calls(run: Path) -> float | None:
     return sum(values) / len(values) if values else None
 
 
-def _spans(text: str) -> dict[str, tuple[int, int]]:
+def _spans(text: str, answer: str | None = None) -> dict[str, tuple[int, int]]:
     """Character spans of what a tool-use message must get right: the call's arguments (``{...}`` after
     ``"arguments":``), a zoom call's box (the numbers inside ``[...]`` after ``"bbox_2d":``) and the answer (inside
     ``<answer>...</answer>``)."""
@@ -126,6 +126,8 @@ def _spans(text: str) -> dict[str, tuple[int, int]]:
         spans["bbox_2d"] = (start, text.index("]", start))
     if "<answer>" in text and "</answer>" in text:
         spans["answer"] = (text.index("<answer>") + len("<answer>"), text.index("</answer>"))
+        if answer and answer in text:  # where the message first states the answer (a think part may, before the tag)
+            spans["answer_first"] = (text.index(answer), text.index(answer) + len(answer))
     return spans
 
 
@@ -134,9 +136,10 @@ def diagnose(checkpoint: Path, task: str, tools: Sequence[str], size: int, seed:
 
     Per part (``call_arguments``: the call's argument tokens; ``bbox_2d``: those of a zoom call's box, the
     coordinates and the commas between them; ``answer``: the final answer's tokens, read after the gold tool
-    answer): the mean negative log-likelihood per token and ``exact``, the share of rows where every token of the
-    part has probability > 0.5 under the gold prefix (then greedy decoding, given the prefix, writes the part
-    exactly). The prompt, tool prompt and token layout are those of ``AgentSFTModule``."""
+    answer; ``answer_first``: the tokens where the final message first states the answer, e.g. in its think part:
+    where the reading happens, the ``answer`` tag may then only copy it): the mean negative log-likelihood per
+    token and ``exact``, the share of rows where every token of the part has probability > 0.5 under the gold
+    prefix (then greedy decoding, given the prefix, writes the part exactly). The prompt, tool prompt and token layout are those of ``AgentSFTModule``."""
     import torch
 
     from mmpo.algos.agent import encode_tool_traces
@@ -168,7 +171,7 @@ def diagnose(checkpoint: Path, task: str, tools: Sequence[str], size: int, seed:
                 if message["role"] != "assistant":
                     continue
                 encoded = tokenizer(message["content"], add_special_tokens=False, return_offsets_mapping=True)
-                for name, (lo, hi) in _spans(message["content"]).items():
+                for name, (lo, hi) in _spans(message["content"], row["answer"]).items():
                     found[name] = [float(log_probs[i, positions[offset + k]])
                                    for k, (a, b) in enumerate(encoded["offset_mapping"]) if a < hi and b > lo]
                 offset += len(encoded["input_ids"]) + 1  # + the turn-end token

@@ -129,3 +129,4 @@ def test_diagnose_scores_the_box_and_the_answer_on_their_own_tokens(tmp_path, mo
     assert math.isclose(result["bbox_2d"]["nll_per_token"], sum(expected) / len(expected), rel_tol=1e-6)
     assert result["bbox_2d"]["exact"] == (0.0 if any(v > 1 for v in expected) else 1.0)
     assert bench._spans('<think>x</think><answer>42</answer>') == {"answer": (24, 26)}
+    assert bench._spans('<think>x 42</think><answer>42</answer>', "42") == {"answer": (27, 29), "answer_first": (9, 11)}
