@@ -59,6 +59,17 @@ TASKS = {
                           sft="codebook_pair_sft_tiny.yaml", tool_tokenizer=True),
     "zoom": dict(kind="vlm", tools=["image_zoom_in_tool"], max_new_tokens=128, algos={"grpo": "zoom_grpo_tiny.yaml"},
                  sft="zoom_sft_tiny.yaml"),
+    # zoom's configs on the zoom_digit variant (one digit; the tool tokenizer: a 42-token call, each box
+    # coordinate one token), with budgets that fit it: 64 tokens a turn, 160 a trajectory (16 of them the crop's)
+    "zoom_digit": dict(kind="vlm", tools=["image_zoom_in_tool"], max_new_tokens=64,
+                       algos={"grpo": "zoom_grpo_tiny.yaml"}, sft="zoom_sft_tiny.yaml", tool_tokenizer=True,
+                       overrides=["--data.init_args.tasks=[zoom_digit]"],
+                       rl_overrides=["--model.init_args.agent.max_total_tokens=160"]),
+    # the same, the question naming the red box's cell (the call copies it; the digit is still read from the crop)
+    "zoom_digit_at": dict(kind="vlm", tools=["image_zoom_in_tool"], max_new_tokens=64,
+                          algos={"grpo": "zoom_grpo_tiny.yaml"}, sft="zoom_sft_tiny.yaml", tool_tokenizer=True,
+                          overrides=["--data.init_args.tasks=[zoom_digit_at]"],
+                          rl_overrides=["--model.init_args.agent.max_total_tokens=160"]),
 }
 MODEL_SIZE: dict[str, dict[str, int]] = {"text": {}, "vlm": {}}
 """Sizes passed to the tiny builders (empty: their defaults, the sizes ``mmpo build-tiny`` writes)."""
@@ -132,13 +143,85 @@ def _training_curves(run: Path) -> dict[str, list[float]]:
     return curves
 
 
+def _spans(text: str, answer: str | None = None) -> dict[str, tuple[int, int]]:
+    """Character spans of what a tool-use message must get right: the call's arguments (``{...}`` after
+    ``"arguments":``), a zoom call's box (the numbers inside ``[...]`` after ``"bbox_2d":``) and the answer (inside
+    ``<answer>...</answer>``)."""
+    spans = {}
+    if '"arguments":' in text:
+        start = text.index("{", text.index('"arguments":'))
+        spans["call_arguments"] = (start, text.rindex("}", start, text.rindex("}")) + 1)
+    if '"bbox_2d": [' in text:
+        start = text.index('"bbox_2d": [') + len('"bbox_2d": [')
+        spans["bbox_2d"] = (start, text.index("]", start))
+    if "<answer>" in text and "</answer>" in text:
+        spans["answer"] = (text.index("<answer>") + len("<answer>"), text.index("</answer>"))
+        if answer and answer in text:  # where the message first states the answer (a think part may, before the tag)
+            spans["answer_first"] = (text.index(answer), text.index(answer) + len(answer))
+    return spans
+
+
+def diagnose(checkpoint: Path, task: str, tools: Sequence[str], size: int, seed: int = EVAL_SEED) -> dict[str, Any]:
+    """Which part of a tool-use trace a checkpoint gets right, teacher-forced on ``size`` held-out rows.
+
+    Per part (``call_arguments``: the call's argument tokens; ``bbox_2d``: those of a zoom call's box, the
+    coordinates and the commas between them; ``answer``: the final answer's tokens, read after the gold tool
+    answer; ``answer_first``: the tokens where the final message first states the answer, e.g. in its think part:
+    where the reading happens, the ``answer`` tag may then only copy it): the mean negative log-likelihood per
+    token and ``exact``, the share of rows where every token of the part has probability > 0.5 under the gold
+    prefix (then greedy decoding, given the prefix, writes the part exactly). The prompt, tool prompt and token layout are those of ``AgentSFTModule``."""
+    import torch
+
+    from mmpo.algos.agent import encode_tool_traces
+    from mmpo.data.synthetic import make_items
+    from mmpo.tools.functions import load_tools, tool_system_prompt
+    from mmpo.vlm.factory import load_model
+    from mmpo.vlm.logprobs import completion_log_probs
+    from mmpo.vlm.processing import append_row_images, default_system_prompt, encode_prompts
+
+    model, processor = load_model(str(checkpoint))
+    model.eval()
+    tokenizer = processor.tokenizer
+    schemas = [tool.schema for tool in load_tools(list(tools))]
+    system = tool_system_prompt(default_system_prompt(), schemas)
+    rows = make_items(task, size, seed=seed, split="test")
+    parts: dict[str, list[list[float]]] = {}
+    for start in range(0, len(rows), 8):
+        batch = rows[start:start + 8]
+        prompts = encode_prompts(processor, batch, system_prompt=system)
+        ids, mask, attention, images = encode_tool_traces(processor, [row["tool_trace"] for row in batch])
+        prompts = append_row_images(prompts, images)
+        with torch.no_grad():
+            log_probs, _ = completion_log_probs(model, prompts, ids, attention)
+        for i, row in enumerate(batch):
+            offset = 0
+            positions = mask[i].nonzero().flatten().tolist()  # the assistant tokens, in order
+            found: dict[str, list[float]] = {}
+            for message in row["tool_trace"]:
+                if message["role"] != "assistant":
+                    continue
+                encoded = tokenizer(message["content"], add_special_tokens=False, return_offsets_mapping=True)
+                for name, (lo, hi) in _spans(message["content"], row["answer"]).items():
+                    found[name] = [float(log_probs[i, positions[offset + k]])
+                                   for k, (a, b) in enumerate(encoded["offset_mapping"]) if a < hi and b > lo]
+                offset += len(encoded["input_ids"]) + 1  # + the turn-end token
+            for name, values in found.items():
+                parts.setdefault(name, []).append(values)
+    import math
+
+    return {name: {"nll_per_token": -sum(sum(v) for v in values) / sum(len(v) for v in values),
+                   "exact": sum(all(x > math.log(0.5) for x in v) for v in values) / len(values), "rows": len(values)}
+            for name, values in parts.items()}
+
+
 def run_seed(task: str, seed: int, out: Path, *, sft_steps: int, rl_steps: int, eval_size: int,
              max_new_tokens: int | None = None, algos: Sequence[str] | None = None,
              sft_start: Path | None = None) -> dict[str, Any]:
     """SFT, RL and the evaluations of one task and seed; returns (and stores) the seed's results.
     ``max_new_tokens``: tokens per model turn in RL and evaluation (None: the task's, as its configs).
     ``sft_start``: an SFT checkpoint to start RL from instead of this seed's own SFT (copied into the seed's
-    directory and recorded; every seed then shares it, and only the RL seed varies)."""
+    directory and recorded; every seed then shares it, and only the RL seed varies; its evaluations, greedy on the
+    same items, are taken from a finished seed with the same start when there is one)."""
     from mmpo.vlm.factory import build_tiny_text_lm, build_tiny_vlm, tool_task_corpus
 
     spec = TASKS[task]
@@ -155,21 +238,30 @@ def run_seed(task: str, seed: int, out: Path, *, sft_steps: int, rl_steps: int, 
         results["sft_start"], results["sft_steps"] = str(sft_start), None
     elif not (base / "config.json").exists():
         builder = build_tiny_text_lm if spec["kind"] == "text" else build_tiny_vlm
-        corpus = {"corpus": tool_task_corpus(task, spec["tools"])} if spec.get("tool_tokenizer") else {}
+        corpus = ({"corpus": tool_task_corpus(task, spec["tools"], vlm=spec["kind"] == "vlm")}
+                  if spec.get("tool_tokenizer") else {})
         builder(base, seed=seed, **MODEL_SIZE[spec["kind"]], **corpus)
     checkpoints = {"sft": root / "sft"}
     if not (checkpoints["sft"] / "config.json").exists():
         _fit(spec["sft"], root / "sft_run", base, checkpoints["sft"], sft_steps, seed,
-             [f"--data.init_args.seed={seed}", *SFT_OVERRIDES])
+             [f"--data.init_args.seed={seed}", *spec.get("overrides", []), *SFT_OVERRIDES])
     for algo in algos or list(spec["algos"]):
         checkpoints[algo] = root / algo
         if not (checkpoints[algo] / "config.json").exists():
             seeds = [f"--model.init_args.seed={seed}", f"--data.init_args.seed={seed}"]
             seeds += [f"--model.init_args.arpo.seed={seed}"] if algo == "arpo" else []
             _fit(spec["algos"][algo], root / f"{algo}_run", checkpoints["sft"], checkpoints[algo], rl_steps, seed,
-                 [f"--model.init_args.sampling.max_new_tokens={max_new_tokens}", *seeds, *RL_OVERRIDES])
+                 [f"--model.init_args.sampling.max_new_tokens={max_new_tokens}", *seeds, *spec.get("overrides", []),
+                  *spec.get("rl_overrides", []), *RL_OVERRIDES])
         results["training_tool_calls"][algo] = _training_tool_calls(root / f"{algo}_run")
         results.setdefault("training", {})[algo] = _training_curves(root / f"{algo}_run")
+    if sft_start is not None:  # a shared start's evaluations (greedy, the same items) are the same for every seed
+        for other in sorted((out / task).glob("s*/results.json")):
+            done = json.loads(other.read_text())
+            if done.get("sft_start") == str(sft_start) and done["eval_size"] == eval_size:
+                for key in ("sft/with_tools", "sft/without_tools"):
+                    if key in done["eval"] and key not in results["eval"]:
+                        results["eval"][key] = done["eval"][key]
     for name, checkpoint in checkpoints.items():
         for mode, tools in (("with_tools", spec["tools"]), ("without_tools", None)):
             key = f"{name}/{mode}"
@@ -293,7 +385,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     run.add_argument("--out", type=Path, required=True)
     rep = sub.add_parser("report", help="tables over the finished seeds -> OUT/report.md")
     rep.add_argument("--out", type=Path, required=True)
+    diag = sub.add_parser("diagnose", help="teacher-forced: does a checkpoint get the call's arguments and the answer "
+                                           "right (held-out rows)? -> JSON")
+    diag.add_argument("--task", choices=sorted(TASKS), required=True)
+    diag.add_argument("--checkpoint", type=Path, required=True)
+    diag.add_argument("--size", type=int, default=50)
+    diag.add_argument("--out", type=Path, default=None, help="also write the JSON here")
     args = parser.parse_args(argv)
+    if args.stage == "diagnose":
+        result = diagnose(args.checkpoint, args.task, TASKS[args.task]["tools"], args.size)
+        if args.out is not None:
+            atomic_write_json(args.out, result)
+        print(json.dumps(result, indent=2))
+        return 0
     if args.stage == "run":
         if args.rl_lr is not None:
             RL_OVERRIDES.append(f"--model.init_args.optim.lr={args.rl_lr}")

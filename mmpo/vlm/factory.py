@@ -456,12 +456,13 @@ TOOL_PROMPT_REPEATS = 20
 """Copies of the tool system prompt in :func:`tool_task_corpus` (so BPE merges its words as it does the tasks')."""
 
 
-def tool_task_corpus(task: str, tools: Sequence[str], n: int = 200) -> list[str]:
-    """:func:`default_text_corpus` plus what a tool-use run on ``task`` shows the model: the system prompt with
-    ``tools`` advertised (as ``mmpo.algos.agent`` renders it, :data:`TOOL_PROMPT_REPEATS` times), and ``n``
-    training rows' problems and ``tool_trace`` messages. A tokenizer trained on it writes the tool-use context in
-    fewer tokens (the codebook task: 305 instead of 700 for a whole trace, 212 instead of 549 for the system
-    prompt), so SFT and RL steps on CPU are cheaper."""
+def tool_task_corpus(task: str, tools: Sequence[str], n: int = 200, *, vlm: bool = False) -> list[str]:
+    """:func:`default_text_corpus` (``vlm``: the tiny VLM's :func:`default_corpus`) plus what a tool-use run on
+    ``task`` shows the model: the system prompt with ``tools`` advertised (as ``mmpo.algos.agent`` renders it,
+    :data:`TOOL_PROMPT_REPEATS` times), and ``n`` training rows' problems and ``tool_trace`` messages (their text;
+    a tool's image answer has none). A tokenizer trained on it writes the tool-use context in fewer tokens (the
+    codebook task: 305 instead of 700 for a whole trace, 212 instead of 549 for the system prompt; zoom_digit's
+    call: 42 tokens instead of 81, each box coordinate one token), so SFT and RL steps on CPU are cheaper."""
     from mmpo.data import SYSTEM_PROMPT
     from mmpo.data.synthetic import make_items
     from mmpo.tools.functions import load_tools, tool_system_prompt
@@ -470,7 +471,8 @@ def tool_task_corpus(task: str, tools: Sequence[str], n: int = 200) -> list[str]
     rows = make_items(task, n, seed=0, split="train")
     texts = [message["content"] for row in rows for message in row.get("tool_trace", [])
              if isinstance(message["content"], str)]
-    return [*default_text_corpus(), *[system] * TOOL_PROMPT_REPEATS, *[row["problem"] for row in rows], *texts]
+    base = default_corpus() if vlm else default_text_corpus()
+    return [*base, *[system] * TOOL_PROMPT_REPEATS, *[row["problem"] for row in rows], *texts]
 
 
 def build_tiny_text_lm(

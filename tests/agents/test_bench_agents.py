@@ -74,6 +74,21 @@ def test_bench_agents_codebook_from_a_shared_sft_start(tmp_path, monkeypatch):
     assert (model_path / "config.json").read_text() == (start / "config.json").read_text()
     assert set(results["eval"]) == {"sft/with_tools", "sft/without_tools", "grpo/with_tools", "grpo/without_tools"}
     assert f"one shared SFT start ({start})" in (out / "report.md").read_text()
+    # a second seed from the same start: RL and its own evaluations only, the start's are the first seed's
+    evaluated = []
+    real_evaluate = bench._evaluate
+
+    def recording_evaluate(checkpoint, *args, **kwargs):
+        evaluated.append(checkpoint.name)
+        return real_evaluate(checkpoint, *args, **kwargs)
+
+    monkeypatch.setattr(bench, "_evaluate", recording_evaluate)
+    assert bench.main(["run", "--task", "codebook", "--seeds", "4", "--rl-steps", "1", "--eval-size", "2",
+                       "--max-new-tokens", "8", "--algos", "grpo", "--sft-start", str(start), "--out", str(out)]) == 0
+    assert evaluated == ["grpo", "grpo"]
+    second = json.loads((out / "codebook" / "s4" / "results.json").read_text())
+    assert {key: second["eval"][key] for key in ("sft/with_tools", "sft/without_tools")} == {
+        key: results["eval"][key] for key in ("sft/with_tools", "sft/without_tools")}
 
 
 def test_training_curves_read_per_step_calls_from_the_metrics(tmp_path):
@@ -157,3 +172,42 @@ def test_bench_agents_codebook_pair_records_calls_per_item_and_per_step(tmp_path
     text = bench.report(tmp_path / "out")
     assert "| arpo - grpo: tool calls per item (eval, paired by item) | " in text
     assert "training tool calls executed / step" in text
+def test_diagnose_scores_the_box_and_the_answer_on_their_own_tokens(tmp_path, monkeypatch):
+    """``diagnose`` on zoom_digit with a stub scorer: log 0.25 on every token that is a lone digit, log 0.75 on the
+    others. The answer (one digit) then costs exactly ln 4 per token and is never 'exact'; the box's tokens (the
+    coordinates and commas) cost ln 4 where a token is a lone digit and ln 4/3 elsewhere."""
+    import math
+
+    import torch
+    from tiny_vlm_support import build_small_vlm
+
+    import mmpo.vlm.logprobs
+    from mmpo.data.synthetic import make_items
+    from mmpo.vlm.factory import load_model
+
+    bench = load_bench("bench_agents")
+    path = build_small_vlm(tmp_path / "vlm")
+    tokenizer = load_model(path)[1].tokenizer
+    digit_ids = {i for i in range(len(tokenizer)) if tokenizer.decode([i]) in set("0123456789")}
+
+    def stub(model, prompts, ids, attention, **kwargs):
+        low = torch.tensor([[int(t) in digit_ids for t in row] for row in ids])
+        values = torch.where(low, math.log(0.25), math.log(0.75))
+        return values * attention, None
+
+    monkeypatch.setattr(mmpo.vlm.logprobs, "completion_log_probs", stub)
+    result = bench.diagnose(tmp_path / "vlm", "zoom_digit", ["image_zoom_in_tool"], 3)
+    assert math.isclose(result["answer"]["nll_per_token"], math.log(4), rel_tol=1e-6)
+    assert result["answer"]["exact"] == 0.0 and result["answer"]["rows"] == result["bbox_2d"]["rows"] == 3
+    expected = []
+    for row in make_items("zoom_digit", 3, seed=bench.EVAL_SEED, split="test"):
+        call = row["tool_trace"][0]["content"]
+        lo, hi = bench._spans(call)["bbox_2d"]
+        assert call[lo:hi].count(",") == 3 and call[hi] == "]"  # the four coordinates
+        encoded = tokenizer(call, add_special_tokens=False, return_offsets_mapping=True)
+        expected += [math.log(4) if t in digit_ids else math.log(4 / 3)
+                     for t, (a, b) in zip(encoded["input_ids"], encoded["offset_mapping"]) if a < hi and b > lo]
+    assert math.isclose(result["bbox_2d"]["nll_per_token"], sum(expected) / len(expected), rel_tol=1e-6)
+    assert result["bbox_2d"]["exact"] == (0.0 if any(v > 1 for v in expected) else 1.0)
+    assert bench._spans('<think>x</think><answer>42</answer>') == {"answer": (24, 26)}
+    assert bench._spans('<think>x 42</think><answer>42</answer>', "42") == {"answer": (27, 29), "answer_first": (9, 11)}

@@ -82,12 +82,10 @@ def zoom_trace(bbox: list[int], crop: Any, value: str) -> list[dict[str, Any]]:
     ]
 
 
-@register_task("zoom")
-def zoom(rng: random.Random, difficulty: int, image_size: int) -> dict[str, Any]:
-    """A number in a red box in one cell of a large image; answer: the number (its digits)."""
+def _zoom_canvas(rng: random.Random, image_size: int) -> tuple[Any, Any, int, int, int]:
+    """A ``zoom`` image with grey shapes in about half of the cells and a red box in one cell (drawn by the caller
+    after this returns). Returns ``(image, draw, side, x0, y0)``: the cell's top-left corner in pixels."""
     from PIL import Image, ImageDraw
-
-    from mmpo.tools.image_zoom import crop_region
 
     side = ZOOM_SCALE * image_size
     cell = side // ZOOM_GRID
@@ -102,12 +100,22 @@ def zoom(rng: random.Random, difficulty: int, image_size: int) -> dict[str, Any]
         radius = rng.randint(cell // 8, cell // 4)
         shape = draw.ellipse if rng.random() < 0.5 else draw.rectangle
         shape((x - radius, y - radius, x + radius, y + radius), fill=(160, 160, 160))
-    digits = difficulty + 2
-    value = str(rng.randint(10 ** (digits - 1), 10**digits - 1))
     x0, y0 = col * cell, row * cell
     margin = cell // 8
     draw.rectangle((x0 + margin, y0 + 2 * margin, x0 + cell - margin, y0 + cell - 2 * margin), outline=COLORS["red"],
                    width=max(2, cell // 28))
+    return image, draw, side, x0, y0
+
+
+@register_task("zoom")
+def zoom(rng: random.Random, difficulty: int, image_size: int) -> dict[str, Any]:
+    """A number in a red box in one cell of a large image; answer: the number (its digits)."""
+    from mmpo.tools.image_zoom import crop_region
+
+    image, draw, side, x0, y0 = _zoom_canvas(rng, image_size)
+    cell = side // ZOOM_GRID
+    digits = difficulty + 2
+    value = str(rng.randint(10 ** (digits - 1), 10**digits - 1))
     text_font = font(ZOOM_FONT * image_size // 56)
     left, top, right, bottom = draw.textbbox((0, 0), value, font=text_font)
     draw.text((x0 + (cell - (right - left)) // 2 - left, y0 + (cell - (bottom - top)) // 2 - top), value,
@@ -123,6 +131,65 @@ def zoom(rng: random.Random, difficulty: int, image_size: int) -> dict[str, Any]
         "rationale": "I zoom into the red box to read the number.",
         "tool_trace": zoom_trace(bbox, crop_region([image], bbox), value),
     }
+
+
+ZOOM_DIGIT_FONT = 12
+"""Font size of ``zoom_digit``'s digit at the default image size (the glyph 7 x 9 pixels)."""
+ZOOM_DIGIT_JITTER = 2
+"""``zoom_digit``: the digit's centre moves up to this many pixels (each axis, uniform) around its place."""
+
+
+def draw_zoom_digit(draw: Any, value: str, x0: int, y0: int, image_size: int, dx: int, dy: int) -> None:
+    """Draw ``zoom_digit``'s digit into the cell whose top-left corner is ``(x0, y0)``: centred at 7/16 of the cell
+    on each axis (the middle of the crop's fourth 14-pixel patch, inside the red box: with the jitter the whole
+    glyph stays in one Qwen-VL patch of the crop), moved by ``(dx, dy)`` pixels."""
+    cell = ZOOM_SCALE * image_size // ZOOM_GRID
+    text_font = font(ZOOM_DIGIT_FONT * image_size // 56)
+    left, top, right, bottom = draw.textbbox((0, 0), value, font=text_font)
+    cx, cy = x0 + 7 * cell // 16 + dx, y0 + 7 * cell // 16 + dy
+    draw.text((cx - (right - left) // 2 - left, cy - (bottom - top) // 2 - top), value, fill=(0, 0, 0), font=text_font)
+
+
+def _zoom_digit_item(rng: random.Random, image_size: int, *, located: bool) -> dict[str, Any]:
+    from mmpo.tools.image_zoom import crop_region
+
+    image, draw, side, x0, y0 = _zoom_canvas(rng, image_size)
+    cell = side // ZOOM_GRID
+    value = str(rng.randrange(10))
+    dx, dy = rng.randint(-ZOOM_DIGIT_JITTER, ZOOM_DIGIT_JITTER), rng.randint(-ZOOM_DIGIT_JITTER, ZOOM_DIGIT_JITTER)
+    draw_zoom_digit(draw, value, x0, y0, image_size, dx, dy)
+    bbox = [x0, y0, x0 + cell, y0 + cell]
+    where = f" The red box is in the cell [{bbox[0]}, {bbox[1]}, {bbox[2]}, {bbox[3]}]." if located else ""
+    return {
+        "images": [image], "answer": value,
+        "problem": f"The image is {side}x{side} pixels.{where} What digit is written in the red box?",
+        "steps": [f"The red box is in the cell {bbox}.", f"Zoomed in, the box shows {value}.",
+                  f"So the answer is {value}."],
+        "key_steps": [[f"{value}"]], "needs_image": True,
+        "image_description": f"A {side}x{side} image with a small red box holding a digit.",
+        "rationale": "I zoom into the red box to read the digit.",
+        "tool_trace": zoom_trace(bbox, crop_region([image], bbox), value),
+    }
+
+
+@register_task("zoom_digit")
+def zoom_digit(rng: random.Random, difficulty: int, image_size: int) -> dict[str, Any]:
+    """``zoom``'s image and red box, holding one digit (0-9); answer: the digit. Difficulty does not change it.
+
+    The digit (:data:`ZOOM_DIGIT_FONT`, a 7 x 9 pixel glyph) sits at 7/16 of the cell on each axis, moved by up to
+    :data:`ZOOM_DIGIT_JITTER` pixels (:func:`draw_zoom_digit`). At the tiny VLM's 112 x 112 view of the 448 x 448
+    image it is a blot within 5 x 4 pixels (all jitters) whose look depends on its sub-pixel place as much as on
+    the digit (a nearest-neighbour reader with every other jittered rendering as a template reads 0.28 of them,
+    chance is 0.1); the crop (the box's cell at full resolution) shows the glyph itself, up to a shift."""
+    return _zoom_digit_item(rng, image_size, located=False)
+
+
+@register_task("zoom_digit_at")
+def zoom_digit_at(rng: random.Random, difficulty: int, image_size: int) -> dict[str, Any]:
+    """``zoom_digit`` whose question also names the red box's cell in the call's own form (``The red box is in the
+    cell [224, 112, 336, 224].``): the call copies the box from the question instead of finding the box in the
+    112 x 112 view (which the tiny VLM does not learn, docs/agents.md), and the digit is still read from the crop."""
+    return _zoom_digit_item(rng, image_size, located=True)
 
 
 _FIRST_NAMES = ("Ada", "Bram", "Cleo", "Dario", "Edda", "Femi", "Gus", "Hana", "Ivo", "Juno", "Kai", "Lena")
