@@ -3,8 +3,10 @@
 Per task and seed, from one tiny model built with that seed:
 
 1. SFT: ``configs/agent/<task>_sft_tiny.yaml`` for ``--sft-steps`` steps (calc, codebook: the tiny Qwen3 text LM;
-   zoom: the tiny Qwen2.5-VL). codebook's tiny LM has its tokenizer trained with the tool-use texts as well
-   (``mmpo.vlm.factory.tool_task_corpus``: a trace in 305 tokens instead of 700).
+   zoom: the tiny Qwen2.5-VL). The tiny LMs of codebook and calc have their tokenizer trained with the tool-use
+   texts as well (``mmpo.vlm.factory.tool_task_corpus``: a codebook trace in 305 tokens instead of 700), calc's
+   with one token per digit (``individual_digits``: a number is the same digit tokens in the prompt, the
+   calculator call and the result).
 2. RL from that SFT start, ``--rl-steps`` steps each, same seed: GRPO (``configs/agent/<task>_grpo_tiny.yaml``)
    and, on calc and codebook, ARPO (``configs/agent/arpo_tiny.yaml``, ``codebook_arpo_tiny.yaml``) at the same
    rollout budget (8 trajectories per prompt).
@@ -50,7 +52,7 @@ from mmpo.files import atomic_write_json, atomic_write_text  # noqa: E402
 CONFIGS = Path(__file__).resolve().parents[1] / "configs" / "agent"
 TASKS = {
     "calc": dict(kind="text", tools=["calculator"], max_new_tokens=96, algos={"grpo": "calc_grpo_tiny.yaml", "arpo": "arpo_tiny.yaml"},
-                 sft="calc_sft_tiny.yaml"),
+                 sft="calc_sft_tiny.yaml", tool_tokenizer=True, individual_digits=True),
     "codebook": dict(kind="text", tools=["codebook"], max_new_tokens=48,
                      algos={"grpo": "codebook_grpo_tiny.yaml", "arpo": "codebook_arpo_tiny.yaml"},
                      sft="codebook_sft_tiny.yaml", tool_tokenizer=True),
@@ -238,9 +240,11 @@ def run_seed(task: str, seed: int, out: Path, *, sft_steps: int, rl_steps: int, 
         results["sft_start"], results["sft_steps"] = str(sft_start), None
     elif not (base / "config.json").exists():
         builder = build_tiny_text_lm if spec["kind"] == "text" else build_tiny_vlm
-        corpus = ({"corpus": tool_task_corpus(task, spec["tools"], vlm=spec["kind"] == "vlm")}
-                  if spec.get("tool_tokenizer") else {})
-        builder(base, seed=seed, **MODEL_SIZE[spec["kind"]], **corpus)
+        tokenizer: dict[str, Any] = ({"corpus": tool_task_corpus(task, spec["tools"], vlm=spec["kind"] == "vlm")}
+                                     if spec.get("tool_tokenizer") else {})
+        if spec.get("individual_digits"):
+            tokenizer["individual_digits"] = True
+        builder(base, seed=seed, **MODEL_SIZE[spec["kind"]], **tokenizer)
     checkpoints = {"sft": root / "sft"}
     if not (checkpoints["sft"] / "config.json").exists():
         _fit(spec["sft"], root / "sft_run", base, checkpoints["sft"], sft_steps, seed,

@@ -289,13 +289,21 @@ def default_corpus() -> list[str]:
 
 
 def _train_tokenizer(corpus: Sequence[str], vocab_size: int, *,
-                     special_tokens: Sequence[str] = QWEN_SPECIAL_TOKENS, chat_template: str = QWEN_VL_CHAT_TEMPLATE):
-    """Byte-level BPE trained locally (no hub): ``special_tokens`` (Qwen's) get ids 0, 1, ..."""
+                     special_tokens: Sequence[str] = QWEN_SPECIAL_TOKENS, chat_template: str = QWEN_VL_CHAT_TEMPLATE,
+                     individual_digits: bool = False):
+    """Byte-level BPE trained locally (no hub): ``special_tokens`` (Qwen's) get ids 0, 1, ...
+
+    ``individual_digits``: every digit is its own pre-token (``tokenizers``' ``Digits(individual_digits=True)``
+    before the byte-level split, as Qwen2's pre-tokenizer regex splits ``\\p{N}`` one at a time), so no merge
+    joins digits and a number is the same digit tokens wherever it appears (``4821`` is ``4 8 2 1`` after
+    ``Compute``, after a quote and alone)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
     tokenizer = Tokenizer(models.BPE())
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.pre_tokenizer = (pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
+                               if individual_digits else byte_level)
     tokenizer.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,
@@ -487,6 +495,7 @@ def build_tiny_text_lm(
     num_kv_heads: int = 2,
     intermediate_size: int = 384,
     max_position_embeddings: int = 2048,
+    individual_digits: bool = False,
 ) -> Path:
     """Build, save and return the directory of a tiny randomly initialised Qwen3 text LM.
 
@@ -500,6 +509,8 @@ def build_tiny_text_lm(
         output_dir: directory to write (created).
         seed: seeds the weight initialisation.
         corpus: texts for the tokenizer; default: :func:`default_text_corpus`.
+        individual_digits: one token per digit everywhere (:func:`_train_tokenizer`; the ``calc`` task's tool
+            tokenizer, so the prompt's numbers, the calculator call's and the result's are the same digit tokens).
         **size: the model sizes above; head_dim = hidden_size / num_heads must be even.
     """
     from transformers import Qwen3Config, Qwen3ForCausalLM
@@ -514,7 +525,7 @@ def build_tiny_text_lm(
     if not corpus:
         raise ValueError("build_tiny_text_lm: empty tokenizer corpus")
     tokenizer = _train_tokenizer(corpus, vocab_size, special_tokens=QWEN_TEXT_SPECIAL_TOKENS,
-                                 chat_template=QWEN_TEXT_CHAT_TEMPLATE)
+                                 chat_template=QWEN_TEXT_CHAT_TEMPLATE, individual_digits=individual_digits)
     ids = {tok: tokenizer.convert_tokens_to_ids(tok) for tok in QWEN_TEXT_SPECIAL_TOKENS}
     config = Qwen3Config(
         vocab_size=len(tokenizer),
@@ -535,7 +546,7 @@ def build_tiny_text_lm(
     _save_initialised(Qwen3ForCausalLM, config, ids, seed=seed, output_dir=output_dir, processor=tokenizer)
     (output_dir / "mmpo_tiny.json").write_text(
         json.dumps({"kind": "text", "seed": seed, "vocab_size": len(tokenizer), "hidden_size": hidden_size,
-                    "num_layers": num_layers}, indent=2)
+                    "num_layers": num_layers, "individual_digits": individual_digits}, indent=2)
     )
     return output_dir
 

@@ -26,6 +26,13 @@ def test_bench_agents_one_seed_end_to_end(tmp_path, monkeypatch):
         assert entry["accuracy"] == sum(entry["correct"]) / 2
         assert ("tool_call_rate" in entry) == key.endswith("/with_tools")
     assert results["training_tool_calls"]["grpo"] is not None
+    tiny = json.loads((tmp_path / "calc" / "s0" / "base" / "mmpo_tiny.json").read_text())
+    assert tiny["individual_digits"] is True  # calc's tool tokenizer: one token per digit
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tmp_path / "calc" / "s0" / "sft")
+    pieces = tokenizer.tokenize("Compute 4821 * 37 - 1290.")
+    assert [p for p in pieces if any(c.isdigit() for c in p)] == list("4821371290")
     stored = json.loads((tmp_path / "calc" / "s0" / "results.json").read_text())
     assert stored == json.loads(json.dumps(results))
 
