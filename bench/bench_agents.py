@@ -29,6 +29,10 @@ Stages (each resumable: finished work is skipped)::
     python bench/bench_agents.py run --task codebook_pair --seeds 0 1 2 3 4 --sft-start SFT_DIR --out runs/bench_agents
     python bench/bench_agents.py report --out runs/bench_agents      # -> OUT/report.md
 
+RL from SFT checkpoints made elsewhere (codebook's start needs two SFT runs, see bench/RESULTS.md): ``--sft-start
+DIR`` (one start for every seed) or ``--sft-start runs/s{seed}/sft`` (each seed's own); ``--rl-lr`` and
+``--rl-override KEY=VALUE`` (repeatable) change every RL run.
+
 Each seed's results go atomically to ``OUT/<task>/s<seed>/results.json``.
 """
 
@@ -221,9 +225,10 @@ def run_seed(task: str, seed: int, out: Path, *, sft_steps: int, rl_steps: int, 
              sft_start: Path | None = None) -> dict[str, Any]:
     """SFT, RL and the evaluations of one task and seed; returns (and stores) the seed's results.
     ``max_new_tokens``: tokens per model turn in RL and evaluation (None: the task's, as its configs).
-    ``sft_start``: an SFT checkpoint to start RL from instead of this seed's own SFT (copied into the seed's
-    directory and recorded; every seed then shares it, and only the RL seed varies; its evaluations, greedy on the
-    same items, are taken from a finished seed with the same start when there is one)."""
+    ``sft_start``: an SFT checkpoint to start RL from instead of an SFT run here (copied into the seed's directory
+    and recorded): one shared by every seed (only the RL seed varies; its evaluations, greedy on the same items, are
+    taken from a finished seed with the same start when there is one), or each seed's own (``--sft-start`` with
+    ``{seed}``: the SFT seed varies too)."""
     from mmpo.vlm.factory import build_tiny_text_lm, build_tiny_vlm, tool_task_corpus
 
     spec = TASKS[task]
@@ -334,8 +339,9 @@ def report(out: Path) -> str:
         if not seeds:
             continue
         first = seeds[0]
-        start = (f"one shared SFT start ({first['sft_start']})" if first.get("sft_start")
-                 else f"SFT {first['sft_steps']} steps")
+        starts = sorted({s["sft_start"] for s in seeds if s.get("sft_start")})
+        start = (f"one shared SFT start ({starts[0]})" if len(starts) == 1
+                 else f"per-seed SFT starts ({', '.join(starts)})" if starts else f"SFT {first['sft_steps']} steps")
         lines += [f"## {task}", "", f"Seeds: {[s['seed'] for s in seeds]}; {start}, RL "
                   f"{first['rl_steps']} steps; {first['eval_size']} held-out items, greedy.", "",
                   "| checkpoint | accuracy (mean ± sd over seeds) | tool-call rate | tool calls / answer | "
@@ -384,8 +390,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                      help="tokens per model turn, training and eval (default: the task's configs': calc 96, zoom 128)")
     run.add_argument("--algos", nargs="+", default=None, help="RL algorithms (default: all of the task's)")
     run.add_argument("--rl-lr", type=float, default=None, help="RL learning rate (default: the RL configs', 1e-4)")
-    run.add_argument("--sft-start", type=Path, default=None,
-                     help="an SFT checkpoint every seed starts RL from (default: each seed's own SFT)")
+    run.add_argument("--sft-start", default=None,
+                     help="an SFT checkpoint every seed starts RL from, or a per-seed one with '{seed}' in the path "
+                          "(runs/s{seed}/sft); default: each seed's own SFT of --sft-steps steps")
+    run.add_argument("--rl-override", action="append", default=[], metavar="KEY=VALUE",
+                     help="an extra 'mmpo fit' override of every RL run, e.g. model.init_args.loss.beta=0.01 (repeatable)")
     run.add_argument("--out", type=Path, required=True)
     rep = sub.add_parser("report", help="tables over the finished seeds -> OUT/report.md")
     rep.add_argument("--out", type=Path, required=True)
@@ -405,10 +414,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.stage == "run":
         if args.rl_lr is not None:
             RL_OVERRIDES.append(f"--model.init_args.optim.lr={args.rl_lr}")
+        for override in args.rl_override:
+            if "=" not in override:
+                parser.error(f"--rl-override {override!r}: expected KEY=VALUE")
+            RL_OVERRIDES.append(f"--{override.lstrip('-')}")
         for seed in args.seeds:
+            sft_start = Path(args.sft_start.replace("{seed}", str(seed))) if args.sft_start else None
             run_seed(args.task, seed, args.out, sft_steps=args.sft_steps, rl_steps=args.rl_steps,
                      eval_size=args.eval_size, max_new_tokens=args.max_new_tokens, algos=args.algos,
-                     sft_start=args.sft_start)
+                     sft_start=sft_start)
     print(report(args.out))
     return 0
 

@@ -4,6 +4,7 @@ calculator on the same held-out items), resumable, and the report's tables and p
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 from bench_support import load_bench
 
@@ -218,3 +219,37 @@ def test_diagnose_scores_the_box_and_the_answer_on_their_own_tokens(tmp_path, mo
     assert result["bbox_2d"]["exact"] == (0.0 if any(v > 1 for v in expected) else 1.0)
     assert bench._spans('<think>x</think><answer>42</answer>') == {"answer": (24, 26)}
     assert bench._spans('<think>x 42</think><answer>42</answer>', "42") == {"answer": (27, 29), "answer_first": (9, 11)}
+
+
+def test_bench_agents_per_seed_sft_start_and_rl_overrides(tmp_path, monkeypatch):
+    """--sft-start with {seed} gives each seed its own start; --rl-override KEY=VALUE reaches every RL fit as --KEY=VALUE;
+    the report names per-seed starts; a malformed override is refused."""
+    import pytest
+
+    bench = load_bench("bench_agents")
+    monkeypatch.setattr(bench, "RL_OVERRIDES", [])
+    calls = []
+
+    def fake_run_seed(task, seed, out, **kwargs):
+        calls.append((task, seed, kwargs["sft_start"], list(bench.RL_OVERRIDES)))
+        correct = [1.0, 0.0] if seed == 0 else [1.0, 1.0]
+        entry = {"accuracy": sum(correct) / 2, "correct": correct, "ids": ["a", "b"]}
+        results = {"task": task, "seed": seed, "sft_steps": None, "rl_steps": 3, "eval_size": 2,
+                   "sft_start": str(kwargs["sft_start"]), "training_tool_calls": {},
+                   "eval": {"sft/with_tools": {**entry, "correct": [1.0, 0.0], "accuracy": 0.5}, "grpo/with_tools": entry}}
+        bench.atomic_write_json(out / task / f"s{seed}" / "results.json", results)
+        return results
+
+    monkeypatch.setattr(bench, "run_seed", fake_run_seed)
+    assert bench.main(["run", "--task", "codebook", "--seeds", "0", "2", "--sft-start", "starts/s{seed}/sft400",
+                       "--rl-override", "model.init_args.loss.beta=0.01", "--rl-override=--trainer.max_epochs=3",
+                       "--rl-lr", "3e-4", "--out", str(tmp_path)]) == 0
+    overrides = ["--model.init_args.optim.lr=0.0003", "--model.init_args.loss.beta=0.01", "--trainer.max_epochs=3"]
+    assert calls == [("codebook", 0, Path("starts/s0/sft400"), overrides),
+                     ("codebook", 2, Path("starts/s2/sft400"), overrides)]
+    text = (tmp_path / "report.md").read_text()
+    assert "per-seed SFT starts (starts/s0/sft400, starts/s2/sft400)" in text
+    # seed 0: RL - SFT = 0 on both items; seed 2: +1 on item b -> mean over seeds of the per-seed means = 0.25
+    assert "| grpo/with_tools - sft/with_tools | +0.250 |" in text
+    with pytest.raises(SystemExit):
+        bench.main(["run", "--task", "codebook", "--rl-override", "beta", "--out", str(tmp_path)])
