@@ -575,22 +575,27 @@ def interval(pair) -> str:
     return format_interval(pair, undefined="n/a (1 seed)")
 
 
+def method_cells(label: str, m: dict) -> str:
+    """A method row's cells up to its RL seconds (shared with bench_flow_robomimic's table): seeds, episodes,
+    before / after per seed, means, gain and its three intervals, env steps and RL seconds per seed."""
+    g = m["gain"]
+    return (f"| {label} | {', '.join(map(str, m['seeds']))} | {', '.join(map(str, m['episodes']))} | "
+            f"{' / '.join(f'{v:.2f}' for v in m['before'])} | {' / '.join(f'{v:.2f}' for v in m['after'])} | "
+            f"{np.mean(m['before']):.3f} -> {np.mean(m['after']):.3f} | **{g['estimate']:+.3f}** | "
+            f"**{interval(g['bootstrap'])}** | {interval(g['episode_normal'])} | {interval(g['seed_t'])} | "
+            f"{' / '.join(f'{v:,.0f}' for v in m['env_steps'])} | {' / '.join(f'{v:.0f}' for v in m['rl_seconds'])} | ")
+
+
 def markdown(result: dict) -> str:
     lines = ["| method | seeds | episodes/seed | before (det.) per seed | after (det.) per seed | mean before -> after "
              "| gain | 95% bootstrap (seeds x episodes) | 95% normal (episodes, seeds fixed) | 95% t (seeds) "
              "| env steps/seed | RL s/seed | env steps/s (RL overall) |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for method, m in result["methods"].items():
-        g = m["gain"]
-        if g is None:
+        if m["gain"] is None:
             continue
-        lines.append(
-            f"| {LABELS[method]} | {', '.join(map(str, m['seeds']))} | {', '.join(map(str, m['episodes']))} | "
-            f"{' / '.join(f'{v:.2f}' for v in m['before'])} | {' / '.join(f'{v:.2f}' for v in m['after'])} | "
-            f"{np.mean(m['before']):.3f} -> {np.mean(m['after']):.3f} | **{g['estimate']:+.3f}** | "
-            f"**{interval(g['bootstrap'])}** | {interval(g['episode_normal'])} | {interval(g['seed_t'])} | "
-            f"{' / '.join(f'{v:,.0f}' for v in m['env_steps'])} | {' / '.join(f'{v:.0f}' for v in m['rl_seconds'])} | "
-            f"{' / '.join(f'{v:.0f}' for v in m['env_steps_per_s_overall'])} |")
+        lines.append(method_cells(LABELS[method], m) +
+                     f"{' / '.join(f'{v:.0f}' for v in m['env_steps_per_s_overall'])} |")
     for method, m in result["methods"].items():
         c = m.get("continued")
         if c is None:

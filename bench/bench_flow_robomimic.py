@@ -362,16 +362,10 @@ def markdown(result: dict) -> str:
              "| RL wall s/seed | wall cap bound |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for method, m in result["methods"].items():
-        g = m["gain"]
-        if g is None:
+        if m["gain"] is None:
             continue
-        lines.append(
-            f"| {LABELS[method]} | {', '.join(map(str, m['seeds']))} | {', '.join(map(str, m['episodes']))} | "
-            f"{' / '.join(f'{v:.2f}' for v in m['before'])} | {' / '.join(f'{v:.2f}' for v in m['after'])} | "
-            f"{np.mean(m['before']):.3f} -> {np.mean(m['after']):.3f} | **{g['estimate']:+.3f}** | "
-            f"**{interval(g['bootstrap'])}** | {interval(g['episode_normal'])} | {interval(g['seed_t'])} | "
-            f"{' / '.join(f'{v:,.0f}' for v in m['env_steps'])} | {' / '.join(f'{v:.0f}' for v in m['rl_seconds'])} | "
-            f"{' / '.join('yes' if v else 'no' for v in m['cap_bound'])} |")
+        lines.append(vs.method_cells(LABELS[method], m) +
+                     f"{' / '.join('yes' if v else 'no' for v in m['cap_bound'])} |")
     for name, c in result["contrasts"].items():
         lines.append(f"| {name} | {', '.join(map(str, c['seeds']))} | | per seed "
                      f"{' / '.join(f'{v:+.2f}' for v in c['per_seed'])} | | | **{c['estimate']:+.3f}** | "
