@@ -107,11 +107,26 @@ def _zoom_canvas(rng: random.Random, image_size: int) -> tuple[Any, Any, int, in
     return image, draw, side, x0, y0
 
 
+def _zoom_row(image: Any, side: int, bbox: list[int], value: str, noun: str, where: str = "") -> dict[str, Any]:
+    """The row of a zoom item whose red box ``bbox`` holds ``value`` (a ``noun``: number or digit); ``where``: text
+    placed before the question (``zoom_digit_at`` names the box's cell there)."""
+    from mmpo.tools.image_zoom import crop_region
+
+    return {
+        "images": [image], "answer": value,
+        "problem": f"The image is {side}x{side} pixels.{where} What {noun} is written in the red box?",
+        "steps": [f"The red box is in the cell {bbox}.", f"Zoomed in, the box shows {value}.",
+                  f"So the answer is {value}."],
+        "key_steps": [[f"{value}"]], "needs_image": True,
+        "image_description": f"A {side}x{side} image with a small red box holding a {noun}.",
+        "rationale": f"I zoom into the red box to read the {noun}.",
+        "tool_trace": zoom_trace(bbox, crop_region([image], bbox), value),
+    }
+
+
 @register_task("zoom")
 def zoom(rng: random.Random, difficulty: int, image_size: int) -> dict[str, Any]:
     """A number in a red box in one cell of a large image; answer: the number (its digits)."""
-    from mmpo.tools.image_zoom import crop_region
-
     image, draw, side, x0, y0 = _zoom_canvas(rng, image_size)
     cell = side // ZOOM_GRID
     digits = difficulty + 2
@@ -120,17 +135,7 @@ def zoom(rng: random.Random, difficulty: int, image_size: int) -> dict[str, Any]
     left, top, right, bottom = draw.textbbox((0, 0), value, font=text_font)
     draw.text((x0 + (cell - (right - left)) // 2 - left, y0 + (cell - (bottom - top)) // 2 - top), value,
               fill=(0, 0, 0), font=text_font)
-    bbox = [x0, y0, x0 + cell, y0 + cell]
-    return {
-        "images": [image], "answer": value,
-        "problem": f"The image is {side}x{side} pixels. What number is written in the red box?",
-        "steps": [f"The red box is in the cell {bbox}.", f"Zoomed in, the box shows {value}.",
-                  f"So the answer is {value}."],
-        "key_steps": [[f"{value}"]], "needs_image": True,
-        "image_description": f"A {side}x{side} image with a small red box holding a number.",
-        "rationale": "I zoom into the red box to read the number.",
-        "tool_trace": zoom_trace(bbox, crop_region([image], bbox), value),
-    }
+    return _zoom_row(image, side, [x0, y0, x0 + cell, y0 + cell], value, "number")
 
 
 ZOOM_DIGIT_FONT = 12
@@ -151,8 +156,6 @@ def draw_zoom_digit(draw: Any, value: str, x0: int, y0: int, image_size: int, dx
 
 
 def _zoom_digit_item(rng: random.Random, image_size: int, *, located: bool) -> dict[str, Any]:
-    from mmpo.tools.image_zoom import crop_region
-
     image, draw, side, x0, y0 = _zoom_canvas(rng, image_size)
     cell = side // ZOOM_GRID
     value = str(rng.randrange(10))
@@ -160,16 +163,7 @@ def _zoom_digit_item(rng: random.Random, image_size: int, *, located: bool) -> d
     draw_zoom_digit(draw, value, x0, y0, image_size, dx, dy)
     bbox = [x0, y0, x0 + cell, y0 + cell]
     where = f" The red box is in the cell [{bbox[0]}, {bbox[1]}, {bbox[2]}, {bbox[3]}]." if located else ""
-    return {
-        "images": [image], "answer": value,
-        "problem": f"The image is {side}x{side} pixels.{where} What digit is written in the red box?",
-        "steps": [f"The red box is in the cell {bbox}.", f"Zoomed in, the box shows {value}.",
-                  f"So the answer is {value}."],
-        "key_steps": [[f"{value}"]], "needs_image": True,
-        "image_description": f"A {side}x{side} image with a small red box holding a digit.",
-        "rationale": "I zoom into the red box to read the digit.",
-        "tool_trace": zoom_trace(bbox, crop_region([image], bbox), value),
-    }
+    return _zoom_row(image, side, bbox, value, "digit", where=where)
 
 
 @register_task("zoom_digit")
