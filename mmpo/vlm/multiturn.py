@@ -28,7 +28,10 @@ rows starting a turn at that step (right-padded to the longest answer), so every
 each row writes its keys at its own next cache positions (:class:`_RowCache`), so pad columns are never attended and
 a row's cache has no holes past its prompt; each token keeps the position the training forward gives it
 (a text LM: its count of real tokens before it; Qwen-VL: ``get_rope_index`` over the row's real sequence where an
-answer brings images, then +1 a token). Finished trajectories' rows are dropped. The sampling is HF ``_sample``'s
+answer brings images, then +1 a token). Finished trajectories' rows are dropped. Each layer runs as the engine's lean
+loop runs it (:func:`~mmpo.vlm.rollout.decode_layer_step`, HF's ops without the module wrappers, where the layer allows;
+for an answer's chunk too), and when every running row starts a turn at one step the answers' forward runs over the
+cache in place rather than over a gathered copy of its rows. The sampling is HF ``_sample``'s
 (vision tokens suppressed, EOS before ``min_new_tokens`` within a turn, temperature, top-p, ``multinomial``;
 ``argmax`` when greedy), so the decoder runs 1 + (the longest trajectory's model tokens) sequential steps, against
 the sum over turns of each turn's longest in the turn-synchronous schedule. Greedy decoding gives the
@@ -75,7 +78,7 @@ from mmpo.vlm.fsdp import full_weights
 from mmpo.vlm.processing import (append_row_images, default_system_prompt, encode_prompts, model_inputs,
                                  repeat_rows, select_rows)
 from mmpo.vlm.rollout import (HFGenerateEngine, Rollout, _SampledLogProbRecorder, completion_attention_mask,  # noqa: F401
-                              completion_mask_from_ids, lean_decode_blocker)
+                              completion_mask_from_ids, decode_layer_step, direct_decode_layer, lean_decode_blocker)
 
 _TURN_SENTINEL = "\u2063MMPO_TURN\u2063"
 
@@ -589,11 +592,22 @@ class MultiTurnEngine:
         attention = prefilled["attention_mask"]
         banned = torch.zeros(model.lm_head.weight.shape[0], dtype=torch.bool, device=device)
         banned[engine.suppressed_token_ids() or []] = True
-        banned_early = banned.clone()
-        banned_early[eos] = True
         min_new_tokens = model.generation_config.min_new_tokens or 0
         warpers = [TemperatureLogitsWarper(temperature)] if do_sample and temperature != 1.0 else []
         warpers += [TopPLogitsWarper(top_p)] if do_sample and top_p < 1.0 else []
+        # each layer's forward: HF's own ops called directly where that is the same computation (decode_layer_step,
+        # as the engine's lean loop does; for an answer's chunk too), else the layer's HF call
+        direct = [direct_decode_layer(layer) for layer in text.layers]
+
+        def run_layers(hidden: torch.Tensor, mask: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+            for layer, step in zip(text.layers, direct):
+                if step:
+                    hidden = decode_layer_step(layer, hidden, mask, rope, cache)
+                else:
+                    hidden = layer(hidden, attention_mask=mask, position_embeddings=rope, position_ids=None,
+                                   cache=cache, use_cache=True)
+            return hidden
+
         first_limit = min(self.max_tokens_per_turn, self.max_total_tokens)
         with torch.inference_mode():
             cache = _RowCache(prefilled["cache"], attention[:, :-1].bool(), copies=copies,
@@ -627,15 +641,15 @@ class MultiTurnEngine:
                                                                     trajectories[i], len(feed[row]))
                             places[:, index, :len(chunks[index])] = position[:, :-1]
                             deltas[row] = int(delta.reshape(-1)[0])
+                # every running row starting a turn (turns of equal length): the forward over all rows, in place,
+                # not over a gathered copy of their cache rows
+                subset = None if len(starting) == len(rows) else starting
                 with torch.inference_mode():
                     ids = ids.to(device)
                     hidden = _embed_chunk(model, ids, [image for row in starting for image in feed_images[row]])
                     rope = text.rotary_emb(hidden, places.to(device))
-                    mask = cache.begin(width, starting)
-                    for layer in text.layers:
-                        hidden = layer(hidden, attention_mask=mask, position_embeddings=rope, position_ids=None,
-                                       cache=cache, use_cache=True)
-                    cache.advance([len(chunk) for chunk in chunks], starting)
+                    run_layers(hidden, cache.begin(width, subset), rope)
+                    cache.advance([len(chunk) for chunk in chunks], subset)
                 for row, chunk in zip(starting, chunks):
                     counts[row] += len(chunk)
                     feed[row], feed_images[row] = feed[row][-1:], []
@@ -650,17 +664,12 @@ class MultiTurnEngine:
                 ids = ids.to(device)
                 hidden = text.embed_tokens(ids)
                 rope = text.rotary_emb(hidden, places.to(device))
-                mask = cache.begin(1)
-                for layer in text.layers:
-                    hidden = layer(hidden, attention_mask=mask, position_embeddings=rope, position_ids=None,
-                                   cache=cache, use_cache=True)
-                scores = model.lm_head(text.norm(hidden)[:, -1]).float()
+                hidden = run_layers(hidden, cache.begin(1), rope)
+                scores = model.lm_head(text.norm(hidden)[:, -1]).float()  # a fresh tensor: filled in place
                 cache.advance([1] * len(rows))
-                if any(early):
-                    scores = scores.masked_fill(torch.where(torch.tensor(early, device=device)[:, None],
-                                                            banned_early, banned), -math.inf)
-                else:
-                    scores = scores.masked_fill(banned, -math.inf)
+                scores.masked_fill_(banned, -math.inf)
+                if any(early):  # the turn end too, in the rows still short of min_new_tokens in their turn
+                    scores[:, eos].masked_fill_(torch.tensor(early, device=device), -math.inf)
                 for warper in warpers:
                     scores = warper(ids, scores)
                 if do_sample:
@@ -894,7 +903,11 @@ class _RowCache:
     positions ``lengths[r] .. lengths[r] + w_r - 1``; the pad columns land after them, are never attended by a real
     token, and are overwritten by the row's next step. ``valid`` (rows, capacity) marks each row's real positions (its
     prompt without the left padding, then every token it fed), so a row's cache has no holes past its prompt however
-    the rows' turns interleave. Only ``update`` is used by the decoder layers (as :class:`_GrowingKVCache`)."""
+    the rows' turns interleave. Only ``update`` is used by the decoder layers (as :class:`_GrowingKVCache`).
+
+    While every row has the same length (``uniform``: the prompts' padded width plus the same tokens fed, e.g. turns and
+    answers of equal lengths), a decode step writes one column slice instead of one indexed position per row (the same
+    positions and values, tests/agents/test_continuous_fast_paths.py)."""
 
     def __init__(self, cache: Any, prompt_valid: torch.Tensor, *, copies: int, extra: int) -> None:
         """``cache``: each prompt but its last token, one row per prompt, each to become ``copies`` rows;
@@ -914,7 +927,9 @@ class _RowCache:
         self.valid[:, :length] = prompt_valid
         self.lengths = torch.full((self.valid.shape[0],), length, dtype=torch.long, device=device)
         self.end = length  # the longest row's length
+        self.uniform = True  # every row has the same length (``end``): a decode step writes one column slice
         self._write: torch.Tensor | None = None
+        self._column: int | None = None  # the column a uniform decode step writes
         self._subset: torch.Tensor | None = None
 
     def begin(self, width: int, rows: Sequence[int] | None = None) -> torch.Tensor:
@@ -933,6 +948,11 @@ class _RowCache:
             valid[:, :self.end] = self.valid[:, :self.end]
             self.valid = valid
         device = self.valid.device
+        if width == 1 and rows is None and self.uniform:  # a decode step, every row at ``end``: one column
+            self._subset, self._column, self._stop = None, self.end, need
+            self.valid[:, self.end] = True
+            return self.valid[:, None, None, :need]
+        self._column = None
         columns = torch.arange(width, device=device)
         if rows is None:
             self._subset = None
@@ -954,6 +974,10 @@ class _RowCache:
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any,
                **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        if self._column is not None:  # the same positions as the indexed write below, as a slice
+            self.keys[layer_idx][:, :, self._column:self._column + 1] = key_states
+            self.values[layer_idx][:, :, self._column:self._column + 1] = value_states
+            return self.keys[layer_idx][:, :, :self._stop], self.values[layer_idx][:, :, :self._stop]
         self.keys[layer_idx][self._rows, :, self._write] = key_states.transpose(1, 2)
         self.values[layer_idx][self._rows, :, self._write] = value_states.transpose(1, 2)
         keys, values = self.keys[layer_idx][:, :, :self._stop], self.values[layer_idx][:, :, :self._stop]
@@ -963,7 +987,8 @@ class _RowCache:
 
     def advance(self, widths: Sequence[int], rows: Sequence[int] | None = None) -> None:
         """The chunk's real columns (``widths[k]`` of its ``k``-th row) are in the cache now."""
-        if self._write.shape[1] == 1 and rows is None:  # a decode step (``begin`` marked its positions)
+        if self._column is not None or (self._write.shape[1] == 1 and rows is None):
+            # a decode step (``begin`` marked its positions); every row one longer: as uniform as before
             self.lengths = self.lengths + 1
             self.end += 1
             return
@@ -975,6 +1000,7 @@ class _RowCache:
         else:
             self.lengths = self.lengths.index_add(0, self._rows[:, 0], widths)
         self.end = int(self.lengths.max())
+        self.uniform = int(self.lengths.min()) == self.end
 
     def select(self, rows: Sequence[int]) -> None:
         """Keep only ``rows`` (in that order), e.g. the trajectories still running."""
@@ -984,3 +1010,4 @@ class _RowCache:
         self.valid = self.valid.index_select(0, index)
         self.lengths = self.lengths.index_select(0, index)
         self.end = int(self.lengths.max()) if len(index) else 0
+        self.uniform = not len(index) or int(self.lengths.min()) == self.end

@@ -486,7 +486,8 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 def decode_layer_step(layer: Any, hidden: torch.Tensor, mask: torch.Tensor | None,
                       rope: tuple[torch.Tensor, torch.Tensor], cache: Any) -> torch.Tensor:
-    """One decode step (one new token per row) through a Qwen3 / Qwen2 / Llama decoder layer
+    """One decode step (one new token per row; or a chunk of new tokens per row under a 4-D ``mask``, as the multi-turn
+    loop runs an environment's answer onto its cache) through a Qwen3 / Qwen2 / Llama decoder layer
     (:func:`direct_decode_layer`): the same tensor ops in the same order as the layer's HF forward (transformers
     5.x ``Qwen3DecoderLayer`` / ``Qwen3Attention`` / ``Qwen3MLP`` / ``Qwen3RMSNorm`` / ``apply_rotary_pos_emb``;
     the attention itself is HF's ``sdpa_attention_forward``), so the same values to the bit

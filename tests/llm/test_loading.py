@@ -187,11 +187,13 @@ def test_lean_loop_samples_hf_generates_tokens_and_log_probs_match(text, tmp_pat
 
 
 @pytest.mark.parametrize("architecture", ["qwen3", "qwen2", "llama"])
-@pytest.mark.parametrize("padded", [True, False], ids=["mask", "no-mask"])
-def test_direct_decode_layer_step_equals_the_hf_layer_to_the_bit(text, tmp_path, architecture, padded):
+@pytest.mark.parametrize("padded,chunk", [(True, 1), (False, 1), (True, 3)], ids=["mask", "no-mask", "chunk"])
+def test_direct_decode_layer_step_equals_the_hf_layer_to_the_bit(text, tmp_path, architecture, padded, chunk):
     """The lean loop's direct layer step (HF's ops without the module wrappers) against the HF layer's own call
     on the same decode step: the same hidden states and cache entries, bit for bit, with a padding mask (GQA
-    packed) and without one (sdpa's own GQA); a training-mode layer or one with a hook is left to HF's call."""
+    packed) and without one (sdpa's own GQA); a training-mode layer or one with a hook is left to HF's call. With
+    ``chunk`` 3, three new tokens per row under a 4-D mask (the cache and causal within the chunk), as the multi-turn
+    loop runs an environment's answer onto its cache (mask always given there)."""
     from mmpo.vlm.rollout import _GrowingKVCache, decode_layer_step, direct_decode_layer
     from transformers import DynamicCache
 
@@ -208,19 +210,20 @@ def test_direct_decode_layer_step_equals_the_hf_layer_to_the_bit(text, tmp_path,
         with torch.no_grad():
             cache = DynamicCache(config=model.config)
             backbone(input_ids=prompt, attention_mask=attention, cache=cache, use_cache=True)
-            grown = _GrowingKVCache(cache, 2)
-            hidden = backbone.embed_tokens(torch.randint(3, 40, (rows, 1), generator=torch.Generator().manual_seed(4)))
-            rope = backbone.rotary_emb(hidden, attention.sum(-1, keepdim=True))
+            grown = _GrowingKVCache(cache, chunk + 1)
+            hidden = backbone.embed_tokens(torch.randint(3, 40, (rows, chunk), generator=torch.Generator().manual_seed(4)))
+            rope = backbone.rotary_emb(hidden, attention.sum(-1, keepdim=True) + torch.arange(chunk))
             mask = None
             if padded:
-                mask = torch.ones(rows, 1, 1, width + 1, dtype=torch.bool)
-                mask[:, 0, 0, :width] = attention.bool()
+                mask = torch.ones(rows, 1, chunk, width + chunk, dtype=torch.bool)
+                mask[:, 0, :, :width] = attention.bool()[:, None, :]
+                mask[:, 0, :, width:] = torch.ones(chunk, chunk, dtype=torch.bool).tril()
             for layer in backbone.layers:
                 assert direct_decode_layer(layer)
                 hidden = (decode_layer_step(layer, hidden, mask, rope, grown) if direct else
                           layer(hidden, attention_mask=mask, position_embeddings=rope, position_ids=None, cache=grown,
                                 use_cache=True))
-        results.append((hidden, [k[:, :, : width + 1].clone() for k in grown.keys + grown.values]))
+        results.append((hidden, [k[:, :, : width + chunk].clone() for k in grown.keys + grown.values]))
     (hf, hf_cache), (ours, our_cache) = results
     assert torch.equal(hf, ours)
     assert all(torch.equal(a, b) for a, b in zip(hf_cache, our_cache))
