@@ -144,6 +144,25 @@ def encode_observation(processor: Any, messages: Sequence[Mapping[str, Any]], *,
     return encoded["input_ids"][0].tolist(), [(chunk, thw) for chunk, thw in zip(chunks, grid)]
 
 
+def encode_observations(processor: Any, observations: Sequence[Sequence[Mapping[str, Any]]], *,
+                        end_text: str | None = None) -> list[tuple[list[int], list[tuple[torch.Tensor, torch.Tensor]]]]:
+    """:func:`encode_observation` of each answer in ``observations``; the text-only answers' rendered text goes through
+    the tokenizer in one call (the same tokens as one call each: no padding, no special tokens added)."""
+    end_text = _turn_end_text(processor) if end_text is None else end_text
+    out: list[Any] = [None] * len(observations)
+    texts: dict[int, str] = {}
+    for index, messages in enumerate(observations):
+        if observation_images(messages):
+            out[index] = encode_observation(processor, messages, end_text=end_text)
+        else:
+            texts[index] = _observation_text(processor, messages, end_text)
+    if texts:
+        encoded = processor.tokenizer(list(texts.values()), add_special_tokens=False)["input_ids"]
+        for index, ids in zip(texts, encoded):
+            out[index] = (list(ids), [])
+    return out
+
+
 def resized_images(processor: Any, images: Sequence[Any]) -> list[Any]:
     """Environment-answer images resized as prompt images are (qwen-vl-utils ``fetch_image`` within the processor's
     pixel budget): what the processor encodes (:func:`encode_observation`) and what the vLLM engine is handed."""
@@ -328,10 +347,13 @@ class MultiTurnEngine:
 
     # ------------------------------------------------------------------ turns
 
-    def _add_turn(self, trajectory: _Trajectory, tokens: list[int], log_probs: list[float]) -> None:
+    def _add_turn(self, trajectory: _Trajectory, tokens: list[int], log_probs: list[float], text: str | None = None
+                  ) -> None:
+        """Add a model turn of ``tokens``; ``text``: their decoded text (decoded here when None)."""
         trajectory.add(tokens, log_probs, trained=True)
         trajectory.turns += 1
-        text = self.engine.processor.batch_decode([tokens], skip_special_tokens=True)[0]
+        if text is None:
+            text = self.engine.processor.batch_decode([tokens], skip_special_tokens=True)[0]
         trajectory.last_message = text
         trajectory.transcript.append({"role": "assistant", "content": text})
         # a finished turn goes to the environment (its reward counts even on the last turn); a turn cut by a
@@ -349,6 +371,7 @@ class MultiTurnEngine:
             results = ToolEnvironment.step_batch([envs[i] for i in waiting], messages)
         else:
             results = [envs[i].step(message) for i, message in zip(waiting, messages)]
+        answered = []  # the trajectories whose answer goes into the context
         for i, result in zip(waiting, results):
             trajectory = trajectories[i]
             trajectory.awaiting_environment = False
@@ -357,7 +380,10 @@ class MultiTurnEngine:
             if result.done or not result.observation or trajectory.turns >= self.max_turns:
                 trajectory.done = True  # the environment is done, or no model turn would follow its answer
                 continue
-            ids, images = encode_observation(self.engine.processor, result.observation, end_text=end_text)
+            answered.append((trajectory, result))
+        encoded = encode_observations(self.engine.processor, [result.observation for _, result in answered],
+                                      end_text=end_text)
+        for (trajectory, result), (ids, images) in zip(answered, encoded):
             trajectory.transcript += [{"role": str(m["role"]), "content": _transcript_content(m["content"])}
                                       for m in result.observation]
             if len(trajectory.tokens) + len(ids) >= self.max_total_tokens:
@@ -622,6 +648,9 @@ class MultiTurnEngine:
         turn_ids: list[list[int]] = [[] for _ in rows]
         turn_log_probs: list[list[float]] = [[] for _ in rows]
         limits = [first_limit] * len(rows)
+        # the previous step fed every row its sampled token and no row started or ended a turn: this step's ids are the
+        # tokens just drawn and its positions the last ones + 1 (no new tensors from the Python lists)
+        plain = False
         while rows:
             # trajectories starting a turn: the environment's answer (all but the new turn's header's last token) onto
             # their own cache rows first, in one forward over just those rows, so the step below stays one token wide
@@ -655,11 +684,14 @@ class MultiTurnEngine:
                     feed[row], feed_images[row] = feed[row][-1:], []
                 self.last_prefill_tokens += sum(len(chunk) for chunk in chunks)
             # one token per running trajectory
-            ids = torch.tensor(feed, dtype=torch.long)
-            places = torch.tensor([[c + d] for c, d in zip(counts, deltas)], dtype=torch.long)
-            if multimodal:
-                places = places.unsqueeze(0).expand(3, -1, -1)
-            early = [len(turn) < min_new_tokens for turn in turn_ids]
+            if plain and not starting:
+                ids, places = tokens[:, None], places + 1
+            else:
+                ids = torch.tensor(feed, dtype=torch.long)
+                places = torch.tensor([[c + d] for c, d in zip(counts, deltas)], dtype=torch.long)
+                if multimodal:
+                    places = places.unsqueeze(0).expand(3, -1, -1)
+            early = [len(turn) < min_new_tokens for turn in turn_ids] if min_new_tokens else []
             with torch.inference_mode():
                 ids = ids.to(device)
                 hidden = text.embed_tokens(ids)
@@ -668,7 +700,9 @@ class MultiTurnEngine:
                 scores = model.lm_head(text.norm(hidden)[:, -1]).float()  # a fresh tensor: filled in place
                 cache.advance([1] * len(rows))
                 scores.masked_fill_(banned, -math.inf)
-                if any(early):  # the turn end too, in the rows still short of min_new_tokens in their turn
+                if all(early) and early:  # the turn end too, in the rows still short of min_new_tokens in their turn
+                    scores[:, eos] = -math.inf
+                elif any(early):
                     scores[:, eos].masked_fill_(torch.tensor(early, device=device), -math.inf)
                 for warper in warpers:
                     scores = warper(ids, scores)
@@ -684,14 +718,18 @@ class MultiTurnEngine:
                     turn_ids[row].append(token)
                     turn_log_probs[row].append(log_prob)
                 if token in forbidden or token == eos or len(turn_ids[row]) >= limits[row]:
-                    trajectory = trajectories[rows[row]]
-                    self._add_turn(trajectory, turn_ids[row], turn_log_probs[row])
-                    trajectory.pending = turn_ids[row][-1:]
                     ended.append(row)
                 else:
                     feed[row] = [token]
+            plain = not ended
             if not ended:
                 continue
+            # the turns that ended at this step, their texts decoded in one call
+            decoded = engine.processor.batch_decode([turn_ids[row] for row in ended], skip_special_tokens=True)
+            for row, message in zip(ended, decoded):
+                trajectory = trajectories[rows[row]]
+                self._add_turn(trajectory, turn_ids[row], turn_log_probs[row], message)
+                trajectory.pending = turn_ids[row][-1:]
             self._step_environments(trajectories, envs)
             keep = []
             for row in range(len(rows)):

@@ -1,7 +1,9 @@
 """The continuous-batching decode loop's fast paths (the direct layer step, in the decode steps and the answers' chunk;
 one column slice per decode step while every cache row has the same length; no gathered copy when every running row
-starts a turn at once; the turn end banned in place before ``min_new_tokens``) change no token: on fixed seeds the
-engine draws the same tokens, masks, turn counts and transcripts, and log-probs within 1e-6, as the loop before them.
+starts a turn at once; the turn end banned in place before ``min_new_tokens``; a plain step's ids and positions from the
+last step's tensors; the turns ending at one step decoded, and their answers tokenized, in one call each) change no
+token: on fixed seeds the engine draws the same tokens, masks, turn counts and transcripts, and log-probs within 1e-6,
+as the loop before them.
 
 The reference below is that loop and its cache, transcribed unchanged from this repository at commit f1ae32c
 (mmpo/vlm/multiturn.py: ``MultiTurnEngine._decode_continuous`` and ``_RowCache``; only renamed)."""
@@ -396,3 +398,16 @@ def test_the_fast_paths_draw_the_tokens_and_log_probs_of_the_loop_before_them(na
             assert watch.uniform_steps == watch.steps == 18 and watch.whole_chunks == watch.chunks == 2
         if name in ("varied", "cut"):  # rows of different lengths: the indexed writes and gathered chunks ran too
             assert watch.uniform_steps < watch.steps and watch.whole_chunks < watch.chunks
+
+
+def test_answers_encoded_together_are_the_answers_encoded_one_by_one(text_path):
+    """The environment answers of one step go through the tokenizer in one call: the same tokens as one call each."""
+    _, processor = load_vlm(text_path)
+    answers = [[{"role": "tool", "content": "result 1"}], [{"role": "tool", "content": "ok ok result 12 14"}],
+               [{"role": "user", "content": "try again"}, {"role": "tool", "content": ""}],
+               [{"role": "tool", "content": "x"}, {"role": "tool", "content": "y z"}]]
+    together = multiturn.encode_observations(processor, answers)
+    one_by_one = [multiturn.encode_observation(processor, answer) for answer in answers]
+    assert together == one_by_one
+    assert len({tuple(ids) for ids, _ in together}) == 4 and all(images == [] for _, images in together)
+    assert multiturn.encode_observations(processor, []) == []
