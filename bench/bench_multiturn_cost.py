@@ -10,7 +10,8 @@ Side ``single``: the same engine's one-turn :meth:`~mmpo.vlm.rollout.HFGenerateE
 end-of-turn token suppressed and ``max_new_tokens`` = the multi side's model tokens per trajectory (measured by a
 probe run first), so both sides generate the same number of model tokens up to rounding (both counts recorded);
 the ratios are per rollout and per generated token. Each side also counts its decoder forwards per rollout (the
-prefills and the decode steps, each over the batch's active rows): with the turn-synchronous schedule the batch
+prefills and the decode steps, each over the batch's active rows) and the token positions its prefills run
+(:func:`count_forwards`: the prompts, and on the multi side the environment's answers): with the turn-synchronous schedule the batch
 decodes each turn until its longest turn ends, so a rollout of several turns runs more sequential steps than one turn
 of the same tokens; continuous batching runs 1 + the longest trajectory's model tokens.
 
@@ -181,6 +182,24 @@ def make_rollout(model: Any, processor: Any, *, side: str, mode: str, turns: int
     return rollout
 
 
+def count_forwards(model: Any) -> dict[str, int]:
+    """Counts, from now on, the text decoder's forwards (``"forwards"``: a prefill, or one decode step of the batch's
+    running rows) and the token positions its prefills run (``"prefill_positions"``: rows x width, padding included) at
+    its rotary embedding, which every forward calls once (the lean loops run the layers themselves, not the decoder
+    module). Not at a layer: a hook there would send that layer through HF's call instead of the loops' direct layer
+    step (:func:`mmpo.vlm.rollout.direct_decode_layer`), on both sides."""
+    counts = {"forwards": 0, "prefill_positions": 0}
+
+    def count(module: Any, args: tuple, kwargs: dict) -> None:
+        hidden = args[0] if args else kwargs["x"]
+        counts["forwards"] += 1
+        if hidden.shape[1] > 1:
+            counts["prefill_positions"] += hidden.shape[0] * hidden.shape[1]
+
+    model.model.rotary_emb.register_forward_pre_hook(count, with_kwargs=True)
+    return counts
+
+
 def _side(args: argparse.Namespace) -> dict[str, Any]:
     from mmpo.vlm.factory import load_vlm
 
@@ -193,13 +212,12 @@ def _side(args: argparse.Namespace) -> dict[str, Any]:
                            tokens_per_turn=args.tokens_per_turn, prompts=args.prompts, samples=args.samples,
                            schedule=args.schedule, single_tokens=args.single_tokens, single_lengths=lengths)
 
-    forwards = [0]  # decoder forwards (a prefill or one decode step of the batch's active rows each)
-    # on the first decoder layer: the lean decode loop runs the layers itself, not the decoder module
-    model.model.layers[0].register_forward_hook(lambda *_: forwards.__setitem__(0, forwards[0] + 1))
+    counts = count_forwards(model)
     with torch.no_grad():
         torch.manual_seed(0)
         warm = rollout()  # warm-up
-        warm_forwards, forwards[0] = forwards[0], 0
+        warm_forwards = counts["forwards"]
+        counts.update(forwards=0, prefill_positions=0)
         walls, cpus, result = [], [], warm
         turns = float(warm.extras["turns"].float().mean()) if "turns" in warm.extras else 1.0
         for _ in range(args.repeats):
@@ -214,7 +232,8 @@ def _side(args: argparse.Namespace) -> dict[str, Any]:
     if not walls:  # the probe: how many model tokens the multi side generates
         return {**out, "decoder_forwards": warm_forwards}
     return {**out, "wall_s": statistics.median(walls), "cpu_s": statistics.median(cpus),
-            "decoder_forwards": forwards[0] / len(walls)}
+            "decoder_forwards": counts["forwards"] / len(walls),
+            "prefill_positions": counts["prefill_positions"] / len(walls)}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -272,6 +291,7 @@ def main(argv: list[str] | None = None) -> int:
               f"{probe['turns_mean']:.2f} turns each, the longest {probe['longest_trajectory_tokens']}; single side: "
               + (f"{matched} tokens" if matched else f"{single_tokens} tokens per trajectory"), flush=True)
         rounds = []
+        load_start = os.getloadavg()
         for index in range(args.rounds):
             order = ("multi", "single", "single", "multi") if index % 2 == 0 else ("single", "multi", "multi", "single")
             runs: dict[str, list[dict[str, float]]] = {"multi": [], "single": []}
@@ -284,12 +304,13 @@ def main(argv: list[str] | None = None) -> int:
                                   if key != "trajectory_tokens"}
                            for side, results in runs.items()})
             print(f"round {index}: " + ", ".join(f"{side} {v['wall_s']:.3f} s wall / {v['cpu_s']:.3f} s CPU "
-                                                 f"({v['generated_tokens']:.0f} tokens, {v['decoder_forwards']:.0f} decoder forwards)"
+                                                 f"({v['generated_tokens']:.0f} tokens, {v['decoder_forwards']:.0f} decoder forwards, "
+                                                 f"{v['prefill_positions']:.0f} prefill positions)"
                                                  for side, v in rounds[-1].items()),
                   flush=True)
     summary = {"settings": {k: v for k, v in vars(args).items() if k not in ("side", "model", "out", "single_tokens", "single_lengths")},
                "probe": probe, "single_tokens_per_trajectory": matched or single_tokens,
-               "load_average": os.getloadavg(), "rounds": rounds, "ratio": ratio_summary(rounds)}
+               "load_average_start": load_start, "load_average": os.getloadavg(), "rounds": rounds, "ratio": ratio_summary(rounds)}
     r = summary["ratio"]
     print(f"multi / single: per rollout wall {r['wall_s']['median']:.2f}x, CPU {r['cpu_s']['median']:.2f}x; per "
           f"generated token wall {r['wall_s_per_token']['median']:.2f}x, CPU {r['cpu_s_per_token']['median']:.2f}x "

@@ -81,12 +81,12 @@ def _rollout(bench, path, *, side, mode, **settings):
     model = bench.prepare_model(model, side=side, mode=mode, eos_bias=settings.pop("eos_bias", 3.0),
                                 turns=settings["turns"], turn_length=settings.pop("turn_length", 0))
     run = bench.make_rollout(model, processor, side=side, mode=mode, prompts=2, samples=3, **settings)
-    forwards = [0]  # decoder forwards, counted as the bench counts them (on the first decoder layer)
-    model.model.layers[0].register_forward_hook(lambda *_: forwards.__setitem__(0, forwards[0] + 1))
+    counts = bench.count_forwards(model)  # as the bench counts them
     torch.manual_seed(0)
     with torch.no_grad():
         result = run()
-    result.extras["decoder_forwards"] = forwards[0]
+    result.extras["decoder_forwards"] = counts["forwards"]
+    result.extras["prefill_positions"] = counts["prefill_positions"]
     return result, model.generation_config.eos_token_id
 
 
@@ -120,3 +120,13 @@ def test_fixed_mode_gives_every_turn_l_tokens_and_every_single_completion_turns_
     assert [row.tolist().index(eos) for row in single.completion_ids] == [14] * 6
     # every turn ends at the same step: 1 prompt prefill + 15 steps + 2 answer prefills against 1 + 15
     assert (multi.extras["decoder_forwards"], single.extras["decoder_forwards"]) == (18, 16)
+    # the prefills: the 2 prompts (all but their last token) on both sides; on the multi side also each of the 6
+    # trajectories' two answers (the chat template's rendering of "result 1" and "result 2" after the turn end)
+    from mmpo.vlm.factory import load_vlm
+    from mmpo.vlm.multiturn import encode_observation
+
+    _, processor = load_vlm(tiny_lm)
+    answers = [len(encode_observation(processor, [{"role": "tool", "content": f"result {k}"}])[0]) for k in (1, 2)]
+    prompt_width = single.prompt_inputs["input_ids"].shape[1]
+    assert single.extras["prefill_positions"] == 2 * (prompt_width - 1)
+    assert multi.extras["prefill_positions"] == 2 * (prompt_width - 1) + 6 * sum(answers)
