@@ -11,8 +11,8 @@ end-of-turn token suppressed and ``max_new_tokens`` = the multi side's model tok
 probe run first), so both sides generate the same number of model tokens up to rounding (both counts recorded);
 the ratios are per rollout and per generated token. Each side also counts its decoder forwards per rollout (the
 prefills and the decode steps, each over the batch's active rows) and the token positions its prefills run
-(:func:`count_forwards`: the prompts, and on the multi side the environment's answers): with the turn-synchronous schedule the batch
-decodes each turn until its longest turn ends, so a rollout of several turns runs more sequential steps than one turn
+(:func:`count_forwards`: the prompts, and on the multi side the environment's answers): with the turn-synchronous
+schedule the batch decodes each turn until its longest turn ends, so a rollout of several turns runs more sequential steps than one turn
 of the same tokens; continuous batching runs 1 + the longest trajectory's model tokens.
 
 ``--mode`` picks what the single side is compared with (the multi side above unless said otherwise):

@@ -625,7 +625,8 @@ class MultiTurnEngine:
         # as the engine's lean loop does; for an answer's chunk too), else the layer's HF call
         direct = [direct_decode_layer(layer) for layer in text.layers]
 
-        def run_layers(hidden: torch.Tensor, mask: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        def run_layers(hidden: torch.Tensor, mask: torch.Tensor,
+                       rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
             for layer, step in zip(text.layers, direct):
                 if step:
                     hidden = decode_layer_step(layer, hidden, mask, rope, cache)

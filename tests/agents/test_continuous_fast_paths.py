@@ -24,7 +24,8 @@ import mmpo.vlm.multiturn as multiturn
 from mmpo.data.synthetic import make_items
 from mmpo.tools.env import Environment
 from mmpo.vlm.factory import load_vlm
-from mmpo.vlm.multiturn import MultiTurnEngine, _embed_chunk, _multimodal_positions, _Trajectory, completion_attention_mask
+from mmpo.vlm.multiturn import (MultiTurnEngine, _embed_chunk, _multimodal_positions, _Trajectory,
+                                completion_attention_mask)
 from mmpo.vlm.processing import vision_token_ids
 from mmpo.vlm.rollout import HFGenerateEngine
 
@@ -273,7 +274,8 @@ def _policy(path, *, eos_bias: float, eos_row_scale: float, seed: int = 0):
         biased.weight.copy_(head.weight)
         biased.bias.zero_()
         biased.bias[eos] = eos_bias
-        biased.weight[eos] += torch.randn(head.in_features, generator=torch.Generator().manual_seed(seed)) * eos_row_scale
+        row = torch.randn(head.in_features, generator=torch.Generator().manual_seed(seed))
+        biased.weight[eos] += row * eos_row_scale
         biased.bias[vision_token_ids(processor)] = -40.0
     model.lm_head = biased
     return model.eval(), processor

@@ -211,7 +211,8 @@ def test_direct_decode_layer_step_equals_the_hf_layer_to_the_bit(text, tmp_path,
             cache = DynamicCache(config=model.config)
             backbone(input_ids=prompt, attention_mask=attention, cache=cache, use_cache=True)
             grown = _GrowingKVCache(cache, chunk + 1)
-            hidden = backbone.embed_tokens(torch.randint(3, 40, (rows, chunk), generator=torch.Generator().manual_seed(4)))
+            new = torch.randint(3, 40, (rows, chunk), generator=torch.Generator().manual_seed(4))
+            hidden = backbone.embed_tokens(new)
             rope = backbone.rotary_emb(hidden, attention.sum(-1, keepdim=True) + torch.arange(chunk))
             mask = None
             if padded:
