@@ -102,17 +102,22 @@ def _fit(config: str, run: Path, model_path: Path, output: Path, steps: int, see
 
 
 def _evaluate(checkpoint: Path, task: str, tools: Sequence[str] | None, eval_size: int, max_new_tokens: int,
-              out: Path) -> dict[str, Any]:
+              out: Path, split: str = "test") -> dict[str, Any]:
+    """Greedy accuracy of ``checkpoint`` on ``eval_size`` items of ``split`` (``test``: held out; ``val``: for
+    choosing settings), with ``tools`` (multi-turn) or without (one turn); per item: correct, id, difficulty."""
+    from mmpo.data.synthetic import make_items
     from mmpo.eval.harness import ToolUse, evaluate_checkpoint
 
     tool_use = ToolUse(tuple(tools), **TASK_TOOL_LIMITS.get(task, TOOL_LIMITS)) if tools else None
     results = evaluate_checkpoint(checkpoint, [f"synth/{task}"], synth_size=eval_size, synth_seed=EVAL_SEED,
-                                  max_new_tokens=max_new_tokens, out_dir=out, progress=False, device="cpu",
-                                  tool_use=tool_use)
+                                  synth_split=split, max_new_tokens=max_new_tokens, out_dir=out, progress=False,
+                                  device="cpu", tool_use=tool_use)
     metrics = results["benchmarks"][f"synth/{task}"]
     records = [json.loads(line) for line in (out / "predictions" / f"synth_{task}.jsonl").read_text().splitlines()]
+    levels = {row["id"]: row["difficulty"] for row in make_items(task, eval_size, seed=EVAL_SEED, split=split)}
     summary = {"accuracy": metrics["accuracy"], "correct": [float(record["correct"][0]) for record in records],
-               "ids": [record["id"] for record in records]}
+               "ids": [record["id"] for record in records],
+               "difficulty": [levels[record["id"]] for record in records]}
     for key in ("tool_call_rate", "tool_calls_per_answer", "turns_per_answer"):
         if key in metrics:
             summary[key] = metrics[key]
@@ -175,7 +180,8 @@ def diagnose(checkpoint: Path, task: str, tools: Sequence[str], size: int, seed:
     answer; ``answer_first``: the tokens where the final message first states the answer, e.g. in its think part:
     where the reading happens, the ``answer`` tag may then only copy it): the mean negative log-likelihood per
     token and ``exact``, the share of rows where every token of the part has probability > 0.5 under the gold
-    prefix (then greedy decoding, given the prefix, writes the part exactly). The prompt, tool prompt and token layout are those of ``AgentSFTModule``."""
+    prefix (then greedy decoding, given the prefix, writes the part exactly); ``by_difficulty``: the same per
+    difficulty level of the rows. The prompt, tool prompt and token layout are those of ``AgentSFTModule``."""
     import torch
 
     from mmpo.algos.agent import encode_tool_traces
@@ -191,7 +197,7 @@ def diagnose(checkpoint: Path, task: str, tools: Sequence[str], size: int, seed:
     schemas = [tool.schema for tool in load_tools(list(tools))]
     system = tool_system_prompt(default_system_prompt(), schemas)
     rows = make_items(task, size, seed=seed, split="test")
-    parts: dict[str, list[list[float]]] = {}
+    parts: dict[str, list[tuple[int, list[float]]]] = {}
     for start in range(0, len(rows), 8):
         batch = rows[start:start + 8]
         prompts = encode_prompts(processor, batch, system_prompt=system)
@@ -212,23 +218,30 @@ def diagnose(checkpoint: Path, task: str, tools: Sequence[str], size: int, seed:
                                    for k, (a, b) in enumerate(encoded["offset_mapping"]) if a < hi and b > lo]
                 offset += len(encoded["input_ids"]) + 1  # + the turn-end token
             for name, values in found.items():
-                parts.setdefault(name, []).append(values)
+                parts.setdefault(name, []).append((row["difficulty"], values))
     import math
 
-    return {name: {"nll_per_token": -sum(sum(v) for v in values) / sum(len(v) for v in values),
-                   "exact": sum(all(x > math.log(0.5) for x in v) for v in values) / len(values), "rows": len(values)}
-            for name, values in parts.items()}
+    def score(values: list[list[float]]) -> dict[str, float]:
+        return {"nll_per_token": -sum(sum(v) for v in values) / sum(len(v) for v in values),
+                "exact": sum(all(x > math.log(0.5) for x in v) for v in values) / len(values), "rows": len(values)}
+
+    return {name: {**score([v for _, v in found]),
+                   "by_difficulty": {level: score([v for lv, v in found if lv == level])
+                                     for level in sorted({lv for lv, _ in found})}}
+            for name, found in parts.items()}
 
 
 def run_seed(task: str, seed: int, out: Path, *, sft_steps: int, rl_steps: int, eval_size: int,
              max_new_tokens: int | None = None, algos: Sequence[str] | None = None,
-             sft_start: Path | None = None) -> dict[str, Any]:
+             sft_start: Path | None = None, eval_split: str = "test") -> dict[str, Any]:
     """SFT, RL and the evaluations of one task and seed; returns (and stores) the seed's results.
     ``max_new_tokens``: tokens per model turn in RL and evaluation (None: the task's, as its configs).
     ``sft_start``: an SFT checkpoint to start RL from instead of an SFT run here (copied into the seed's directory
     and recorded): one shared by every seed (only the RL seed varies; its evaluations, greedy on the same items, are
     taken from a finished seed with the same start when there is one), or each seed's own (``--sft-start`` with
-    ``{seed}``: the SFT seed varies too)."""
+    ``{seed}``: the SFT seed varies too). ``eval_split``: the items evaluated, ``test`` (held out) or ``val`` (to
+    choose settings such as the RL learning rate and steps without looking at the test items); recorded, and a
+    seed directory evaluated on the other split is refused."""
     from mmpo.vlm.factory import build_tiny_text_lm, build_tiny_vlm, tool_task_corpus
 
     spec = TASKS[task]
@@ -237,7 +250,10 @@ def run_seed(task: str, seed: int, out: Path, *, sft_steps: int, rl_steps: int, 
     path = root / "results.json"
     results: dict[str, Any] = json.loads(path.read_text()) if path.exists() else {
         "task": task, "seed": seed, "sft_steps": sft_steps, "rl_steps": rl_steps, "eval_size": eval_size,
-        "eval": {}, "training_tool_calls": {}, "rl_overrides": list(RL_OVERRIDES)}
+        "eval": {}, "training_tool_calls": {}, "rl_overrides": list(RL_OVERRIDES), "eval_split": eval_split}
+    if results.get("eval_split", "test") != eval_split:
+        raise ValueError(f"{path} was evaluated on the {results.get('eval_split', 'test')} split, not {eval_split}: "
+                         "use another --out")
     base = root / "base"
     if sft_start is not None:
         if not (root / "sft" / "config.json").exists():
@@ -267,7 +283,8 @@ def run_seed(task: str, seed: int, out: Path, *, sft_steps: int, rl_steps: int, 
     if sft_start is not None:  # a shared start's evaluations (greedy, the same items) are the same for every seed
         for other in sorted((out / task).glob("s*/results.json")):
             done = json.loads(other.read_text())
-            if done.get("sft_start") == str(sft_start) and done["eval_size"] == eval_size:
+            if (done.get("sft_start") == str(sft_start) and done["eval_size"] == eval_size
+                    and done.get("eval_split", "test") == eval_split):
                 for key in ("sft/with_tools", "sft/without_tools"):
                     if key in done["eval"] and key not in results["eval"]:
                         results["eval"][key] = done["eval"][key]
@@ -276,7 +293,7 @@ def run_seed(task: str, seed: int, out: Path, *, sft_steps: int, rl_steps: int, 
             key = f"{name}/{mode}"
             if key not in results["eval"]:
                 results["eval"][key] = _evaluate(checkpoint, task, tools, eval_size, max_new_tokens,
-                                                 root / "eval" / name / mode)
+                                                 root / "eval" / name / mode, split=eval_split)
                 atomic_write_json(path, results)
     atomic_write_json(path, results)
     return results
@@ -331,6 +348,17 @@ def tool_call_contrasts(seeds: list[dict[str, Any]], a: str = "arpo", b: str = "
     return rows
 
 
+def by_difficulty(entries: list[dict[str, Any]]) -> dict[int, tuple[float, int]]:
+    """Right answers and items per difficulty level, summed over evaluations that record ``difficulty`` (older ones
+    do not: skipped)."""
+    counts: dict[int, tuple[float, int]] = {}
+    for entry in entries:
+        for level, correct in zip(entry.get("difficulty") or [], entry["correct"]):
+            right, total = counts.get(level, (0.0, 0))
+            counts[level] = (right + correct, total + 1)
+    return counts
+
+
 def report(out: Path) -> str:
     """Markdown tables over every finished seed of every task; written to ``OUT/report.md``."""
     lines = ["# Tool use: SFT start vs RL, with and without tools (bench/bench_agents.py)", ""]
@@ -342,8 +370,10 @@ def report(out: Path) -> str:
         starts = sorted({s["sft_start"] for s in seeds if s.get("sft_start")})
         start = (f"one shared SFT start ({starts[0]})" if len(starts) == 1
                  else f"per-seed SFT starts ({', '.join(starts)})" if starts else f"SFT {first['sft_steps']} steps")
+        split = first.get("eval_split", "test")
+        items = "held-out test items" if split == "test" else "validation items (not the test split)"
         lines += [f"## {task}", "", f"Seeds: {[s['seed'] for s in seeds]}; {start}, RL "
-                  f"{first['rl_steps']} steps; {first['eval_size']} held-out items, greedy.", "",
+                  f"{first['rl_steps']} steps; {first['eval_size']} {items}, greedy.", "",
                   "| checkpoint | accuracy (mean ± sd over seeds) | tool-call rate | tool calls / answer | "
                   "turns / answer | training tool calls / trajectory | training tool calls executed / step |",
                   "| --- | --- | --- | --- | --- | --- | --- |"]
@@ -363,6 +393,11 @@ def report(out: Path) -> str:
             lines.append(f"| {key} | {stat('accuracy')} | {stat('tool_call_rate')} | {stat('tool_calls_per_answer')} | "
                          f"{stat('turns_per_answer')} | {mean_std(training) if training and with_tools else '-'} | "
                          f"{mean_std(executed) if executed and with_tools else '-'} |")
+        levels = [(key, by_difficulty([s["eval"][key] for s in seeds if key in s["eval"]])) for key in keys]
+        if any(counts for _, counts in levels):
+            lines += ["", "Accuracy by difficulty level (right / items, summed over seeds):", ""]
+            lines += [f"- {key}: " + ", ".join(f"level {level} {right:g}/{total}" for level, (right, total)
+                                                in sorted(counts.items())) for key, counts in levels if counts]
         lines += ["", "| contrast (paired by item) | estimate | 95% bootstrap | 95% seed-t | seeds |",
                   "| --- | --- | --- | --- | --- |"]
         for algo in spec["algos"]:
@@ -395,6 +430,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                           "(runs/s{seed}/sft); default: each seed's own SFT of --sft-steps steps")
     run.add_argument("--rl-override", action="append", default=[], metavar="KEY=VALUE",
                      help="an extra 'mmpo fit' override of every RL run, e.g. model.init_args.loss.beta=0.01 (repeatable)")
+    run.add_argument("--eval-split", choices=["test", "val"], default="test",
+                     help="evaluate on the held-out test items (default) or on validation items, to choose RL "
+                          "settings without looking at the test items")
     run.add_argument("--out", type=Path, required=True)
     rep = sub.add_parser("report", help="tables over the finished seeds -> OUT/report.md")
     rep.add_argument("--out", type=Path, required=True)
@@ -422,7 +460,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             sft_start = Path(args.sft_start.replace("{seed}", str(seed))) if args.sft_start else None
             run_seed(args.task, seed, args.out, sft_steps=args.sft_steps, rl_steps=args.rl_steps,
                      eval_size=args.eval_size, max_new_tokens=args.max_new_tokens, algos=args.algos,
-                     sft_start=sft_start)
+                     sft_start=sft_start, eval_split=args.eval_split)
     print(report(args.out))
     return 0
 

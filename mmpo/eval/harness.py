@@ -509,6 +509,7 @@ def evaluate_checkpoint(
     limit: int | None = None,
     synth_size: int | None = None,
     synth_seed: int | None = None,
+    synth_split: str = "test",
     seed: int = 0,
     out_dir: str | Path | None = None,
     progress: bool = True,
@@ -529,6 +530,7 @@ def evaluate_checkpoint(
         benchmarks: names such as ``synth/all``, ``synth/count_shapes``, ``file:data.jsonl``.
         limit: keep the first ``limit`` items of each benchmark.
         synth_size, synth_seed: size and seed of the synthetic test splits (registry defaults if None).
+        synth_split: the split ``synth/...`` benchmarks draw from: ``"test"``, or ``"val"`` to choose settings.
         out_dir: when given, write ``results.json``, ``results.md``, ``accuracy.png`` and
             ``predictions/<benchmark>.jsonl`` there.
         model: an already loaded ``("vlm", (model, processor))`` / ``("dllm", answerer)`` pair
@@ -547,7 +549,7 @@ def evaluate_checkpoint(
     if not benchmarks:
         raise ValueError("no benchmarks given")
     _check_decoding(num_samples, greedy, temperature)
-    resolve_kwargs: dict[str, Any] = {}
+    resolve_kwargs: dict[str, Any] = {"synth_split": synth_split}
     if synth_size is not None:
         resolve_kwargs["synth_size"] = synth_size
     if synth_seed is not None:

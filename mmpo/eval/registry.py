@@ -168,15 +168,18 @@ def describe_benchmarks() -> str:
     return "\n".join(lines)
 
 
-def synthetic_rows(tasks: list[str], *, size: int, seed: int) -> list[Row]:
-    """``size`` held-out (``split="test"``) items of each task in ``tasks``, deterministic by seed.
+def synthetic_rows(tasks: list[str], *, size: int, seed: int, split: str = "test") -> list[Row]:
+    """``size`` held-out items of each task in ``tasks`` from ``split`` (``"test"``; ``"val"`` to choose settings
+    without looking at the test items), deterministic by seed.
 
     Tasks are interleaved (item 0 of every task, then item 1, ...) so that a
     ``--limit`` keeps a mix of tasks rather than the first task only.
     """
     from mmpo.data import synthetic
 
-    per_task = [synthetic.make_items(task, size, seed=seed, split="test") for task in tasks]
+    if split not in ("test", "val"):
+        raise ValueError(f"synthetic split must be 'test' or 'val', got {split!r}")
+    per_task = [synthetic.make_items(task, size, seed=seed, split=split) for task in tasks]
     return [items[index] for index in range(size) for items in per_task if index < len(items)]
 
 
@@ -185,6 +188,7 @@ def resolve_benchmark(
     *,
     synth_size: int = DEFAULT_SYNTH_SIZE,
     synth_seed: int = DEFAULT_SYNTH_SEED,
+    synth_split: str = "test",
     skip_bad_rows: bool = False,
     data_dir: str | Path | None = None,
 ) -> Benchmark:
@@ -194,6 +198,8 @@ def resolve_benchmark(
         name: a registered name, ``synth/<task>``, ``synth/all`` or ``file:<path>``.
         synth_size: items per synthetic task (test split).
         synth_seed: seed of the synthetic test split.
+        synth_split: which split ``synth/...`` draws from: ``"test"`` (held out) or ``"val"`` (for choosing
+            settings; disjoint from train and test by content hash).
         skip_bad_rows: for ``file:`` benchmarks, skip and count malformed rows instead of failing.
         data_dir: folder holding the local-file benchmarks' files (``<data_dir>/<Benchmark>/...``), or a
             YAML file mapping benchmark names to their folders.
@@ -231,11 +237,13 @@ def resolve_benchmark(
             )
         if synth_size < 1:
             raise ValueError(f"synth_size must be >= 1, got {synth_size}")
+        if synth_split not in ("test", "val"):
+            raise ValueError(f"synth_split must be 'test' or 'val', got {synth_split!r}")
         return Benchmark(
             name=name,
-            loader=lambda: synthetic_rows(selected, size=synth_size, seed=synth_seed),
+            loader=lambda: synthetic_rows(selected, size=synth_size, seed=synth_seed, split=synth_split),
             modality="vlm",
-            description=f"synthetic test split, {synth_size} items per task, seed {synth_seed}",
+            description=f"synthetic {synth_split} split, {synth_size} items per task, seed {synth_seed}",
         )
     if name.startswith(FILE_PREFIX):
         path = Path(name[len(FILE_PREFIX):]).expanduser()

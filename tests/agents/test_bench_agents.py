@@ -207,6 +207,11 @@ def test_diagnose_scores_the_box_and_the_answer_on_their_own_tokens(tmp_path, mo
     result = bench.diagnose(tmp_path / "vlm", "zoom_digit", ["image_zoom_in_tool"], 3)
     assert math.isclose(result["answer"]["nll_per_token"], math.log(4), rel_tol=1e-6)
     assert result["answer"]["exact"] == 0.0 and result["answer"]["rows"] == result["bbox_2d"]["rows"] == 3
+    levels = [row["difficulty"] for row in make_items("zoom_digit", 3, seed=bench.EVAL_SEED, split="test")]
+    assert list(result["answer"]["by_difficulty"]) == sorted(set(levels))
+    for level, part in result["answer"]["by_difficulty"].items():
+        assert part["rows"] == levels.count(level) and part["exact"] == 0.0
+        assert math.isclose(part["nll_per_token"], math.log(4), rel_tol=1e-6)
     expected = []
     for row in make_items("zoom_digit", 3, seed=bench.EVAL_SEED, split="test"):
         call = row["tool_trace"][0]["content"]
@@ -253,3 +258,50 @@ def test_bench_agents_per_seed_sft_start_and_rl_overrides(tmp_path, monkeypatch)
     assert "| grpo/with_tools - sft/with_tools | +0.250 |" in text
     with pytest.raises(SystemExit):
         bench.main(["run", "--task", "codebook", "--rl-override", "beta", "--out", str(tmp_path)])
+
+
+def test_by_difficulty_sums_right_answers_per_level_by_hand():
+    bench = load_bench("bench_agents")
+    entries = [{"correct": [1.0, 0.0, 1.0, 0.0], "difficulty": [1, 2, 3, 3]},
+               {"correct": [0.0, 1.0, 1.0, 1.0], "difficulty": [1, 2, 3, 3]},
+               {"correct": [1.0]}]  # an older record without levels: skipped
+    assert bench.by_difficulty(entries) == {1: (1.0, 2), 2: (1.0, 2), 3: (3.0, 4)}
+    assert bench.by_difficulty([{"correct": [1.0]}]) == {}
+
+
+def test_bench_agents_evaluates_on_the_validation_split(tmp_path, monkeypatch):
+    """--eval-split val: the evaluation items are the val split's (ids and levels recorded), the split is recorded and
+    named in the report, and a seed directory evaluated on the other split is refused before anything runs."""
+    import pytest
+
+    from mmpo.vlm.factory import build_tiny_text_lm, tool_task_corpus
+
+    bench = load_bench("bench_agents")
+    start = build_tiny_text_lm(tmp_path / "start", vocab_size=400, hidden_size=32, intermediate_size=64, num_layers=1,
+                               corpus=tool_task_corpus("calc", ["calculator"], n=20), individual_digits=True)
+    monkeypatch.setattr(bench, "TOOL_LIMITS", dict(max_turns=2, max_total_tokens=40))
+    entry = bench._evaluate(start, "calc", ["calculator"], 3, 4, tmp_path / "eval", split="val")
+    assert entry["ids"] == ["calc-val-s1234-0", "calc-val-s1234-1", "calc-val-s1234-2"]
+    assert entry["difficulty"] == [1, 2, 3] and len(entry["correct"]) == 3
+    assert entry["accuracy"] == sum(entry["correct"]) / 3
+
+    calls = []
+
+    def fake_run_seed(task, seed, out, **kwargs):
+        calls.append(kwargs["eval_split"])
+        results = {"task": task, "seed": seed, "sft_steps": None, "rl_steps": 3, "eval_size": 3,
+                   "eval_split": kwargs["eval_split"], "training_tool_calls": {},
+                   "eval": {"sft/with_tools": {**entry}, "grpo/with_tools": {**entry, "correct": [1.0, 1.0, 0.0]}}}
+        bench.atomic_write_json(out / task / f"s{seed}" / "results.json", results)
+        return results
+
+    monkeypatch.setattr(bench, "run_seed", fake_run_seed)
+    out = tmp_path / "out"
+    assert bench.main(["run", "--task", "calc", "--seeds", "0", "--eval-split", "val", "--out", str(out)]) == 0
+    assert calls == ["val"]
+    text = (out / "report.md").read_text()
+    assert "3 validation items (not the test split)" in text
+    assert "- grpo/with_tools: level 1 1/1, level 2 1/1, level 3 0/1" in text
+    monkeypatch.undo()
+    with pytest.raises(ValueError, match="evaluated on the val split, not test"):
+        load_bench("bench_agents").run_seed("calc", 0, out, sft_steps=1, rl_steps=1, eval_size=3)

@@ -34,6 +34,20 @@ def test_synth_task_is_the_test_split():
     assert [row["id"] for row in again] == [row["id"] for row in rows]
 
 
+def test_synth_val_split_is_disjoint_from_the_test_split():
+    """synth_split="val": the validation items (to choose settings on), none of them a test item; a bad split is
+    refused when the name is resolved, before anything loads."""
+    from mmpo.data.synthetic import make_items
+
+    val = load_benchmark_rows(resolve_benchmark("synth/calc", synth_size=20, synth_seed=5, synth_split="val"))
+    test = load_benchmark_rows(resolve_benchmark("synth/calc", synth_size=20, synth_seed=5))
+    assert [row["id"] for row in val] == [f"calc-val-s5-{i}" for i in range(20)]
+    assert [row["problem"] for row in val] == [row["problem"] for row in make_items("calc", 20, seed=5, split="val")]
+    assert not {row["problem"] for row in val} & {row["problem"] for row in test}
+    with pytest.raises(ValueError, match="synth_split must be 'test' or 'val', got 'train'"):
+        resolve_benchmark("synth/calc", synth_split="train")
+
+
 def test_synth_all_interleaves_tasks_so_limit_keeps_a_mix():
     rows = load_benchmark_rows(resolve_benchmark("synth/all", synth_size=2), limit=len(TASKS))
     assert [row["task"] for row in rows] == list(TASKS)
