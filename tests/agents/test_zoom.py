@@ -98,6 +98,7 @@ def test_zoom_task_items():
                if row["images"][0].getpixel((x, y)) == (220, 20, 20)]
         assert red and all(bbox[0] <= x < bbox[2] and bbox[1] <= y < bbox[3] for x, y in red)
         assert answer["content"] == f"<think>The zoomed box shows {row['answer']}.</think><answer>{row['answer']}</answer>"
+    assert len(jitters) > 5 and len(crops) > 5 and all(len(images) == 1 for images in crops.values())
 
 
 @pytest.fixture(scope="module")
@@ -301,18 +302,24 @@ def test_zoom_digit_read_rows_are_the_crops_of_zoom_digit_at_items():
 
 
 def test_zoom_digit_box_names_a_28_pixel_square_around_the_digit():
-    """zoom_digit_box's question names [cx - 14, cy - 14, cx + 14, cy + 14] around the digit's centre (49, 49) in
-    its cell (so [35, 35, 63, 63] in the cell at the origin), the call copies it, the crop is that region, and every
-    black pixel of the glyph lies inside the box."""
+    """zoom_digit_box's question names [cx - 14, cy - 14, cx + 14, cy + 14] around the drawn digit's centre (49, 49)
+    in its cell plus the jitter (so [35, 35, 63, 63] in the cell at the origin without jitter), the call copies it,
+    the crop is that region, every black pixel of the glyph lies inside the box, and the crop is the same image for
+    every item with the same digit (at most 10 distinct crops)."""
     from mmpo.data.synthetic.agent_tasks import zoom_digit_box
 
     assert zoom_digit_box(0, 0, 56) == [35, 35, 63, 63]
-    assert zoom_digit_box(112, 224, 56) == [147, 259, 175, 287]
-    for row in make_items("zoom_digit_box", 8, seed=0):
+    assert zoom_digit_box(112, 224, 56, -2, 1) == [145, 260, 173, 288]
+    crops: dict[str, set[bytes]] = {}
+    jitters = set()
+    for row in make_items("zoom_digit_box", 24, seed=0):
         call, tool, answer = row["tool_trace"]
         bbox = json.loads(call["content"].split("\n")[1])["arguments"]["bbox_2d"]
-        x0, y0 = bbox[0] - 35, bbox[1] - 35
-        assert x0 % 112 == 0 and y0 % 112 == 0 and bbox == zoom_digit_box(x0, y0, 56)
+        x0, y0 = (bbox[0] - 33) // 112 * 112, (bbox[1] - 33) // 112 * 112
+        dx, dy = bbox[0] - x0 - 35, bbox[1] - y0 - 35
+        assert -2 <= dx <= 2 and -2 <= dy <= 2 and bbox == zoom_digit_box(x0, y0, 56, dx, dy)
+        jitters.add((dx, dy))
+        crops.setdefault(row["answer"], set()).add(tool["content"][0]["image"].tobytes())
         assert row["problem"] == (f"The image is 448x448 pixels. The digit is in the box [{', '.join(map(str, bbox))}]."
                                   " What digit is written in the red box?")
         crop = tool["content"][0]["image"]
@@ -321,6 +328,7 @@ def test_zoom_digit_box_names_a_28_pixel_square_around_the_digit():
                  if sum(row["images"][0].getpixel((x, y))) < 200]
         assert black and all(bbox[0] < x < bbox[2] - 1 and bbox[1] < y < bbox[3] - 1 for x, y in black)
         assert answer["content"] == f"<think>The zoomed box shows {row['answer']}.</think><answer>{row['answer']}</answer>"
+    assert len(jitters) > 5 and len(crops) > 5 and all(len(images) == 1 for images in crops.values())
 
 
 def test_zoom_digit_box_crop_is_enlarged_over_several_patches_with_min_pixels_at_the_maximum():

@@ -164,7 +164,7 @@ def _zoom_digit_item(rng: random.Random, image_size: int, *, located: bool, tigh
     dx, dy = rng.randint(-ZOOM_DIGIT_JITTER, ZOOM_DIGIT_JITTER), rng.randint(-ZOOM_DIGIT_JITTER, ZOOM_DIGIT_JITTER)
     draw_zoom_digit(draw, value, x0, y0, image_size, dx, dy)
     if tight:
-        bbox = zoom_digit_box(x0, y0, image_size)
+        bbox = zoom_digit_box(x0, y0, image_size, dx, dy)
         where = f" The digit is in the box [{bbox[0]}, {bbox[1]}, {bbox[2]}, {bbox[3]}]."
     else:
         bbox = [x0, y0, x0 + cell, y0 + cell]
@@ -172,12 +172,14 @@ def _zoom_digit_item(rng: random.Random, image_size: int, *, located: bool, tigh
     return _zoom_row(image, side, bbox, value, "digit", where=where)
 
 
-def zoom_digit_box(x0: int, y0: int, image_size: int) -> list[int]:
+def zoom_digit_box(x0: int, y0: int, image_size: int, dx: int = 0, dy: int = 0) -> list[int]:
     """The square of a quarter cell's side (28 pixels at the default size: Qwen-VL's patch x merge, the zoom tool's
-    smallest crop) centred where :func:`draw_zoom_digit` centres the digit of the cell at ``(x0, y0)``: the digit, at
-    every jitter, lies inside it (tests/agents/test_zoom.py)."""
+    smallest crop) centred where :func:`draw_zoom_digit` centres the digit of the cell at ``(x0, y0)`` moved by
+    ``(dx, dy)``: the box follows the digit's jitter, so the crop shows the glyph at one place (10 possible crops),
+    while the whole image keeps the sub-pixel jitter that makes the 112 x 112 view unreadable
+    (tests/agents/test_zoom.py)."""
     cell = ZOOM_SCALE * image_size // ZOOM_GRID
-    cx, cy, half = x0 + 7 * cell // 16, y0 + 7 * cell // 16, cell // 8
+    cx, cy, half = x0 + 7 * cell // 16 + dx, y0 + 7 * cell // 16 + dy, cell // 8
     return [cx - half, cy - half, cx + half, cy + half]
 
 
@@ -204,8 +206,10 @@ def zoom_digit_at(rng: random.Random, difficulty: int, image_size: int) -> dict[
 @register_task("zoom_digit_box")
 def zoom_digit_box_task(rng: random.Random, difficulty: int, image_size: int) -> dict[str, Any]:
     """``zoom_digit`` whose question names a tight box around the digit (``The digit is in the box [147, 259, 175,
-    287].``: :func:`zoom_digit_box`, 28 x 28 pixels), which the call copies: the crop is the glyph's neighbourhood,
-    small enough for the processor to enlarge it. With a pixel budget whose minimum is its maximum
+    287].``: :func:`zoom_digit_box`, 28 x 28 pixels centred on the drawn glyph), which the call copies: the crop is
+    the glyph's neighbourhood, the same image for every item with that digit (the tiny VLM's one-block vision tower
+    does not learn to read the jittered glyph of ``zoom_digit_read``'s crops, bench/RESULTS.md), small enough for the
+    processor to enlarge it. The box's coordinates tell the jitter, not the digit. With a pixel budget whose minimum is its maximum
     (``build_tiny_vlm(min_pixels=max_pixels=112 * 112)``, as Qwen2.5-VL's large ``min_pixels`` enlarges every small
     crop) the 28 x 28 crop is seen at 112 x 112: the 7 x 9 glyph becomes 28 x 36 pixels over several 14-pixel
     patches, while the whole 448 x 448 image is still seen at 112 x 112 (the glyph about 2 x 2 pixels)."""
