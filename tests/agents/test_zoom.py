@@ -291,14 +291,18 @@ def test_zoom_digit_read_rows_are_the_crops_of_zoom_digit_at_items():
             crop = item["tool_trace"][1]["content"][0]["image"]
             assert row["images"][0].size == (side, side) and row["images"][0].tobytes() == crop.tobytes()
             assert row["answer"] == item["answer"] and row["answer"] in "0123456789"
-            assert row["problem"] == (f"The image is a zoomed {side}x{side} view. "
-                                      "What digit is written in the red box?")
+            bbox = json.loads(item["tool_trace"][0]["content"].split("\n")[1])["arguments"]["bbox_2d"]
+            assert row["problem"] == (f"The image is a zoomed {side}x{side} view of the box "
+                                      f"[{', '.join(map(str, bbox))}]. What digit is written in the red box?")
             assert row["tool_trace"] == [item["tool_trace"][2]]
             assert row["tool_trace"][0]["content"] == (f"<think>The zoomed box shows {row['answer']}.</think>"
                                                        f"<answer>{row['answer']}</answer>")
     held_out = make_items("zoom_digit_read", 8, seed=0, split="test")
     train = make_items("zoom_digit_read", 8, seed=0)
     assert all(a["images"][0].tobytes() != b["images"][0].tobytes() for a in train for b in held_out)
+    # zoom_digit_box_read has 10 crops; the box in the question spreads every digit over the splits
+    for split in ("train", "test"):
+        assert {row["answer"] for row in make_items("zoom_digit_box_read", 100, seed=0, split=split)} == set("0123456789")
 
 
 def test_zoom_digit_box_names_a_28_pixel_square_around_the_digit():

@@ -217,12 +217,17 @@ def zoom_digit_box_task(rng: random.Random, difficulty: int, image_size: int) ->
 
 
 def _reading_row(item: dict[str, Any]) -> dict[str, Any]:
-    """A row whose image is ``item``'s zoom crop and whose answer is its digit (see :func:`zoom_digit_read`)."""
+    """A row whose image is ``item``'s zoom crop and whose answer is its digit (see :func:`zoom_digit_read`). The
+    question names the zoomed box, so rows differ in content even where crops repeat (``zoom_digit_box_read`` has
+    10 crops): the registry's content-hash split then puts every digit in every split, not each digit's one crop
+    in one split."""
     crop, value = item["tool_trace"][1]["content"][0]["image"], item["answer"]
     width, height = crop.size
+    bbox = json.loads(item["tool_trace"][0]["content"].split("\n")[1])["arguments"]["bbox_2d"]
     return {
         "images": [crop], "answer": value,
-        "problem": f"The image is a zoomed {width}x{height} view. What digit is written in the red box?",
+        "problem": f"The image is a zoomed {width}x{height} view of the box [{', '.join(map(str, bbox))}]. "
+                   "What digit is written in the red box?",
         "steps": [f"The zoomed view shows {value}.", f"So the answer is {value}."], "key_steps": [[value]],
         "needs_image": True, "image_description": f"A {width}x{height} zoomed view holding a digit.",
         "rationale": "I read the digit in the zoomed view.",
