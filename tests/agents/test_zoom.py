@@ -98,7 +98,6 @@ def test_zoom_task_items():
                if row["images"][0].getpixel((x, y)) == (220, 20, 20)]
         assert red and all(bbox[0] <= x < bbox[2] and bbox[1] <= y < bbox[3] for x, y in red)
         assert answer["content"] == f"<think>The zoomed box shows {row['answer']}.</think><answer>{row['answer']}</answer>"
-    assert len(jitters) > 5 and len(crops) > 5 and all(len(images) == 1 for images in crops.values())
 
 
 @pytest.fixture(scope="module")
