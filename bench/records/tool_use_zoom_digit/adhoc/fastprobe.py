@@ -11,6 +11,9 @@ vision_mode = sys.argv[5] if len(sys.argv) > 5 else "train"   # train | freeze |
 bs = 16
 model, processor = load_model(path); tok = processor.tokenizer
 train = make_items(task, 2000, seed=0); test = make_items(task, 100, seed=0, split="test")
+if len(sys.argv) > 6 and sys.argv[6] == "constq":  # one question for every row: only the image tells the digit
+    for r in train + test:
+        r["problem"] = "What digit is written in the zoomed view?"
 digits = [tok(str(d), add_special_tokens=False)["input_ids"] for d in range(10)]
 assert all(len(d) == 1 for d in digits), digits
 digit_ids = torch.tensor([d[0] for d in digits])
