@@ -29,6 +29,15 @@ Stages (each resumable: finished work is skipped)::
     python bench/bench_agents.py run --task codebook_pair --seeds 0 1 2 3 4 --sft-start SFT_DIR --out runs/bench_agents
     python bench/bench_agents.py report --out runs/bench_agents      # -> OUT/report.md
 
+The tiny VLM's reading of zoom's digit (bench/RESULTS.md, "Tool use on zoom"): ``--task zoom_digit_read`` /
+``zoom_digit_box_read`` are reading probes (the image is the crop, the answer its digit; SFT them, then ``diagnose``);
+``--sft-aux-task zoom_digit_box_read`` mixes such rows into a zoom task's SFT warm-up (auxiliary data, equal shares);
+``--model-size KEY=INTEGER`` (repeatable) changes the tiny model the SFT starts from, e.g. ``min_pixels=12544`` (the
+pixel budget's minimum at its maximum: ``zoom_digit_box``'s 28 x 28 crop is seen enlarged to 112 x 112)::
+
+    python bench/bench_agents.py run --task zoom_digit_box --model-size min_pixels=12544 \
+        --sft-aux-task zoom_digit_box_read --seeds 0 1 2 3 4 --sft-steps 300 --rl-steps 20 --eval-size 50 --out OUT
+
 RL from SFT checkpoints made elsewhere (codebook's start needs two SFT runs, see bench/RESULTS.md): ``--sft-start
 DIR`` (one start for every seed) or ``--sft-start runs/s{seed}/sft`` (each seed's own); ``--rl-lr`` and
 ``--rl-override KEY=VALUE`` (repeatable) change every RL run.
@@ -76,6 +85,20 @@ TASKS = {
                           algos={"grpo": "zoom_grpo_tiny.yaml"}, sft="zoom_sft_tiny.yaml", tool_tokenizer=True,
                           overrides=["--data.init_args.tasks=[zoom_digit_at]"],
                           rl_overrides=["--model.init_args.agent.max_total_tokens=160"]),
+    # the box named in the question is a 28 x 28 square around the digit; with a model whose min_pixels is its
+    # max_pixels (--model-size min_pixels=12544) the crop is seen enlarged 4x, the glyph over several patches
+    "zoom_digit_box": dict(kind="vlm", tools=["image_zoom_in_tool"], max_new_tokens=64,
+                           algos={"grpo": "zoom_grpo_tiny.yaml"}, sft="zoom_sft_tiny.yaml", tool_tokenizer=True,
+                           overrides=["--data.init_args.tasks=[zoom_digit_box]"],
+                           rl_overrides=["--model.init_args.agent.max_total_tokens=160"]),
+    # reading probes: the image is the crop of a zoom_digit_at / zoom_digit_box item, the answer its digit, no tool
+    # call (SFT and diagnose; as --sft-aux-task, auxiliary rows of the zoom SFT warm-up)
+    "zoom_digit_read": dict(kind="vlm", tools=["image_zoom_in_tool"], max_new_tokens=64, algos={},
+                            sft="zoom_sft_tiny.yaml", tool_tokenizer=True,
+                            overrides=["--data.init_args.tasks=[zoom_digit_read]"]),
+    "zoom_digit_box_read": dict(kind="vlm", tools=["image_zoom_in_tool"], max_new_tokens=64, algos={},
+                                sft="zoom_sft_tiny.yaml", tool_tokenizer=True,
+                                overrides=["--data.init_args.tasks=[zoom_digit_box_read]"]),
 }
 MODEL_SIZE: dict[str, dict[str, int]] = {"text": {}, "vlm": {}}
 """Sizes passed to the tiny builders (empty: their defaults, the sizes ``mmpo build-tiny`` writes)."""
@@ -250,7 +273,8 @@ def run_seed(task: str, seed: int, out: Path, *, sft_steps: int, rl_steps: int, 
     path = root / "results.json"
     results: dict[str, Any] = json.loads(path.read_text()) if path.exists() else {
         "task": task, "seed": seed, "sft_steps": sft_steps, "rl_steps": rl_steps, "eval_size": eval_size,
-        "eval": {}, "training_tool_calls": {}, "rl_overrides": list(RL_OVERRIDES), "eval_split": eval_split}
+        "eval": {}, "training_tool_calls": {}, "rl_overrides": list(RL_OVERRIDES), "eval_split": eval_split,
+        "sft_overrides": list(SFT_OVERRIDES), "model_size": dict(MODEL_SIZE[spec["kind"]])}
     if results.get("eval_split", "test") != eval_split:
         raise ValueError(f"{path} was evaluated on the {results.get('eval_split', 'test')} split, not {eval_split}: "
                          "use another --out")
@@ -433,6 +457,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     run.add_argument("--eval-split", choices=["test", "val"], default="test",
                      help="evaluate on the held-out test items (default) or on validation items, to choose RL "
                           "settings without looking at the test items")
+    run.add_argument("--model-size", action="append", default=[], metavar="KEY=VALUE",
+                     help="a size of the tiny model the SFT starts from (build_tiny_vlm / build_tiny_text_lm keyword, "
+                          "integer), e.g. min_pixels=12544 or vision_depth=2 (repeatable)")
+    run.add_argument("--sft-aux-task", action="append", default=[], metavar="TASK",
+                     help="auxiliary rows of the SFT warm-up: another synthetic task mixed into the task's training "
+                          "rows in equal shares, e.g. zoom_digit_read (repeatable)")
     run.add_argument("--out", type=Path, required=True)
     rep = sub.add_parser("report", help="tables over the finished seeds -> OUT/report.md")
     rep.add_argument("--out", type=Path, required=True)
@@ -452,6 +482,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.stage == "run":
         if args.rl_lr is not None:
             RL_OVERRIDES.append(f"--model.init_args.optim.lr={args.rl_lr}")
+        kind = TASKS[args.task]["kind"]
+        for size in args.model_size:
+            key, _, value = size.partition("=")
+            if not value or not value.lstrip("-").isdigit():
+                parser.error(f"--model-size {size!r}: expected KEY=INTEGER")
+            MODEL_SIZE[kind][key] = int(value)
+        for aux in args.sft_aux_task:
+            if aux not in TASKS or TASKS[aux]["kind"] != kind:
+                parser.error(f"--sft-aux-task {aux!r}: not a {kind} task of this bench ({sorted(TASKS)})")
+        if args.sft_aux_task:
+            SFT_OVERRIDES.append(f"--data.init_args.tasks=[{','.join([args.task, *args.sft_aux_task])}]")
         for override in args.rl_override:
             if "=" not in override:
                 parser.error(f"--rl-override {override!r}: expected KEY=VALUE")

@@ -305,3 +305,36 @@ def test_bench_agents_evaluates_on_the_validation_split(tmp_path, monkeypatch):
     monkeypatch.undo()
     with pytest.raises(ValueError, match="evaluated on the val split, not test"):
         load_bench("bench_agents").run_seed("calc", 0, out, sft_steps=1, rl_steps=1, eval_size=3)
+
+
+def test_bench_agents_model_size_and_sft_aux_task(tmp_path, monkeypatch):
+    """--model-size KEY=INTEGER reaches the tiny builder's sizes of the task's kind; --sft-aux-task mixes another task
+    into the SFT's data (one override naming both, after the task's own); a
+    malformed size, or an aux task of another kind, is refused."""
+    import pytest
+
+    bench = load_bench("bench_agents")
+    monkeypatch.setitem(bench.MODEL_SIZE, "vlm", {})
+    monkeypatch.setattr(bench, "SFT_OVERRIDES", [])
+    monkeypatch.setattr(bench, "RL_OVERRIDES", [])
+    built, fits = [], []
+    monkeypatch.setattr("mmpo.vlm.factory.build_tiny_vlm", lambda path, **kwargs: built.append(kwargs))
+    monkeypatch.setattr("mmpo.vlm.factory.tool_task_corpus", lambda task, tools, vlm: [task])
+
+    def fake_fit(config, run, model_path, output, steps, seed, extra):
+        fits.append((config, list(extra)))
+        raise RuntimeError("stop after the SFT's arguments")
+
+    monkeypatch.setattr(bench, "_fit", fake_fit)
+    with pytest.raises(RuntimeError, match="stop after"):
+        bench.main(["run", "--task", "zoom_digit_box", "--seeds", "0", "--sft-steps", "5", "--model-size",
+                    "min_pixels=12544", "--model-size", "vision_depth=2", "--sft-aux-task", "zoom_digit_box_read",
+                    "--out", str(tmp_path)])
+    assert built == [dict(seed=0, min_pixels=12544, vision_depth=2, corpus=["zoom_digit_box"])]
+    assert fits == [("zoom_sft_tiny.yaml", ["--data.init_args.seed=0", "--data.init_args.tasks=[zoom_digit_box]",
+                                            "--data.init_args.tasks=[zoom_digit_box,zoom_digit_box_read]"])]
+    assert bench.SFT_OVERRIDES == ["--data.init_args.tasks=[zoom_digit_box,zoom_digit_box_read]"]
+    for bad in (["--model-size", "vision_depth=two"], ["--model-size", "vision_depth"],
+                ["--sft-aux-task", "codebook"], ["--sft-aux-task", "nope"]):
+        with pytest.raises(SystemExit):
+            bench.main(["run", "--task", "zoom_digit_box", *bad, "--out", str(tmp_path)])

@@ -273,3 +273,90 @@ def test_zoom_digit_is_unreadable_at_the_model_resolution_and_readable_in_the_cr
     templates = {glyph(_digit_cell(str(digit), 0, 0)): digit for digit in range(10)}
     assert len(templates) == 10
     assert [templates.get(glyph(image)) for _, image in renders] == labels.tolist()
+
+
+def test_zoom_digit_read_rows_are_the_crops_of_zoom_digit_at_items():
+    """zoom_digit_read: the image is exactly the crop zoom_digit_at's call returns (same generator draws, so row k
+    of one task is row k of the other when both come from the same seed's rng), the trace is the final message
+    alone; zoom_digit_box_read the same for zoom_digit_box's 28 x 28 crop."""
+    import random
+
+    from mmpo.data.synthetic.agent_tasks import (zoom_digit_at, zoom_digit_box_read, zoom_digit_box_task,
+                                                 zoom_digit_read)
+
+    for read, source, side in ((zoom_digit_read, zoom_digit_at, 112), (zoom_digit_box_read, zoom_digit_box_task, 28)):
+        for seed in range(4):
+            row, item = read(random.Random(seed), 1, 56), source(random.Random(seed), 1, 56)
+            crop = item["tool_trace"][1]["content"][0]["image"]
+            assert row["images"][0].size == (side, side) and row["images"][0].tobytes() == crop.tobytes()
+            assert row["answer"] == item["answer"] and row["answer"] in "0123456789"
+            bbox = json.loads(item["tool_trace"][0]["content"].split("\n")[1])["arguments"]["bbox_2d"]
+            assert row["problem"] == (f"The image is a zoomed {side}x{side} view of the box "
+                                      f"[{', '.join(map(str, bbox))}]. What digit is written in the red box?")
+            assert row["tool_trace"] == [item["tool_trace"][2]]
+            assert row["tool_trace"][0]["content"] == (f"<think>The zoomed box shows {row['answer']}.</think>"
+                                                       f"<answer>{row['answer']}</answer>")
+    held_out = make_items("zoom_digit_read", 8, seed=0, split="test")
+    train = make_items("zoom_digit_read", 8, seed=0)
+    assert all(a["images"][0].tobytes() != b["images"][0].tobytes() for a in train for b in held_out)
+    # zoom_digit_box_read has 10 crops; the box in the question spreads every digit over the splits
+    for split in ("train", "test"):
+        assert {row["answer"] for row in make_items("zoom_digit_box_read", 100, seed=0, split=split)} == set("0123456789")
+
+
+def test_zoom_digit_box_names_a_28_pixel_square_around_the_digit():
+    """zoom_digit_box's question names [cx - 14, cy - 14, cx + 14, cy + 14] around the drawn digit's centre (49, 49)
+    in its cell plus the jitter (so [35, 35, 63, 63] in the cell at the origin without jitter), the call copies it,
+    the crop is that region, every black pixel of the glyph lies inside the box, and the crop is the same image for
+    every item with the same digit (at most 10 distinct crops)."""
+    from mmpo.data.synthetic.agent_tasks import zoom_digit_box
+
+    assert zoom_digit_box(0, 0, 56) == [35, 35, 63, 63]
+    assert zoom_digit_box(112, 224, 56, -2, 1) == [145, 260, 173, 288]
+    crops: dict[str, set[bytes]] = {}
+    jitters = set()
+    for row in make_items("zoom_digit_box", 24, seed=0):
+        call, tool, answer = row["tool_trace"]
+        bbox = json.loads(call["content"].split("\n")[1])["arguments"]["bbox_2d"]
+        x0, y0 = (bbox[0] - 33) // 112 * 112, (bbox[1] - 33) // 112 * 112
+        dx, dy = bbox[0] - x0 - 35, bbox[1] - y0 - 35
+        assert -2 <= dx <= 2 and -2 <= dy <= 2 and bbox == zoom_digit_box(x0, y0, 56, dx, dy)
+        jitters.add((dx, dy))
+        crops.setdefault(row["answer"], set()).add(tool["content"][0]["image"].tobytes())
+        assert row["problem"] == (f"The image is 448x448 pixels. The digit is in the box [{', '.join(map(str, bbox))}]."
+                                  " What digit is written in the red box?")
+        crop = tool["content"][0]["image"]
+        assert crop.size == (28, 28) and crop.tobytes() == row["images"][0].crop(tuple(bbox)).tobytes()
+        black = [(x, y) for y in range(y0, y0 + 112) for x in range(x0, x0 + 112)
+                 if sum(row["images"][0].getpixel((x, y))) < 200]
+        assert black and all(bbox[0] < x < bbox[2] - 1 and bbox[1] < y < bbox[3] - 1 for x, y in black)
+        assert answer["content"] == f"<think>The zoomed box shows {row['answer']}.</think><answer>{row['answer']}</answer>"
+    assert len(jitters) > 5 and len(crops) > 5 and all(len(images) == 1 for images in crops.values())
+
+
+def test_zoom_digit_box_crop_is_enlarged_over_several_patches_with_min_pixels_at_the_maximum():
+    """The processor's view of the crops: with the tiny VLM's default budget (min 56 x 56) zoom_digit_at's 112 x 112
+    crop stays 112 x 112 and its glyph's ink lies in one 14-pixel patch; with min_pixels = max_pixels = 112 x 112,
+    zoom_digit_box's 28 x 28 crop is enlarged to 112 x 112 (4x) and the ink covers several patches and at least two
+    of the 2 x 2 merged vision tokens, while the whole 448 x 448 image is still seen at 112 x 112."""
+    import numpy as np
+    from qwen_vl_utils import fetch_image
+
+    from mmpo.vlm.factory import TINY_MAX_PIXELS, TINY_MIN_PIXELS
+
+    def inked_patches(view: Image.Image, size: int) -> set[tuple[int, int]]:
+        ink = (np.asarray(view) < 100).all(-1)  # black: the glyph, not the red box
+        ys, xs = np.nonzero(ink)
+        return {(int(y) // size, int(x) // size) for y, x in zip(ys, xs)}
+
+    for row in make_items("zoom_digit_at", 4, seed=0):
+        crop = row["tool_trace"][1]["content"][0]["image"]
+        view = fetch_image({"image": crop, "min_pixels": TINY_MIN_PIXELS, "max_pixels": TINY_MAX_PIXELS})
+        assert view.size == (112, 112) and inked_patches(view, 14) == {(3, 3)}
+    for row in make_items("zoom_digit_box", 4, seed=0):
+        crop = row["tool_trace"][1]["content"][0]["image"]
+        view = fetch_image({"image": crop, "min_pixels": TINY_MAX_PIXELS, "max_pixels": TINY_MAX_PIXELS})
+        assert view.size == (112, 112)
+        assert len(inked_patches(view, 14)) >= 4 and len(inked_patches(view, 28)) >= 2
+        whole = fetch_image({"image": row["images"][0], "min_pixels": TINY_MAX_PIXELS, "max_pixels": TINY_MAX_PIXELS})
+        assert whole.size == (112, 112)

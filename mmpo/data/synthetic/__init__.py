@@ -34,7 +34,8 @@ TEXT_TEACHER_TASKS: tuple[str, ...] = ("inventory",)
 """Text tasks the tiny text LM learns, whose questions name a colour: the text quickstart's abstaining-teacher
 evidence (mmpo.data.synthetic.text_tasks, mmpo.data.demonstrations; docs/llm.md)."""
 
-AGENT_TASKS: tuple[str, ...] = ("calc", "zoom", "zoom_digit", "zoom_digit_at", "twohop", "codebook", "codebook_pair")
+AGENT_TASKS: tuple[str, ...] = ("calc", "zoom", "zoom_digit", "zoom_digit_at", "zoom_digit_read", "zoom_digit_box",
+                                "zoom_digit_box_read", "twohop", "codebook", "codebook_pair")
 """Tasks where a tool must help (mmpo.data.synthetic.agent_tasks; docs/agents.md)."""
 
 TESTBED_TASKS: tuple[str, ...] = ("strategy_mix",)

@@ -155,15 +155,32 @@ def draw_zoom_digit(draw: Any, value: str, x0: int, y0: int, image_size: int, dx
     draw.text((cx - (right - left) // 2 - left, cy - (bottom - top) // 2 - top), value, fill=(0, 0, 0), font=text_font)
 
 
-def _zoom_digit_item(rng: random.Random, image_size: int, *, located: bool) -> dict[str, Any]:
+def _zoom_digit_item(rng: random.Random, image_size: int, *, located: bool, tight: bool = False) -> dict[str, Any]:
+    """A ``zoom_digit`` item. ``located``: the question names the box the call should zoom into; ``tight``: that box
+    is :func:`zoom_digit_box`'s (a quarter-cell square around the digit) instead of the red box's cell."""
     image, draw, side, x0, y0 = _zoom_canvas(rng, image_size)
     cell = side // ZOOM_GRID
     value = str(rng.randrange(10))
     dx, dy = rng.randint(-ZOOM_DIGIT_JITTER, ZOOM_DIGIT_JITTER), rng.randint(-ZOOM_DIGIT_JITTER, ZOOM_DIGIT_JITTER)
     draw_zoom_digit(draw, value, x0, y0, image_size, dx, dy)
-    bbox = [x0, y0, x0 + cell, y0 + cell]
-    where = f" The red box is in the cell [{bbox[0]}, {bbox[1]}, {bbox[2]}, {bbox[3]}]." if located else ""
+    if tight:
+        bbox = zoom_digit_box(x0, y0, image_size, dx, dy)
+        where = f" The digit is in the box [{bbox[0]}, {bbox[1]}, {bbox[2]}, {bbox[3]}]."
+    else:
+        bbox = [x0, y0, x0 + cell, y0 + cell]
+        where = f" The red box is in the cell [{bbox[0]}, {bbox[1]}, {bbox[2]}, {bbox[3]}]." if located else ""
     return _zoom_row(image, side, bbox, value, "digit", where=where)
+
+
+def zoom_digit_box(x0: int, y0: int, image_size: int, dx: int = 0, dy: int = 0) -> list[int]:
+    """The square of a quarter cell's side (28 pixels at the default size: Qwen-VL's patch x merge, the zoom tool's
+    smallest crop) centred where :func:`draw_zoom_digit` centres the digit of the cell at ``(x0, y0)`` moved by
+    ``(dx, dy)``: the box follows the digit's jitter, so the crop shows the glyph at one place (10 possible crops),
+    while the whole image keeps the sub-pixel jitter that makes the 112 x 112 view unreadable
+    (tests/agents/test_zoom.py)."""
+    cell = ZOOM_SCALE * image_size // ZOOM_GRID
+    cx, cy, half = x0 + 7 * cell // 16 + dx, y0 + 7 * cell // 16 + dy, cell // 8
+    return [cx - half, cy - half, cx + half, cy + half]
 
 
 @register_task("zoom_digit")
@@ -184,6 +201,55 @@ def zoom_digit_at(rng: random.Random, difficulty: int, image_size: int) -> dict[
     cell [224, 112, 336, 224].``): the call copies the box from the question instead of finding the box in the
     112 x 112 view (which the tiny VLM does not learn, docs/agents.md), and the digit is still read from the crop."""
     return _zoom_digit_item(rng, image_size, located=True)
+
+
+@register_task("zoom_digit_box")
+def zoom_digit_box_task(rng: random.Random, difficulty: int, image_size: int) -> dict[str, Any]:
+    """``zoom_digit`` whose question names a tight box around the digit (``The digit is in the box [147, 259, 175,
+    287].``: :func:`zoom_digit_box`, 28 x 28 pixels centred on the drawn glyph), which the call copies: the crop is
+    the glyph's neighbourhood, the same image for every item with that digit (the tiny VLM's one-block vision tower
+    does not learn to read the jittered glyph of ``zoom_digit_read``'s crops, bench/RESULTS.md), small enough for the
+    processor to enlarge it. The box's coordinates tell the jitter, not the digit. With a pixel budget whose minimum is its maximum
+    (``build_tiny_vlm(min_pixels=max_pixels=112 * 112)``, as Qwen2.5-VL's large ``min_pixels`` enlarges every small
+    crop) the 28 x 28 crop is seen at 112 x 112: the 7 x 9 glyph becomes 28 x 36 pixels over several 14-pixel
+    patches, while the whole 448 x 448 image is still seen at 112 x 112 (the glyph about 2 x 2 pixels)."""
+    return _zoom_digit_item(rng, image_size, located=True, tight=True)
+
+
+def _reading_row(item: dict[str, Any]) -> dict[str, Any]:
+    """A row whose image is ``item``'s zoom crop and whose answer is its digit (see :func:`zoom_digit_read`). The
+    question names the zoomed box, so rows differ in content even where crops repeat (``zoom_digit_box_read`` has
+    10 crops): the registry's content-hash split then puts every digit in every split, not each digit's one crop
+    in one split."""
+    crop, value = item["tool_trace"][1]["content"][0]["image"], item["answer"]
+    width, height = crop.size
+    bbox = json.loads(item["tool_trace"][0]["content"].split("\n")[1])["arguments"]["bbox_2d"]
+    return {
+        "images": [crop], "answer": value,
+        "problem": f"The image is a zoomed {width}x{height} view of the box [{', '.join(map(str, bbox))}]. "
+                   "What digit is written in the red box?",
+        "steps": [f"The zoomed view shows {value}.", f"So the answer is {value}."], "key_steps": [[value]],
+        "needs_image": True, "image_description": f"A {width}x{height} zoomed view holding a digit.",
+        "rationale": "I read the digit in the zoomed view.",
+        "tool_trace": [{"role": "assistant",
+                        "content": f"<think>The zoomed box shows {value}.</think><answer>{value}</answer>"}],
+    }
+
+
+@register_task("zoom_digit_read")
+def zoom_digit_read(rng: random.Random, difficulty: int, image_size: int) -> dict[str, Any]:
+    """The reading part of ``zoom_digit_at`` alone: the image IS the crop its zoom call returns (the red box's
+    112 x 112 cell at full resolution), the answer its digit. No tool: ``tool_trace`` is the one final message a zoom
+    trace ends with (``<think>The zoomed box shows N.</think><answer>N</answer>``), so SFT on these rows trains the
+    very tokens where a zoom trace reads the crop. A reading probe (can the VLM read the digit from the crop at
+    all?) and auxiliary rows of the zoom SFT warm-up (docs/agents.md, ``bench/bench_agents.py --sft-aux-task``)."""
+    return _reading_row(_zoom_digit_item(rng, image_size, located=True))
+
+
+@register_task("zoom_digit_box_read")
+def zoom_digit_box_read(rng: random.Random, difficulty: int, image_size: int) -> dict[str, Any]:
+    """:func:`zoom_digit_read` for ``zoom_digit_box``: the image is its 28 x 28 crop around the digit."""
+    return _reading_row(_zoom_digit_item(rng, image_size, located=True, tight=True))
 
 
 _FIRST_NAMES = ("Ada", "Bram", "Cleo", "Dario", "Edda", "Femi", "Gus", "Hana", "Ivo", "Juno", "Kai", "Lena")
