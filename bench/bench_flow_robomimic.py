@@ -1,5 +1,5 @@
-"""Benchmark (issue 44): BC -> DPPO, BC -> ReinFlow, BC -> FPO and BC -> DSRL on robosuite Lift, same demos, same
-env-step budget, paired deterministic evaluations over seeds.
+"""Benchmark (issue 44): BC -> DPPO, BC -> ReinFlow, BC -> FPO and BC -> DSRL on robosuite Lift (or Can, ``--task
+can``), same demos, same env-step budget, paired deterministic evaluations over seeds.
 
 Per seed S, on one demo file:
 
@@ -11,8 +11,8 @@ Per seed S, on one demo file:
   ``<out-dir>/bc_<family>_seed<S>.json``;
 - four fine-tunings, each of ``--env-steps`` env steps (``iterations`` = ceil(env steps / (num_envs x n_steps x 4)),
   :func:`plan`) capped at ``--max-minutes`` of wall time: DPPO from the diffusion BC; ReinFlow, FPO and DSRL from the
-  one flow BC. Settings: ``configs/robotics/<method>_lift.yaml``'s ``init_args`` with the bench's env, budget, seed
-  and no in-run evaluation; DSRL's networks, update-to-data ratio and warm-up from ``--dsrl-hidden`` /
+  one flow BC. Settings: ``configs/robotics/<method>_<task>.yaml``'s ``init_args`` (``<method>_lift.yaml`` where a
+  task has none, :func:`method_config`) with the bench's env, budget, seed and no in-run evaluation; DSRL's networks, update-to-data ratio and warm-up from ``--dsrl-hidden`` /
   ``--dsrl-utd`` / ``--dsrl-warmup-iterations`` (the config's 2048 x 3 at utd 30 is ~2 s per SAC step on one CPU
   thread) and its replay buffer sized to the run (it never overwrites). Each writes ``<out-dir>/seed<S>_<method>.json``
   (atomically, after every iteration and at the end) with the BC evaluation as ``before`` and the fine-tuned
@@ -113,13 +113,26 @@ def plan(args) -> dict:
             "chunk_steps_per_env": iterations * args.n_steps}
 
 
+def method_config(method: str, task: str) -> str:
+    """The config ``method`` reads its settings from on ``task``: ``<method>_<task>.yaml`` where the repository has
+    one (dppo_can.yaml), else ``<method>_lift.yaml``. The Lift settings stand for Can because the official Can configs
+    repeat them: ReinFlow/ReinFlow cfg/robomimic/finetune/can/ft_ppo_reflow_mlp_img.yaml differs from the lift one
+    only in n_train_itr (151 vs 81; the bench sets the budget), ajwagen/dsrl cfg/robomimic/dsrl_can.yaml from
+    dsrl_lift.yaml only in utd (20 vs 30; the bench sets ``--dsrl-utd``), and FPO has no robomimic config."""
+    from bench_finetuner_throughput import CONFIGS
+
+    own = f"{method}_{task}.yaml"
+    return own if (CONFIGS / own).is_file() else f"{method}_lift.yaml"
+
+
 def module_settings(method: str, bc_ckpt: Path, args, seed: int) -> tuple[str, dict]:
-    """(class path, init args) of ``method``'s fine-tuning module: its config's, with the bench's env (num_envs,
-    n_steps, episode length, subprocess envs), budget (:func:`plan`), seed, no in-run evaluation; DSRL's widths,
-    utd, warm-up (in chunk steps per env: whole iterations) and a buffer that holds the whole run."""
+    """(class path, init args) of ``method``'s fine-tuning module: its config's (:func:`method_config`), with the
+    bench's env (num_envs, n_steps, episode length, subprocess envs), budget (:func:`plan`), seed, no in-run
+    evaluation; DSRL's widths, utd, warm-up (in chunk steps per env: whole iterations) and a buffer that holds the
+    whole run."""
     from mmpo.robotics.config import merged_settings
 
-    class_path, init_args = model_init_args(f"{method}_lift.yaml")
+    class_path, init_args = model_init_args(method_config(method, args.task))
     budget = plan(args)
     overrides: dict = {"bc_checkpoint": str(bc_ckpt), "num_iterations": budget["iterations"], "env": rl_env(args),
                        "evaluation": {"every": 0}, "seed": seed}
@@ -284,6 +297,7 @@ def run_method(method: str, seed: int, args, out_dir: Path) -> dict:
     budget = plan(args)
     record = {"seed": seed, "method": method, "task": args.task, "status": "rl", "started": vs.utc_now(),
               "commit": vs.code_commit(), "demos": bc["demos"], "args": vars(args), "plan": budget,
+              "rl_config": f"configs/robotics/{method_config(method, args.task)}",
               "rl_settings": settings_record(settings), "bc": {"record": str(bc_path(out_dir, FAMILY[method], seed)),
                                                                "ckpt": bc["bc_ckpt"], "commit": bc["commit"]},
               "before": bc["before"], "before_episodes": bc["before_episodes"], "bc_seconds": bc["bc_seconds"],

@@ -70,6 +70,29 @@ def test_each_method_builds_its_config_with_the_bench_budget(bench):
     assert bench.eval_sampler("dsrl", args) is None and bench.eval_sampler("flow", args) is None
 
 
+def test_can_runs_with_can_settings_and_its_own_config_where_one_exists(bench):
+    args = bench.parse_args(["--task", "can", "--env-steps", "6000", "--sync-envs"])
+    # Can's bench defaults (mmpo/robotics/bench.py TASK_DEFAULTS): demo noise 0.3, 300-step episodes (the DPPO paper's
+    # Can config), so one episode per env is 75 chunk steps; 4 envs x 300 = 1,200 env steps per iteration
+    assert (args.task, args.noise, args.max_episode_steps, args.n_steps) == ("can", 0.3, 300, 75)
+    assert bench.plan(args) == {"iterations": 5, "env_steps_per_iteration": 1200, "env_steps": 6000,
+                                "chunk_steps_per_env": 375}
+    spec = bench.task_spec(args)
+    assert (spec.sim_name, spec.obs_dim, spec.action_dim) == ("PickPlaceCan", 23, 7)
+    # dppo_can.yaml exists; the flow methods have Lift configs only (the official Can ones repeat the Lift settings)
+    assert {m: bench.method_config(m, "can") for m in bench.METHODS} == {
+        "dppo": "dppo_can.yaml", "reinflow": "reinflow_lift.yaml", "fpo": "fpo_lift.yaml", "dsrl": "dsrl_lift.yaml"}
+    assert {m: bench.method_config(m, "lift") for m in bench.METHODS} == {m: f"{m}_lift.yaml" for m in bench.METHODS}
+    for method in bench.METHODS:
+        _, settings = bench.module_settings(method, Path("bc.ckpt"), args, seed=1)
+        env = settings["env"]
+        assert (env["num_envs"], env["n_steps"], env["max_episode_steps"]) == (4, 75, 300)
+        assert settings["num_iterations"] == 5
+    _, dsrl = bench.module_settings("dsrl", Path("bc.ckpt"), args, seed=1)
+    # one warm-up iteration = 75 chunk steps per env; the buffer holds 5 x 75 x 4 transitions
+    assert (dsrl["dsrl"]["warmup_chunk_steps"], dsrl["dsrl"]["buffer_size"]) == (75, 1500)
+
+
 def test_tasks_are_seed_major_and_wait_for_their_bc(bench, tmp_path):
     args = bench.parse_args(["--seeds", "0", "1", "--methods", "fpo", "dppo"])
     assert bench.tasks(args) == [("bc", "diffusion", 0), ("bc", "flow", 0), ("rl", "fpo", 0), ("rl", "dppo", 0),
