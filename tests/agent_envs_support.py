@@ -28,6 +28,42 @@ class ScriptedEnvironment:
                           info={"tool_calls": 1})
 
 
+class VariedAnswers(ScriptedEnvironment):
+    """:class:`ScriptedEnvironment` whose answers differ in length and text between trajectories (``salt``)."""
+
+    def __init__(self, salt: int, answers: int = 2) -> None:
+        super().__init__(answers)
+        self.salt = salt
+
+    def step(self, assistant_message):
+        result = super().step(assistant_message)
+        for message in result.observation:
+            message["content"] = "ok " * self.salt + message["content"] + f" {7 * self.salt}"
+        return result
+
+
+def biased_turn_end_head(model, processor, *, eos_bias: float, eos_row_scale: float, seed: int = 0):
+    """Gives ``model`` an lm_head whose turn-end logit is biased by ``eos_bias`` and depends on the context (a random
+    extra weight row, scaled by ``eos_row_scale``), so that greedy turns end after different numbers of tokens in
+    different trajectories; vision tokens at -40 (suppressed anyway). Returns (model in eval mode, processor)."""
+    import torch
+
+    from mmpo.vlm.processing import vision_token_ids
+
+    head = model.lm_head
+    biased = torch.nn.Linear(head.in_features, head.out_features, bias=True)
+    eos = model.generation_config.eos_token_id
+    with torch.no_grad():
+        biased.weight.copy_(head.weight)
+        biased.bias.zero_()
+        biased.bias[eos] = eos_bias
+        row = torch.randn(head.in_features, generator=torch.Generator().manual_seed(seed))
+        biased.weight[eos] += row * eos_row_scale
+        biased.bias[vision_token_ids(processor)] = -40.0
+    model.lm_head = biased
+    return model.eval(), processor
+
+
 class ZoomingEnvironment:
     """Answers the first two model turns with crops of the row's image (112 x 112, then 224 x 112)."""
 

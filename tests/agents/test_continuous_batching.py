@@ -10,61 +10,32 @@ from __future__ import annotations
 
 import pytest
 import torch
-from agent_envs_support import ScriptedEnvironment, VariedCrops
+from agent_envs_support import ScriptedEnvironment, VariedAnswers, VariedCrops, biased_turn_end_head
 from tiny_vlm_support import build_small_text_lm, build_small_vlm
 
 from mmpo.data.synthetic import make_items
 from mmpo.vlm.factory import load_vlm
 from mmpo.vlm.logprobs import completion_log_probs
 from mmpo.vlm.multiturn import MultiTurnEngine, completion_attention_mask
-from mmpo.vlm.processing import vision_token_ids
 from mmpo.vlm.rollout import HFGenerateEngine
-
-
-def _head(model, processor, *, eos_bias: float, eos_row_scale: float, seed: int = 0):
-    """An lm_head whose turn-end logit depends on the context (a random extra weight row), so that greedy turns
-    end after different numbers of tokens in different trajectories; vision tokens at -40 (suppressed anyway)."""
-    head = model.lm_head
-    biased = torch.nn.Linear(head.in_features, head.out_features, bias=True)
-    eos = model.generation_config.eos_token_id
-    with torch.no_grad():
-        biased.weight.copy_(head.weight)
-        biased.bias.zero_()
-        biased.bias[eos] = eos_bias
-        biased.weight[eos] += torch.randn(head.in_features, generator=torch.Generator().manual_seed(seed)) * eos_row_scale
-        biased.bias[vision_token_ids(processor)] = -40.0
-    model.lm_head = biased
-    return model.eval(), processor
 
 
 @pytest.fixture(scope="module")
 def text_lm(tmp_path_factory):
-    return _head(*load_vlm(build_small_text_lm(tmp_path_factory.mktemp("text"))), eos_bias=1.0, eos_row_scale=2.0)
+    return biased_turn_end_head(*load_vlm(build_small_text_lm(tmp_path_factory.mktemp("text"))), eos_bias=1.0,
+                                eos_row_scale=2.0)
 
 
 @pytest.fixture(scope="module")
 def vlm(tmp_path_factory):
-    return _head(*load_vlm(build_small_vlm(tmp_path_factory.mktemp("vlm"))), eos_bias=-4.0, eos_row_scale=2.0, seed=2)
-
-
-class _VariedAnswers(ScriptedEnvironment):
-    """:class:`ScriptedEnvironment` whose answers differ in length and text between trajectories (``salt``)."""
-
-    def __init__(self, salt: int, answers: int = 2) -> None:
-        super().__init__(answers)
-        self.salt = salt
-
-    def step(self, assistant_message):
-        result = super().step(assistant_message)
-        for message in result.observation:
-            message["content"] = "ok " * self.salt + message["content"] + f" {7 * self.salt}"
-        return result
+    return biased_turn_end_head(*load_vlm(build_small_vlm(tmp_path_factory.mktemp("vlm"))), eos_bias=-4.0,
+                                eos_row_scale=2.0, seed=2)
 
 
 CASES = {
     # name: (policy fixture, task, environment, max_tokens_per_turn, max_total_tokens)
-    "text": ("text_lm", "long_arithmetic", _VariedAnswers, 24, 300),
-    "text_cut": ("text_lm", "long_arithmetic", lambda salt: _VariedAnswers(salt, 10), 3, 40),  # budgets cut
+    "text": ("text_lm", "long_arithmetic", VariedAnswers, 24, 300),
+    "text_cut": ("text_lm", "long_arithmetic", lambda salt: VariedAnswers(salt, 10), 3, 40),  # budgets cut
     "vlm_images": ("vlm", "zoom", VariedCrops, 24, 300),
 }
 

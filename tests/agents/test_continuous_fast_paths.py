@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 import torch
-from agent_envs_support import ScriptedEnvironment, VariedCrops
+from agent_envs_support import ScriptedEnvironment, VariedAnswers, VariedCrops, biased_turn_end_head
 from tiny_vlm_support import build_small_text_lm, build_small_vlm
 from transformers import TemperatureLogitsWarper, TopPLogitsWarper
 
@@ -26,7 +26,6 @@ from mmpo.tools.env import Environment
 from mmpo.vlm.factory import load_vlm
 from mmpo.vlm.multiturn import (MultiTurnEngine, _embed_chunk, _multimodal_positions, _Trajectory,
                                 completion_attention_mask)
-from mmpo.vlm.processing import vision_token_ids
 from mmpo.vlm.rollout import HFGenerateEngine
 
 
@@ -264,35 +263,8 @@ FORCE_BIAS = 1.0e4  # the turn end's logit once min_new_tokens lets it: every ot
 
 
 def _policy(path, *, eos_bias: float, eos_row_scale: float, seed: int = 0):
-    """The tiny model with an lm_head whose turn-end logit is biased (and, with ``eos_row_scale``, depends on the
-    context, so turns end after different numbers of tokens in different trajectories)."""
-    model, processor = load_vlm(path)
-    head = model.lm_head
-    biased = torch.nn.Linear(head.in_features, head.out_features, bias=True)
-    eos = model.generation_config.eos_token_id
-    with torch.no_grad():
-        biased.weight.copy_(head.weight)
-        biased.bias.zero_()
-        biased.bias[eos] = eos_bias
-        row = torch.randn(head.in_features, generator=torch.Generator().manual_seed(seed))
-        biased.weight[eos] += row * eos_row_scale
-        biased.bias[vision_token_ids(processor)] = -40.0
-    model.lm_head = biased
-    return model.eval(), processor
-
-
-class _Salted(ScriptedEnvironment):
-    """Answers that differ in length and text between trajectories (``salt``)."""
-
-    def __init__(self, salt: int, answers: int = 2) -> None:
-        super().__init__(answers)
-        self.salt = salt
-
-    def step(self, assistant_message):
-        result = super().step(assistant_message)
-        for message in result.observation:
-            message["content"] = "ok " * self.salt + message["content"] + f" {7 * self.salt}"
-        return result
+    """The tiny model at ``path`` with a context-dependent, biased turn-end logit (:func:`biased_turn_end_head`)."""
+    return biased_turn_end_head(*load_vlm(path), eos_bias=eos_bias, eos_row_scale=eos_row_scale, seed=seed)
 
 
 @pytest.fixture(scope="module")
@@ -364,13 +336,13 @@ CASES = {
     "fixed": ("text", FORCE_BIAS, 0.0, 5, lambda n: [ScriptedEnvironment() for _ in range(n)], "long_arithmetic",
               24, 300, {}),
     # turns the model ends, answers of different lengths: rows of different lengths, some start turns alone
-    "varied": ("text", 1.0, 2.0, 0, lambda n: [_Salted(salt) for salt in range(n)], "long_arithmetic", 24, 300,
+    "varied": ("text", 1.0, 2.0, 0, lambda n: [VariedAnswers(salt) for salt in range(n)], "long_arithmetic", 24, 300,
                {"temperature": 0.7, "top_p": 0.9}),
     # the turn end banned in some rows' first 3 tokens of a turn and not in others'
-    "min_new_tokens": ("text", 1.0, 2.0, 3, lambda n: [_Salted(salt) for salt in range(n)], "long_arithmetic", 24,
+    "min_new_tokens": ("text", 1.0, 2.0, 3, lambda n: [VariedAnswers(salt) for salt in range(n)], "long_arithmetic", 24,
                        300, {}),
     # turns cut at 3 tokens, trajectories at 40: rows dropped mid-rollout
-    "cut": ("text", 1.0, 2.0, 0, lambda n: [_Salted(salt, 10) for salt in range(n)], "long_arithmetic", 3, 40, {}),
+    "cut": ("text", 1.0, 2.0, 0, lambda n: [VariedAnswers(salt, 10) for salt in range(n)], "long_arithmetic", 3, 40, {}),
     # a VLM whose tool answers are images (its layers take HF's call; the cache's fast paths still apply)
     "vlm_images": ("vlm", -4.0, 2.0, 0, lambda n: [VariedCrops(salt) for salt in range(n)], "zoom", 24, 300, {}),
 }
