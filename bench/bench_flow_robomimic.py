@@ -70,6 +70,27 @@ LABELS = {"dppo": "DPPO (diffusion)", "reinflow": "ReinFlow (flow)", "fpo": "FPO
 COLORS = {"dppo": "tab:blue", "reinflow": "tab:green", "fpo": "tab:red", "dsrl": "tab:purple"}
 #: the BC policy each method starts from
 FAMILY = {"dppo": "diffusion", "reinflow": "flow", "fpo": "flow", "dsrl": "flow"}
+#: methods whose records also hold a stochastic evaluation (``after_stochastic``), paired with the flow BC's
+#: (``before_stochastic``); the aggregate reports them as the row ``<method>_stochastic``
+STOCHASTIC = ("dsrl",)
+LABELS["dsrl_stochastic"] = "DSRL (flow, SAC), stochastic eval"
+COLORS["dsrl_stochastic"] = "tab:pink"
+#: what each evaluation a record holds means (stored in every record under ``evaluation_modes``); every one plays
+#: the envs seeded ``--eval-seed-base`` + seed + i, and the chains' noise comes from a generator seeded alike
+EVALUATION_MODES = {
+    "diffusion": {"before": "diffusion BC, deterministic: DDIM eta = 0 from a seeded x_K ~ N(0, I)"},
+    "flow": {"before": "flow BC: noise-free Euler flow from a seeded x_0 ~ N(0, I)",
+             "before_stochastic": "flow BC, evaluate_policy(deterministic=False): a flow BC has no noise network, so "
+                                  "this is the same chain as 'before' (seeded x_0 ~ N(0, I), noise-free Euler), run "
+                                  "again as the like-for-like start of DSRL's stochastic evaluation"},
+    "dppo": {"after": "DPPO, deterministic: DDIM eta = 0 from a seeded x_K ~ N(0, I)"},
+    "reinflow": {"after": "ReinFlow, deterministic: the Euler flow's means (no injected noise) from a seeded x_0"},
+    "fpo": {"after": "FPO, deterministic: noise-free Euler flow from a seeded x_0 ~ N(0, I)"},
+    "dsrl": {"after": "DSRL, deterministic: x_0 = m tanh(mean(s)), the SAC actor's mean noise, through the frozen "
+                      "flow (m = action_magnitude)",
+             "after_stochastic": "DSRL, stochastic (ajwagen/dsrl deterministic_eval: False): x_0 = m tanh(u), u ~ "
+                                 "N(mean(s), std(s)^2) drawn from the seeded generator, through the frozen flow"},
+}
 
 
 def parse_args(argv: list[str] | None = None):
@@ -86,6 +107,17 @@ def parse_args(argv: list[str] | None = None):
     parser.add_argument("--dsrl-utd", type=int, default=30, help="DSRL SAC steps per vector-env chunk step (config: 30)")
     parser.add_argument("--dsrl-warmup-iterations", type=int, default=1,
                         help="DSRL iterations of random noise before SAC acts (config: 375 chunk steps = 5 iterations)")
+    parser.add_argument("--eval-seed-base", type=int, default=100_000,
+                        help="evaluation envs seeded BASE + seed + i (100000: the test episodes; another base, e.g. "
+                             "200000, a validation set of other initial states, for choosing settings)")
+    parser.add_argument("--fpo-lr", type=float, default=None, help="FPO's actor lr (default: its config's optim.lr)")
+    parser.add_argument("--bc-from", default=None, metavar="DIR",
+                        help="take each seed's BCs from DIR's records (bc_<family>_seed<S>.json and their "
+                             "checkpoints) instead of training them; their evaluations are copied where DIR evaluated "
+                             "the same initial states (seed base, episodes, envs), else run here")
+    parser.add_argument("--stochastic-only", action="store_true",
+                        help="only add the stochastic evaluations (flow BC, DSRL) missing from --out-dir's finished "
+                             "records (two processes share the work, as the main run)")
     parser.add_argument("--poll-seconds", type=float, default=10.0,
                         help="how often a worker waiting on another's BC looks again")
     parser.add_argument("--aggregate", action="store_true", help="only aggregate finished records")
@@ -100,6 +132,8 @@ def parse_args(argv: list[str] | None = None):
     args.env_steps, args.max_minutes = args.dppo_env_steps, args.dppo_max_minutes
     if args.env_steps < 1 or args.dsrl_utd < 1 or args.dsrl_warmup_iterations < 0:
         parser.error("--env-steps and --dsrl-utd must be >= 1, --dsrl-warmup-iterations >= 0")
+    if args.fpo_lr is not None and not args.fpo_lr > 0:
+        parser.error(f"--fpo-lr must be > 0, got {args.fpo_lr}")
     return finish_args(args)
 
 
@@ -136,6 +170,8 @@ def module_settings(method: str, bc_ckpt: Path, args, seed: int) -> tuple[str, d
     budget = plan(args)
     overrides: dict = {"bc_checkpoint": str(bc_ckpt), "num_iterations": budget["iterations"], "env": rl_env(args),
                        "evaluation": {"every": 0}, "seed": seed}
+    if method == "fpo" and args.fpo_lr is not None:
+        overrides["optim"] = {"lr": args.fpo_lr}
     if method == "dsrl":
         overrides["dsrl"] = {"hidden_dims": list(args.dsrl_hidden), "utd": args.dsrl_utd,
                              "warmup_chunk_steps": args.dsrl_warmup_iterations * args.n_steps,
@@ -264,24 +300,68 @@ def run_bc(family: str, seed: int, args, demos: Path, out_dir: Path) -> dict:
     """Train one BC policy of ``seed`` and evaluate it once (the ``before`` of every method that starts from it)."""
     from mmpo.robotics.policy.io import load_policy
 
-    seed_dir = out_dir / f"seed{seed}" / f"bc_{family}"
-    seed_dir.mkdir(parents=True, exist_ok=True)
     path = bc_path(out_dir, family, seed)
     record = {"seed": seed, "family": family, "task": args.task, "status": "bc", "started": vs.utc_now(),
-              "commit": vs.code_commit(), "demos": str(demos), "args": vars(args)}
+              "commit": vs.code_commit(), "demos": str(demos), "args": vars(args),
+              "evaluation_modes": EVALUATION_MODES[family]}
     atomic_write_json(path, record)
-    train = train_diffusion_bc if family == "diffusion" else train_flow_bc
-    ckpt, seconds = train(seed, args, demos, seed_dir)
+    if args.bc_from:
+        ckpt, seconds, source = reused_bc(family, seed, args)
+        record["bc_reused"] = {"from": str(bc_path(Path(args.bc_from), family, seed)), "commit": source["commit"]}
+        if same_evaluation(source["args"], vars(args)):  # the same initial states and chain noise: copied
+            record["bc_reused"]["evaluations_copied"] = [k for k in ("before", "before_stochastic") if k in source]
+            record.update({k: source[k] for k in ("before", "before_episodes", "before_stochastic",
+                                                  "before_stochastic_episodes") if k in source})
+    else:
+        seed_dir = out_dir / f"seed{seed}" / f"bc_{family}"
+        seed_dir.mkdir(parents=True, exist_ok=True)
+        train = train_diffusion_bc if family == "diffusion" else train_flow_bc
+        ckpt, seconds = train(seed, args, demos, seed_dir)
     policy, metadata = load_policy(ckpt)
-    print(f"[bc {family} s{seed}] trained in {seconds:.0f}s; evaluating", flush=True)
-    episodes: list[dict] = []
-    before = evaluate(policy, args, seed, metadata["normalizer_path"], episode_records=episodes,
-                      sampler=eval_sampler(family, args))
-    record.update(bc_ckpt=str(ckpt), bc_seconds=seconds, before=before, before_episodes=episodes, status="done",
-                  finished=vs.utc_now())
+    if "before" not in record:
+        print(f"[bc {family} s{seed}] trained in {seconds:.0f}s; evaluating", flush=True)
+        episodes: list[dict] = []
+        record["before"] = evaluate(policy, args, seed, metadata["normalizer_path"], episode_records=episodes,
+                                    sampler=eval_sampler(family, args), seed_base=args.eval_seed_base)
+        record["before_episodes"] = episodes
+    record.update(bc_ckpt=str(ckpt), bc_seconds=seconds)
+    if family == "flow" and "before_stochastic" not in record:
+        atomic_write_json(path, record)
+        record.update(stochastic_evaluation(policy, args, seed, metadata["normalizer_path"], "before"))
+    before = record["before"]
+    record.update(status="done", finished=vs.utc_now())
     atomic_write_json(path, record)
     print(f"[bc {family} s{seed}] success {before['success_rate']:.3f} ({before['seconds']:.0f}s eval)", flush=True)
     return record
+
+
+def reused_bc(family: str, seed: int, args) -> tuple[Path, float, dict]:
+    """``--bc-from DIR``: (checkpoint, training seconds, record) of DIR's finished ``family`` BC of ``seed``."""
+    source = bc_path(Path(args.bc_from), family, seed)
+    if not source.is_file():
+        raise FileNotFoundError(f"--bc-from: {source} does not exist")
+    record = json.loads(source.read_text())
+    if record.get("status") != "done" or record.get("task") != args.task:
+        raise ValueError(f"--bc-from: {source} is not a finished {args.task} BC (status {record.get('status')}, "
+                         f"task {record.get('task')})")
+    return Path(record["bc_ckpt"]), record["bc_seconds"], record
+
+
+def same_evaluation(theirs: dict, ours: dict) -> bool:
+    """Whether two runs' evaluations meet the same initial states with the same chain noise (records from before
+    ``--eval-seed-base`` used 100000)."""
+    keys = ("eval_episodes", "num_envs", "max_episode_steps", "eval_sampler", "task")
+    return (theirs.get("eval_seed_base", 100_000) == ours.get("eval_seed_base", 100_000)
+            and all(theirs.get(k) == ours.get(k) for k in keys))
+
+
+def stochastic_evaluation(policy, args, seed: int, normalizer_path: str, when: str) -> dict:
+    """``<when>_stochastic`` and its episodes: ``evaluate`` with ``deterministic=False`` on the same envs, initial
+    states and generator seed as the deterministic one (``EVALUATION_MODES`` says what it samples)."""
+    episodes: list[dict] = []
+    result = evaluate(policy, args, seed, normalizer_path, deterministic=False, episode_records=episodes,
+                      sampler=None, seed_base=args.eval_seed_base)
+    return {f"{when}_stochastic": result, f"{when}_stochastic_episodes": episodes}
 
 
 def run_method(method: str, seed: int, args, out_dir: Path) -> dict:
@@ -301,7 +381,10 @@ def run_method(method: str, seed: int, args, out_dir: Path) -> dict:
               "rl_settings": settings_record(settings), "bc": {"record": str(bc_path(out_dir, FAMILY[method], seed)),
                                                                "ckpt": bc["bc_ckpt"], "commit": bc["commit"]},
               "before": bc["before"], "before_episodes": bc["before_episodes"], "bc_seconds": bc["bc_seconds"],
-              "curve": []}
+              "evaluation_modes": {**EVALUATION_MODES[FAMILY[method]], **EVALUATION_MODES[method]}, "curve": []}
+    if method in STOCHASTIC and "before_stochastic" in bc:
+        record.update(before_stochastic=bc["before_stochastic"],
+                      before_stochastic_episodes=bc["before_stochastic_episodes"])
     atomic_write_json(path, record)
     module = _class(class_path)(**settings)
     record["_rl_start"] = time.perf_counter()
@@ -310,7 +393,11 @@ def run_method(method: str, seed: int, args, out_dir: Path) -> dict:
     policy, metadata = load_policy(ckpt)
     episodes: list[dict] = []
     record["after"] = evaluate(policy, args, seed, metadata["normalizer_path"], episode_records=episodes,
-                               sampler=eval_sampler(method, args))
+                               sampler=eval_sampler(method, args), seed_base=args.eval_seed_base)
+    if method in STOCHASTIC:
+        record["after_episodes"] = episodes
+        atomic_write_json(path, record)
+        record.update(stochastic_evaluation(policy, args, seed, metadata["normalizer_path"], "after"))
     last = record["curve"][-1] if record["curve"] else {}
     record.update(after_episodes=episodes, rl_seconds=rl_seconds, rl_iterations=len(record["curve"]),
                   env_steps=last.get("perf/env_steps_total", 0.0), faults=last.get("perf/faults", 0.0),
@@ -348,6 +435,64 @@ def work(args, demos: Path, out_dir: Path) -> int:
             traceback.print_exc()
         finally:
             release(out_dir, task)
+
+
+def stochastic_tasks(args, out_dir: Path) -> list[tuple[tuple, Path]]:
+    """``--stochastic-only``: per seed, (task, record) for the flow BC's and then DSRL's missing stochastic
+    evaluation, of the finished records of ``out_dir``."""
+    out = []
+    for seed in args.seeds:
+        out.append((("stochastic", "flow", seed), bc_path(out_dir, "flow", seed)))
+        out += [(("stochastic", method, seed), method_path(out_dir, method, seed)) for method in STOCHASTIC
+                if method in args.methods]
+    return out
+
+
+def add_stochastic(args, out_dir: Path) -> int:
+    """Add the stochastic evaluations missing from finished records (the flow BC's first, as DSRL's record pairs
+    with it); several processes share the work through the claims."""
+    from mmpo.robotics.policy.io import load_policy
+
+    all_tasks = stochastic_tasks(args, out_dir)
+    while True:
+        pending, ran = False, False
+        for task, path in all_tasks:
+            _, name, seed = task
+            when = "before" if name == "flow" else "after"
+            record = json.loads(path.read_text()) if path.is_file() else {}
+            if record.get("status") != "done" or (f"{when}_stochastic" in record and "before_stochastic" in record):
+                continue
+            pending = True
+            bc = json.loads(bc_path(out_dir, "flow", seed).read_text())
+            if when == "after" and "before_stochastic" not in bc:
+                continue  # the BC's comes first: DSRL's record pairs with it
+            if not same_evaluation(record["args"], vars(args)):
+                raise ValueError(f"{path} was evaluated on other episodes (--eval-episodes, --num-envs, "
+                                 "--max-episode-steps, --eval-seed-base): give its run's options")
+            if not claim(out_dir, task):
+                continue
+            try:
+                record = json.loads(path.read_text())
+                if f"{when}_stochastic" not in record:
+                    ckpt = Path(record["bc_ckpt"]) if name == "flow" else out_dir / f"seed{seed}" / name / "rl.ckpt"
+                    policy, metadata = load_policy(ckpt)
+                    print(f"[stochastic {name} s{seed}] evaluating {ckpt}", flush=True)
+                    record.update(stochastic_evaluation(policy, args, seed, metadata["normalizer_path"], when))
+                    print(f"[stochastic {name} s{seed}] success {record[f'{when}_stochastic']['success_rate']:.3f} "
+                          f"(deterministic {record[when]['success_rate']:.3f})", flush=True)
+                if when == "after":
+                    record.update(before_stochastic=bc["before_stochastic"],
+                                  before_stochastic_episodes=bc["before_stochastic_episodes"])
+                record["evaluation_modes"] = {**EVALUATION_MODES["flow"], **EVALUATION_MODES.get(name, {})}
+                record.setdefault("stochastic_added", {"commit": vs.code_commit(), "at": vs.utc_now()})
+                atomic_write_json(path, record)
+                ran = True
+            finally:
+                release(out_dir, task)
+        if not pending:
+            return 0
+        if not ran:
+            time.sleep(args.poll_seconds)
 
 
 # ----------------------------------------------------------------------------------------------- aggregation
@@ -484,6 +629,8 @@ def main(argv: list[str] | None = None) -> int:
     check_demos(demos, args)
     if args.demos_only:
         return 0
+    if args.stochastic_only:
+        return add_stochastic(args, out_dir)
     budget = plan(args)
     print(f"budget per method: {budget['iterations']} iterations x {budget['env_steps_per_iteration']} = "
           f"{budget['env_steps']} env steps" + (f", capped at {args.max_minutes} min" if args.max_minutes else ""),

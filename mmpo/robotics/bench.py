@@ -139,25 +139,26 @@ def check_demos(demos: Path, args) -> None:
 
 def evaluate(policy, args, seed: int, normalizer_path: str, *, deterministic: bool = True,
              episodes: int | None = None, episode_records: list | None = None,
-             sampler: str | None = "args") -> dict[str, float]:
-    """Deterministic (or stochastic) evaluation on ``args.num_envs`` envs seeded ``100_000 + seed`` (env i:
+             sampler: str | None = "args", seed_base: int = 100_000) -> dict[str, float]:
+    """Deterministic (or stochastic) evaluation on ``args.num_envs`` envs seeded ``seed_base + seed`` (env i:
     + i), so every policy of a seed meets the same initial states; the chains' initial noise is seeded
     alike. ``episode_records`` (a list) receives one dict per counted episode (see ``evaluate_policy``);
-    ``sampler``: the deterministic chain, default ``args.eval_sampler`` (None: the policy's own)."""
+    ``sampler``: the deterministic chain, default ``args.eval_sampler`` (None: the policy's own); ``seed_base``:
+    another base (a validation set of initial states disjoint from the test set's 100_000 + seed)."""
     from mmpo.robotics.envs import make_vector_env
     from mmpo.robotics.evaluate import evaluate_policy
 
     # Episodes end at the first success here: the success metric is unchanged (any-step success)
     # and evaluation gets cheaper; DPPO training episodes still run to the time limit.
-    envs = make_vector_env(args.task, args.num_envs, seed=100_000 + seed, act_steps=4, normalizer_path=normalizer_path,
+    envs = make_vector_env(args.task, args.num_envs, seed=seed_base + seed, act_steps=4, normalizer_path=normalizer_path,
                            max_episode_steps=args.max_episode_steps, asynchronous=not args.sync_envs,
                            terminate_on_success=True)
     try:
         start = time.perf_counter()
         result = evaluate_policy(policy.to(args.device), envs, episodes or args.eval_episodes,
-                                 deterministic=deterministic, seed=100_000 + seed, progress=True,
+                                 deterministic=deterministic, seed=seed_base + seed, progress=True,
                                  deterministic_sampler=args.eval_sampler if sampler == "args" else sampler,
-                                 generator=torch.Generator(device=args.device).manual_seed(100_000 + seed),
+                                 generator=torch.Generator(device=args.device).manual_seed(seed_base + seed),
                                  episode_records=episode_records)
         result["seconds"] = time.perf_counter() - start
     finally:
