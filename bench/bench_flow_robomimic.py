@@ -325,7 +325,7 @@ def run_bc(family: str, seed: int, args, demos: Path, out_dir: Path) -> dict:
                                     sampler=eval_sampler(family, args), seed_base=args.eval_seed_base)
         record["before_episodes"] = episodes
     record.update(bc_ckpt=str(ckpt), bc_seconds=seconds)
-    if family == "flow" and "before_stochastic" not in record:
+    if family == "flow" and any(m in STOCHASTIC for m in args.methods) and "before_stochastic" not in record:
         atomic_write_json(path, record)
         record.update(stochastic_evaluation(policy, args, seed, metadata["normalizer_path"], "before"))
     before = record["before"]
