@@ -319,7 +319,8 @@ def run_bc(family: str, seed: int, args, demos: Path, out_dir: Path) -> dict:
         ckpt, seconds = train(seed, args, demos, seed_dir)
     policy, metadata = load_policy(ckpt)
     if "before" not in record:
-        print(f"[bc {family} s{seed}] trained in {seconds:.0f}s; evaluating", flush=True)
+        print(f"[bc {family} s{seed}] " + ("reused" if args.bc_from else f"trained in {seconds:.0f}s") + "; evaluating",
+              flush=True)
         episodes: list[dict] = []
         record["before"] = evaluate(policy, args, seed, metadata["normalizer_path"], episode_records=episodes,
                                     sampler=eval_sampler(family, args), seed_base=args.eval_seed_base)
@@ -498,15 +499,21 @@ def add_stochastic(args, out_dir: Path) -> int:
 # ----------------------------------------------------------------------------------------------- aggregation
 def aggregate(records: list[dict], methods: tuple[str, ...] = METHODS, n_boot: int = 10_000) -> dict:
     """bench_dppo_vs_gaussian's per-method paired gains, plus each pair of methods' gain difference (A's gain - B's
-    gain on the seeds where both finished; for two flow methods, whose BC is the same, it equals A's final - B's)."""
-    result = vs.aggregate(records, n_boot=n_boot, methods=methods)
-    for a, b in combinations(list(result["methods"]), 2):
+    gain on the seeds where both finished; for two flow methods, whose BC is the same, it equals A's final - B's).
+    A method of ``STOCHASTIC`` whose records hold the stochastic evaluations gets a second row, ``<method>_stochastic``:
+    its stochastic evaluation paired with the flow BC's (:func:`stochastic_record`); the contrasts are between the
+    deterministic rows."""
+    extra = tuple(f"{m}_stochastic" for m in methods if m in STOCHASTIC)
+    derived = [stochastic_record(r) for r in records if r["method"] in STOCHASTIC
+               and {"before_stochastic_episodes", "after_stochastic_episodes"} <= set(r)]
+    result = vs.aggregate(records + derived, n_boot=n_boot, methods=methods + extra)
+    for a, b in combinations([m for m in result["methods"] if m in methods], 2):
         seeds, table = vs.paired_table(records, [a, b])
         if table:
             result["contrasts"][f"{a}_gain_minus_{b}_gain"] = {"seeds": seeds, **summarize_contrast(
                 table, {f"{a}/after": 1.0, f"{a}/before": -1.0, f"{b}/after": -1.0, f"{b}/before": 1.0},
                 n_boot=n_boot)}
-    done = [r for r in records if r.get("status") == "done"]
+    done = [r for r in records + derived if r.get("status") == "done"]
     for method, m in result["methods"].items():
         runs = sorted((r for r in done if r["method"] == method), key=lambda r: r["seed"])
         m["cap_bound"] = [bool(r.get("cap_bound")) for r in runs]
@@ -514,9 +521,17 @@ def aggregate(records: list[dict], methods: tuple[str, ...] = METHODS, n_boot: i
     return result
 
 
+def stochastic_record(record: dict) -> dict:
+    """A record's stochastic evaluations as a record of method ``<method>_stochastic`` (before: the flow BC's
+    stochastic evaluation, after: the method's), for the aggregate."""
+    return {**record, "method": f"{record['method']}_stochastic", "before": record["before_stochastic"],
+            "after": record["after_stochastic"], "before_episodes": record["before_stochastic_episodes"],
+            "after_episodes": record["after_stochastic_episodes"]}
+
+
 def markdown(result: dict) -> str:
     interval = vs.interval
-    lines = ["| method | seeds | episodes/seed | BC det. success per seed | fine-tuned per seed | mean BC -> fine-tuned "
+    lines = ["| method | seeds | episodes/seed | BC success per seed | fine-tuned per seed | mean BC -> fine-tuned "
              "| gain | 95% bootstrap (seeds x episodes) | 95% normal (episodes) | 95% t (seeds) | env steps/seed "
              "| RL wall s/seed | wall cap bound |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]

@@ -70,6 +70,24 @@ def test_each_method_builds_its_config_with_the_bench_budget(bench):
     assert bench.eval_sampler("dsrl", args) is None and bench.eval_sampler("flow", args) is None
 
 
+def test_fpo_lr_and_validation_episodes_options(bench):
+    args = bench.parse_args(["--task", "can", "--fpo-lr", "1e-5", "--eval-seed-base", "200000"])
+    _, fpo = bench.module_settings("fpo", Path("bc.ckpt"), args, seed=0)
+    # only the actor lr changes; the rest of the optim group is the config's
+    assert fpo["optim"]["lr"] == 1e-5 and fpo["optim"]["minibatch_size"] == 500 and fpo["critic"]["lr"] == 1e-3
+    _, reinflow = bench.module_settings("reinflow", Path("bc.ckpt"), args, seed=0)
+    assert reinflow["optim"]["lr"] == 2e-5
+    assert args.eval_seed_base == 200_000 and bench.parse_args([]).eval_seed_base == 100_000
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--fpo-lr", "0"])
+    # evaluations are the same episodes only with the same seed base (records from before the option: 100000),
+    # episode count, envs, episode length, sampler and task
+    test = vars(bench.parse_args(["--task", "can"]))
+    old = {k: v for k, v in test.items() if k != "eval_seed_base"}
+    assert bench.same_evaluation(old, test) and not bench.same_evaluation(old, vars(args))
+    assert not bench.same_evaluation({**old, "eval_episodes": 50}, test)
+
+
 def test_can_runs_with_can_settings_and_its_own_config_where_one_exists(bench):
     args = bench.parse_args(["--task", "can", "--env-steps", "6000", "--sync-envs"])
     # Can's bench defaults (mmpo/robotics/bench.py TASK_DEFAULTS): demo noise 0.3, 300-step episodes (the DPPO paper's
@@ -171,6 +189,26 @@ def test_aggregate_gains_and_pairwise_contrasts(bench, tmp_path):
     assert plot.stat().st_size > 10_000
 
 
+def test_aggregate_adds_the_stochastic_dsrl_row_paired_with_the_bc_stochastic_evaluation(bench):
+    flow_bc = [1, 1, 0, 0]
+    stochastic = {"before_stochastic_episodes": _episodes(flow_bc), "after_stochastic_episodes": _episodes([1, 1, 1, 0]),
+                  "before_stochastic": {"success_rate": 0.5}, "after_stochastic": {"success_rate": 0.75}}
+    records = [_record("reinflow", 0, flow_bc, [1, 1, 0, 0]),  # +0.00
+               _record("dsrl", 0, flow_bc, [0, 0, 0, 0], **stochastic)]  # deterministic -0.50, stochastic +0.25
+    result = bench.aggregate(records, ("reinflow", "dsrl"), n_boot=200)
+    gains = {m: v["gain"]["estimate"] for m, v in result["methods"].items()}
+    assert gains == pytest.approx({"reinflow": 0.0, "dsrl": -0.5, "dsrl_stochastic": 0.25})
+    assert result["methods"]["dsrl_stochastic"]["before"] == [0.5] and result["methods"]["dsrl_stochastic"]["after"] == [0.75]
+    # contrasts only between the deterministic rows
+    assert {n: c["estimate"] for n, c in result["contrasts"].items()} == pytest.approx(
+        {"reinflow_gain_minus_dsrl_gain": 0.5})
+    text = bench.markdown(result)
+    assert "| DSRL (flow, SAC), stochastic eval | 0 | 4 | 0.50 | 0.75 | 0.500 -> 0.750 | **+0.250** |" in text
+    # a DSRL record without the stochastic evaluations has no such row
+    assert "dsrl_stochastic" not in bench.aggregate([_record("dsrl", 0, flow_bc, [0, 0, 0, 0])], ("dsrl",),
+                                                     n_boot=50)["methods"]
+
+
 def test_the_existing_bench_keeps_its_contrasts_and_records_wall_time():
     vs = load_bench("bench_dppo_vs_gaussian")
     record = _record("dppo", 0, [0, 0, 1, 1], [1, 1, 1, 1])
@@ -219,7 +257,56 @@ def test_a_tiny_lift_run_end_to_end_then_resumes_without_rerunning(bench, tmp_pa
         assert record["curve"][0]["perf/rl_wall_s"] > 0
     assert records["dsrl"]["before_episodes"] == flow_bc["before_episodes"]
     assert records["dsrl"]["rl_settings"]["dsrl"]["hidden_dims"] == [16]
+    # the stochastic evaluations: a flow BC has no noise network, so its stochastic evaluation plays the same
+    # seeded x_0 through the same flow as its deterministic one; DSRL's samples its noise, on the same episodes
+    assert flow_bc["before_stochastic_episodes"] == flow_bc["before_episodes"]
+    assert records["dsrl"]["before_stochastic_episodes"] == flow_bc["before_stochastic_episodes"]
+    assert sorted((e["env"], e["ordinal"]) for e in records["dsrl"]["after_stochastic_episodes"]) == [(0, 0), (0, 1)]
+    assert set(records["dsrl"]["evaluation_modes"]) == {"before", "before_stochastic", "after", "after_stochastic"}
+    assert all("stochastic" not in key for m in ("dppo", "reinflow", "fpo") for key in records[m])
     stamps = {m: r["finished"] for m, r in records.items()}
     assert bench.main(argv) == 0  # resumed: nothing left to run
     assert {m: json.loads((out / f"seed0_{m}.json").read_text())["finished"] for m in bench.METHODS} == stamps
     assert not list((out / "claims").iterdir())
+
+    # --stochastic-only adds them to records written without them (a run from before the option), identically
+    keys = ("before_stochastic", "before_stochastic_episodes", "after_stochastic", "after_stochastic_episodes")
+    for path in (out / "bc_flow_seed0.json", out / "seed0_dsrl.json"):
+        record = json.loads(path.read_text())
+        path.write_text(json.dumps({k: v for k, v in record.items() if k not in keys}))
+    assert bench.main([*argv, "--stochastic-only"]) == 0
+    added = json.loads((out / "seed0_dsrl.json").read_text())
+    for key in keys:  # the same numbers (the evaluation's wall seconds aside)
+        if key.endswith("episodes"):
+            assert added[key] == records["dsrl"][key]
+        else:
+            assert {k: v for k, v in added[key].items() if k != "seconds"} == {
+                k: v for k, v in records["dsrl"][key].items() if k != "seconds"}
+    assert added["stochastic_added"]["commit"] and added["after"] == records["dsrl"]["after"]
+    # a record of other episodes than the options give is refused, not evaluated on the wrong ones
+    (out / "seed0_dsrl.json").write_text(json.dumps({k: v for k, v in added.items() if k not in keys}))
+    other = [*argv[:argv.index("--eval-episodes") + 1], "4", *argv[argv.index("--eval-episodes") + 2:]]
+    with pytest.raises(ValueError, match="other episodes"):
+        bench.main([*other, "--stochastic-only"])
+    (out / "seed0_dsrl.json").write_text(json.dumps(added))
+
+    # --bc-from: FPO alone at another lr from this run's flow BC, on validation episodes (another seed base): the
+    # BC is evaluated there, not trained; with the same episodes its evaluation is copied
+    val = [*argv[:argv.index("out")], "val", *argv[argv.index("out") + 1:], "--methods", "fpo", "--bc-from", "out",
+           "--fpo-lr", "1e-5", "--eval-seed-base", "200000"]
+    assert bench.main(val) == 0
+    bc_val = json.loads((tmp_path / "val" / "bc_flow_seed0.json").read_text())
+    fpo_val = json.loads((tmp_path / "val" / "seed0_fpo.json").read_text())
+    assert bc_val["bc_ckpt"] == flow_bc["bc_ckpt"] and bc_val["bc_reused"]["from"] == "out/bc_flow_seed0.json"
+    assert "evaluations_copied" not in bc_val["bc_reused"] and not (tmp_path / "val" / "seed0").joinpath(
+        "bc_flow").exists()
+    assert "before_stochastic" not in bc_val  # no DSRL to pair it with
+    assert fpo_val["rl_settings"]["optim"]["lr"] == 1e-5 and fpo_val["args"]["eval_seed_base"] == 200_000
+    assert fpo_val["before_episodes"] == bc_val["before_episodes"]
+    same = [*argv[:argv.index("out")], "same", *argv[argv.index("out") + 1:], "--methods", "fpo", "--bc-from", "out"]
+    assert bench.main(same) == 0
+    bc_same = json.loads((tmp_path / "same" / "bc_flow_seed0.json").read_text())
+    assert bc_same["bc_reused"]["evaluations_copied"] == ["before", "before_stochastic"]
+    assert bc_same["before_episodes"] == flow_bc["before_episodes"]
+    fpo_same = json.loads((tmp_path / "same" / "seed0_fpo.json").read_text())
+    assert fpo_same["after_episodes"] == records["fpo"]["after_episodes"]  # same BC, settings, seed: same run
