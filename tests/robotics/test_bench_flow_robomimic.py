@@ -97,15 +97,18 @@ def test_can_runs_with_can_settings_and_its_own_config_where_one_exists(bench):
                                 "chunk_steps_per_env": 375}
     spec = bench.task_spec(args)
     assert (spec.sim_name, spec.obs_dim, spec.action_dim) == ("PickPlaceCan", 23, 7)
-    # dppo_can.yaml exists; the flow methods have Lift configs only (the official Can ones repeat the Lift settings)
+    # dppo_can.yaml and fpo_can.yaml (its actor lr chosen on Can) exist; ReinFlow and DSRL read their Lift configs
+    # (the official Can ones repeat the Lift settings)
     assert {m: bench.method_config(m, "can") for m in bench.METHODS} == {
-        "dppo": "dppo_can.yaml", "reinflow": "reinflow_lift.yaml", "fpo": "fpo_lift.yaml", "dsrl": "dsrl_lift.yaml"}
+        "dppo": "dppo_can.yaml", "reinflow": "reinflow_lift.yaml", "fpo": "fpo_can.yaml", "dsrl": "dsrl_lift.yaml"}
     assert {m: bench.method_config(m, "lift") for m in bench.METHODS} == {m: f"{m}_lift.yaml" for m in bench.METHODS}
     for method in bench.METHODS:
         _, settings = bench.module_settings(method, Path("bc.ckpt"), args, seed=1)
         env = settings["env"]
         assert (env["num_envs"], env["n_steps"], env["max_episode_steps"]) == (4, 75, 300)
         assert settings["num_iterations"] == 5
+    _, fpo = bench.module_settings("fpo", Path("bc.ckpt"), args, seed=1)
+    assert fpo["optim"]["lr"] == 3e-5 and fpo["fpo"]["clip"] == 0.05
     _, dsrl = bench.module_settings("dsrl", Path("bc.ckpt"), args, seed=1)
     # one warm-up iteration = 75 chunk steps per env; the buffer holds 5 x 75 x 4 transitions
     assert (dsrl["dsrl"]["warmup_chunk_steps"], dsrl["dsrl"]["buffer_size"]) == (75, 1500)
