@@ -434,20 +434,21 @@ def run_task(seed: int, method: str, args, demos: Path, out_dir: Path) -> dict:
 
 
 # ---------------------------------------------------------------------------------------------- aggregation
-def parse_sources(entries: list[str]) -> list[tuple[str | None, Path]]:
-    """``--aggregate-dirs`` entries: ``DIR`` (every method) or ``METHOD=DIR`` (only METHOD's records)."""
+def parse_sources(entries: list[str], methods: tuple[str, ...] = METHODS) -> list[tuple[str | None, Path]]:
+    """``--aggregate-dirs`` entries: ``DIR`` (every method) or ``METHOD=DIR`` (only METHOD's records; METHOD one of
+    ``methods``, this bench's by default)."""
     sources = []
     for entry in entries:
         method, sep, directory = str(entry).partition("=")
-        sources.append((method, Path(directory)) if sep and method in METHODS else (None, Path(entry)))
+        sources.append((method, Path(directory)) if sep and method in methods else (None, Path(entry)))
     return sources
 
 
-def load_records(entries: list[str]) -> list[dict]:
+def load_records(entries: list[str], methods: tuple[str, ...] = METHODS) -> list[dict]:
     """The records of ``entries`` (see :func:`parse_sources`), each with its file under ``source``. A (seed,
     method) found twice is an error (which one to pair would be a silent choice)."""
     records, seen = [], {}
-    for method, directory in parse_sources(entries):
+    for method, directory in parse_sources(entries, methods):
         if not directory.is_dir():
             raise FileNotFoundError(f"--aggregate-dirs: {directory} is not a directory")
         for path in sorted(directory.glob("seed*_*.json")):

@@ -121,7 +121,8 @@ def parse_args(argv: list[str] | None = None):
     parser.add_argument("--poll-seconds", type=float, default=10.0,
                         help="how often a worker waiting on another's BC looks again")
     parser.add_argument("--aggregate", action="store_true", help="only aggregate finished records")
-    parser.add_argument("--aggregate-dirs", nargs="+", default=None, help="record dirs (default --out-dir)")
+    parser.add_argument("--aggregate-dirs", nargs="+", default=None,
+                        help="record dirs (default --out-dir): DIR (every method's records) or METHOD=DIR (METHOD's)")
     parser.add_argument("--plot", default=None, help="PNG path of the curves (with --aggregate)")
     parser.add_argument("--n-boot", type=int, default=10_000)
     args = parser.parse_args(argv)
@@ -593,10 +594,17 @@ def plot(records: list[dict], path: Path, methods: tuple[str, ...] = METHODS, wi
                           np.mean([r["after"]["success_rate"] for r in finished])], color=color, lw=2.5, marker="s",
                          label=f"{LABELS[method]}: BC -> final, {finished[0]['before']['episodes']:.0f} episodes "
                                f"(mean of {len(finished)} seeds)")
+        sampled = [r for r in finished if method in STOCHASTIC and "after_stochastic" in r and "before_stochastic" in r]
+        if sampled:  # the stochastic evaluation beside the deterministic one, dashed
+            axes[2].plot([0.0, np.mean([r["env_steps"] for r in sampled])],
+                         [np.mean([r["before_stochastic"]["success_rate"] for r in sampled]),
+                          np.mean([r["after_stochastic"]["success_rate"] for r in sampled])], color=color, lw=2.5,
+                         ls="--", marker="^", label=f"{LABELS[method]}: stochastic eval (mean of {len(sampled)} seeds)")
     axes[0].set(title=f"training-rollout success (stochastic), trailing mean of {window} iterations",
                 xlabel="env steps", ylabel="success rate", ylim=(0, 1))
     axes[1].set(title="the same vs RL wall time (shared 2-core CPU)", xlabel="RL wall seconds")
-    axes[2].set(title="deterministic eval, paired episodes: BC -> final\nper seed (thin), mean (thick)",
+    axes[2].set(title="deterministic eval (dashed: stochastic), paired episodes: BC -> final\nper seed (thin), mean "
+                      "(thick)",
                 xlabel="env steps")
     for ax in axes:
         ax.grid(alpha=0.3)
@@ -614,7 +622,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     out_dir = Path(args.out_dir)
     if args.aggregate:
-        records = vs.load_records(args.aggregate_dirs or [args.out_dir])
+        records = vs.load_records(args.aggregate_dirs or [args.out_dir], METHODS)
         records = [r for r in records if r["method"] in args.methods and r["seed"] in args.seeds]
         result = aggregate(records, tuple(args.methods), n_boot=args.n_boot)
         block = markdown(result)

@@ -192,7 +192,7 @@ def test_aggregate_gains_and_pairwise_contrasts(bench, tmp_path):
     assert plot.stat().st_size > 10_000
 
 
-def test_aggregate_adds_the_stochastic_dsrl_row_paired_with_the_bc_stochastic_evaluation(bench):
+def test_aggregate_adds_the_stochastic_dsrl_row_paired_with_the_bc_stochastic_evaluation(bench, tmp_path):
     flow_bc = [1, 1, 0, 0]
     stochastic = {"before_stochastic_episodes": _episodes(flow_bc), "after_stochastic_episodes": _episodes([1, 1, 1, 0]),
                   "before_stochastic": {"success_rate": 0.5}, "after_stochastic": {"success_rate": 0.75}}
@@ -207,9 +207,31 @@ def test_aggregate_adds_the_stochastic_dsrl_row_paired_with_the_bc_stochastic_ev
         {"reinflow_gain_minus_dsrl_gain": 0.5})
     text = bench.markdown(result)
     assert "| DSRL (flow, SAC), stochastic eval | 0 | 4 | 0.50 | 0.75 | 0.500 -> 0.750 | **+0.250** |" in text
+    plot = tmp_path / "curves.png"  # the stochastic evaluation drawn beside the deterministic one
+    bench.plot(records, plot, ("reinflow", "dsrl"))
+    assert plot.stat().st_size > 10_000
     # a DSRL record without the stochastic evaluations has no such row
     assert "dsrl_stochastic" not in bench.aggregate([_record("dsrl", 0, flow_bc, [0, 0, 0, 0])], ("dsrl",),
                                                      n_boot=50)["methods"]
+
+
+def test_aggregate_takes_each_method_from_its_own_directory(bench, tmp_path, monkeypatch):
+    """METHOD=DIR: FPO from a re-run's directory, the rest from the first run's (which also holds an FPO record)."""
+    first, rerun = tmp_path / "first", tmp_path / "rerun"
+    first.mkdir(), rerun.mkdir()
+    flow_bc = [1, 1, 0, 0]
+    for record, directory in ((_record("reinflow", 0, flow_bc, [1, 1, 1, 0]), first),
+                              (_record("fpo", 0, flow_bc, [0, 0, 0, 0]), first),
+                              (_record("fpo", 0, flow_bc, [1, 1, 1, 1]), rerun)):
+        (directory / f"seed0_{record['method']}.json").write_text(json.dumps(record))
+    monkeypatch.chdir(tmp_path)
+    assert bench.main(["--aggregate", "--out-dir", "agg", "--methods", "reinflow", "fpo", "--seeds", "0",
+                       "--n-boot", "50", "--aggregate-dirs", "reinflow=first", "fpo=rerun"]) == 0
+    result = json.loads((tmp_path / "agg" / "aggregate.json").read_text())
+    assert result["methods"]["fpo"]["after"] == [1.0] and result["methods"]["fpo"]["sources"] == ["rerun/seed0_fpo.json"]
+    assert result["methods"]["reinflow"]["after"] == [0.75]
+    with pytest.raises(ValueError, match="is in"):  # both FPO records: which to pair would be a silent choice
+        bench.main(["--aggregate", "--out-dir", "agg", "--aggregate-dirs", "first", "rerun"])
 
 
 def test_the_existing_bench_keeps_its_contrasts_and_records_wall_time():
