@@ -388,6 +388,11 @@ def run_method(method: str, seed: int, args, out_dir: Path) -> dict:
         record.update(before_stochastic=bc["before_stochastic"],
                       before_stochastic_episodes=bc["before_stochastic_episodes"])
     atomic_write_json(path, record)
+    # the networks the module builds (the critic, ReinFlow's noise net, DSRL's actor and critics) draw their initial
+    # weights from the global RNG: seeded here, so a fine-tuning does not depend on what ran before it in the process
+    import lightning.pytorch as pl
+
+    pl.seed_everything(seed, verbose=False)
     module = _class(class_path)(**settings)
     record["_rl_start"] = time.perf_counter()
     ckpt, rl_seconds = fit_rl(module, args, seed_dir, vs.CurveRecorder(record, path), "rl.ckpt")

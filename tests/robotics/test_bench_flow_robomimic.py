@@ -329,9 +329,14 @@ def test_a_tiny_lift_run_end_to_end_then_resumes_without_rerunning(bench, tmp_pa
     assert fpo_val["rl_settings"]["optim"]["lr"] == 1e-5 and fpo_val["args"]["eval_seed_base"] == 200_000
     assert fpo_val["before_episodes"] == bc_val["before_episodes"]
     same = [*argv[:argv.index("out")], "same", *argv[argv.index("out") + 1:], "--methods", "fpo", "--bc-from", "out"]
+    import torch
+
+    torch.randn(1000)  # another global RNG state than the first run's: the fine-tuning must not depend on it
     assert bench.main(same) == 0
     bc_same = json.loads((tmp_path / "same" / "bc_flow_seed0.json").read_text())
     assert bc_same["bc_reused"]["evaluations_copied"] == ["before", "before_stochastic"]
     assert bc_same["before_episodes"] == flow_bc["before_episodes"]
     fpo_same = json.loads((tmp_path / "same" / "seed0_fpo.json").read_text())
-    assert fpo_same["after_episodes"] == records["fpo"]["after_episodes"]  # same BC, settings, seed: same run
+    # same BC, settings and seed: the same run (its critic's initial weights included)
+    assert fpo_same["after_episodes"] == records["fpo"]["after_episodes"]
+    assert [c["losses/value"] for c in fpo_same["curve"]] == [c["losses/value"] for c in records["fpo"]["curve"]]
