@@ -16,7 +16,13 @@ Per seed S, on one demo file:
   ``--dsrl-utd`` / ``--dsrl-warmup-iterations`` (the config's 2048 x 3 at utd 30 is ~2 s per SAC step on one CPU
   thread) and its replay buffer sized to the run (it never overwrites). Each writes ``<out-dir>/seed<S>_<method>.json``
   (atomically, after every iteration and at the end) with the BC evaluation as ``before`` and the fine-tuned
-  policy's, on the same episodes, as ``after``.
+  policy's, on the same episodes, as ``after``. DSRL's record also holds a stochastic evaluation (``after_stochastic``:
+  the noise sampled from the SAC policy, ajwagen/dsrl's default ``deterministic_eval: False``) paired with the flow
+  BC's (``before_stochastic``: for a flow BC the same seeded x_0 ~ N(0, I) chain as ``before``); ``--stochastic-only``
+  adds both to finished records; every record's ``evaluation_modes`` says what each evaluation samples.
+
+``--eval-seed-base`` moves the evaluation to other initial states (validation episodes for choosing a setting, e.g.
+``--fpo-lr``); ``--bc-from DIR`` starts from DIR's BCs instead of training them.
 
 Resumable and parallel: a finished record is skipped on a re-run; a task is claimed with an exclusive file under
 ``<out-dir>/claims/`` (a claim of a dead process is taken over), so two processes started on the same ``--out-dir``
