@@ -99,6 +99,15 @@ TASKS = {
     "zoom_digit_box_read": dict(kind="vlm", tools=["image_zoom_in_tool"], max_new_tokens=64, algos={},
                                 sft="zoom_sft_tiny.yaml", tool_tokenizer=True,
                                 overrides=["--data.init_args.tasks=[zoom_digit_box_read]"]),
+    # the red box filled with one of four fine textures that all average to one grey at the 112 x 112 view (the
+    # question names the box's cell; the crop shows the stripes 1:1); the reading probe: the image is the crop
+    "zoom_texture": dict(kind="vlm", tools=["image_zoom_in_tool"], max_new_tokens=64,
+                         algos={"grpo": "zoom_grpo_tiny.yaml"}, sft="zoom_sft_tiny.yaml", tool_tokenizer=True,
+                         overrides=["--data.init_args.tasks=[zoom_texture]"],
+                         rl_overrides=["--model.init_args.agent.max_total_tokens=160"]),
+    "zoom_texture_read": dict(kind="vlm", tools=["image_zoom_in_tool"], max_new_tokens=64, algos={},
+                              sft="zoom_sft_tiny.yaml", tool_tokenizer=True,
+                              overrides=["--data.init_args.tasks=[zoom_texture_read]"]),
 }
 MODEL_SIZE: dict[str, dict[str, int]] = {"text": {}, "vlm": {}}
 """Sizes passed to the tiny builders (empty: their defaults, the sizes ``mmpo build-tiny`` writes)."""

@@ -360,3 +360,123 @@ def test_zoom_digit_box_crop_is_enlarged_over_several_patches_with_min_pixels_at
         assert len(inked_patches(view, 14)) >= 4 and len(inked_patches(view, 28)) >= 2
         whole = fetch_image({"image": row["images"][0], "min_pixels": TINY_MAX_PIXELS, "max_pixels": TINY_MAX_PIXELS})
         assert whole.size == (112, 112)
+
+
+def test_texture_patch_hand_values():
+    """A 6 x 6 checkerboard region with a 2-pixel ramp: per axis the distance to the edge is 0, 1, 2, 2, 1, 0, the
+    raised cosine of (d + 0.5) / 2 is 0.146, 0.854, 1, 1, 0.854, 0.146 (the smaller of the two axes' applies), so the
+    amplitudes are round(127 x that) = 19, 108, 127; pixels are 127 +- amplitude, + where x + y is odd (white)."""
+    import numpy as np
+
+    from mmpo.data.synthetic.agent_tasks import ZOOM_TEXTURES, texture_patch
+
+    patch = texture_patch("checkerboard", 10, 20, 16, 26, ramp=2)
+    amplitude = np.array([[19] * 6, [19, 108, 108, 108, 108, 19], [19, 108, 127, 127, 108, 19],
+                          [19, 108, 127, 127, 108, 19], [19, 108, 108, 108, 108, 19], [19] * 6])
+    ys, xs = np.mgrid[20:26, 10:16]
+    sign = np.where((xs + ys) % 2 == 1, 1, -1)
+    assert patch.dtype == np.uint8 and patch.tolist() == (127 + amplitude * sign).tolist()
+    assert patch[2, 2] == 0 and patch[2, 3] == 254 and patch[0, 0] == 108 and patch[1, 1] == 19
+    # the phase is absolute: the same texture cut one pixel further right starts with the other colour
+    # (ramp 1: full contrast from one pixel in; the edge pixels at 0.5 - 0.5 cos(pi / 2), just under 0.5: 63)
+    assert texture_patch("vertical", 0, 0, 8, 8, ramp=1)[3, 1:5].tolist() == [254, 0, 254, 0]
+    assert texture_patch("vertical", 1, 0, 9, 8, ramp=1)[3, 1:5].tolist() == [0, 254, 0, 254]
+    assert texture_patch("bands", 0, 0, 8, 8, ramp=1)[:, 4].tolist() == [64, 0, 254, 254, 0, 0, 254, 190]
+    assert sorted(ZOOM_TEXTURES) == ["bands", "checkerboard", "horizontal", "vertical"]
+
+
+def test_zoom_texture_items_and_crops():
+    """zoom_texture: the question names the red box's cell and the four choices, the call zooms into that cell,
+    the crop is the cell at full resolution (112 x 112, seen 1:1 by the tiny VLM: the processor keeps it), and in
+    the crop the texture's full-contrast centre is exactly its stripes (0 / 254 by ZOOM_TEXTURES at absolute
+    coordinates); crops of different textures differ there in at least half of the pixels. zoom_texture_read's
+    image is that crop."""
+    import random
+
+    import numpy as np
+
+    from mmpo.data.synthetic.agent_tasks import ZOOM_TEXTURES, zoom_texture_item, zoom_texture_read
+    from mmpo.vlm.factory import TINY_MAX_PIXELS, TINY_MIN_PIXELS
+    from qwen_vl_utils import fetch_image
+
+    rows = make_items("zoom_texture", 40, seed=0)
+    assert {row["answer"] for row in rows} == set(ZOOM_TEXTURES)
+    held_out = make_items("zoom_texture", 8, seed=0, split="test")
+    assert all(a["images"][0].tobytes() != b["images"][0].tobytes() for a in rows for b in held_out)
+    for row in rows[:8]:
+        call, tool, answer = row["tool_trace"]
+        bbox = json.loads(call["content"].split("\n")[1])["arguments"]["bbox_2d"]
+        assert bbox[2] - bbox[0] == bbox[3] - bbox[1] == 112 and all(v % 112 == 0 for v in bbox)
+        assert row["problem"] == (f"The image is 448x448 pixels. The red box is in the cell [{', '.join(map(str, bbox))}]."
+                                  " What texture fills the red box? Answer with one of: horizontal, vertical, "
+                                  "checkerboard, bands.")
+        crop = tool["content"][0]["image"]
+        assert crop.size == (112, 112) and crop.tobytes() == row["images"][0].crop(tuple(bbox)).tobytes()
+        view = fetch_image({"image": crop, "min_pixels": TINY_MIN_PIXELS, "max_pixels": TINY_MAX_PIXELS})
+        assert view.size == (112, 112) and view.tobytes() == crop.tobytes()  # seen 1:1
+        centre = np.asarray(crop)[40:72, 40:72, 0]  # inside every region (insets <= 20) and its ramp (16)
+        ys, xs = np.mgrid[bbox[1] + 40:bbox[1] + 72, bbox[0] + 40:bbox[0] + 72]
+        assert centre.tolist() == (254 * ZOOM_TEXTURES[row["answer"]](xs, ys)).tolist()
+        red = [(x, y) for y in range(0, 448, 2) for x in range(0, 448, 2)
+               if row["images"][0].getpixel((x, y)) == (220, 20, 20)]
+        assert red and all(bbox[0] <= x < bbox[2] and bbox[1] <= y < bbox[3] for x, y in red)
+        assert answer["content"] == f"<think>The zoomed box shows {row['answer']}.</think><answer>{row['answer']}</answer>"
+        read = zoom_texture_read(random.Random(7), 1, 56)
+        item = zoom_texture_item(random.Random(7), 56)
+        assert read["images"][0].tobytes() == item["tool_trace"][1]["content"][0]["image"].tobytes()
+        assert read["answer"] == item["answer"] and read["tool_trace"] == [item["tool_trace"][2]]
+    centres = {name: np.asarray(zoom_texture_item(random.Random(3), 56, texture=name)["tool_trace"][1]["content"][0]
+                                ["image"])[40:72, 40:72] for name in ZOOM_TEXTURES}
+    for a in ZOOM_TEXTURES:
+        for b in ZOOM_TEXTURES:
+            if a < b:
+                assert (centres[a] != centres[b]).any(-1).mean() >= 0.5, (a, b)
+
+
+def test_zoom_texture_is_unreadable_at_the_model_resolution():
+    """The whole 448 x 448 image as the tiny VLM gets it: qwen-vl-utils' resize to the pixel budget (what
+    mmpo.vlm.processing does before the processor: PIL bicubic, antialiased), then the Qwen2-VL image processor the
+    tiny VLM loads (torchvision backend, no further resize at 112 x 112); and the processor alone on the 448 x 448
+    image, in both its torchvision and its PIL backend (bicubic, antialiased). The same layout drawn with each of
+    the four textures gives views that differ by at most one grey level, in under 2% of the values (the ramp's
+    rounding), never inside the texture's region; a nearest-neighbour reader that knows 120 other items' views
+    and textures reads 60 held-out ones at chance (0.25)."""
+    import random
+
+    import numpy as np
+    from qwen_vl_utils import fetch_image
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+    from transformers.models.qwen2_vl.image_processing_qwen2_vl import Qwen2VLImageProcessor
+
+    from mmpo.data.synthetic.agent_tasks import ZOOM_TEXTURES, zoom_texture_item
+    from mmpo.vlm.factory import TINY_MAX_PIXELS, TINY_MIN_PIXELS
+
+    torchvision = Qwen2VLImageProcessor(min_pixels=TINY_MIN_PIXELS, max_pixels=TINY_MAX_PIXELS)
+    pil = Qwen2VLImageProcessorPil(min_pixels=TINY_MIN_PIXELS, max_pixels=TINY_MAX_PIXELS)
+    std = np.array(torchvision.image_std)
+
+    def trainer_view(image: Image.Image) -> np.ndarray:
+        view = fetch_image({"image": image, "min_pixels": TINY_MIN_PIXELS, "max_pixels": TINY_MAX_PIXELS})
+        assert view.size == (112, 112)
+        return np.asarray(torchvision(images=[view], return_tensors="pt")["pixel_values"])
+
+    def grey_levels(a: np.ndarray, b: np.ndarray) -> np.ndarray:  # |a - b| in grey levels, per value
+        channel = np.arange(a.shape[1]) // (a.shape[1] // 3)  # 3 x 2 x 14 x 14 values per patch row
+        return np.abs(a - b) * std[channel] * 255
+
+    for seed in range(6):
+        images = {name: zoom_texture_item(random.Random(seed), 56, texture=name)["images"][0] for name in ZOOM_TEXTURES}
+        for view in (trainer_view, lambda image: np.asarray(torchvision(images=[image], return_tensors="pt")["pixel_values"]),
+                     lambda image: np.asarray(pil(images=[image], return_tensors="pt")["pixel_values"])):
+            views = {name: view(image) for name, image in images.items()}
+            assert views["vertical"].shape == (64, 1176)
+            for name in ZOOM_TEXTURES:
+                difference = grey_levels(views[name], views["horizontal"])
+                assert difference.max() < 1.01 and (difference > 0.01).mean() < 0.02, (seed, name)
+    train = make_items("zoom_texture", 120, seed=0)
+    test = make_items("zoom_texture", 60, seed=0, split="test")
+    train_views = np.stack([trainer_view(row["images"][0]).reshape(-1) for row in train])
+    labels = np.array([row["answer"] for row in train])
+    right = [labels[((train_views - trainer_view(row["images"][0]).reshape(-1)) ** 2).sum(1).argmin()] == row["answer"]
+             for row in test]
+    assert 0.1 <= np.mean(right) <= 0.42, np.mean(right)

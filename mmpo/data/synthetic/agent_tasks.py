@@ -82,9 +82,12 @@ def zoom_trace(bbox: list[int], crop: Any, value: str) -> list[dict[str, Any]]:
     ]
 
 
-def _zoom_canvas(rng: random.Random, image_size: int) -> tuple[Any, Any, int, int, int]:
-    """A ``zoom`` image with grey shapes in about half of the cells and a red box in one cell (drawn by the caller
-    after this returns). Returns ``(image, draw, side, x0, y0)``: the cell's top-left corner in pixels."""
+def _zoom_canvas(rng: random.Random, image_size: int,
+                 box: tuple[int, int, int, int] | None = None) -> tuple[Any, Any, int, int, int]:
+    """A ``zoom`` image with grey shapes in about half of the cells and a red box in one cell (its content drawn by
+    the caller after this returns). ``box``: the red box's outline ``(left, top, right, bottom)`` relative to the
+    cell's corner (default: ``zoom``'s, an eighth of the cell in from the sides, a quarter from top and bottom).
+    Returns ``(image, draw, side, x0, y0)``: the cell's top-left corner in pixels."""
     from PIL import Image, ImageDraw
 
     side = ZOOM_SCALE * image_size
@@ -102,19 +105,21 @@ def _zoom_canvas(rng: random.Random, image_size: int) -> tuple[Any, Any, int, in
         shape((x - radius, y - radius, x + radius, y + radius), fill=(160, 160, 160))
     x0, y0 = col * cell, row * cell
     margin = cell // 8
-    draw.rectangle((x0 + margin, y0 + 2 * margin, x0 + cell - margin, y0 + cell - 2 * margin), outline=COLORS["red"],
-                   width=max(2, cell // 28))
+    left, top, right, bottom = box or (margin, 2 * margin, cell - margin, cell - 2 * margin)
+    draw.rectangle((x0 + left, y0 + top, x0 + right, y0 + bottom), outline=COLORS["red"], width=max(2, cell // 28))
     return image, draw, side, x0, y0
 
 
-def _zoom_row(image: Any, side: int, bbox: list[int], value: str, noun: str, where: str = "") -> dict[str, Any]:
-    """The row of a zoom item whose red box ``bbox`` holds ``value`` (a ``noun``: number or digit); ``where``: text
-    placed before the question (``zoom_digit_at`` names the box's cell there)."""
+def _zoom_row(image: Any, side: int, bbox: list[int], value: str, noun: str, where: str = "",
+              what: str = "is written in", suffix: str = "") -> dict[str, Any]:
+    """The row of a zoom item whose red box ``bbox`` holds ``value`` (a ``noun``: number, digit or texture);
+    ``where``: text placed before the question (``zoom_digit_at`` names the box's cell there); ``what``: the verb of
+    the question (``What {noun} {what} the red box?``); ``suffix``: text after it (``zoom_texture``'s choices)."""
     from mmpo.tools.image_zoom import crop_region
 
     return {
         "images": [image], "answer": value,
-        "problem": f"The image is {side}x{side} pixels.{where} What {noun} is written in the red box?",
+        "problem": f"The image is {side}x{side} pixels.{where} What {noun} {what} the red box?{suffix}",
         "steps": [f"The red box is in the cell {bbox}.", f"Zoomed in, the box shows {value}.",
                   f"So the answer is {value}."],
         "key_steps": [[f"{value}"]], "needs_image": True,
@@ -216,7 +221,8 @@ def zoom_digit_box_task(rng: random.Random, difficulty: int, image_size: int) ->
     return _zoom_digit_item(rng, image_size, located=True, tight=True)
 
 
-def _reading_row(item: dict[str, Any]) -> dict[str, Any]:
+def _reading_row(item: dict[str, Any], noun: str = "digit", what: str = "is written in",
+                 suffix: str = "") -> dict[str, Any]:
     """A row whose image is ``item``'s zoom crop and whose answer is its digit (see :func:`zoom_digit_read`). The
     question names the zoomed box, so rows differ in content even where crops repeat (``zoom_digit_box_read`` has
     10 crops): the registry's content-hash split then puts every digit in every split, not each digit's one crop
@@ -227,10 +233,10 @@ def _reading_row(item: dict[str, Any]) -> dict[str, Any]:
     return {
         "images": [crop], "answer": value,
         "problem": f"The image is a zoomed {width}x{height} view of the box [{', '.join(map(str, bbox))}]. "
-                   "What digit is written in the red box?",
+                   f"What {noun} {what} the red box?{suffix}",
         "steps": [f"The zoomed view shows {value}.", f"So the answer is {value}."], "key_steps": [[value]],
-        "needs_image": True, "image_description": f"A {width}x{height} zoomed view holding a digit.",
-        "rationale": "I read the digit in the zoomed view.",
+        "needs_image": True, "image_description": f"A {width}x{height} zoomed view holding a {noun}.",
+        "rationale": f"I read the {noun} in the zoomed view.",
         "tool_trace": [{"role": "assistant",
                         "content": f"<think>The zoomed box shows {value}.</think><answer>{value}</answer>"}],
     }
@@ -250,6 +256,94 @@ def zoom_digit_read(rng: random.Random, difficulty: int, image_size: int) -> dic
 def zoom_digit_box_read(rng: random.Random, difficulty: int, image_size: int) -> dict[str, Any]:
     """:func:`zoom_digit_read` for ``zoom_digit_box``: the image is its 28 x 28 crop around the digit."""
     return _reading_row(_zoom_digit_item(rng, image_size, located=True, tight=True))
+
+
+ZOOM_TEXTURES: dict[str, Any] = {
+    "horizontal": lambda x, y: y % 2,
+    "vertical": lambda x, y: x % 2,
+    "checkerboard": lambda x, y: (x + y) % 2,
+    "bands": lambda x, y: (y // 2) % 2,
+}
+"""``zoom_texture``'s textures: name -> which pixels are white (1) or black (0) at absolute image coordinates
+``(x, y)`` (numpy arrays): 1-pixel horizontal lines, 1-pixel vertical lines, a 1-pixel checkerboard, 2-pixel
+horizontal bands. Every period divides 4 (the 448 -> 112 downscale) and half the pixels are white."""
+ZOOM_TEXTURE_GREY = 127
+"""The grey every texture averages to: pixels are ``127 +- amplitude`` (0 and 254 at full contrast), so the
+average is an integer and the downscale's rounding has no ties."""
+
+
+def texture_patch(name: str, left: int, top: int, right: int, bottom: int, ramp: int) -> Any:
+    """The ``zoom_texture`` pixels of the region ``[left, right) x [top, bottom)`` (absolute image coordinates): a
+    uint8 array ``(bottom - top, right - left)`` of ``ZOOM_TEXTURE_GREY +- amplitude``, the sign from
+    :data:`ZOOM_TEXTURES`, the amplitude 127 inside and rising from about 0 at the region's edge over ``ramp``
+    pixels (a raised cosine; the smaller of the two axes' ramps). The ramp keeps the downscaled image the same for
+    every texture near the region's edges too: a hard edge would cut a texture's stripes differently under the
+    resampling kernel (a difference of up to 28 grey levels at the edge pixels; tests/agents/test_zoom.py)."""
+    import numpy as np
+
+    def ramp_1d(size: int) -> Any:
+        index = np.arange(size)
+        distance = np.minimum(index, size - 1 - index)
+        return 0.5 - 0.5 * np.cos(np.pi * np.clip((distance + 0.5) / ramp, 0.0, 1.0))
+
+    ys, xs = np.mgrid[top:bottom, left:right]
+    sign = 2 * ZOOM_TEXTURES[name](xs, ys) - 1
+    amplitude = np.round(127 * np.minimum(ramp_1d(bottom - top)[:, None], ramp_1d(right - left)[None, :]))
+    return (ZOOM_TEXTURE_GREY + amplitude * sign).astype(np.uint8)
+
+
+def zoom_texture_item(rng: random.Random, image_size: int, texture: str | None = None) -> dict[str, Any]:
+    """A ``zoom_texture`` item (see :func:`zoom_texture`); ``texture``: draw this one instead of the drawn one, the
+    layout unchanged (the same ``rng`` state gives the same layout with each texture: the tests compare them)."""
+    import numpy as np
+    from PIL import Image
+
+    unit = ZOOM_SCALE * image_size // ZOOM_GRID // 28  # 4 pixels at the default size: the downscale factor
+    cell = 28 * unit
+    inset = [2 * unit + unit * rng.randrange(4) for _ in range(4)]  # left, top, right, bottom: 8-20 pixels in
+    region = (inset[0], inset[1], cell - inset[2], cell - inset[3])
+    outline = (region[0] - 3 * unit // 2, region[1] - 3 * unit // 2, region[2] + 3 * unit // 2 - 1,
+               region[3] + 3 * unit // 2 - 1)
+    image, _, side, x0, y0 = _zoom_canvas(rng, image_size, box=outline)
+    value = rng.choice(sorted(ZOOM_TEXTURES))
+    value = value if texture is None else texture
+    pixels = np.array(image)
+    left, top, right, bottom = x0 + region[0], y0 + region[1], x0 + region[2], y0 + region[3]
+    pixels[top:bottom, left:right] = texture_patch(value, left, top, right, bottom, ramp=4 * unit)[..., None]
+    image = Image.fromarray(pixels)
+    bbox = [x0, y0, x0 + cell, y0 + cell]
+    return _zoom_row(image, side, bbox, value, "texture", what="fills",
+                     where=f" The red box is in the cell [{bbox[0]}, {bbox[1]}, {bbox[2]}, {bbox[3]}].",
+                     suffix=_texture_choices())
+
+
+def _texture_choices() -> str:
+    return f" Answer with one of: {', '.join(ZOOM_TEXTURES)}."
+
+
+@register_task("zoom_texture")
+def zoom_texture(rng: random.Random, difficulty: int, image_size: int) -> dict[str, Any]:
+    """``zoom``'s image, grid and red box (the question names the box's cell, as ``zoom_digit_at``'s does), the box
+    filled with one of four black-and-white textures (:data:`ZOOM_TEXTURES`); answer: its name (chance 0.25).
+    Difficulty does not change it.
+
+    The textures differ in 1- and 2-pixel structure only and average to the same grey: the tiny VLM sees the
+    448 x 448 image at 112 x 112 (a 4x bicubic downscale with antialiasing, in both the torchvision and the PIL
+    backends of the Qwen2-VL image processor), where every texture becomes the same grey; the texture's contrast
+    ramps up from its region's edge (:func:`texture_patch`) so the edges do not tell it either (the processed
+    images of the four textures of one layout differ by at most one grey level, tests/agents/test_zoom.py). The
+    texture's phase is fixed by absolute image coordinates and the cells start at multiples of 4, so the crop
+    (the box's 112 x 112 cell, seen 1:1) shows the same stripes in every item. The region's sides are 8-20
+    pixels in from the cell's (in steps of 4 at the default size, drawn independently), the red box 6 pixels around it."""
+    return zoom_texture_item(rng, image_size)
+
+
+@register_task("zoom_texture_read")
+def zoom_texture_read(rng: random.Random, difficulty: int, image_size: int) -> dict[str, Any]:
+    """The reading part of ``zoom_texture`` alone (as :func:`zoom_digit_read` for digits): the image IS the crop the
+    zoom call returns, the answer its texture, the trace the final message of a zoom trace. A reading probe."""
+    return _reading_row(zoom_texture_item(rng, image_size), noun="texture", what="fills",
+                        suffix=_texture_choices())
 
 
 _FIRST_NAMES = ("Ada", "Bram", "Cleo", "Dario", "Edda", "Femi", "Gus", "Hana", "Ivo", "Juno", "Kai", "Lena")
