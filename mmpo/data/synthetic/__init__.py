@@ -35,8 +35,10 @@ TEXT_TEACHER_TASKS: tuple[str, ...] = ("inventory",)
 evidence (mmpo.data.synthetic.text_tasks, mmpo.data.demonstrations; docs/llm.md)."""
 
 AGENT_TASKS: tuple[str, ...] = ("calc", "zoom", "zoom_digit", "zoom_digit_at", "zoom_digit_read", "zoom_digit_box",
-                                "zoom_digit_box_read", "twohop", "codebook", "codebook_pair")
-"""Tasks where a tool must help (mmpo.data.synthetic.agent_tasks; docs/agents.md)."""
+                                "zoom_digit_box_read", "zoom_texture", "zoom_texture_read", "twohop", "codebook",
+                                "codebook_pair")
+"""Tasks where a tool must help (mmpo.data.synthetic.agent_tasks; docs/agents.md). The tiny VLM's default tokenizer
+corpus leaves them out (mmpo.vlm.factory.default_corpus): a task added here keeps every tiny-VLM golden run."""
 
 TESTBED_TASKS: tuple[str, ...] = ("strategy_mix",)
 """Text tasks built for one method's testbed (strategy_mix: TAPO, mmpo.data.synthetic.strategy_tasks)."""
