@@ -1,0 +1,12 @@
+#!/bin/bash
+# pre-registered replication, one fresh seed S: start built as seeds 2-4 (perseed2.sh), start rule, GRPO 100 steps lr 1e-4, test eval (200 items)
+S=$1; D=runs/tex/s$S
+export OMP_NUM_THREADS=1 PYTHONPATH=.  # run from the repository root, the venv's python and mmpo on PATH; the scripts copied into runs/
+echo "start $(date -u +%H:%M:%S)"
+bash runs/perseed2.sh $S || { echo "perseed2 failed $(date -u +%H:%M:%S)"; exit 1; }
+echo "sft done $(date -u +%H:%M:%S)"
+START=$(python runs/pick_start.py $S) || { echo "no start for seed $S"; exit 0; }
+echo "start checkpoint $START"
+rm -rf runs/tex/starts/s$S; cp -r $START runs/tex/starts/s$S
+nice -n 5 python bench/bench_agents.py run --task zoom_texture --seeds $S --sft-start 'runs/tex/starts/s{seed}' --rl-steps 100 --rl-lr 1e-4 --algos grpo --eval-size 200 --out runs/test_fresh_grpo100 || { echo "bench failed $(date -u +%H:%M:%S)"; exit 1; }
+echo "done $(date -u +%H:%M:%S)"
