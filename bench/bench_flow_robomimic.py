@@ -99,6 +99,12 @@ EVALUATION_MODES = {
 }
 
 
+def evaluation_modes(name: str) -> dict[str, str]:
+    """What each evaluation in the record of ``name`` (a BC family or a method) samples: its BC family's entries, then
+    its own."""
+    return {**EVALUATION_MODES[FAMILY.get(name, name)], **EVALUATION_MODES.get(name, {})}
+
+
 def parse_args(argv: list[str] | None = None):
     parser = build_parser(__doc__.split("\n\n")[0])
     parser.set_defaults(out_dir="runs/bench_flow_lift", eval_episodes=100, num_envs=4, sync_envs=False)
@@ -310,7 +316,7 @@ def run_bc(family: str, seed: int, args, demos: Path, out_dir: Path) -> dict:
     path = bc_path(out_dir, family, seed)
     record = {"seed": seed, "family": family, "task": args.task, "status": "bc", "started": vs.utc_now(),
               "commit": vs.code_commit(), "demos": str(demos), "args": vars(args),
-              "evaluation_modes": EVALUATION_MODES[family]}
+              "evaluation_modes": evaluation_modes(family)}
     atomic_write_json(path, record)
     if args.bc_from:
         ckpt, seconds, source = reused_bc(family, seed, args)
@@ -389,7 +395,7 @@ def run_method(method: str, seed: int, args, out_dir: Path) -> dict:
               "rl_settings": settings_record(settings), "bc": {"record": str(bc_path(out_dir, FAMILY[method], seed)),
                                                                "ckpt": bc["bc_ckpt"], "commit": bc["commit"]},
               "before": bc["before"], "before_episodes": bc["before_episodes"], "bc_seconds": bc["bc_seconds"],
-              "evaluation_modes": {**EVALUATION_MODES[FAMILY[method]], **EVALUATION_MODES[method]}, "curve": []}
+              "evaluation_modes": evaluation_modes(method), "curve": []}
     if method in STOCHASTIC and "before_stochastic" in bc:
         record.update(before_stochastic=bc["before_stochastic"],
                       before_stochastic_episodes=bc["before_stochastic_episodes"])
@@ -476,7 +482,7 @@ def add_stochastic(args, out_dir: Path) -> int:
             if record.get("status") != "done" or (f"{when}_stochastic" in record and "before_stochastic" in record):
                 continue
             pending = True
-            bc = json.loads(bc_path(out_dir, "flow", seed).read_text())
+            bc = record if name == "flow" else json.loads(bc_path(out_dir, "flow", seed).read_text())
             if when == "after" and "before_stochastic" not in bc:
                 continue  # the BC's comes first: DSRL's record pairs with it
             if not same_evaluation(record["args"], vars(args)):
@@ -496,7 +502,7 @@ def add_stochastic(args, out_dir: Path) -> int:
                 if when == "after":
                     record.update(before_stochastic=bc["before_stochastic"],
                                   before_stochastic_episodes=bc["before_stochastic_episodes"])
-                record["evaluation_modes"] = {**EVALUATION_MODES["flow"], **EVALUATION_MODES.get(name, {})}
+                record["evaluation_modes"] = evaluation_modes(name)
                 record.setdefault("stochastic_added", {"commit": vs.code_commit(), "at": vs.utc_now()})
                 atomic_write_json(path, record)
                 ran = True
